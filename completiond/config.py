@@ -1,0 +1,189 @@
+"""The one typed, fully defaulted settings object.
+
+Every setting the server understands is declared once in SETTINGS. The editor
+plugins (VS Code `contributes.configuration`, the Neovim defaults table) and the
+README table are checked against / generated from this list, so a setting is
+added here first. Editors send the `completiond` section with camelCase keys;
+Python code reads the snake_case attributes of `Config`.
+
+Layering (later wins): defaults < config.toml < initializationOptions <
+workspace/configuration. Invalid values are reported and replaced by the
+default; they never raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # camelCase, as editors send it
+    type: type
+    default: Any
+    description: str
+    enum: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+
+    @property
+    def attr(self) -> str:
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", self.key).lower()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("enable", bool, True, "Show inline completions."),
+    Setting("model", str, "", "Model: a local directory or a Hugging Face hub id. Empty means the bundled default model."),
+    Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps")),
+    Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16")),
+    Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load)."),
+    Setting("maxTokens", int, 64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024),
+    Setting("temperature", float, 0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0),
+    Setting("topP", float, 1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0),
+    Setting("topK", int, 0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000),
+    Setting("seed", int, 0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1),
+    Setting("speculation", bool, True, "Self-speculative decoding (lossless: same output distribution, faster)."),
+    Setting("exitLayer", int, 0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024),
+    Setting("draftTokens", int, 0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32),
+    Setting("draftThreshold", float, 0.0, "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.", minimum=0.0, maximum=1.0),
+    Setting("multiline", str, "auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never")),
+    Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200),
+    Setting("fimTemplate", str, "auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
+            enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")),
+    Setting("prefixTokens", int, 1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768),
+    Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768),
+    Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language."),
+    Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768),
+    Setting("cacheMegabytes", int, 0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20),
+    Setting("idleTimeout", int, 900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600),
+    Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug")),
+)
+
+SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+def _config_fields():
+    return [(s.attr, s.type, field(default=s.default)) for s in SETTINGS]
+
+
+Config = dataclasses.make_dataclass("Config", _config_fields(), frozen=True)
+Config.__doc__ = "All completiond settings, each with its default (see SETTINGS)."
+
+
+def _coerce(setting: Setting, value: Any) -> Any:
+    """Return the value converted to the setting's type, or raise ValueError with the reason."""
+    t = setting.type
+    if t is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true or false, got {value!r}")
+    if t is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected an integer, got {value!r}")
+        value = int(value)
+    elif t is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        value = float(value)
+        if value != value:  # NaN
+            raise ValueError("expected a number, got NaN")
+    elif t is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+    if setting.enum is not None and value not in setting.enum:
+        raise ValueError(f"expected one of {', '.join(setting.enum)}, got {value!r}")
+    if setting.minimum is not None and value < setting.minimum:
+        raise ValueError(f"must be >= {setting.minimum}, got {value!r}")
+    if setting.maximum is not None and value > setting.maximum:
+        raise ValueError(f"must be <= {setting.maximum}, got {value!r}")
+    return value
+
+
+def merge(base: Any, overrides: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+    """Apply camelCase overrides to a Config. Returns (config, errors).
+
+    Unknown keys and invalid values are reported in errors and ignored, so the
+    result is always a valid Config. A value of None means "leave as is".
+    """
+    errors: list[str] = []
+    if overrides is None:
+        return base, errors
+    if not isinstance(overrides, Mapping):
+        return base, [f"completiond settings must be an object, got {type(overrides).__name__}"]
+    changes = {}
+    for key, value in overrides.items():
+        setting = SETTINGS_BY_KEY.get(key) if isinstance(key, str) else None
+        if setting is None:
+            errors.append(f"completiond.{key}: unknown setting (ignored)")
+            continue
+        if value is None:
+            continue
+        try:
+            changes[setting.attr] = _coerce(setting, value)
+        except ValueError as exc:
+            errors.append(f"completiond.{key}: {exc}; using {getattr(base, setting.attr)!r}")
+    return dataclasses.replace(base, **changes), errors
+
+
+def defaults() -> Any:
+    return Config()
+
+
+def config_file_path() -> Path:
+    root = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(root) / "completiond" / "config.toml"
+
+
+def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str]]:
+    """Read config.toml (top-level camelCase keys, or a [completiond] table).
+
+    A missing file is not an error; an unreadable or malformed one is reported
+    and the base config is kept.
+    """
+    path = path or config_file_path()
+    base = base if base is not None else Config()
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return base, []
+    except OSError as exc:
+        return base, [f"{path}: cannot read config file: {exc}"]
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        return base, [f"{path}: invalid TOML: {exc}"]
+    if isinstance(data.get("completiond"), dict):
+        data = data["completiond"]
+    cfg, errors = merge(base, data)
+    return cfg, [f"{path}: {e}" for e in errors]
+
+
+def to_settings(cfg: Any) -> dict[str, Any]:
+    """camelCase dict of a Config, as editors send it."""
+    return {s.key: getattr(cfg, s.attr) for s in SETTINGS}
+
+
+def schema() -> list[dict[str, Any]]:
+    """Machine-readable SETTINGS for the editor plugins and the README table."""
+    out = []
+    for s in SETTINGS:
+        item: dict[str, Any] = {
+            "key": s.key,
+            "type": {bool: "boolean", int: "integer", float: "number", str: "string"}[s.type],
+            "default": s.default,
+            "description": s.description,
+        }
+        if s.enum is not None:
+            item["enum"] = list(s.enum)
+        if s.minimum is not None:
+            item["minimum"] = s.minimum
+        if s.maximum is not None:
+            item["maximum"] = s.maximum
+        out.append(item)
+    return out
