@@ -1,0 +1,84 @@
+"""Per-model speculation settings (exit layer E, K, draft threshold), measured by `completiond calibrate`.
+
+Records live in the user's cache directory keyed by the model's identity and
+are never written into the model. A model directory may ship a default in its
+`completiond.json` under "speculation" (the bundled model does); a user
+record wins over it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Calibration:
+    speculative: bool
+    exit_layer: int
+    draft_k: int
+    threshold: float = 0.0
+    source: str = "heuristic"
+    measured: dict = field(default_factory=dict)
+
+    @classmethod
+    def heuristic(cls, num_layers: int) -> "Calibration":
+        # Uncalibrated: a quarter of the depth drafts cheaply. Ordinary models
+        # may draft badly from there; `completiond calibrate` finds out.
+        return cls(speculative=num_layers >= 2, exit_layer=max(1, num_layers // 4), draft_k=4)
+
+    @classmethod
+    def from_dict(cls, data: dict, num_layers: int, source: str) -> "Calibration":
+        cal = cls(
+            speculative=bool(data["speculative"]),
+            exit_layer=int(data["exit_layer"]),
+            draft_k=int(data["draft_k"]),
+            threshold=float(data.get("threshold", 0.0)),
+            source=source,
+            measured=dict(data.get("measured", {})),
+        )
+        if not 1 <= cal.exit_layer < num_layers or not 1 <= cal.draft_k <= 32 or not 0 <= cal.threshold <= 1:
+            raise ValueError(f"calibration out of range for a {num_layers}-layer model: {data}")
+        return cal
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "completiond" / "calibration"
+
+
+def record_path(model_id: str) -> Path:
+    return cache_dir() / f"{model_id}.json"
+
+
+def load_calibration(model_id: str, model_dir: Path | None, num_layers: int) -> Calibration:
+    candidates = [(record_path(model_id), None, "user calibration")]
+    if model_dir is not None:
+        candidates.append((model_dir / "completiond.json", "speculation", "model default"))
+    for path, key, source in candidates:
+        try:
+            data = json.loads(path.read_text())
+            if key is not None:
+                data = data[key]
+            return Calibration.from_dict(data, num_layers, f"{source} ({path})")
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # A damaged record must not stop the model from loading.
+            import logging
+
+            logging.getLogger(__name__).warning("ignoring calibration %s: %s", path, exc)
+    return Calibration.heuristic(num_layers)
+
+
+def save_calibration(model_id: str, cal: Calibration) -> Path:
+    path = record_path(model_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    data = asdict(cal)
+    data.pop("source")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,502 @@
+"""The generation engine: token ids in, token ids out.
+
+Self-speculative decoding by early exit (LayerSkip): the draft is layers [0, E)
+plus the final norm and the shared LM head. The draft writes the KV of layers
+< E as it goes and keeps its exit-layer hidden states; the verifier runs layers
+[0, E) only on the last draft token (which the draft never fed), then layers
+[E, L) on all K+1 exit states at once. Everything after the accepted prefix is
+dropped by moving the sequence's valid length back: the scratch slots are
+rewritten before they are read again.
+
+Sequence invariant: `seq` holds the KV of every committed token except the
+last one, `pending`, which is the next model input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from completiond import sampling
+from completiond.calibration import Calibration, load_calibration
+from completiond.draft import Draft, EarlyExitDraft
+from completiond.kvcache import KVSequence, PrefixCache
+from models.adapters import Adapter, UnsupportedModel, adapter_for
+
+PREFILL_CHUNK = 256
+
+
+class EngineError(Exception):
+    """A request or model the engine refuses, with a message meant for the user."""
+
+
+class CancelToken:
+    """Set from any thread; the engine checks it before each round and prefill chunk."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    speculative: bool = True
+    exit_layer: int | None = None  # None: calibrated
+    draft_k: int | None = None  # None: calibrated; the most drafted per round
+    draft_threshold: float | None = None  # None: calibrated
+    adaptive_k: bool = True
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated_tokens: int = 0
+    exit_layer: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        """Tokens committed per round (accepted drafts plus the target's own token)."""
+        return self.generated_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.generated_tokens / self.decode_ms if self.decode_ms > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(alpha=self.alpha, mean_accepted_per_round=self.mean_accepted_per_round, tokens_per_s=self.tokens_per_s)
+        return d
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
+    stats: Stats = field(default_factory=Stats)
+
+
+StopFn = Callable[[list[int]], "int | None"]
+ConstraintFn = Callable[[list[int]], "torch.Tensor | None"]
+
+
+def pick_device(device: str = "auto") -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}[dtype]
+    except KeyError:
+        raise EngineError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def check_weights(path: Path) -> None:
+    """Refuse a local model directory without safetensors weights."""
+    if not path.is_dir():
+        raise EngineError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise EngineError(f"{path} is not a transformers model directory: config.json is missing")
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt", ".pkl"})
+    if pickles:
+        raise EngineError(
+            f"refusing to load {path}: it has only pickle weights ({', '.join(pickles)}), which can run "
+            "arbitrary code when loaded. Convert them to safetensors first."
+        )
+    raise EngineError(f"no *.safetensors weights in {path}")
+
+
+def model_identity(path: Path | str) -> str:
+    """A stable id for calibration records: config plus the weight files' names, sizes and headers."""
+    h = hashlib.sha256()
+    p = Path(path)
+    if p.is_dir():
+        h.update((p / "config.json").read_bytes())
+        for w in sorted(p.glob("*.safetensors")):
+            h.update(w.name.encode())
+            h.update(str(w.stat().st_size).encode())
+            with w.open("rb") as f:
+                h.update(f.read(65536))
+    else:
+        h.update(str(path).encode())
+    return h.hexdigest()[:16]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, model_id: str, device: str, cache_bytes: int | None = None,
+                 calibration: Calibration | None = None, name: str = ""):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.name = name or model_id
+        self.device = device
+        self.adapter: Adapter = adapter_for(model)
+        self.num_layers = self.adapter.num_layers
+        self.dtype = next(model.parameters()).dtype
+        self.calibration = calibration or Calibration.heuristic(self.num_layers)
+        cfg = model.config
+        window = self.adapter.sliding_window or 1 << 30
+        self.max_context = int(min(getattr(cfg, "max_position_embeddings", 4096), window))
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        if cache_bytes is None:
+            cache_bytes = (512 if device == "cpu" else 4096) << 20
+        self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
+        self._rope_cos: torch.Tensor | None = None
+        self._rope_sin: torch.Tensor | None = None
+        self._vocab = cfg.vocab_size
+        # Running estimates that choose K each round (see choose_k).
+        self._alpha = {}  # exit layer -> EMA of per-token acceptance
+        self._draft_ms = {}  # exit layer -> EMA of one draft step
+        self._verify_ms = {}  # exit layer -> EMA of one verify pass
+        self._plain_ms = None
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
+             trust_remote_code: bool = False, cache_bytes: int | None = None) -> "Engine":
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        if not model:
+            from models import default_model_dir
+
+            model = default_model_dir()
+        device = pick_device(device)
+        torch_dtype = pick_dtype(dtype, device)
+        local = Path(model).expanduser()
+        is_local = local.exists() or str(model).startswith((".", "/", "~"))
+        source = str(local) if is_local else str(model)
+        if is_local:
+            check_weights(local)
+        try:
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
+                                                      trust_remote_code=trust_remote_code)
+        except OSError as exc:
+            where = "directory" if is_local else "hub id (needs a network connection or a local cache)"
+            raise EngineError(f"cannot load model {model!r} as a {where}: {exc}") from exc
+        except ValueError as exc:
+            raise EngineError(f"cannot load model {model!r}: {exc}") from exc
+        hf.to(device).eval()
+        model_id = model_identity(local if is_local else source)
+        try:
+            return cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
+                       calibration=load_calibration(model_id, local if is_local else None, hf.config.num_hidden_layers),
+                       name=str(model))
+        except UnsupportedModel as exc:
+            raise EngineError(f"cannot use model {model!r}: {exc}") from exc
+
+    def _on_evict(self, seq: KVSequence) -> None:
+        del seq.k, seq.v
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------- forward
+    def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [start, start+length), each [1, 1, length, head_dim]."""
+        end = start + length
+        if self._rope_cos is None or self._rope_cos.shape[2] < end:
+            size = max(1024, 1 << (end - 1).bit_length())
+            pos = torch.arange(size, device=self.device)[None]  # [1, size]
+            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.adapter.rotary(dummy, pos)  # each [1, size, head_dim]
+            self._rope_cos, self._rope_sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
+        return self._rope_cos[:, :, start:end], self._rope_sin[:, :, start:end]
+
+    def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence) -> torch.Tensor:
+        """Layers [first, last) on hidden states h [1, t, d] at positions [pos, pos+t).
+
+        Writes those positions' K/V into seq for these layers and attends over [0, pos+t).
+        """
+        a = self.adapter
+        t = h.shape[1]
+        cos, sin = self._rope(pos, t)
+        mask = None
+        if t > 1:
+            # Query i sits at absolute position pos+i and sees keys 0..pos+i.
+            mask = torch.ones(t, pos + t, dtype=torch.bool, device=h.device).tril(diagonal=pos)  # [t, pos+t]
+        for li in range(first, last):
+            layer = a.layers[li]
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(1, t, a.num_heads, a.head_dim).transpose(1, 2)  # [1, H, t, hd]
+            k = attn.k_proj(x).view(1, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [1, KV, t, hd]
+            v = attn.v_proj(x).view(1, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [1, KV, t, hd]
+            if a.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            seq.k[li, :, pos : pos + t] = k[0]
+            seq.v[li, :, pos : pos + t] = v[0]
+            keys = seq.k[li : li + 1, :, : pos + t]  # [1, KV, pos+t, hd]
+            values = seq.v[li : li + 1, :, : pos + t]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
+                                               enable_gqa=a.num_heads != a.num_kv_heads)  # [1, H, t, hd]
+            o = o.transpose(1, 2).reshape(1, t, a.num_heads * a.head_dim)  # [1, t, H*hd]
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
+        return self.adapter.lm_head(self.adapter.norm(h))[0].float()
+
+    def embed(self, tokens: Sequence[int], ) -> torch.Tensor:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, t]
+        return self.adapter.embed(ids)  # [1, t, d]
+
+    def new_sequence(self, capacity: int) -> KVSequence:
+        a = self.adapter
+        return KVSequence(self.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, capacity)
+
+    def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None) -> bool:
+        """Feed tokens through every layer in chunks; False if cancelled between chunks."""
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            if cancel is not None and cancel.cancelled:
+                return False
+            chunk = list(tokens[i : i + PREFILL_CHUNK])
+            self.run_layers(self.embed(chunk), 0, self.num_layers, seq.length, seq)
+            seq.commit(chunk)
+        return True
+
+    @torch.inference_mode()
+    def logits_for(self, prompt: Sequence[int], use_cache: bool = True) -> torch.Tensor:
+        """Next-token logits [V] after prompt (test and calibration helper)."""
+        prompt = list(prompt)
+        if use_cache:
+            seq, reused = self.cache.acquire(prompt, self.new_sequence)
+        else:
+            seq, reused = self.new_sequence(len(prompt)), 0
+        try:
+            seq.ensure_capacity(len(prompt) + 1)
+            self.prefill(seq, prompt[reused:-1], None)
+            h = self.run_layers(self.embed(prompt[-1:]), 0, self.num_layers, seq.length, seq)
+            seq.commit(prompt[-1:])
+            return self.head(h)[-1]
+        finally:
+            if use_cache:
+                self.cache.release(seq)
+
+    # ---------------------------------------------------------------- decoding
+    def plain_step(self, seq: KVSequence, pending: int, gen_tokens: list[int], warp: sampling.Warp,
+                   rng: torch.Generator, constraint: ConstraintFn | None) -> int:
+        h = self.run_layers(self.embed([pending]), 0, self.num_layers, seq.length, seq)
+        seq.commit([pending])
+        logits = sampling.mask_logits(self.head(h)[-1], _mask(constraint, gen_tokens))
+        if warp.greedy:
+            return int(torch.argmax(logits))
+        return sampling.sample(sampling.probs(logits[None], warp)[0], rng)
+
+    def speculative_round(self, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, k_max: int,
+                          threshold: float, warp: sampling.Warp, rng: torch.Generator,
+                          constraint: ConstraintFn | None, stats: Stats) -> list[int]:
+        """One draft + verify + accept round. Returns the tokens it commits (accepted drafts + one more)."""
+        t0 = time.perf_counter()
+        proposal = draft.propose(seq, pending, gen_tokens, k_max, threshold, warp, rng, constraint)
+        t1 = time.perf_counter()
+        k = len(proposal.tokens)
+        exit_states = proposal.exit_states  # [1, k+1, d]: pending and each draft token at layer E
+        if exit_states.shape[1] < k + 1:
+            # The last draft token was never fed to the draft: its layers < E run here, once.
+            h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, draft.exit_layer, seq.length + k, seq)
+            exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
+        h = self.run_layers(exit_states, draft.exit_layer, self.num_layers, seq.length, seq)
+        logits = self.head(h)  # [k+1, V]
+        masks = proposal.masks + [_mask(constraint, gen_tokens + proposal.tokens)]
+        if any(m is not None for m in masks):
+            logits = torch.stack([sampling.mask_logits(logits[i], masks[i]) for i in range(k + 1)])
+        if warp.greedy:
+            m, nxt = sampling.accept_greedy(proposal.tokens, torch.argmax(logits, dim=-1).tolist())
+        else:
+            m, nxt = sampling.accept_sampled(proposal.tokens, proposal.probs, sampling.probs(logits, warp), rng)
+        seq.commit([pending] + proposal.tokens[:m])
+        t2 = time.perf_counter()
+        stats.rounds += 1
+        stats.drafted += k
+        stats.accepted += m
+        stats.draft_ms += 1000 * (t1 - t0)
+        stats.verify_ms += 1000 * (t2 - t1)
+        self._observe(draft.exit_layer, k, m, 1000 * (t1 - t0), 1000 * (t2 - t1))
+        return proposal.tokens[:m] + [nxt]
+
+    def _observe(self, exit_layer: int, k: int, m: int, draft_ms: float, verify_ms: float) -> None:
+        if k == 0:
+            return
+        beta = 0.2
+        a = self._alpha.get(exit_layer, 0.7)
+        self._alpha[exit_layer] = (1 - beta) * a + beta * (m / k)
+        self._draft_ms[exit_layer] = (1 - beta) * self._draft_ms.get(exit_layer, draft_ms / k) + beta * draft_ms / k
+        self._verify_ms[exit_layer] = (1 - beta) * self._verify_ms.get(exit_layer, verify_ms) + beta * verify_ms
+
+    def choose_k(self, exit_layer: int, k_max: int) -> int:
+        """The K that maximises expected tokens per millisecond under the running estimates.
+
+        Expected tokens for K drafts at acceptance α: (1 - α^(K+1)) / (1 - α); a round costs
+        K draft steps plus one verify pass.
+        """
+        if exit_layer not in self._alpha:
+            return k_max
+        a = min(self._alpha[exit_layer], 0.999)
+        d, v = self._draft_ms[exit_layer], self._verify_ms[exit_layer]
+        best, best_rate = 1, 0.0
+        for k in range(1, k_max + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / (k * d + v)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                 cancel: CancelToken | None = None, on_round: Callable[[list[int]], None] | None = None,
+                 stop: StopFn | None = None, constraint: ConstraintFn | None = None) -> Generation:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, params)
+        stats = Stats(prompt_tokens=len(prompt))
+        warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
+        rng = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        spec, exit_layer, k_max, threshold = self._speculation(params)
+        stats.exit_layer = exit_layer if spec else self.num_layers
+        draft = EarlyExitDraft(self, exit_layer) if spec else None
+
+        t0 = time.perf_counter()
+        seq, reused = self.cache.acquire(prompt, self.new_sequence)
+        stats.reused_tokens = reused
+        out: list[int] = []
+        finish = "length"
+        try:
+            seq.ensure_capacity(len(prompt) + params.max_tokens + k_max + 2)
+            if not self.prefill(seq, prompt[reused:-1], cancel):
+                finish = "cancelled"
+            t1 = time.perf_counter()
+            stats.prefill_ms = 1000 * (t1 - t0)
+            pending = prompt[-1]
+            while finish == "length" and len(out) < params.max_tokens:
+                if cancel is not None and cancel.cancelled:
+                    finish = "cancelled"
+                    break
+                if spec:
+                    k = self.choose_k(exit_layer, k_max) if params.adaptive_k else k_max
+                    k = min(k, params.max_tokens - len(out) - 1)
+                if spec and k > 0:
+                    new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint, stats)
+                else:
+                    new = [self.plain_step(seq, pending, out, warp, rng, constraint)]
+                    stats.rounds += 1
+                pending = new[-1]
+                for tok in new:
+                    if tok in self.eos_token_ids:
+                        finish = "eos"
+                        break
+                    out.append(tok)
+                    if len(out) >= params.max_tokens:
+                        break
+                if stop is not None:
+                    keep = stop(out)
+                    if keep is not None:
+                        del out[keep:]
+                        finish = "stop"
+                if on_round is not None:
+                    on_round(list(out))
+            stats.decode_ms = 1000 * (time.perf_counter() - t1)
+        finally:
+            self.cache.release(seq)
+        stats.generated_tokens = len(out)
+        return Generation(out, finish, stats)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise EngineError("empty prompt")
+        if params.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise EngineError(f"prompt of {len(prompt)} tokens plus {params.max_tokens} new tokens exceeds the "
+                              f"model's context of {self.max_context} tokens")
+        if min(prompt) < 0 or max(prompt) >= self._vocab:
+            raise EngineError(f"prompt has token ids outside the vocabulary [0, {self._vocab})")
+        if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
+            raise EngineError(f"invalid sampling parameters: temperature={params.temperature}, "
+                              f"top_p={params.top_p}, top_k={params.top_k}")
+
+    def _speculation(self, params: SamplingParams) -> tuple[bool, int, int, float]:
+        cal = self.calibration
+        spec = params.speculative and (cal.speculative or params.exit_layer is not None)
+        exit_layer = params.exit_layer or cal.exit_layer
+        if not 1 <= exit_layer < self.num_layers:
+            raise EngineError(f"exit layer must be in 1..{self.num_layers - 1} for this {self.num_layers}-layer model, "
+                              f"got {exit_layer}")
+        k_max = params.draft_k or cal.draft_k
+        threshold = cal.threshold if params.draft_threshold is None else params.draft_threshold
+        return spec, exit_layer, max(1, k_max), threshold
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _mask(constraint: ConstraintFn | None, tokens: list[int]) -> torch.Tensor | None:
+    return None if constraint is None else constraint(tokens)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    # FIM-trained models end the middle with one of these.
+    for name in ("<|endoftext|>", "<|fim_pad|>", "<EOT>", "▁<EOT>", "<｜end▁of▁sentence｜>", "<|file_sep|>", "<file_sep>"):
+        tid = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return ids

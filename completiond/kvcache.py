@@ -1,0 +1,154 @@
+"""Prefix KV cache shared across requests.
+
+A `KVSequence` is one token sequence with the keys and values of every layer
+for each of its tokens. The `PrefixCache` holds sequences that are not in use,
+within a byte budget, and hands out the one sharing the longest prefix with a
+new prompt (any cached sequence, so switching files and back still hits).
+Least recently used sequences are evicted first; `on_evict` is told, so a GPU
+caller can return memory to the allocator.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import numpy as np
+import torch
+
+# Growing a sequence's tensors copies them, so capacity grows in steps.
+_CAPACITY_STEP = 256
+
+
+class KVSequence:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 capacity: int = _CAPACITY_STEP):
+        capacity = _round_up(max(capacity, 1))
+        # [layers, kv_heads, capacity, head_dim]; slots past len(tokens) are scratch space
+        # that a round may write ahead into before it knows what is accepted.
+        self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.tokens = np.empty(capacity, dtype=np.int64)
+        self.length = 0  # tokens whose KV is valid in every layer
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
+
+    def token_list(self) -> list[int]:
+        return self.tokens[: self.length].tolist()
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new = _round_up(max(needed, 2 * self.capacity))
+        k = torch.empty(*self.k.shape[:2], new, self.k.shape[3], dtype=self.k.dtype, device=self.k.device)
+        v = torch.empty_like(k)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        tokens = np.empty(new, dtype=np.int64)
+        tokens[: self.length] = self.tokens[: self.length]
+        self.k, self.v, self.tokens = k, v, tokens
+
+    def commit(self, tokens: list[int]) -> None:
+        """Mark the next len(tokens) slots (already written in every layer) as valid."""
+        n = len(tokens)
+        self.tokens[self.length : self.length + n] = tokens
+        self.length += n
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, max(0, length))
+
+    def copy_prefix(self, length: int, extra_capacity: int = 0) -> "KVSequence":
+        out = KVSequence(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device,
+                         capacity=length + extra_capacity)
+        out.k[:, :, :length] = self.k[:, :, :length]
+        out.v[:, :, :length] = self.v[:, :, :length]
+        out.tokens[:length] = self.tokens[:length]
+        out.length = length
+        return out
+
+    def common_prefix(self, prompt: np.ndarray) -> int:
+        m = min(self.length, len(prompt))
+        if m == 0:
+            return 0
+        diff = np.flatnonzero(self.tokens[:m] != prompt[:m])
+        return int(diff[0]) if len(diff) else m
+
+
+class PrefixCache:
+    """Sequences not in use, most recently used last."""
+
+    def __init__(self, budget_bytes: int, on_evict: Callable[[KVSequence], None] | None = None,
+                 branch_threshold: int = 128):
+        self.budget_bytes = budget_bytes
+        self.on_evict = on_evict
+        # Reusing a sequence in place throws away its tail past the common
+        # prefix. A short tail (a previous suggestion, a retyped word) is cheap
+        # to lose; a long one (another file's body) is worth a copy of the prefix.
+        self.branch_threshold = branch_threshold
+        self._entries: OrderedDict[int, KVSequence] = OrderedDict()
+        self.hits = 0
+        self.lookups = 0
+        self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def acquire(self, prompt: list[int] | np.ndarray, factory: Callable[[int], KVSequence]) -> tuple[KVSequence, int]:
+        """Return (sequence, reused): a sequence whose first `reused` tokens equal the prompt's.
+
+        The sequence leaves the cache until `release`. At most len(prompt) - 1 tokens are reused:
+        the last prompt token is always fed to the model so that its logits exist.
+        """
+        prompt = np.asarray(prompt, dtype=np.int64)
+        self.lookups += 1
+        best_key, best = None, 0
+        for key, seq in self._entries.items():
+            n = seq.common_prefix(prompt)
+            if n > best:
+                best_key, best = key, n
+        best = min(best, len(prompt) - 1)
+        if best_key is None or best <= 0:
+            return factory(len(prompt)), 0
+        self.hits += 1
+        seq = self._entries[best_key]
+        if seq.length - best > self.branch_threshold:
+            self._entries.move_to_end(best_key)
+            return seq.copy_prefix(best, extra_capacity=len(prompt) - best), best
+        del self._entries[best_key]
+        seq.crop(best)
+        return seq, best
+
+    def release(self, seq: KVSequence) -> None:
+        if seq.length == 0:
+            return
+        self._entries[id(seq)] = seq
+        self._evict()
+
+    def _evict(self) -> None:
+        total = self.nbytes
+        while total > self.budget_bytes and self._entries:
+            _, seq = self._entries.popitem(last=False)
+            total -= seq.nbytes
+            self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(seq)
+
+    def clear(self) -> None:
+        while self._entries:
+            _, seq = self._entries.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(seq)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _CAPACITY_STEP) * _CAPACITY_STEP
