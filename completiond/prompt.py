@@ -1,0 +1,341 @@
+"""Prompt builder: document text + cursor offset (+ context files) -> prompt ids.
+
+Built for the prefix KV cache. With a suffix-first (SPM) template the prompt
+is `context | FIM start | suffix | FIM middle | prefix chunks | cursor line`,
+so typing at the cursor changes only the last few ids and everything before
+them is served from the cache. To keep that true:
+
+* the prefix is tokenized in pieces that never change while the user types
+  on a line: whole chunks of `chunk_lines` lines aligned to absolute line
+  numbers (multiples of chunk_lines), the lines of the cursor's chunk above
+  the cursor line, and the cursor line up to the cursor, each tokenized
+  separately. Appending a character re-tokenizes only the cursor line.
+* the prefix window starts on a chunk boundary and is chosen with slack for
+  the cursor line (`reserve`), so it does not slide on every keystroke; when
+  the budget runs out it jumps by a whole chunk.
+* only a bounded character window around the cursor is ever tokenized, so
+  a huge document costs no more than a small one.
+
+Offsets are Python string indices (code points); converting editor
+positions (UTF-16 in LSP) is the caller's job.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from completiond.healing import Healing, TokenHealer
+from models.fim import FimTemplate
+
+# Upper bound on characters per token used to size the text windows before
+# tokenizing: code averages 3-4, indentation runs a bit more. Too large only
+# costs tokenizer time; too small would starve the budget.
+CHARS_PER_TOKEN = 6
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 256
+    context_tokens: int = 256
+    chunk_lines: int = 16          # the prefix window starts on a multiple of this line number
+    max_prompt_tokens: int | None = None   # model context minus generation room; None = no extra cap
+    max_document_chars: int = 8 * 1024 * 1024
+    max_line_chars: int = 2000     # longer lines mean minified/generated text: no suggestion there
+    heal: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Any, max_context: int | None = None, **overrides) -> "PromptOptions":
+        """Options from a completiond Config (prefixTokens, suffixTokens, workspaceContext, contextTokens)."""
+        max_prompt = None
+        if max_context:
+            max_prompt = max(16, max_context - int(getattr(cfg, "max_tokens", 64)))
+        kw = dict(
+            prefix_tokens=int(cfg.prefix_tokens),
+            suffix_tokens=int(cfg.suffix_tokens),
+            context_tokens=int(cfg.context_tokens) if getattr(cfg, "workspace_context", True) else 0,
+            max_prompt_tokens=max_prompt,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class Prompt:
+    """Result of `PromptBuilder.build`. If skip_reason is set, ids is empty: show nothing."""
+
+    ids: list[int]
+    skip_reason: str | None = None
+    prefix_ids: list[int] = field(default_factory=list)
+    suffix_ids: list[int] = field(default_factory=list)
+    context_ids: list[int] = field(default_factory=list)
+    healing: Healing | None = None
+    line_prefix: str = ""      # cursor line up to the cursor
+    line_suffix: str = ""      # cursor line after the cursor
+    following: str = ""        # text after the cursor line (bounded), for the stop rules' duplicate checks
+    prefix_start: int = 0      # document offset where the prefix window starts
+    suffix_end: int = 0        # document offset where the suffix window ends
+    cursor_line_tokens: int = 0
+
+    @property
+    def skipped(self) -> bool:
+        return self.skip_reason is not None
+
+    @property
+    def constraint(self):
+        return self.healing.constraint if self.healing is not None else None
+
+
+def skip_reason(text: str, cursor: int, options: PromptOptions) -> str | None:
+    """Why no completion should be attempted here, or None."""
+    if not 0 <= cursor <= len(text):
+        return f"cursor offset {cursor} outside the document (length {len(text)})"
+    if len(text) > options.max_document_chars:
+        return f"document too large ({len(text)} characters > {options.max_document_chars})"
+    lo = max(0, cursor - options.prefix_tokens * CHARS_PER_TOKEN)
+    hi = min(len(text), cursor + options.suffix_tokens * CHARS_PER_TOKEN)
+    if "\x00" in text[lo:hi]:
+        return "binary content near the cursor (NUL characters)"
+    ls = text.rfind("\n", 0, cursor) + 1
+    le = text.find("\n", cursor)
+    le = len(text) if le < 0 else le
+    if le - ls > options.max_line_chars:
+        return f"cursor line is {le - ls} characters long (minified or generated code?)"
+    return None
+
+
+class PromptBuilder:
+    """Builds prompts for one template; keeps a small cache of tokenized pieces.
+
+    One builder per loaded model. Not thread-safe: use it from the daemon's
+    worker thread (like the engine).
+    """
+
+    def __init__(self, template: FimTemplate, options: PromptOptions | None = None,
+                 healer: TokenHealer | None = None, piece_cache_entries: int = 4096):
+        self.template = template
+        self.options = options or PromptOptions()
+        self.healer = healer
+        self._pieces: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
+        self._max_pieces = piece_cache_entries
+        self.tokenized_chars = 0   # characters actually sent to the tokenizer (tests check the bound)
+
+    # -- pieces ----------------------------------------------------------
+    def _encode(self, text: str, first: bool = False) -> list[int]:
+        key = (first, text)
+        hit = self._pieces.get(key)
+        if hit is not None:
+            self._pieces.move_to_end(key)
+            return list(hit)
+        self.tokenized_chars += len(text)
+        ids = tuple(self.template.encode(text, first=first))
+        self._pieces[key] = ids
+        if len(self._pieces) > self._max_pieces:
+            self._pieces.popitem(last=False)
+        return list(ids)
+
+    # -- public ----------------------------------------------------------
+    def build(self, text: str, cursor: int, context: Sequence[tuple[str, str]] = (), path: str | None = None,
+              context_comment: str | None = None, heal: bool | None = None) -> Prompt:
+        """Prompt ids for a completion at `cursor` in `text`.
+
+        context: (path, text) snippets, already chosen and ordered by the
+        workspace (stable order keeps their KV cached). Families with a file
+        separator get them in their repository format; others get them as
+        plain text at the start of the prefix, each file under a
+        `context_comment` path line (e.g. "#"), or not at all if no comment
+        marker is given.
+        heal: override PromptOptions.heal for this request.
+        """
+        opt = self.options
+        reason = skip_reason(text, cursor, opt)
+        if reason is not None:
+            return Prompt(ids=[], skip_reason=reason)
+        tpl = self.template
+        ls = text.rfind("\n", 0, cursor) + 1
+        le = text.find("\n", cursor)
+        le = len(text) if le < 0 else le
+        line_prefix, line_suffix = text[ls:cursor], text[cursor:le]
+
+        prefix_budget, suffix_budget, context_budget = opt.prefix_tokens, opt.suffix_tokens, opt.context_tokens
+        if not tpl.supports_suffix:
+            suffix_budget = 0
+        if opt.max_prompt_tokens is not None:
+            room = opt.max_prompt_tokens - 8  # FIM special tokens and BOS
+            context_budget = min(context_budget, max(0, room // 4))
+            suffix_budget = min(suffix_budget, max(0, (room - context_budget) // 4))
+            prefix_budget = min(prefix_budget, max(1, room - context_budget - suffix_budget))
+
+        # Context first: its token count is known before the prefix is cut.
+        context_ids: list[int] = []
+        context_text = ""
+        if context and context_budget > 0:
+            if tpl.supports_file_context:
+                context_ids = self._file_context(list(context), path, context_budget)
+            elif context_comment:
+                context_text = self._text_context(list(context), context_comment, context_budget)
+
+        cursor_ids = self._encode(line_prefix, first=False) if line_prefix else []
+        healing = None
+        use_heal = opt.heal if heal is None else heal
+        if use_heal and self.healer is not None and cursor_ids:
+            cursor_ids, healing = self.healer.heal(cursor_ids)
+        if len(cursor_ids) > prefix_budget:
+            cursor_ids = cursor_ids[-prefix_budget:]
+        pieces = self._head(text, ls, prefix_budget, len(cursor_ids))
+        prefix_start = pieces[0][0] if pieces else ls
+        if tpl.prefix_leading_space and not context_text:
+            # Only the first piece of the prefix carries the family's leading space.
+            if pieces:
+                b, e, _ = pieces[0]
+                pieces[0] = (b, e, self._encode(text[b:e], first=True))
+            elif line_prefix:
+                cursor_ids = self._encode(line_prefix, first=True)
+                if use_heal and self.healer is not None and cursor_ids:
+                    cursor_ids, healing = self.healer.heal(cursor_ids)
+        head_ids = [i for _, _, ids in pieces for i in ids]
+        if context_text:
+            head_ids = self._encode(context_text, first=True) + head_ids
+        prefix_ids = head_ids + cursor_ids
+
+        suffix_ids, suffix_end = self._suffix(text, cursor, le, suffix_budget)
+        following_end = min(len(text), le + 1 + 4000)
+        following = text[le + 1:following_end] if le < len(text) else ""
+
+        ids = tpl.build(prefix_ids, suffix_ids, context_ids)
+        return Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=context_ids,
+                      healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
+                      prefix_start=prefix_start, suffix_end=suffix_end, cursor_line_tokens=len(cursor_ids))
+
+    # -- prefix ----------------------------------------------------------
+    def _head(self, text: str, ls: int, budget: int, cursor_tokens: int) -> list[tuple[int, int, list[int]]]:
+        """Pieces (begin, end, ids) of whole lines before the cursor line, oldest first.
+
+        Walks back chunk by chunk (chunks aligned to absolute line numbers)
+        while they fit in the budget minus a reserve for the cursor line.
+        The reserve does not depend on the cursor line until that line
+        outgrows it, so typing does not move the window start.
+        """
+        if ls == 0:
+            return []
+        opt = self.options
+        n = max(1, opt.chunk_lines)
+        reserve = max(budget // 8, cursor_tokens)
+        head_budget = max(0, budget - reserve)
+        char_floor = max(0, ls - budget * CHARS_PER_TOKEN)
+        cur_line = text.count("\n", 0, ls)          # absolute line number of the cursor line
+        first_line = (cur_line // n) * n
+        if first_line == cur_line:
+            first_line -= n
+        pieces: list[tuple[int, int, list[int]]] = []
+        used = 0
+        end = ls
+        while end > 0:
+            begin = _line_start(text, end, cur_line - first_line)
+            if begin < char_floor or any(len(seg) > opt.max_line_chars for seg in text[begin:end].split("\n")):
+                break
+            ids = self._encode(text[begin:end])
+            if used + len(ids) > head_budget:
+                if not pieces:
+                    tail = self._tail_lines(text, begin, end, head_budget)
+                    if tail is not None:
+                        pieces.append(tail)
+                break
+            pieces.append((begin, end, ids))
+            used += len(ids)
+            end = begin
+            cur_line, first_line = first_line, first_line - n
+        pieces.reverse()
+        return pieces
+
+    def _tail_lines(self, text: str, begin: int, end: int, budget: int) -> tuple[int, int, list[int]] | None:
+        """Trailing whole lines of text[begin:end] that fit in budget (not chunk-aligned)."""
+        lines = text[begin:end].splitlines(keepends=True)
+        kept: list[str] = []
+        total = 0
+        for line in reversed(lines):
+            k = len(self._encode(line))
+            if total + k > budget:
+                break
+            kept.append(line)
+            total += k
+        if not kept:
+            return None
+        chunk = "".join(reversed(kept))
+        return end - len(chunk), end, self._encode(chunk)
+
+    # -- suffix ----------------------------------------------------------
+    def _suffix(self, text: str, cursor: int, le: int, budget: int) -> tuple[list[int], int]:
+        """Ids of the text after the cursor, cut at a line end within budget."""
+        if budget <= 0 or cursor >= len(text):
+            return [], cursor
+        hi = min(len(text), cursor + budget * CHARS_PER_TOKEN)
+        window = text[cursor:hi]
+        nl = window.rfind("\n")
+        if hi < len(text) and nl >= 0:
+            window = window[:nl + 1]   # whole lines only
+        # The rest of the cursor line is its own piece: it is all that changes
+        # when the user edits to the right of the cursor.
+        rest = window[: le - cursor + 1] if le < len(text) else window
+        ids = self._encode(rest)
+        if len(ids) > budget:
+            return ids[:budget], cursor + len(rest)
+        end = cursor + len(rest)
+        pos = len(rest)
+        n = max(1, self.options.chunk_lines)
+        while pos < len(window):
+            q = pos
+            for _ in range(n):
+                nl = window.find("\n", q)
+                if nl < 0:
+                    q = len(window)
+                    break
+                q = nl + 1
+            piece = window[pos:q]
+            pids = self._encode(piece)
+            if len(ids) + len(pids) > budget:
+                # Take the leading lines of this chunk that still fit.
+                for line in piece.splitlines(keepends=True):
+                    lids = self._encode(line)
+                    if len(ids) + len(lids) > budget:
+                        break
+                    ids += lids
+                    end += len(line)
+                break
+            ids += pids
+            end += len(piece)
+            pos = q
+        return ids, end
+
+    # -- context ---------------------------------------------------------
+    def _file_context(self, files: list[tuple[str, str]], path: str | None, budget: int) -> list[int]:
+        tpl = self.template
+        while files:
+            ids = tpl.context_ids(files, current_path=path)
+            if len(ids) <= budget:
+                return ids
+            files = files[:-1]  # drop the last (least relevant) file, keep the order of the rest
+        return []
+
+    def _text_context(self, files: list[tuple[str, str]], comment: str, budget: int) -> str:
+        while files:
+            block = "".join(f"{comment} {p}\n{t if t.endswith(chr(10)) else t + chr(10)}" for p, t in files)
+            if len(self.template.encode(block)) <= budget:
+                return block
+            files = files[:-1]
+        return ""
+
+
+def _line_start(text: str, end: int, lines: int) -> int:
+    """Offset of the line `lines` lines above the line starting at `end` (end is a line start)."""
+    pos = end
+    for _ in range(max(1, lines)):
+        if pos <= 0:
+            return 0
+        nl = text.rfind("\n", 0, pos - 1)
+        pos = nl + 1
+        if nl < 0:
+            return 0
+    return pos
