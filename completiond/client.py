@@ -1,0 +1,342 @@
+"""Talking to the daemon: one connection (DaemonClient), finding or starting
+the daemon (connect_or_spawn), and the self-healing session the LSP server
+uses (DaemonSession), which reconnects and replays its open documents when the
+daemon dies or restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from completiond import paths, wire
+from completiond.wire import Code, RemoteError
+
+log = logging.getLogger("completiond.client")
+
+
+class DaemonUnavailable(ConnectionError):
+    """No daemon could be reached (or started)."""
+
+
+class ConnectionLost(ConnectionError):
+    """The daemon went away while a request was in flight."""
+
+
+class DaemonClient:
+    """One connection to the daemon. Use from a single event loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_notification: Callable[[str, dict], None] | None = None,
+                 on_close: Callable[["DaemonClient"], None] | None = None):
+        self.reader = reader
+        self.writer = writer
+        self.on_notification = on_notification
+        self.on_close = on_close
+        self.welcome: dict[str, Any] = {}
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader_task: asyncio.Task | None = None
+        self.closed = False
+        self.close_reason = ""
+
+    @classmethod
+    async def connect(cls, socket: Path, client_name: str = "completiond", settings: dict[str, Any] | None = None,
+                      timeout: float = 10.0, **kwargs: Any) -> "DaemonClient":
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout)
+        self = cls(reader, writer, **kwargs)
+        try:
+            writer.write(wire.encode({"t": "hello", "v": wire.VERSION, "client": client_name, "pid": os.getpid(),
+                                      "settings": settings or {}}))
+            welcome = await asyncio.wait_for(wire.read_message(reader), timeout)
+        except (wire.FrameError, asyncio.TimeoutError, OSError) as exc:
+            writer.close()
+            raise DaemonUnavailable(f"handshake with the daemon at {socket} failed: {exc}") from None
+        if welcome is None:
+            writer.close()
+            raise DaemonUnavailable(f"the daemon at {socket} closed the connection during the handshake")
+        if welcome.get("t") != "welcome":
+            writer.close()
+            raise wire.parse_error(welcome.get("e"))
+        self.welcome = welcome
+        self._reader_task = asyncio.create_task(self._read_loop())
+        return self
+
+    async def _read_loop(self) -> None:
+        reason = "the daemon closed the connection"
+        try:
+            while True:
+                message = await wire.read_message(self.reader)
+                if message is None:
+                    break
+                self._dispatch(message)
+        except wire.FrameError as exc:
+            reason = f"bad frame from the daemon: {exc}"
+            log.warning("%s", reason)
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection to the daemon lost: {exc}"
+        except asyncio.CancelledError:
+            reason = "closed"
+        finally:
+            self._closed(reason)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if "id" in message and message["id"] is not None:
+            future = self._pending.pop(message["id"], None)
+            if future is None or future.done():
+                return  # answered after we gave up on it
+            if "e" in message:
+                future.set_exception(wire.parse_error(message["e"]))
+            else:
+                future.set_result(message.get("r"))
+        elif isinstance(message.get("m"), str) and self.on_notification is not None:
+            try:
+                self.on_notification(message["m"], message.get("p") or {})
+            except Exception:
+                log.exception("daemon notification handler failed")
+
+    def _closed(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionLost(reason))
+        self._pending.clear()
+        self.writer.close()
+        if self.on_close is not None:
+            self.on_close(self)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            raise ConnectionLost(self.close_reason)
+        self.writer.write(wire.encode(message))
+
+    def notify(self, method: str, params: dict[str, Any]) -> None:
+        self._send({"m": method, "p": params})
+
+    async def request(self, method: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        """Send a request and wait for its reply; cancelling the awaiting task cancels it on the daemon too."""
+        rid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = future
+        try:
+            self._send({"id": rid, "m": method, "p": params or {}})
+            await self.writer.drain()
+            return await asyncio.wait_for(asyncio.shield(future), timeout) if timeout else await future
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            if self._pending.pop(rid, None) is not None and not self.closed:
+                try:
+                    self.notify("cancel", {"id": rid})
+                except (ConnectionError, OSError):
+                    pass
+            raise
+        except OSError as exc:
+            self._pending.pop(rid, None)
+            raise ConnectionLost(f"connection to the daemon lost: {exc}") from None
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except asyncio.CancelledError:
+                pass
+        self._closed("closed")
+
+
+# --- finding or starting the daemon ---------------------------------------------------
+
+
+def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "completiond.cli", "serve"]
+    model = settings.get("model") or ""
+    if model:
+        cmd += ["--model", os.path.abspath(model) if os.path.isdir(model) else model]
+    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("cacheMegabytes", "--cache-mb"),
+                      ("logLevel", "--log-level")):
+        if settings.get(key) not in (None, ""):
+            cmd += [flag, str(settings[key])]
+    if settings.get("trustRemoteCode"):
+        cmd.append("--trust-remote-code")
+    idle = idle_timeout if idle_timeout is not None else settings.get("idleTimeout")
+    if idle is not None:
+        cmd += ["--idle-timeout", str(idle)]
+    return cmd
+
+
+def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float | None = None) -> subprocess.Popen:
+    """Start a detached daemon whose output goes to daemon.log in the runtime directory."""
+    cmd = daemon_command(settings, idle_timeout) + ["--runtime-dir", str(directory)]
+    log_fd = os.open(directory / paths.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        log.info("starting daemon: %s", " ".join(cmd))
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True,
+                                start_new_session=True, cwd="/")
+    finally:
+        os.close(log_fd)
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Path | None = None, spawn: bool = True,
+                           timeout: float = 60.0, client_name: str = "completiond",
+                           idle_timeout: float | None = None, **client_kwargs: Any) -> DaemonClient:
+    """Connect to the user's daemon, starting it first if there is none (one starter at a time)."""
+    settings = settings or {}
+    directory = paths.ensure_private_dir(directory or paths.runtime_dir())
+    socket = paths.socket_path(directory)
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    proc: subprocess.Popen | None = None
+    lock_fd: int | None = None
+    last_error: Exception | None = None
+    try:
+        while True:
+            try:
+                return await DaemonClient.connect(socket, client_name, settings, **client_kwargs)
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                last_error = exc
+            except DaemonUnavailable as exc:  # e.g. the daemon is exiting: try again
+                last_error = exc
+            if not spawn:
+                raise DaemonUnavailable(f"no completiond daemon is running (no socket at {socket})")
+            if proc is None and lock_fd is None:
+                # Whoever holds the spawn lock starts the daemon; the others keep polling the socket.
+                lock_fd = _try_lock(directory / paths.SPAWN_LOCK_NAME)
+                if lock_fd is not None:
+                    try:
+                        return await DaemonClient.connect(socket, client_name, settings, **client_kwargs)
+                    except (FileNotFoundError, ConnectionRefusedError, DaemonUnavailable):
+                        pass
+                    proc = spawn_daemon(directory, settings, idle_timeout)
+            if proc is not None and proc.poll() is not None and proc.returncode != 3:
+                # 3 = another daemon won the race: keep polling for its socket.
+                raise DaemonUnavailable(
+                    f"the daemon exited with status {proc.returncode} during start-up; "
+                    f"see {directory / paths.LOG_NAME}")
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable(f"could not reach the daemon at {socket} within {timeout:g} s: {last_error}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+# --- the LSP server's view: a daemon that comes back ----------------------------------
+
+
+class DaemonSession:
+    """Daemon connection for one editor session.
+
+    `documents()` must return the editor's open documents ({uri: (version, text, languageId)});
+    they are replayed whenever a new connection is made, so a daemon restart is invisible
+    apart from the model reload.
+    """
+
+    def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
+                 directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
+                 on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = "completiond-lsp",
+                 connect_timeout: float = 60.0):
+        self._settings = settings
+        self._documents = documents
+        self.directory = directory
+        self.on_notification = on_notification
+        self.on_connect = on_connect
+        self.client_name = client_name
+        self.connect_timeout = connect_timeout
+        self.client: DaemonClient | None = None
+        self._connecting: asyncio.Task | None = None
+        self.reconnects = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.client is not None and not self.client.closed
+
+    async def ensure(self) -> DaemonClient:
+        if self.connected:
+            return self.client  # type: ignore[return-value]
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._connect())
+        # Shield: one caller giving up (a cancelled completion) must not abort the connect for the others.
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> DaemonClient:
+        settings = self._settings()
+        client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
+                                        client_name=self.client_name, on_notification=self.on_notification,
+                                        idle_timeout=settings.get("idleTimeout"))
+        if self.client is not None:
+            self.reconnects += 1
+        for uri, (version, text, language_id) in self._documents().items():
+            client.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
+        self.client = client
+        if self.on_connect is not None:
+            self.on_connect(client.welcome)
+        return client
+
+    def notify(self, method: str, params: dict[str, Any]) -> None:
+        """Document notifications: dropped while disconnected (the replay on reconnect covers them)."""
+        if self.connected:
+            try:
+                self.client.notify(method, params)  # type: ignore[union-attr]
+            except (ConnectionError, OSError):
+                pass
+
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+        """Request with one transparent retry if the daemon died under it (or did not know the document)."""
+        for attempt in (1, 2):
+            client = await self.ensure()
+            try:
+                return await client.request(method, params, timeout)
+            except ConnectionLost:
+                if attempt == 2:
+                    raise
+                log.warning("daemon connection lost; reconnecting")
+            except RemoteError as exc:
+                if exc.code != Code.UNKNOWN_DOCUMENT or attempt == 2 or "uri" not in params:
+                    raise
+                docs = self._documents()
+                if params["uri"] not in docs:
+                    raise
+                version, text, language_id = docs[params["uri"]]
+                client.notify("open", {"uri": params["uri"], "version": version, "text": text, "languageId": language_id})
+        raise AssertionError("unreachable")
+
+    async def restart(self) -> None:
+        """Stop the daemon (it restarts with our current settings on the next connect)."""
+        if self.connected:
+            try:
+                await self.client.request("stop", {}, timeout=5)  # type: ignore[union-attr]
+            except (ConnectionError, RemoteError, asyncio.TimeoutError):
+                pass
+            await self.client.close()  # type: ignore[union-attr]
+        # Wait for the old daemon to release its socket, so we do not reconnect to it.
+        directory = self.directory or paths.runtime_dir()
+        deadline = time.monotonic() + 10
+        while paths.socket_path(directory).exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.ensure()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()

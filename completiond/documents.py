@@ -1,0 +1,149 @@
+"""Open documents and LSP position arithmetic.
+
+LSP positions are (line, character) where `character` counts UTF-16 code units
+by default, UTF-8 bytes or code points when negotiated. Internally we use
+Python string offsets (code points) everywhere; conversion happens only at the
+LSP boundary, here. Lines end at "\\n", "\\r\\n" or "\\r", as the spec says.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+UTF8 = "utf-8"
+UTF16 = "utf-16"
+UTF32 = "utf-32"
+
+_EOL = re.compile(r"\r\n|\n|\r")
+
+
+class EditError(ValueError):
+    """An edit does not fit the document it is applied to."""
+
+
+def line_starts(text: str) -> list[int]:
+    return [0] + [m.end() for m in _EOL.finditer(text)]
+
+
+def _units(ch: str, encoding: str) -> int:
+    cp = ord(ch)
+    if encoding == UTF16:
+        return 2 if cp > 0xFFFF else 1
+    if encoding == UTF8:
+        return 1 if cp < 0x80 else 2 if cp < 0x800 else 3 if cp < 0x10000 else 4
+    return 1
+
+
+def _line_end(text: str, starts: list[int], line: int) -> int:
+    """Offset of the end of `line`'s content (before its terminator)."""
+    end = starts[line + 1] if line + 1 < len(starts) else len(text)
+    if end > starts[line] and text[end - 1] == "\n":
+        end -= 1
+    if end > starts[line] and text[end - 1] == "\r":
+        end -= 1
+    return end
+
+
+def position_to_offset(text: str, line: int, character: int, encoding: str = UTF16,
+                       starts: list[int] | None = None) -> int:
+    """Code-point offset of an LSP position; out-of-range positions clamp as the spec asks."""
+    starts = starts if starts is not None else line_starts(text)
+    if line < 0:
+        return 0
+    if line >= len(starts):
+        return len(text)
+    start = starts[line]
+    end = _line_end(text, starts, line)
+    if encoding == UTF32:
+        return min(start + max(character, 0), end)
+    units = 0
+    i = start
+    while i < end and units < character:
+        units += _units(text[i], encoding)
+        if units > character:
+            # Inside a surrogate pair / multi-byte sequence: stay before the character.
+            break
+        i += 1
+    return i
+
+
+def offset_to_position(text: str, offset: int, encoding: str = UTF16,
+                       starts: list[int] | None = None) -> tuple[int, int]:
+    starts = starts if starts is not None else line_starts(text)
+    offset = max(0, min(offset, len(text)))
+    line = bisect.bisect_right(starts, offset) - 1
+    start = starts[line]
+    if encoding == UTF32:
+        return line, offset - start
+    return line, sum(_units(c, encoding) for c in text[start:offset])
+
+
+def apply_edits(text: str, edits: Iterable[tuple[int, int, str]]) -> str:
+    """Apply code-point edits in order, each against the result of the previous one."""
+    for edit in edits:
+        try:
+            start, end, new = edit
+        except (TypeError, ValueError):
+            raise EditError(f"edit must be [start, end, text], got {edit!r}") from None
+        if not (isinstance(start, int) and isinstance(end, int) and isinstance(new, str)):
+            raise EditError(f"edit must be [int, int, str], got {edit!r}")
+        if not 0 <= start <= end <= len(text):
+            raise EditError(f"edit range {start}..{end} outside a document of {len(text)} characters")
+        text = text[:start] + new + text[end:]
+    return text
+
+
+@dataclass
+class Document:
+    uri: str
+    text: str
+    version: int = 0
+    language_id: str = ""
+    _starts: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def starts(self) -> list[int]:
+        if self._starts is None:
+            self._starts = line_starts(self.text)
+        return self._starts
+
+    def offset(self, line: int, character: int, encoding: str = UTF16) -> int:
+        return position_to_offset(self.text, line, character, encoding, self.starts)
+
+    def position(self, offset: int, encoding: str = UTF16) -> tuple[int, int]:
+        return offset_to_position(self.text, offset, encoding, self.starts)
+
+    def line_end(self, offset: int) -> int:
+        """Offset of the end of the line holding `offset` (before the terminator)."""
+        line = bisect.bisect_right(self.starts, offset) - 1
+        return _line_end(self.text, self.starts, line)
+
+    def apply_lsp_changes(self, changes: Iterable, version: int, encoding: str = UTF16) -> list[tuple[int, int, str]]:
+        """Apply LSP content changes (objects with `.text` and optional `.range`).
+
+        Returns the same changes as code-point edits, for forwarding to the daemon.
+        """
+        edits: list[tuple[int, int, str]] = []
+        for change in changes:
+            rng = getattr(change, "range", None)
+            if rng is None:
+                edit = (0, len(self.text), change.text)
+            else:
+                start = self.offset(rng.start.line, rng.start.character, encoding)
+                end = self.offset(rng.end.line, rng.end.character, encoding)
+                if end < start:
+                    start, end = end, start
+                edit = (start, end, change.text)
+            self.text = apply_edits(self.text, [edit])
+            self._starts = None
+            edits.append(edit)
+        self.version = version
+        return edits
+
+    def apply_edits(self, edits: Iterable[tuple[int, int, str]], version: int) -> None:
+        self.text = apply_edits(self.text, edits)
+        self._starts = None
+        self.version = version

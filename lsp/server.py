@@ -1,0 +1,414 @@
+"""`completiond lsp`: the language server editors run (LSP over stdio, pygls 2).
+
+It keeps the editor's documents, converts LSP positions, and forwards
+everything to a backend: the shared daemon (default) or an in-process
+engine (`--no-daemon`). No torch is imported here unless `--no-daemon`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from lsprotocol import types
+from pygls.capabilities import ServerCapabilitiesBuilder
+from pygls.lsp.server import LanguageServer
+
+from completiond import config as config_mod
+from completiond.client import ConnectionLost, DaemonSession, DaemonUnavailable
+from completiond.documents import UTF8, UTF16, UTF32, Document
+from completiond.wire import Code, RemoteError
+
+log = logging.getLogger("completiond.lsp")
+
+SECTION = "completiond"
+STATUS_METHOD = "completiond/status"
+CMD_STATS = "completiond.stats"
+CMD_RESTART = "completiond.restartDaemon"
+PROGRESS_TOKEN = "completiond-loading"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("completiond")
+    except Exception:  # metadata missing in a source checkout
+        return "0"
+
+
+class LocalBackend:
+    """The daemon's Service, in this process (`completiond lsp --no-daemon`)."""
+
+    CLIENT = 0
+
+    def __init__(self, cfg: Any, on_notification):
+        self.cfg = cfg
+        self.on_notification = on_notification
+        self.service = None
+        self._ids = 0
+        self.docs: dict[str, tuple[int, str, str]] = {}
+
+    async def start(self, cfg: Any) -> dict[str, Any]:
+        from completiond.daemon import Service
+
+        self.cfg = cfg
+        self.service = Service(cfg)
+        self.service.listeners.append(lambda status: self.on_notification("status", status))
+        self.service.start_loading()
+        return {"status": self.service.status()}
+
+    def notify(self, method: str, params: dict[str, Any]) -> None:
+        from completiond.daemon import ServiceError
+
+        if self.service is None:
+            return
+        try:
+            if method == "open":
+                self.service.open(self.CLIENT, params["uri"], params["version"], params["text"], params.get("languageId", ""))
+            elif method == "change":
+                self.service.change(self.CLIENT, params["uri"], params["version"], params["edits"])
+            elif method == "close":
+                self.service.close(self.CLIENT, params["uri"])
+        except ServiceError as exc:
+            log.warning("%s: %s", method, exc.message)
+
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+        from completiond.daemon import ServiceError
+
+        if self.service is None:
+            raise RemoteError(Code.NOT_READY, "engine not started")
+        try:
+            if method == "complete":
+                self._ids += 1
+                return await self.service.complete(self.CLIENT, self._ids, params["uri"], params["version"],
+                                                   params["offset"], params.get("settings"))
+            if method == "stats":
+                return self.service.stats()
+            if method == "status":
+                return self.service.status()
+        except ServiceError as exc:
+            raise RemoteError(exc.code, exc.message) from None
+        raise RemoteError(Code.UNKNOWN_METHOD, method)
+
+    async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
+        if self.service is not None:
+            self.service.shutdown()
+        await self.start(cfg)
+        for uri, (version, text, language_id) in documents.items():
+            self.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
+
+    async def close(self) -> None:
+        if self.service is not None:
+            self.service.shutdown()
+
+
+class DaemonBackend:
+    def __init__(self, session: DaemonSession):
+        self.session = session
+
+    async def start(self, cfg: Any) -> dict[str, Any]:
+        client = await self.session.ensure()
+        return client.welcome
+
+    def notify(self, method: str, params: dict[str, Any]) -> None:
+        self.session.notify(method, params)
+
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
+        return await self.session.request(method, params, timeout)
+
+    async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
+        await self.session.restart()
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class CompletionServer(LanguageServer):
+    def __init__(self, no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None):
+        super().__init__("completiond", _version(), text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        self.docs: dict[str, Document] = {}
+        self.encoding = UTF16
+        self.config_file = config_file
+        self.file_cfg, self.file_errors = config_mod.load_file(config_file)
+        self.init_options: Any = None
+        self.workspace_options: Any = None
+        self.cfg = self.file_cfg
+        self.no_daemon = no_daemon
+        self.status: dict[str, Any] = {"state": "starting"}
+        self._progress_open = False
+        self._started: asyncio.Task | None = None
+        if no_daemon:
+            self.backend: Any = LocalBackend(self.cfg, self._on_backend_notification)
+        else:
+            session = DaemonSession(settings=lambda: config_mod.to_settings(self.cfg), documents=self.document_snapshot,
+                                    directory=runtime_dir, on_notification=self._on_backend_notification,
+                                    on_connect=self._on_connect)
+            self.backend = DaemonBackend(session)
+
+    # --- settings ---------------------------------------------------------------
+
+    def apply_settings(self) -> None:
+        """Recompute the config from its layers; invalid values are shown to the user and replaced by defaults."""
+        cfg, errors = self.file_cfg, list(self.file_errors)
+        for layer in (self.init_options, self.workspace_options):
+            cfg, more = config_mod.merge(cfg, _section(layer))
+            errors += more
+        self.cfg = cfg
+        if errors:
+            message = "completiond: invalid settings, defaults used instead:\n" + "\n".join(errors)
+            log.warning("%s", message)
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
+
+    def request_settings(self) -> dict[str, Any]:
+        from completiond.daemon import ENGINE_KEYS
+
+        return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in ENGINE_KEYS}
+
+    async def pull_configuration(self) -> None:
+        caps = self.client_capabilities.workspace
+        if caps is None or not caps.configuration:
+            return
+        try:
+            result = await asyncio.wait_for(self.workspace_configuration_async(
+                types.ConfigurationParams(items=[types.ConfigurationItem(section=SECTION)])), 10)
+        except (asyncio.TimeoutError, Exception) as exc:  # the client may not implement it despite advertising it
+            log.warning("workspace/configuration failed: %s", exc)
+            return
+        self.workspace_options = result[0] if result else None
+
+    # --- documents ----------------------------------------------------------------
+
+    def document_snapshot(self) -> dict[str, tuple[int, str, str]]:
+        return {uri: (d.version, d.text, d.language_id) for uri, d in self.docs.items()}
+
+    # --- backend ----------------------------------------------------------------------
+
+    async def start_backend(self) -> None:
+        try:
+            welcome = await self.backend.start(self.cfg)
+        except (DaemonUnavailable, ConnectionError, OSError, RemoteError) as exc:
+            self.backend_failed(exc)
+            return
+        if isinstance(welcome, dict) and isinstance(welcome.get("status"), dict):
+            self._on_backend_notification("status", welcome["status"])
+
+    def _on_connect(self, welcome: dict[str, Any]) -> None:
+        if welcome.get("warning"):
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning,
+                                                             message=f"completiond: {welcome['warning']}"))
+        if isinstance(welcome.get("status"), dict):
+            self._on_backend_notification("status", welcome["status"])
+
+    def backend_failed(self, exc: Exception) -> None:
+        message = f"completiond: cannot reach the completion daemon: {exc}"
+        log.error("%s", message)
+        self._on_backend_notification("status", {"state": "error", "error": str(exc)})
+        self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
+
+    def _on_backend_notification(self, method: str, params: dict[str, Any]) -> None:
+        if method != "status":
+            return
+        self.status = params
+        state = params.get("state")
+        self.protocol.notify(STATUS_METHOD, {
+            "state": state, "message": params.get("error") or "", "model": params.get("model"),
+            "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
+            "alpha": params.get("alpha"), "tokensPerSecond": params.get("tokens_per_s")})
+        if state == "loading":
+            self._begin_progress(f"loading {params.get('model') or 'model'}")
+        elif self._progress_open:
+            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}")
+        if state == "error" and params.get("error"):
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
+                                                             message=f"completiond: {params['error']}"))
+
+    def _begin_progress(self, message: str) -> None:
+        window = self.client_capabilities.window
+        if self._progress_open or window is None or not window.work_done_progress:
+            return
+        self._progress_open = True
+
+        async def begin() -> None:
+            try:
+                await self.work_done_progress.create_async(PROGRESS_TOKEN)
+            except Exception as exc:  # a client refusing the token only loses the progress bar
+                log.info("work done progress refused: %s", exc)
+                self._progress_open = False
+                return
+            self.work_done_progress.begin(PROGRESS_TOKEN, types.WorkDoneProgressBegin(
+                title="completiond", message=message, cancellable=False))
+            if self.status.get("state") != "loading":
+                self._end_progress("ready")
+
+        asyncio.ensure_future(begin())
+
+    def _end_progress(self, message: str) -> None:
+        if not self._progress_open:
+            return
+        try:
+            self.work_done_progress.end(PROGRESS_TOKEN, types.WorkDoneProgressEnd(message=message))
+        except Exception:  # token not created yet: begin() ends it when it gets there
+            return
+        self._progress_open = False
+
+    # --- completion -------------------------------------------------------------------
+
+    async def suggest(self, uri: str, position: types.Position) -> tuple[Document, dict[str, Any]] | None:
+        doc = self.docs.get(uri)
+        if doc is None or not self.cfg.enable:
+            return None
+        version = doc.version
+        offset = doc.offset(position.line, position.character, self.encoding)
+        if self._started is not None and not self._started.done():
+            await asyncio.shield(self._started)
+        try:
+            result = await self.backend.request("complete", {
+                "uri": uri, "version": version, "offset": offset, "settings": self.request_settings()})
+        except RemoteError as exc:
+            if exc.code == Code.CANCELLED:
+                return None  # superseded by a newer request: that one answers
+            log.warning("completion for %s failed: %s", uri, exc)
+            return None
+        except (DaemonUnavailable, ConnectionLost) as exc:
+            self.backend_failed(exc)
+            return None
+        suggestion = result.get("suggestion") if isinstance(result, dict) else None
+        if suggestion is None or self.docs.get(uri) is not doc or doc.version != version:
+            return None  # nothing to show, or the document moved on: never show a stale result as fresh
+        return doc, suggestion
+
+    def lsp_range(self, doc: Document, start: int, end: int) -> types.Range:
+        s = doc.position(start, self.encoding)
+        e = doc.position(end, self.encoding)
+        return types.Range(start=types.Position(*s), end=types.Position(*e))
+
+
+def _section(options: Any) -> Any:
+    """The `completiond` settings object, whether sent wrapped in its section or bare."""
+    if isinstance(options, dict) and isinstance(options.get(SECTION), dict):
+        return options[SECTION]
+    if options is None or options == {}:
+        return None
+    return options
+
+
+def _encoding(capabilities: types.ClientCapabilities) -> str:
+    chosen = ServerCapabilitiesBuilder.choose_position_encoding(capabilities)
+    return {types.PositionEncodingKind.Utf8: UTF8, types.PositionEncodingKind.Utf32: UTF32}.get(chosen, UTF16)
+
+
+def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None) -> CompletionServer:
+    server = CompletionServer(no_daemon=no_daemon, runtime_dir=runtime_dir, config_file=config_file)
+
+    @server.feature(types.INITIALIZE)
+    def initialize(ls: CompletionServer, params: types.InitializeParams) -> None:
+        ls.encoding = _encoding(params.capabilities)
+        ls.init_options = params.initialization_options
+        ls.apply_settings()
+
+    @server.feature(types.INITIALIZED)
+    async def initialized(ls: CompletionServer, params: types.InitializedParams) -> None:
+        async def start() -> None:
+            await ls.pull_configuration()
+            if ls.workspace_options is not None:
+                ls.apply_settings()
+            await ls.start_backend()
+
+        ls._started = asyncio.ensure_future(start())
+
+    @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
+    async def did_change_configuration(ls: CompletionServer, params: types.DidChangeConfigurationParams) -> None:
+        settings = params.settings
+        if isinstance(settings, dict) and SECTION in settings:
+            ls.workspace_options = settings[SECTION]
+        else:
+            await ls.pull_configuration()  # the "pull" model: settings is null, ask for them
+        ls.apply_settings()
+
+    @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
+    def did_open(ls: CompletionServer, params: types.DidOpenTextDocumentParams) -> None:
+        td = params.text_document
+        ls.docs[td.uri] = Document(uri=td.uri, text=td.text, version=td.version, language_id=td.language_id)
+        ls.backend.notify("open", {"uri": td.uri, "version": td.version, "text": td.text, "languageId": td.language_id})
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
+    def did_change(ls: CompletionServer, params: types.DidChangeTextDocumentParams) -> None:
+        doc = ls.docs.get(params.text_document.uri)
+        if doc is None:
+            log.warning("didChange for unopened %s ignored", params.text_document.uri)
+            return
+        edits = doc.apply_lsp_changes(params.content_changes, params.text_document.version, ls.encoding)
+        ls.backend.notify("change", {"uri": doc.uri, "version": doc.version, "edits": [list(e) for e in edits]})
+
+    @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
+    def did_close(ls: CompletionServer, params: types.DidCloseTextDocumentParams) -> None:
+        if ls.docs.pop(params.text_document.uri, None) is not None:
+            ls.backend.notify("close", {"uri": params.text_document.uri})
+
+    @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
+    async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        found = await ls.suggest(params.text_document.uri, params.position)
+        if found is None:
+            return types.InlineCompletionList(items=[])
+        doc, s = found
+        return types.InlineCompletionList(items=[types.InlineCompletionItem(
+            insert_text=s["text"], range=ls.lsp_range(doc, s["start"], s["end"]))])
+
+    @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions())
+    async def completion(ls: CompletionServer, params: types.CompletionParams) -> types.CompletionList:
+        found = await ls.suggest(params.text_document.uri, params.position)
+        if found is None:
+            return types.CompletionList(is_incomplete=True, items=[])
+        doc, s = found
+        first = s["text"].split("\n", 1)[0].strip() or s["text"].strip()
+        label = first if len(first) <= 60 else first[:57] + "..."
+        item = types.CompletionItem(
+            label=label, kind=types.CompletionItemKind.Text, detail="completiond", preselect=True, sort_text="0",
+            filter_text=s["text"], insert_text_format=types.InsertTextFormat.PlainText,
+            text_edit=types.TextEdit(range=ls.lsp_range(doc, s["start"], s["end"]), new_text=s["text"]))
+        return types.CompletionList(is_incomplete=True, items=[item])
+
+    @server.command(CMD_STATS)
+    async def stats(ls: CompletionServer, *args: Any) -> dict[str, Any]:
+        try:
+            return await ls.backend.request("stats", {}, timeout=10)
+        except (RemoteError, DaemonUnavailable, ConnectionLost, asyncio.TimeoutError) as exc:
+            return {"error": str(exc)}
+
+    @server.command(CMD_RESTART)
+    async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:
+        try:
+            await ls.backend.restart(ls.cfg, ls.document_snapshot())
+        except (DaemonUnavailable, ConnectionError, OSError) as exc:
+            ls.backend_failed(exc)
+            return {"restarted": False, "error": str(exc)}
+        return {"restarted": True}
+
+    @server.feature(types.SHUTDOWN)
+    async def shutdown(ls: CompletionServer, params: Any) -> None:
+        # Leave the shared daemon running for the other editors; it exits on its own when idle.
+        await ls.backend.close()
+
+    return server
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stdio", action="store_true", help="accepted for editor compatibility (stdio is the default)")
+    parser.add_argument("--no-daemon", action="store_true", help="run the engine in this process instead of the shared daemon")
+    parser.add_argument("--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument("--config", type=Path, help="config.toml (default: ~/.config/completiond/config.toml)")
+    parser.add_argument("--log-level", choices=("error", "warning", "info", "debug"), default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    file_cfg, _ = config_mod.load_file(args.config)
+    logging.basicConfig(level=(args.log_level or file_cfg.log_level).upper(), stream=sys.stderr,
+                        format="%(asctime)s completiond-lsp[%(process)d] %(levelname)s %(name)s: %(message)s")
+    server = build_server(no_daemon=args.no_daemon, runtime_dir=args.runtime_dir, config_file=args.config)
+    server.start_io()
+    return 0
