@@ -1,0 +1,119 @@
+/** VS Code entry point: wires the real `vscode` API and vscode-languageclient into the Controller. */
+import * as fs from 'fs';
+import * as os from 'os';
+import * as vscode from 'vscode';
+import { LanguageClient, LanguageClientOptions, ServerOptions, TransportKind } from 'vscode-languageclient/node';
+import { Controller, SECTION } from './controller';
+import { ClientFactory, Host, LspClient, StatusBar } from './host';
+
+let controller: Controller | undefined;
+
+function isFile(p: string): boolean {
+  try {
+    return fs.statSync(p).isFile();
+  } catch {
+    return false;
+  }
+}
+
+function isDir(p: string): boolean {
+  try {
+    return fs.statSync(p).isDirectory();
+  } catch {
+    return false;
+  }
+}
+
+function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChannel): Host {
+  const config = () => vscode.workspace.getConfiguration(SECTION);
+  return {
+    getSetting: (key) => config().get(key),
+    isSettingSet: (key) => {
+      const i = config().inspect(key);
+      return (
+        i !== undefined &&
+        [i.globalValue, i.workspaceValue, i.workspaceFolderValue, i.globalLanguageValue, i.workspaceLanguageValue, i.workspaceFolderLanguageValue].some(
+          (v) => v !== undefined,
+        )
+      );
+    },
+    updateSetting: (key, value) => config().update(key, value, vscode.ConfigurationTarget.Global),
+    onDidChangeSettings: (listener) => vscode.workspace.onDidChangeConfiguration((e) => listener((s) => e.affectsConfiguration(s))),
+    settingsSchema: () => context.extension.packageJSON?.contributes?.configuration?.properties ?? {},
+    registerCommand: (id, run) => vscode.commands.registerCommand(id, run),
+    executeCommand: (id, ...args) => vscode.commands.executeCommand(id, ...args),
+    showError: (message, ...actions) => vscode.window.showErrorMessage(message, ...actions),
+    showInfo: (message, ...actions) => vscode.window.showInformationMessage(message, ...actions),
+    openReadme: () => vscode.commands.executeCommand('markdown.showPreview', vscode.Uri.joinPath(context.extensionUri, 'README.md')),
+    openSettings: (query) => vscode.commands.executeCommand('workbench.action.openSettings', query),
+    createStatusBar: (command): StatusBar => {
+      const item = vscode.window.createStatusBarItem('completiond.status', vscode.StatusBarAlignment.Right, 100);
+      item.name = 'completiond';
+      item.command = command;
+      item.show();
+      return {
+        update: (view) => {
+          item.text = view.text;
+          item.tooltip = view.tooltip;
+          item.backgroundColor = view.error ? new vscode.ThemeColor('statusBarItem.errorBackground') : undefined;
+        },
+        dispose: () => item.dispose(),
+      };
+    },
+    log: { appendLine: (line) => log.appendLine(line), show: () => log.show(true) },
+  };
+}
+
+function clientFactory(log: vscode.LogOutputChannel): ClientFactory {
+  return (server, options): LspClient => {
+    const serverOptions: ServerOptions = { command: server.command, args: server.args, transport: TransportKind.stdio };
+    const clientOptions: LanguageClientOptions = {
+      documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
+      outputChannel: log,
+      initializationOptions: options.initializationOptions,
+      middleware: {
+        workspace: {
+          configuration: async (params, token, next) => {
+            const answers = await next(params, token);
+            if (!Array.isArray(answers)) return answers;
+            return params.items.map((item, i) => {
+              const ours = options.configuration(item.section);
+              return ours === undefined ? answers[i] : ours;
+            });
+          },
+        },
+        provideInlineCompletionItems: (document, position, context, token, next) =>
+          options.shouldComplete(document.languageId) ? next(document, position, context, token) : undefined,
+      },
+    };
+    const client = new LanguageClient(SECTION, 'completiond', serverOptions, clientOptions);
+    return {
+      start: () => client.start(),
+      stop: () => client.stop(),
+      isRunning: () => client.isRunning(),
+      onNotification: (method, handler) => client.onNotification(method, handler),
+      sendNotification: (method, params) => client.sendNotification(method, params),
+      sendRequest: (method, params) => client.sendRequest(method, params),
+    };
+  };
+}
+
+export async function activate(context: vscode.ExtensionContext): Promise<void> {
+  const log = vscode.window.createOutputChannel('completiond', { log: true });
+  context.subscriptions.push(log);
+  controller = new Controller(vscodeHost(context, log), clientFactory(log), {
+    env: process.env,
+    platform: process.platform,
+    home: os.homedir(),
+    isFile,
+    isDir,
+  });
+  context.subscriptions.push(controller);
+  await controller.start();
+}
+
+export async function deactivate(): Promise<void> {
+  const c = controller;
+  controller = undefined;
+  await c?.stop();
+}

@@ -1,0 +1,62 @@
+/**
+ * The thin wrapper over the parts of the VS Code API that the extension uses.
+ * `extension.ts` implements it with the real `vscode` module; the unit tests
+ * implement it with plain objects.
+ */
+
+export interface Disposable {
+  dispose(): unknown;
+}
+
+export interface StatusBar extends Disposable {
+  update(view: { text: string; tooltip: string; error: boolean }): void;
+}
+
+export interface Log {
+  appendLine(line: string): void;
+  show(): void;
+}
+
+export interface Host {
+  /** `vscode.workspace.getConfiguration('completiond').get(key)`; key without the prefix */
+  getSetting(key: string): unknown;
+  /** Whether the user set the key anywhere (user, workspace, folder, language), i.e. it is not just the default. */
+  isSettingSet(key: string): boolean;
+  /** Set a setting in the user (global) settings. */
+  updateSetting(key: string, value: unknown): Thenable<void>;
+  /** Called with a predicate like `ConfigurationChangeEvent.affectsConfiguration`. */
+  onDidChangeSettings(listener: (affects: (section: string) => boolean) => void): Disposable;
+  /** `contributes.configuration.properties` of this extension's package.json */
+  settingsSchema(): Record<string, unknown>;
+  registerCommand(id: string, run: (...args: unknown[]) => unknown): Disposable;
+  executeCommand(id: string, ...args: unknown[]): Thenable<unknown>;
+  showError(message: string, ...actions: string[]): Thenable<string | undefined>;
+  showInfo(message: string, ...actions: string[]): Thenable<string | undefined>;
+  /** Open the install instructions (the README shipped in the extension). */
+  openReadme(): Thenable<unknown>;
+  /** Open the Settings UI filtered by the query. */
+  openSettings(query: string): Thenable<unknown>;
+  createStatusBar(command: string): StatusBar;
+  log: Log;
+}
+
+/** The subset of vscode-languageclient's LanguageClient the controller drives. */
+export interface LspClient {
+  start(): Promise<void>;
+  stop(): Promise<void>;
+  isRunning(): boolean;
+  onNotification(method: string, handler: (params: any) => void): Disposable;
+  sendNotification(method: string, params: unknown): Promise<void>;
+  sendRequest(method: string, params: unknown): Promise<unknown>;
+}
+
+export interface ClientOptions {
+  /** sent as `initializationOptions` */
+  initializationOptions: unknown;
+  /** answer to a `workspace/configuration` item, or undefined to let the client answer */
+  configuration(section: string | undefined): unknown;
+  /** false: do not ask the server for inline completions in this document */
+  shouldComplete(languageId: string): boolean;
+}
+
+export type ClientFactory = (server: { command: string; args: string[] }, options: ClientOptions) => LspClient;

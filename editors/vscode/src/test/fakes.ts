@@ -1,0 +1,164 @@
+/** Plain-object stand-ins for the VS Code API (Host) and the language client. */
+import * as fs from 'fs';
+import * as path from 'path';
+import { ClientFactory, ClientOptions, Disposable, Host, LspClient } from '../host';
+
+export const PACKAGE_JSON = path.resolve(__dirname, '..', '..', 'package.json');
+export const packageJson = JSON.parse(fs.readFileSync(PACKAGE_JSON, 'utf8'));
+export const schema: Record<string, any> = packageJson.contributes.configuration.properties;
+
+/** The defaults VS Code would return for every contributed setting. */
+export function defaultSettings(): Map<string, unknown> {
+  const values = new Map<string, unknown>();
+  for (const [key, prop] of Object.entries(schema)) values.set(key.slice('completiond.'.length), structuredClone(prop.default));
+  return values;
+}
+
+export class FakeHost implements Host {
+  settings = defaultSettings();
+  /** keys the user set (the rest are defaults) */
+  explicit = new Set<string>();
+  commands = new Map<string, (...args: unknown[]) => unknown>();
+  executed: { id: string; args: unknown[] }[] = [];
+  errors: { message: string; actions: string[] }[] = [];
+  infos: string[] = [];
+  lines: string[] = [];
+  logShown = 0;
+  readmeOpened = 0;
+  settingsOpened: string[] = [];
+  statusViews: { text: string; tooltip: string; error: boolean }[] = [];
+  /** the action the next showError "clicks" */
+  errorChoice: string | undefined;
+  private listeners: ((affects: (s: string) => boolean) => void)[] = [];
+
+  getSetting(key: string): unknown {
+    return this.settings.get(key);
+  }
+  isSettingSet(key: string): boolean {
+    return this.explicit.has(key);
+  }
+  async updateSetting(key: string, value: unknown): Promise<void> {
+    this.settings.set(key, value);
+    this.explicit.add(key);
+    this.fireChange([`completiond.${key}`]);
+  }
+  /** Change settings as the user would; listeners see which sections changed. */
+  change(values: Record<string, unknown>): void {
+    for (const [k, v] of Object.entries(values)) {
+      this.settings.set(k, v);
+      this.explicit.add(k);
+    }
+    this.fireChange(Object.keys(values).map((k) => `completiond.${k}`));
+  }
+  fireChange(changed: string[]): void {
+    const affects = (section: string) => changed.some((c) => c === section || c.startsWith(section + '.'));
+    for (const l of this.listeners) l(affects);
+  }
+  onDidChangeSettings(listener: (affects: (s: string) => boolean) => void): Disposable {
+    this.listeners.push(listener);
+    return { dispose: () => (this.listeners = this.listeners.filter((l) => l !== listener)) };
+  }
+  settingsSchema(): Record<string, unknown> {
+    return schema;
+  }
+  registerCommand(id: string, run: (...args: unknown[]) => unknown): Disposable {
+    if (this.commands.has(id)) throw new Error(`command ${id} already exists`);
+    this.commands.set(id, run);
+    return { dispose: () => this.commands.delete(id) };
+  }
+  async executeCommand(id: string, ...args: unknown[]): Promise<unknown> {
+    this.executed.push({ id, args });
+    const own = this.commands.get(id);
+    return own ? own(...args) : undefined;
+  }
+  async showError(message: string, ...actions: string[]): Promise<string | undefined> {
+    this.errors.push({ message, actions });
+    return this.errorChoice;
+  }
+  async showInfo(message: string): Promise<string | undefined> {
+    this.infos.push(message);
+    return undefined;
+  }
+  async openReadme(): Promise<void> {
+    this.readmeOpened++;
+  }
+  async openSettings(query: string): Promise<void> {
+    this.settingsOpened.push(query);
+  }
+  createStatusBar() {
+    return { update: (v: { text: string; tooltip: string; error: boolean }) => void this.statusViews.push(v), dispose: () => undefined };
+  }
+  get status() {
+    return this.statusViews[this.statusViews.length - 1];
+  }
+  log = { appendLine: (line: string) => void this.lines.push(line), show: () => void this.logShown++ };
+}
+
+export class FakeClient implements LspClient {
+  running = false;
+  started = 0;
+  stopped = 0;
+  notifications: { method: string; params: any }[] = [];
+  requests: { method: string; params: any }[] = [];
+  handlers = new Map<string, (params: any) => void>();
+  failStart: Error | undefined;
+  answer: (method: string, params: any) => unknown = () => null;
+
+  constructor(public server: { command: string; args: string[] }, public options: ClientOptions) {}
+
+  async start(): Promise<void> {
+    this.started++;
+    if (this.failStart) throw this.failStart;
+    this.running = true;
+  }
+  async stop(): Promise<void> {
+    this.stopped++;
+    this.running = false;
+  }
+  isRunning(): boolean {
+    return this.running;
+  }
+  onNotification(method: string, handler: (params: any) => void): Disposable {
+    this.handlers.set(method, handler);
+    return { dispose: () => this.handlers.delete(method) };
+  }
+  async sendNotification(method: string, params: unknown): Promise<void> {
+    this.notifications.push({ method, params });
+  }
+  async sendRequest(method: string, params: any): Promise<unknown> {
+    this.requests.push({ method, params });
+    return this.answer(method, params);
+  }
+  /** The server sends a notification. */
+  notify(method: string, params: unknown): void {
+    this.handlers.get(method)?.(params);
+  }
+}
+
+export function clientRecorder(): { factory: ClientFactory; clients: FakeClient[] } {
+  const clients: FakeClient[] = [];
+  return {
+    clients,
+    factory: (server, options) => {
+      const c = new FakeClient(server, options);
+      clients.push(c);
+      return c;
+    },
+  };
+}
+
+/** A fake file system: the listed files exist (directories are implied). */
+export function fakeEnvironment(files: string[], extra: Partial<{ PATH: string; platform: string }> = {}) {
+  const set = new Set(files);
+  return {
+    env: { PATH: extra.PATH ?? '/usr/local/bin:/usr/bin' },
+    platform: extra.platform ?? 'linux',
+    home: '/home/u',
+    isFile: (p: string) => set.has(p),
+    isDir: (p: string) => !set.has(p) && files.some((f) => f.startsWith(p.replace(/\/$/, '') + '/')),
+  };
+}
+
+export async function flush(): Promise<void> {
+  for (let i = 0; i < 5; i++) await new Promise((r) => setImmediate(r));
+}

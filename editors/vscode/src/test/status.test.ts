@@ -1,0 +1,52 @@
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { formatLatency, formatStats, metrics, statusView } from '../status';
+
+test('ready shows the last latency, α and speed', () => {
+  const v = statusView({ state: 'ready', latencyMs: 123.4, alpha: 0.7251, tokensPerSecond: 41.6 }, undefined, true);
+  assert.equal(v.text, '$(sparkle) completiond 123 ms · α 0.73 · 42 tok/s');
+  assert.equal(v.error, false);
+  assert.match(v.tooltip, /ready/);
+  assert.match(v.tooltip, /Click for stats/);
+});
+
+test('ready before any completion shows no metrics', () => {
+  assert.equal(statusView({ state: 'ready' }, undefined, true).text, '$(sparkle) completiond');
+  assert.equal(statusView({ state: 'ready', latencyMs: null, alpha: null }, undefined, true).text, '$(sparkle) completiond');
+});
+
+test('loading shows progress and the message', () => {
+  const v = statusView({ state: 'loading', progress: 0.456, message: 'reading weights' }, undefined, true);
+  assert.equal(v.text, '$(loading~spin) completiond 46%');
+  assert.match(v.tooltip, /reading weights/);
+  assert.equal(statusView({ state: 'loading' }, undefined, true).text, '$(loading~spin) completiond');
+});
+
+test('busy spins; error is red with the message', () => {
+  assert.match(statusView({ state: 'busy' }, undefined, true).text, /sync~spin/);
+  const e = statusView({ state: 'error', message: 'CUDA out of memory' }, undefined, true);
+  assert.equal(e.error, true);
+  assert.match(e.tooltip, /CUDA out of memory/);
+});
+
+test('client states: starting, not found, stopped, disabled', () => {
+  assert.match(statusView(undefined, 'starting', true).text, /loading~spin/);
+  assert.equal(statusView(undefined, 'notFound', true).error, true);
+  assert.match(statusView(undefined, 'notFound', true).tooltip, /not found/);
+  assert.equal(statusView(undefined, 'stopped', true).error, true);
+  assert.match(statusView({ state: 'ready' }, undefined, false).text, /circle-slash/);
+});
+
+test('latency formatting and metrics', () => {
+  assert.equal(formatLatency(8.7), '9 ms');
+  assert.equal(formatLatency(2500), '2.5 s');
+  assert.equal(metrics({ alpha: 0.5 }), 'α 0.50');
+  assert.equal(metrics({ latencyMs: Number.NaN }), '');
+});
+
+test('stats render as indented key: value lines', () => {
+  const text = formatStats({ model: 'mini', requests: 3, alpha: 0.123456, cache: { hits: 2, bytes: 10 }, devices: ['cpu'] });
+  assert.equal(text, 'model: mini\nrequests: 3\nalpha: 0.1235\ncache:\n  hits: 2\n  bytes: 10\ndevices: cpu');
+  assert.equal(formatStats(null), '(no stats)');
+  assert.equal(formatStats('plain'), 'plain');
+});
