@@ -1,0 +1,352 @@
+"""Stop rules that run inside the generation loop, and suggestion post-processing.
+
+The engine calls `stop(tokens)` after every verified round; a `StopRules`
+instance decodes the tokens (exactly, through the per-token byte table),
+finds where the suggestion must end, and answers how many tokens to keep, so
+no rounds are spent past a stop.
+
+Token/character contract: a cut can fall inside a token (`"):\\n    "` holds
+the end of one line and the start of the next). `__call__` then keeps that
+token too (n = tokens overlapping the kept text), so the engine's
+token list is a prefix-consistent continuation; `suggestion(tokens)`
+applies the exact character cut and the post-processing. Callers must show
+`suggestion(gen.tokens)`, never a plain decode.
+
+Rules (in text after the healed characters, see healing.py):
+* stop tokens of the template (EOS, FIM end, file separators);
+* single-line (mid-line, or multiline=never, or auto on a line that is not
+  a block opener and not empty): end at the first newline;
+* multi-line (multiline=always, or auto after a block opener `:` `{` `(`
+  `[` `=>` or on an empty line): end before a line that dedents out of the
+  cursor's block, before top-level code that follows a blank line, after the
+  line that closes the bracket opened on the cursor line, at maxLines, and
+  before a line that repeats the next non-blank line of the document;
+* always: end before a closing bracket that has no opener (in the cursor
+  line's prefix or the suggestion).
+Post-processing: strip trailing whitespace, trim the end of the suggestion
+that repeats the text right of the cursor, and turn whitespace-only
+suggestions into "" (show nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from completiond.healing import TokenBytes
+
+OPENERS = {"(": ")", "[": "]", "{": "}"}
+CLOSERS = {v: k for k, v in OPENERS.items()}
+BLOCK_OPENER_ENDINGS = (":", "{", "(", "[", "=>")
+MULTILINE_MODES = ("auto", "always", "never")
+
+
+def indent_width(line: str) -> int:
+    """Width of the leading whitespace, tabs counted as 4 columns."""
+    stripped = line.lstrip(" \t")
+    return len(line[: len(line) - len(stripped)].expandtabs(4))
+
+
+def _only_closers(text: str) -> bool:
+    s = "".join(text.split())
+    return all(c in CLOSERS or c in ";,'\"`" for c in s)
+
+
+def wants_multiline(line_prefix: str, line_suffix: str, mode: str = "auto") -> bool:
+    """Whether a suggestion here may span lines.
+
+    Text right of the cursor (other than closing brackets an editor
+    auto-inserted) always means single-line: a multi-line insertion in the
+    middle of a line splits it.
+    """
+    if mode not in MULTILINE_MODES:
+        raise ValueError(f"multiline must be one of {', '.join(MULTILINE_MODES)}, got {mode!r}")
+    if mode == "never":
+        return False
+    if line_suffix.strip() and not _only_closers(line_suffix):
+        return False
+    if mode == "always":
+        return True
+    stripped = line_prefix.rstrip()
+    return not stripped or stripped.endswith(BLOCK_OPENER_ENDINGS)
+
+
+def bracket_scan(text: str) -> tuple[int, list[str]]:
+    """(net depth change, closers that had no opener in text), skipping quoted strings."""
+    depth = 0
+    unmatched: list[str] = []
+    quote = None
+    prev = ""
+    for c in text:
+        if quote:
+            if c == quote and prev != "\\":
+                quote = None
+            elif c == "\n":
+                quote = None
+        elif c in "'\"`":
+            quote = c
+        elif c in OPENERS:
+            depth += 1
+        elif c in CLOSERS:
+            if depth > 0:
+                depth -= 1
+            else:
+                unmatched.append(c)
+        prev = c if prev != "\\" else ""
+    return depth, unmatched
+
+
+def _open_carry(line_prefix: str, line_suffix: str) -> int:
+    """Brackets opened on the cursor line and not closed by the text right of the cursor."""
+    depth, _ = bracket_scan(line_prefix)
+    closers = sum(1 for c in line_suffix if c in CLOSERS)
+    return max(0, depth - closers)
+
+
+@dataclass
+class Cut:
+    pos: int       # character offset in the suggestion text where it ends
+    reason: str
+
+
+class TextRules:
+    """The stop rules on plain text; StopRules adds tokens around them."""
+
+    def __init__(self, line_prefix: str, line_suffix: str = "", following: str = "", multiline: str = "auto",
+                 max_lines: int = 8):
+        self.line_prefix = line_prefix
+        self.line_suffix = line_suffix
+        self.following = following
+        self.max_lines = max(1, int(max_lines))
+        self.multiline = wants_multiline(line_prefix, line_suffix, multiline)
+        self.carry = _open_carry(line_prefix, line_suffix)
+        if line_prefix.strip():
+            # The block is the one the cursor line belongs to; after an
+            # opener, the new block is deeper than the opener's line.
+            self.min_indent = indent_width(line_prefix) + (1 if line_prefix.rstrip().endswith(BLOCK_OPENER_ENDINGS) else 0)
+        else:
+            self.min_indent = indent_width(line_prefix)
+        self.next_line = next((ln.strip() for ln in following.split("\n") if ln.strip()), "")
+
+    def find_cut(self, s: str, final: bool = False) -> Cut | None:
+        """Where the suggestion `s` must end, using only evidence already in `s`.
+
+        final=True: generation is over, so the last (unterminated) line
+        counts as complete.
+        """
+        cut = self._bracket_cut(s)
+        if not self.multiline:
+            nl = s.find("\n")
+            if nl >= 0 and (cut is None or nl < cut.pos):
+                cut = Cut(nl, "single-line")
+            return cut
+        line_cut = self._line_cut(s if cut is None else s[: cut.pos], final or cut is not None)
+        if line_cut is not None:
+            return line_cut
+        return cut
+
+    def _bracket_cut(self, s: str) -> Cut | None:
+        depth = self.carry
+        quote = None
+        prev = ""
+        for i, c in enumerate(s):
+            if quote:
+                if (c == quote and prev != "\\") or c == "\n":
+                    quote = None
+            elif c in "'\"`":
+                quote = c
+            elif c in OPENERS:
+                depth += 1
+            elif c in CLOSERS:
+                depth -= 1
+                if depth < 0:
+                    return Cut(i, "unbalanced closing bracket")
+            prev = c if prev != "\\" else ""
+        return None
+
+    def _line_cut(self, s: str, final: bool) -> Cut | None:
+        lines = s.split("\n")
+        starts = [0]
+        for ln in lines[:-1]:
+            starts.append(starts[-1] + len(ln) + 1)
+        complete = len(lines) - 1 + (1 if final else 0)   # lines[:complete] are finished lines
+        first = 0 if lines[0].strip() else 1                # a suggestion after an opener starts with "\n"
+        depth = self.carry
+        seen_content = bool(lines[0].strip())
+        for i, ln in enumerate(lines):
+            stripped = ln.strip()
+            end_of_prev = starts[i] - 1  # offset of the newline before line i
+            if i > first + self.max_lines - 1 and i >= 1:
+                return Cut(end_of_prev, f"maxLines ({self.max_lines})")
+            if i >= 1 and stripped:
+                ind = indent_width(ln)
+                closes_block = self.carry > 0 and stripped[0] in CLOSERS
+                if ind < self.min_indent and not closes_block:
+                    return Cut(_trim_blank_tail(s, end_of_prev), "dedent out of the cursor's block")
+                if ind == 0 and self.min_indent == 0 and seen_content and i >= 2 and not lines[i - 1].strip():
+                    return Cut(_trim_blank_tail(s, end_of_prev), "top-level code after a blank line")
+            if i < complete and stripped and stripped == self.next_line and (i >= 1 or not self.line_prefix.strip()):
+                return Cut(_trim_blank_tail(s, end_of_prev) if i >= 1 else 0, "repeats the next line of the document")
+            d, unmatched = bracket_scan(ln)
+            before = depth
+            depth += d - len(unmatched)
+            if self.carry > 0 and i >= 1 and before > 0 and depth <= 0 and i < complete:
+                return Cut(starts[i] + len(ln), "block closed")
+            if stripped:
+                seen_content = True
+        return None
+
+
+def _trim_blank_tail(s: str, pos: int) -> int:
+    """Move a cut back over blank lines so the suggestion does not end with them."""
+    if pos < 0:
+        return 0
+    head = s[:pos]
+    return len(head.rstrip(" \t\n"))
+
+
+def _bracket_net(text: str) -> int:
+    depth = 0
+    for c in text:
+        if c in OPENERS:
+            depth += 1
+        elif c in CLOSERS:
+            depth -= 1
+    return depth
+
+
+def trim_suffix_overlap(s: str, line_suffix: str) -> str:
+    """Remove the end of `s` that repeats the start of the text right of the cursor.
+
+    `foo(|)` + "a, b)" -> "a, b"; a lone closing bracket is only removed if
+    the suggestion closes more brackets than it opens (`f(a)` stays).
+    """
+    ls = line_suffix.strip()
+    body = s.rstrip()
+    if not ls or not body:
+        return s
+    for k in range(min(len(body), len(ls)), 0, -1):
+        overlap = ls[:k]
+        if not body.endswith(overlap):
+            continue
+        meaningful = sum(1 for c in overlap if not c.isspace() and c not in CLOSERS) >= 2
+        if meaningful or _bracket_net(body) < 0:
+            return body[: len(body) - k]
+    return s
+
+
+def postprocess(s: str, rules: TextRules) -> str:
+    """Final suggestion text from raw generated text ('' means show nothing)."""
+    cut = rules.find_cut(s, final=True)
+    if cut is not None:
+        s = s[: cut.pos]
+    keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
+    s = s.rstrip()
+    s = trim_suffix_overlap(s, rules.line_suffix).rstrip()
+    if not s.strip():
+        return ""
+    if keep_newline:
+        # The closer right of the cursor then lands on its own line, at the
+        # opener's indentation, instead of being glued to the last line.
+        s += "\n" + rules.line_prefix[: len(rules.line_prefix) - len(rules.line_prefix.lstrip())]
+    return s
+
+
+class StopRules:
+    """Engine stop callback for one request, plus the final suggestion.
+
+    healed: text token healing removed from the prompt; the model first
+    regenerates it and the rules only look at what follows.
+    """
+
+    def __init__(self, token_bytes: TokenBytes, line_prefix: str, line_suffix: str = "", following: str = "",
+                 multiline: str = "auto", max_lines: int = 8, stop_ids: Iterable[int] = (), healed: str = ""):
+        self.table = token_bytes
+        self.rules = TextRules(line_prefix, line_suffix, following, multiline, max_lines)
+        self.stop_ids = frozenset(stop_ids)
+        self.healed = healed
+        self.healed_bytes = healed.encode("utf-8")
+        self.reason: str | None = None
+        self._ends: list[int] = []      # cumulative byte end of each processed token
+        self._data = bytearray()
+
+    @classmethod
+    def for_prompt(cls, prompt, template, multiline: str = "auto", max_lines: int = 8,
+                   token_bytes: TokenBytes | None = None) -> "StopRules":
+        """Rules for a completiond.prompt.Prompt and its models.fim template."""
+        table = token_bytes or TokenBytes.for_tokenizer(template.tokenizer)
+        healed = prompt.healing.removed if prompt.healing is not None else ""
+        return cls(table, prompt.line_prefix, prompt.line_suffix, prompt.following, multiline, max_lines,
+                   template.stop_ids, healed)
+
+    @property
+    def multiline(self) -> bool:
+        return self.rules.multiline
+
+    def _sync(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < len(self._ends):
+            self._ends.clear()
+            self._data.clear()
+        for t in tokens[len(self._ends):]:
+            self._data += self.table[t] or b""
+            self._ends.append(len(self._data))
+
+    def _stop_index(self, tokens: Sequence[int]) -> int | None:
+        for i, t in enumerate(tokens):
+            if t in self.stop_ids:
+                return i
+        return None
+
+    def _text(self, n_tokens: int) -> tuple[str, int] | None:
+        """Suggestion text of the first n tokens and its byte offset in the stream, or None while healing."""
+        end = self._ends[n_tokens - 1] if n_tokens else 0
+        data = bytes(self._data[:end])
+        h = len(self.healed_bytes)
+        if len(data) < h or not data.startswith(self.healed_bytes):
+            return None
+        return data[h:].decode("utf-8", errors="surrogateescape"), h
+
+    def _tokens_for(self, char_pos: int, s: str, base: int) -> int:
+        """Tokens to keep so that the first char_pos characters of s are covered."""
+        cut_byte = base + len(s[:char_pos].encode("utf-8", errors="surrogateescape"))
+        if cut_byte <= 0:
+            return 0
+        n = 0
+        for i, end in enumerate(self._ends):
+            start = self._ends[i - 1] if i else 0
+            if start >= cut_byte:
+                break
+            n = i + 1
+        return n
+
+    def __call__(self, tokens: Sequence[int]) -> int | None:
+        """None to go on, or how many tokens to keep (see the module doc)."""
+        self._sync(tokens)
+        limit = len(tokens)
+        stop_at = self._stop_index(tokens)
+        if stop_at is not None:
+            limit = stop_at
+            self.reason = "stop token"
+        got = self._text(limit)
+        if got is None:
+            return stop_at
+        s, base = got
+        cut = self.rules.find_cut(s, final=stop_at is not None)
+        if cut is None:
+            return stop_at
+        self.reason = cut.reason
+        return min(limit, self._tokens_for(cut.pos, s, base))
+
+    def suggestion(self, tokens: Sequence[int]) -> str:
+        """The text to show after the cursor for the generated tokens ('' = nothing)."""
+        self._sync(tokens)
+        limit = len(tokens)
+        stop_at = self._stop_index(tokens)
+        if stop_at is not None:
+            limit = stop_at
+        got = self._text(limit)
+        if got is None:
+            return ""
+        s, _ = got
+        s = s.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="ignore")
+        return postprocess(s, self.rules)

@@ -1,0 +1,119 @@
+"""Token healing: the constraint makes the output start with the backed-off text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from completiond.healing import Healing, TokenBytes, TokenHealer
+from tests.conftest import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("heal-tok")
+    build_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture(scope="module")
+def healer(tok):
+    return TokenHealer.for_tokenizer(tok)
+
+
+def greedy(healing: Healing, vocab: int, steps: int, seed: int) -> list[int]:
+    """Decode with random scores under the constraint: a stand-in for any model."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(steps):
+        scores = torch.randn(vocab, generator=g)
+        mask = healing.constraint(out)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out.append(int(scores.argmax()))
+    return out
+
+
+def test_token_bytes_round_trip(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    for text in ["def add(a, b):\n    return a + b", "  ünïcödé € 😀\t\n", "self.x ** 2"]:
+        assert table.join(tok.encode(text, add_special_tokens=False)) == text.encode()
+    assert table[tok.convert_tokens_to_ids("<|endoftext|>")] is None
+    assert TokenBytes.for_tokenizer(tok) is table
+
+
+def test_heal_backs_off_partial_word(tok, healer):
+    ids = tok.encode("        self.x = x\n        self.no", add_special_tokens=False)
+    kept, healing = healer.heal(ids)
+    assert healing is not None
+    assert tok.decode(kept) + healing.removed == "        self.x = x\n        self.no"
+    assert healing.removed and "no".endswith(healing.removed)
+
+
+def test_never_backs_off_a_newline(tok, healer):
+    ids = tok.encode("x = 1\n", add_special_tokens=False)
+    _, healing = healer.heal(ids)
+    assert healing is None
+
+
+def test_allowed_ids_are_exactly_the_consistent_tokens(tok, healer):
+    table = TokenBytes.for_tokenizer(tok)
+    for remaining in [b"no", b"self", b" ", b"x", b"rm()"]:
+        allowed = set(healer.allowed_ids(remaining))
+        expected = {i for i, b in enumerate(table.table)
+                    if b and (remaining.startswith(b) or b.startswith(remaining))}
+        assert allowed == expected
+        mask = healer.mask(remaining)
+        assert mask.dtype == torch.bool and mask.shape == (healer.vocab_size,)
+        assert set(torch.nonzero(mask).flatten().tolist()) == expected
+
+
+def test_mask_has_model_vocab_size(tok):
+    h = TokenHealer(tok, vocab_size=len(tok) + 37)
+    assert h.mask(b"se").shape == (len(tok) + 37,)
+    assert not h.mask(b"se")[len(tok):].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_.( =:\n", min_size=1, max_size=40), seed=st.integers(0, 10**6))
+def test_healed_output_starts_with_removed_text(tok, healer, prefix, seed):
+    ids = tok.encode(prefix, add_special_tokens=False)
+    kept, healing = healer.heal(ids)
+    if healing is None:
+        return
+    out = greedy(healing, len(tok), steps=len(healing.removed) + 3, seed=seed)
+    text = TokenBytes.for_tokenizer(tok).text(out)
+    assert text.startswith(healing.removed)
+    assert healing.output_text(out) == text[len(healing.removed):]
+    # The prompt plus the output reproduces the typed text, then continues.
+    assert (tok.decode(kept) + text).startswith(prefix)
+
+
+def test_constraint_lifts_after_the_removed_text(tok, healer):
+    ids = tok.encode("print(add", add_special_tokens=False)
+    _, healing = healer.heal(ids)
+    done = tok.encode(healing.removed, add_special_tokens=False)
+    assert healing.constraint(done) is None
+    assert healing.constraint([]) is not None
+
+
+def test_healing_with_the_tiny_model_engine(tiny_model_dir):
+    from completiond.engine import Engine, SamplingParams
+
+    engine = Engine.load(model=str(tiny_model_dir), device="cpu")
+    vocab = engine.model.get_input_embeddings().weight.shape[0]
+    healer = TokenHealer(engine.tokenizer, vocab_size=vocab)
+    ids = engine.tokenizer.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.no",
+                                  add_special_tokens=False)
+    kept, healing = healer.heal(ids)
+    assert healing is not None
+    for speculative in (False, True):
+        gen = engine.generate(kept, SamplingParams(max_tokens=6, speculative=speculative, exit_layer=2 if speculative else None),
+                              constraint=healing.constraint)
+        text = TokenBytes.for_tokenizer(engine.tokenizer).text(gen.tokens)
+        assert text.startswith(healing.removed) or healing.removed.startswith(text)

@@ -1,0 +1,129 @@
+"""Prompt builder: cache-friendly layout, budgets, stable window, bounded work, skips."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from completiond.config import Config
+from completiond.healing import TokenHealer
+from completiond.prompt import PromptBuilder, PromptOptions
+from models.fim import make_template
+from tests.conftest import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("prompt-tok")
+    build_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture()
+def builder(tok):
+    return PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=200, suffix_tokens=60, chunk_lines=8),
+                         TokenHealer.for_tokenizer(tok))
+
+
+def document(n=300):
+    return "".join(f"def f{i}(a, b):\n    return a + b * {i}\n" for i in range(n))
+
+
+def test_spm_prompt_ends_with_the_prefix(tok, builder):
+    doc = document(20)
+    cur = doc.index("return a + b * 10") + len("return a")
+    p = builder.build(doc, cur, heal=False)
+    text = tok.decode(p.ids)
+    assert text.startswith("<|fim_prefix|><|fim_suffix|>")
+    suffix, prefix = text[len("<|fim_prefix|><|fim_suffix|>"):].split("<|fim_middle|>")
+    assert doc[:cur].endswith(prefix) and doc[cur:].startswith(suffix)
+    assert suffix.endswith("\n") and (p.prefix_start == 0 or doc[p.prefix_start - 1] == "\n")
+
+
+def test_typing_only_appends_tokens(tok, builder):
+    doc = document()
+    cur = doc.index("return a + b * 150") + len("return a + b")
+    first = builder.build(doc, cur, heal=False)
+    for ch in " * 1":
+        doc = doc[:cur] + ch + doc[cur:]
+        cur += 1
+        nxt = builder.build(doc, cur, heal=False)
+        common = len(os.path.commonprefix([first.ids, nxt.ids]))
+        # Everything before the cursor line's tokens is unchanged.
+        assert common >= len(first.ids) - first.cursor_line_tokens
+        assert nxt.prefix_start == first.prefix_start
+        first = nxt
+
+
+def test_window_start_is_chunk_aligned_and_stable(builder):
+    doc = document()
+    starts = set()
+    line_starts = [i + 1 for i, c in enumerate(doc) if c == "\n"]
+    for line_start in line_starts[200:204]:
+        p = builder.build(doc, line_start + 4)
+        assert doc.count("\n", 0, p.prefix_start) % 8 == 0
+        starts.add(p.prefix_start)
+    assert len(starts) <= 2  # moving down a few lines jumps at most one chunk
+
+
+def test_budgets_respected(tok, builder):
+    doc = document()
+    p = builder.build(doc, len(doc) // 2)
+    assert len(p.prefix_ids) <= 200
+    assert len(p.suffix_ids) <= 60
+    assert len(p.ids) <= 200 + 60 + 3
+
+
+def test_huge_document_tokenizes_a_bounded_window(tok):
+    b = PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=64, suffix_tokens=32))
+    doc = document(100_000)   # ~3 MB
+    b.build(doc, len(doc) // 2)
+    assert b.tokenized_chars < (64 + 32) * 8
+
+
+def test_skip_reasons(builder):
+    assert "binary" in builder.build("abc\x00def", 3).skip_reason
+    minified = "var a=1;" * 2000
+    assert "minified" in builder.build(minified, 100).skip_reason
+    tiny = PromptBuilder(builder.template, PromptOptions(max_document_chars=100))
+    assert "too large" in tiny.build("x" * 50 + "\n" * 60, 10).skip_reason
+    assert "outside" in builder.build("abc", 7).skip_reason
+    assert builder.build("abc", 3).skip_reason is None
+
+
+def test_healing_removes_the_partial_word(tok, builder):
+    doc = "class P:\n    def norm(self):\n        return self.no\n"
+    cur = doc.index("self.no") + len("self.no")
+    p = builder.build(doc, cur)
+    assert p.healing is not None and "no".endswith(p.healing.removed)
+    text = tok.decode(p.ids)
+    assert text.endswith("return self." + "no"[: 2 - len(p.healing.removed)])
+
+
+def test_context_block_before_fim_and_within_budget(tok):
+    t = make_template(tok)
+    b = PromptBuilder(t, PromptOptions(prefix_tokens=100, suffix_tokens=20, context_tokens=40))
+    ctx = [("a.py", "x = 1\n"), ("b.py", "def add(a, b):\n    return a + b\n" * 20)]
+    p = b.build("print(x)\n", 6, context=ctx, path="main.py")
+    assert len(p.context_ids) <= 40
+    text = tok.decode(p.ids)
+    assert text.startswith("<|file_sep|>a.py\nx = 1\n<|file_sep|>main.py\n<|fim_prefix|>")
+    # Same context, different keystroke: the context ids are identical (KV reuse).
+    assert b.build("print(x)\n", 7, context=ctx, path="main.py").context_ids == p.context_ids
+
+
+def test_options_from_config():
+    cfg = Config()
+    o = PromptOptions.from_config(cfg, max_context=512)
+    assert o.prefix_tokens == cfg.prefix_tokens and o.suffix_tokens == cfg.suffix_tokens
+    assert o.max_prompt_tokens == 512 - cfg.max_tokens
+
+
+def test_max_prompt_caps_everything(tok):
+    b = PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=1024, suffix_tokens=256, max_prompt_tokens=100))
+    doc = document()
+    p = b.build(doc, len(doc) // 2)
+    assert len(p.ids) <= 100

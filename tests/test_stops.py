@@ -1,0 +1,135 @@
+"""Stop rules on fixture snippets, the token-level callback, and post-processing."""
+
+from __future__ import annotations
+
+import pytest
+
+from completiond.healing import TokenBytes
+from completiond.stops import StopRules, TextRules, postprocess, trim_suffix_overlap, wants_multiline
+from tests.conftest import build_tokenizer
+
+
+def final(line_prefix, generated, line_suffix="", following="", multiline="auto", max_lines=8):
+    return postprocess(generated, TextRules(line_prefix, line_suffix, following, multiline, max_lines))
+
+
+def test_multiline_decision():
+    assert not wants_multiline("    x = fo", "")
+    assert not wants_multiline("foo(", "a, b)")          # mid-line
+    assert wants_multiline("def f(x):", "")
+    assert wants_multiline("    ", "")                   # empty line
+    assert wants_multiline("function f() {", "}")       # only an auto-closed bracket to the right
+    assert not wants_multiline("def f(x):", "", "never")
+    assert wants_multiline("    x = fo", "", "always")
+    with pytest.raises(ValueError):
+        wants_multiline("", "", "sometimes")
+
+
+def test_single_line_mid_line():
+    assert final("    return self.ap", "pend(x)\n    more()\n") == "pend(x)"
+    assert final("x = ", "1\ny = 2", multiline="never") == "1"
+
+
+def test_dedent_out_of_block():
+    got = final("def f(x):", "\n    y = x + 1\n    return y\n\n\ndef g():\n    pass\n")
+    assert got == "\n    y = x + 1\n    return y"
+
+
+def test_dedent_on_empty_indented_line():
+    assert final("    ", "if x:\n        y()\n    z = 1\nw = 2\n") == "if x:\n        y()\n    z = 1"
+
+
+def test_blank_line_then_top_level_code():
+    assert final("", "import os\nimport sys\n\n\ndef main():\n    pass\n") == "import os\nimport sys"
+
+
+def test_unbalanced_closing_bracket():
+    assert final("foo(a, ", "b))", multiline="never") == "b)"
+    assert final("x = [", "\n    1,\n    2,\n]\ny = 3") == "\n    1,\n    2,\n]"
+
+
+def test_brace_block_closed():
+    assert final("function f() {", "\n  return 1;\n}\n\nfoo();") == "\n  return 1;\n}"
+
+
+def test_max_lines():
+    got = final("def f():", "\n    a = 1\n    b = 2\n    c = 3\n    d = 4\n", max_lines=2)
+    assert got == "\n    a = 1\n    b = 2"
+
+
+def test_repeat_of_following_line_is_cut():
+    got = final("    ", "y = 2\n    return y\n", following="    return y\n")
+    assert got == "y = 2"
+
+
+def test_suffix_overlap_trimmed():
+    assert trim_suffix_overlap("a, b)", ")") == "a, b"
+    assert trim_suffix_overlap("f(a)", ")") == "f(a)"          # balanced: the ")" is the model's own
+    assert trim_suffix_overlap("x, y):", "):") == "x, y"
+    assert final("foo(", "a, b)", line_suffix=")") == "a, b"
+    assert final("print(", '"hi")', line_suffix=")") == '"hi"'
+
+
+def test_whitespace_only_is_empty():
+    assert final("    ", "   \n  \n") == ""
+    assert final("x = ", "   ") == ""
+
+
+def test_closer_right_of_cursor_goes_to_its_own_line():
+    got = final("function f() {", "\n  return 1;\n}", line_suffix="}")
+    assert got == "\n  return 1;\n"
+
+
+# -- the engine callback on real tokens -------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("stops-tok")
+    build_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+def feed(rules, ids, round_size=3):
+    """Call the stop callback like the engine does: after each round, with all tokens."""
+    out = []
+    for i in range(0, len(ids), round_size):
+        out.extend(ids[i:i + round_size])
+        keep = rules(out)
+        if keep is not None:
+            return out[:keep]
+    return out
+
+
+def test_callback_keeps_the_tokens_of_the_suggestion(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    text = "\n        return self.x\n\n    def norm(self):\n        pass\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    rules = StopRules(table, "    def get(self):", max_lines=8)
+    kept = feed(rules, ids)
+    assert len(kept) < len(ids)                       # stopped early: no rounds past the stop
+    assert rules.suggestion(kept) == "\n        return self.x"
+    assert "dedent" in rules.reason
+
+
+def test_callback_cut_inside_a_token(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    ids = tok.encode("x)\nfoo", add_special_tokens=False)
+    rules = StopRules(table, "print(", line_suffix=")", multiline="never")
+    kept = feed(rules, ids, round_size=1)
+    assert table.text(kept).startswith("x")
+    assert rules.suggestion(kept) == "x"
+    # Without the ")" right of the cursor, the model's ")" closes "print(".
+    assert StopRules(table, "print(", multiline="never").suggestion(ids) == "x)"
+
+
+def test_stop_tokens_and_healed_text(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    sep = tok.convert_tokens_to_ids("<|file_sep|>")
+    ids = tok.encode("norm()", add_special_tokens=False) + [sep] + tok.encode(" junk", add_special_tokens=False)
+    rules = StopRules(table, "        return self.", stop_ids={eot, sep}, healed="no")
+    kept = feed(rules, ids, round_size=2)
+    assert sep not in kept
+    assert rules.suggestion(kept) == "rm()"
