@@ -1,0 +1,360 @@
+"""Latest-wins scheduling, cancellation and fairness, with a fake engine (no torch)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from completiond import config
+from completiond.daemon import Service, ServiceError
+from completiond.scheduler import CANCELLED, OK, Job, Overloaded, Scheduler
+from completiond.wire import Code
+
+
+class CharTokenizer:
+    """One token per character; id 0 is EOS. Enough tokenizer for the completion glue."""
+
+    bos_token_id = None
+    all_special_ids = [0]
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(i) for i in ids if i)
+
+    def get_vocab(self):
+        return {}
+
+
+@dataclass
+class FakeStats:
+    prompt_tokens: int
+    reused_tokens: int
+    rounds: int = 0
+    generated_tokens: int = 0
+
+    def to_dict(self):
+        return {"prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens, "rounds": self.rounds,
+                "generated_tokens": self.generated_tokens, "alpha": 0.5, "tokens_per_s": 100.0}
+
+
+@dataclass
+class FakeGeneration:
+    tokens: list
+    finish_reason: str
+    stats: FakeStats
+
+
+@dataclass
+class FakeEngine:
+    """Generates `continuation` a few characters per round, sleeping `round_s` per round."""
+
+    continuation: str = "x = 1\n"
+    per_round: int = 2
+    round_s: float = 0.0
+    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
+    model_id: str = "fake"
+    device: str = "cpu"
+    eos_token_ids: set = field(default_factory=lambda: {0})
+    max_context: int = 4096
+    calls: list = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
+    last_prompt: list = field(default_factory=list)
+
+    def generate(self, prompt_ids, params, cancel=None, on_round=None, stop=None, constraint=None):
+        reused = 0
+        for a, b in zip(self.last_prompt, prompt_ids):
+            if a != b:
+                break
+            reused += 1
+        self.last_prompt = list(prompt_ids)
+        stats = FakeStats(prompt_tokens=len(prompt_ids), reused_tokens=reused)
+        self.calls.append(stats)
+        self.started.set()
+        script = self.tokenizer.encode(self.continuation) + [0]
+        out: list[int] = []
+        finish = "length"
+        while len(out) < params.max_tokens:
+            if cancel is not None and cancel.cancelled:
+                finish = "cancelled"
+                break
+            time.sleep(self.round_s)
+            stats.rounds += 1
+            new = script[len(out):len(out) + self.per_round]
+            if 0 in new:
+                out += new[:new.index(0)]
+                finish = "eos"
+                break
+            out += new
+            if stop is not None and (keep := stop(out)) is not None:
+                del out[keep:]
+                finish = "stop"
+                break
+            if on_round:
+                on_round(list(out))
+        stats.generated_tokens = len(out)
+        return FakeGeneration(out, finish, stats)
+
+
+def make_job(sched_results, key, client, rid, run):
+    def done(outcome):
+        sched_results[rid] = outcome
+    return Job(key=key, client=client, request_id=rid, run=run, done=done)
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_queued_job_superseded_without_running():
+    sched = Scheduler()
+    gate = threading.Event()
+    ran = []
+    results = {}
+    try:
+        sched.submit(make_job(results, "other", "c", 0, lambda tok: gate.wait(5)))
+        wait_for(lambda: sched.snapshot()["running"])
+        sched.submit(make_job(results, "doc", "c", 1, lambda tok: ran.append(1)))
+        sched.submit(make_job(results, "doc", "c", 2, lambda tok: ran.append(2) or "two"))
+        assert results[1].status == CANCELLED and results[1].reason == "superseded"
+        gate.set()
+        wait_for(lambda: 2 in results)
+        assert results[2].status == OK and results[2].value == "two"
+        assert ran == [2]
+    finally:
+        sched.stop()
+
+
+def test_running_job_cancelled_by_newer_request():
+    sched = Scheduler()
+    results = {}
+    started = threading.Event()
+
+    def slow(token):
+        started.set()
+        while not token.cancelled:
+            time.sleep(0.001)
+        return "partial"
+
+    try:
+        sched.submit(make_job(results, "doc", "c", 1, slow))
+        assert started.wait(5)
+        sched.submit(make_job(results, "doc", "c", 2, lambda tok: "fresh"))
+        wait_for(lambda: 2 in results)
+        assert results[1].status == CANCELLED and results[1].reason == "superseded"
+        assert results[2].value == "fresh"
+        assert sched.counts["superseded_running"] == 1
+    finally:
+        sched.stop()
+
+
+def test_cancel_by_id_queued_and_running():
+    sched = Scheduler()
+    results = {}
+    started = threading.Event()
+
+    def slow(token):
+        started.set()
+        while not token.cancelled:
+            time.sleep(0.001)
+
+    try:
+        sched.submit(make_job(results, "a", "c", 1, slow))
+        assert started.wait(5)
+        sched.submit(make_job(results, "b", "c", 2, lambda tok: "b"))
+        assert sched.cancel(2)
+        assert results[2].status == CANCELLED
+        assert sched.cancel(1)
+        wait_for(lambda: 1 in results)
+        assert results[1].status == CANCELLED and results[1].reason == "cancelled"
+        assert not sched.cancel(99)
+    finally:
+        sched.stop()
+
+
+def test_round_robin_across_clients():
+    sched = Scheduler()
+    gate = threading.Event()
+    order = []
+    results = {}
+    try:
+        sched.submit(make_job(results, "block", "z", 0, lambda tok: gate.wait(5)))
+        wait_for(lambda: sched.snapshot()["running"])
+        for i in range(3):
+            sched.submit(make_job(results, f"a{i}", "A", f"a{i}", lambda tok, i=i: order.append(f"a{i}")))
+        sched.submit(make_job(results, "b0", "B", "b0", lambda tok: order.append("b0")))
+        gate.set()
+        wait_for(lambda: len(order) == 4)
+        assert order.index("b0") <= 1, order
+    finally:
+        sched.stop()
+
+
+def test_bounded_queue_fails_fast():
+    sched = Scheduler(max_pending=3, max_pending_per_client=2)
+    gate = threading.Event()
+    results = {}
+    try:
+        sched.submit(make_job(results, "block", "z", 0, lambda tok: gate.wait(5)))
+        wait_for(lambda: sched.snapshot()["running"])
+        sched.submit(make_job(results, "d1", "A", 1, lambda tok: None))
+        sched.submit(make_job(results, "d2", "A", 2, lambda tok: None))
+        with pytest.raises(Overloaded):
+            sched.submit(make_job(results, "d3", "A", 3, lambda tok: None))
+        # Superseding an already-queued document is always allowed: it does not grow the queue.
+        sched.submit(make_job(results, "d2", "A", 4, lambda tok: None))
+        sched.submit(make_job(results, "e1", "B", 5, lambda tok: None))
+        with pytest.raises(Overloaded):
+            sched.submit(make_job(results, "e2", "B", 6, lambda tok: None))
+        gate.set()
+        wait_for(lambda: all(k in results for k in (0, 1, 2, 4, 5)))
+    finally:
+        sched.stop()
+
+
+def test_job_exception_does_not_kill_worker():
+    sched = Scheduler()
+    results = {}
+    try:
+        sched.submit(make_job(results, "a", "c", 1, lambda tok: 1 / 0))
+        sched.submit(make_job(results, "b", "c", 2, lambda tok: "ok"))
+        wait_for(lambda: 2 in results)
+        assert results[1].status == "error" and isinstance(results[1].value, ZeroDivisionError)
+        assert results[2].value == "ok"
+    finally:
+        sched.stop()
+
+
+def test_stop_answers_queued_jobs():
+    sched = Scheduler()
+    gate = threading.Event()
+    results = {}
+    sched.submit(make_job(results, "block", "z", 0, lambda tok: gate.wait(0.2)))
+    wait_for(lambda: sched.snapshot()["running"])
+    sched.submit(make_job(results, "a", "c", 1, lambda tok: None))
+    sched.stop()
+    assert results[1].status == CANCELLED and results[1].reason == "shutdown"
+
+
+# --- the Service: documents + scheduler + completion glue, fake engine ---------------------------
+
+
+async def ready_service(engine: FakeEngine, **kw) -> Service:
+    cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
+    service = Service(cfg, loader=lambda _cfg: engine, **kw)
+    service.start_loading()
+    for _ in range(500):
+        if service.state == "ready":
+            return service
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"service never ready: {service.state} {service.error}")
+
+
+async def test_service_completes_with_version():
+    service = await ready_service(FakeEngine(continuation="urn a + b\nmore"))
+    try:
+        text = "def add(a, b):\n    ret"
+        service.open(1, "file:///a.py", 3, text)
+        result = await service.complete(1, 1, "file:///a.py", 3, len(text))
+        assert result["version"] == 3
+        assert result["suggestion"]["text"] == "urn a + b"
+        assert result["suggestion"]["start"] == result["suggestion"]["end"] == len(text)
+    finally:
+        service.shutdown()
+
+
+async def test_service_rejects_stale_version_and_unknown_document():
+    service = await ready_service(FakeEngine())
+    try:
+        service.open(1, "file:///a.py", 1, "x")
+        service.change(1, "file:///a.py", 2, [[1, 1, "y"]])
+        with pytest.raises(ServiceError) as err:
+            await service.complete(1, 1, "file:///a.py", 1, 1)
+        assert err.value.code == Code.UNKNOWN_DOCUMENT
+        with pytest.raises(ServiceError) as err:
+            await service.complete(1, 2, "file:///b.py", 1, 0)
+        assert err.value.code == Code.UNKNOWN_DOCUMENT
+        # A bad edit desynchronises the document: it is dropped so the client resends it.
+        with pytest.raises(ServiceError):
+            service.change(1, "file:///a.py", 3, [[5, 9, "z"]])
+        assert (1, "file:///a.py") not in service.documents
+    finally:
+        service.shutdown()
+
+
+async def test_service_burst_only_last_completes():
+    engine = FakeEngine(continuation="abcdefghijklmnopqrstuvwxyz", per_round=1, round_s=0.01)
+    service = await ready_service(engine)
+    try:
+        text = "x = "
+        service.open(1, "u", 0, text)
+        tasks = []
+        for i in range(20):
+            text += "a"
+            service.change(1, "u", i + 1, [[len(text) - 1, len(text) - 1, "a"]])
+            tasks.append(asyncio.ensure_future(service.complete(1, i, "u", i + 1, len(text))))
+            await asyncio.sleep(0.002)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(results) == 20
+        done = [r for r in results if isinstance(r, dict)]
+        cancelled = [r for r in results if isinstance(r, ServiceError) and r.code == Code.CANCELLED]
+        assert len(done) == 1 and len(cancelled) == 19
+        assert done[0]["version"] == 20
+        stats = service.stats()
+        assert stats["superseded"] == 19
+        assert stats["wasted_rounds_per_superseded"] <= 1.0
+    finally:
+        service.shutdown()
+
+
+async def test_service_cancel_stops_engine_promptly():
+    engine = FakeEngine(continuation="a" * 1000, per_round=1, round_s=0.005)
+    service = await ready_service(engine)
+    try:
+        cfg_tokens = {"maxTokens": 1000}
+        service.open(1, "u", 0, "x = ")
+        task = asyncio.ensure_future(service.complete(1, 7, "u", 0, 4, cfg_tokens))
+        await asyncio.get_running_loop().run_in_executor(None, engine.started.wait, 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not service.scheduler.busy:
+                break
+            await asyncio.sleep(0.01)
+        assert not service.scheduler.busy
+        assert engine.calls[-1].rounds < 500
+        assert service.stats()["cancelled"] == 1
+    finally:
+        service.shutdown()
+
+
+async def test_service_load_failure_reports_error():
+    def boom(_cfg):
+        raise OSError("no such model: /nope")
+
+    service = Service(config.Config(), loader=boom)
+    statuses = []
+    service.listeners.append(statuses.append)
+    service.start_loading()
+    for _ in range(300):
+        if service.state == "error":
+            break
+        await asyncio.sleep(0.01)
+    try:
+        assert service.state == "error" and "/nope" in service.error
+        assert [s["state"] for s in statuses][-1] == "error"
+        service.open(1, "u", 0, "x")
+        with pytest.raises(ServiceError) as err:
+            await service.complete(1, 1, "u", 0, 0)
+        assert err.value.code == Code.NOT_READY
+    finally:
+        service.shutdown()

@@ -1,0 +1,67 @@
+"""Frame encoding and the limits checked before and while decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+
+from completiond import wire
+
+
+async def feed(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader(limit=wire.MAX_FRAME + 64)
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+async def test_round_trip_and_clean_eof():
+    msg = {"id": 1, "m": "complete", "p": {"uri": "file:///é.py", "offset": 3, "edits": [[0, 1, "x"]]}}
+    reader = await feed(wire.encode(msg) + wire.encode({"m": "cancel", "p": {"id": 1}}))
+    assert await wire.read_message(reader) == msg
+    assert (await wire.read_message(reader))["m"] == "cancel"
+    assert await wire.read_message(reader) is None
+
+
+@pytest.mark.parametrize("data, reason", [
+    (struct.pack(">I", wire.MAX_FRAME + 1), "exceeds"),
+    (b"GET / HTTP/1.1\r\n\r\n", "exceeds"),
+    (struct.pack(">I", 0), "empty frame"),
+    (b"\x00\x00", "frame header"),
+    (struct.pack(">I", 10) + b"abc", "inside a frame"),
+    (struct.pack(">I", 1) + b"\xc1", "undecodable"),
+    (struct.pack(">I", 3) + b"\x93\x01\x02", "undecodable"),     # array of 3 with only 2 items
+    (lambda: wire.HEADER.pack(len(p := msgpack.packb([1, 2]))) + p, "expected a map"),
+    (lambda: wire.HEADER.pack(len(p := msgpack.packb({1: 2}))) + p, "undecodable"),       # strict_map_key
+    (lambda: wire.HEADER.pack(len(p := msgpack.packb({"a": list(range(20000))}))) + p, "max_array_len"),
+    (lambda: wire.HEADER.pack(len(p := msgpack.packb({"a": b"x" * 100000}))) + p, "max_bin_len"),
+    (lambda: wire.HEADER.pack(len(p := b"\x81\xa1a" + b"\x91" * 40 + b"\x01")) + p, "nested deeper"),
+    (lambda: wire.HEADER.pack(len(p := b"\x81\xa1a\xa2\xff\xfe")) + p, "undecodable"),      # invalid UTF-8 string
+])
+async def test_bad_frames_raise_frame_error(data, reason):
+    if callable(data):
+        data = data()
+    reader = await feed(data)
+    with pytest.raises(wire.FrameError, match=reason):
+        await wire.read_message(reader)
+
+
+async def test_oversized_length_is_rejected_before_reading_payload():
+    reader = asyncio.StreamReader()
+    reader.feed_data(struct.pack(">I", 1 << 31))  # no payload follows: we must not wait for it
+    with pytest.raises(wire.FrameError):
+        await asyncio.wait_for(wire.read_message(reader), 1)
+
+
+def test_encode_refuses_oversized_message():
+    with pytest.raises(wire.ProtocolError):
+        wire.encode({"text": "x" * (wire.MAX_FRAME + 1)})
+
+
+def test_parse_error():
+    err = wire.parse_error({"code": wire.Code.OVERLOADED, "message": "busy"})
+    assert err.code == wire.Code.OVERLOADED and "busy" in str(err)
+    assert wire.parse_error("junk").code == wire.Code.INTERNAL
