@@ -82,6 +82,7 @@ class Stats:
     exit_layer: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    last_drafted: int = field(default=0, repr=False)
 
     @property
     def alpha(self) -> float:
@@ -98,6 +99,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["last_drafted"]
         d.update(alpha=self.alpha, mean_accepted_per_round=self.mean_accepted_per_round, tokens_per_s=self.tokens_per_s)
         return d
 
@@ -188,11 +190,6 @@ class Engine:
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
         self._vocab = cfg.vocab_size
-        # Running estimates that choose K each round (see choose_k).
-        self._alpha = {}  # exit layer -> EMA of per-token acceptance
-        self._draft_ms = {}  # exit layer -> EMA of one draft step
-        self._verify_ms = {}  # exit layer -> EMA of one verify pass
-        self._plain_ms = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -358,38 +355,12 @@ class Engine:
         seq.commit([pending] + proposal.tokens[:m])
         t2 = time.perf_counter()
         stats.rounds += 1
+        stats.last_drafted = k
         stats.drafted += k
         stats.accepted += m
         stats.draft_ms += 1000 * (t1 - t0)
         stats.verify_ms += 1000 * (t2 - t1)
-        self._observe(draft.exit_layer, k, m, 1000 * (t1 - t0), 1000 * (t2 - t1))
         return proposal.tokens[:m] + [nxt]
-
-    def _observe(self, exit_layer: int, k: int, m: int, draft_ms: float, verify_ms: float) -> None:
-        if k == 0:
-            return
-        beta = 0.2
-        a = self._alpha.get(exit_layer, 0.7)
-        self._alpha[exit_layer] = (1 - beta) * a + beta * (m / k)
-        self._draft_ms[exit_layer] = (1 - beta) * self._draft_ms.get(exit_layer, draft_ms / k) + beta * draft_ms / k
-        self._verify_ms[exit_layer] = (1 - beta) * self._verify_ms.get(exit_layer, verify_ms) + beta * verify_ms
-
-    def choose_k(self, exit_layer: int, k_max: int) -> int:
-        """The K that maximises expected tokens per millisecond under the running estimates.
-
-        Expected tokens for K drafts at acceptance α: (1 - α^(K+1)) / (1 - α); a round costs
-        K draft steps plus one verify pass.
-        """
-        if exit_layer not in self._alpha:
-            return k_max
-        a = min(self._alpha[exit_layer], 0.999)
-        d, v = self._draft_ms[exit_layer], self._verify_ms[exit_layer]
-        best, best_rate = 1, 0.0
-        for k in range(1, k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (k * d + v)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
@@ -417,15 +388,21 @@ class Engine:
             t1 = time.perf_counter()
             stats.prefill_ms = 1000 * (t1 - t0)
             pending = prompt[-1]
+            # Acceptance estimate for choosing K: starts at the calibrated value and follows this
+            # request only, so that a seeded request is reproducible whatever ran before it.
+            alpha = self.calibration.measured.get("alpha", 0.7)
+            cost = self.calibration.measured.get("draft_cost", exit_layer / self.num_layers)
             while finish == "length" and len(out) < params.max_tokens:
                 if cancel is not None and cancel.cancelled:
                     finish = "cancelled"
                     break
                 if spec:
-                    k = self.choose_k(exit_layer, k_max) if params.adaptive_k else k_max
+                    k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, params.max_tokens - len(out) - 1)
                 if spec and k > 0:
                     new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint, stats)
+                    if stats.last_drafted:
+                        alpha = 0.8 * alpha + 0.2 * (len(new) - 1) / stats.last_drafted
                 else:
                     new = [self.plain_step(seq, pending, out, warp, rng, constraint)]
                     stats.rounds += 1
@@ -474,6 +451,16 @@ class Engine:
         k_max = params.draft_k or cal.draft_k
         threshold = cal.threshold if params.draft_threshold is None else params.draft_threshold
         return spec, exit_layer, max(1, k_max), threshold
+
+
+def choose_k(alpha: float, cost: float, k_max: int) -> int:
+    """The K that maximises expected tokens per unit of time.
+
+    K drafts at acceptance α commit (1 - α^(K+1)) / (1 - α) tokens on average; a round
+    costs K draft steps of `cost` (relative to one verify pass) plus the verify pass.
+    """
+    a = min(max(alpha, 0.0), 0.999)
+    return max(range(1, k_max + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * cost + 1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

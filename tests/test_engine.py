@@ -1,0 +1,249 @@
+"""Engine: the fast paths against the slow references.
+
+Tiny random models have near-tied logits, so a batched verify pass and a
+single-token pass (different summation order) could flip an argmax and make
+"speculative == plain" fail for reasons that have nothing to do with the
+algorithm. These tests therefore run in float64 with peaked weights
+(make_tiny_model(peaked=True)), where the logit gaps dwarf rounding error.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from completiond import sampling
+from completiond.engine import CancelToken, Engine, EngineError, SamplingParams
+from completiond.kvcache import KVSequence, PrefixCache
+from tests.conftest import make_tiny_model
+
+PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def engine(request, tmp_path_factory) -> Engine:
+    d = make_tiny_model(tmp_path_factory.mktemp(f"peaked-{request.param}"), family=request.param, layers=6,
+                        peaked=True, seed=3)
+    return Engine.load(d, dtype="float64")
+
+
+def ids(engine: Engine, text: str = PROMPT) -> list[int]:
+    return engine.tokenizer(text).input_ids
+
+
+def test_matches_transformers_logits(engine):
+    prompt = ids(engine)
+    with torch.inference_mode():
+        ref = engine.model(torch.tensor([prompt])).logits[0, -1].float()
+    ours = engine.logits_for(prompt, use_cache=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("exit_layer,k", [(1, 1), (1, 4), (2, 3), (3, 6), (5, 2)])
+def test_speculative_greedy_equals_plain_greedy(engine, exit_layer, k):
+    prompt = ids(engine)
+    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False))
+    spec = engine.generate(prompt, SamplingParams(max_tokens=48, exit_layer=exit_layer, draft_k=k, adaptive_k=False))
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0 and spec.stats.rounds < plain.stats.rounds + 1
+
+
+def test_adaptive_k_and_threshold_stay_exact(engine):
+    prompt = ids(engine)
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40, speculative=False))
+    for threshold in (0.0, 0.5, 0.99):
+        spec = engine.generate(prompt, SamplingParams(max_tokens=40, exit_layer=2, draft_k=8, draft_threshold=threshold))
+        assert spec.tokens == plain.tokens
+
+
+def test_greedy_matches_transformers_generate(engine):
+    prompt = ids(engine)
+    ours = engine.generate(prompt, SamplingParams(max_tokens=30, exit_layer=2, draft_k=4))
+    with torch.inference_mode():
+        ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours.tokens == ref[: len(ours.tokens)]
+
+
+def test_constraint_applies_to_draft_and_target_alike(engine):
+    prompt = ids(engine)
+    vocab = engine.model.config.vocab_size
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[torch.arange(0, vocab, 3)] = True
+
+    def constraint(tokens):
+        return allowed if len(tokens) < 10 else None
+
+    plain = engine.generate(prompt, SamplingParams(max_tokens=20, speculative=False), constraint=constraint)
+    spec = engine.generate(prompt, SamplingParams(max_tokens=20, exit_layer=1, draft_k=5, adaptive_k=False),
+                           constraint=constraint)
+    assert spec.tokens == plain.tokens
+    assert all(t % 3 == 0 for t in plain.tokens[:10] if t not in engine.eos_token_ids)
+
+
+def test_cache_reuse_gives_cold_prefill_logits(engine):
+    prompt = ids(engine)
+    engine.cache.clear()
+    cold = engine.logits_for(prompt, use_cache=False)
+    engine.logits_for(prompt[:-3], use_cache=True)  # leaves a shorter prefix in the cache
+    warm = engine.logits_for(prompt, use_cache=True)
+    torch.testing.assert_close(warm, cold, rtol=1e-9, atol=1e-9)
+    # a different file, then back: the first sequence must still be found
+    engine.logits_for(ids(engine, "import os\nimport sys\n" * 10), use_cache=True)
+    gen = engine.generate(prompt + prompt[:2], SamplingParams(max_tokens=1))
+    assert gen.stats.reused_tokens >= len(prompt) - 1
+
+
+def test_cropping_after_rejection_keeps_cache_consistent(engine):
+    """A low-acceptance draft rejects often; the KV left behind must still be exact."""
+    prompt = ids(engine)
+    engine.cache.clear()
+    spec = engine.generate(prompt, SamplingParams(max_tokens=40, exit_layer=1, draft_k=8, adaptive_k=False))
+    assert spec.stats.accepted < spec.stats.drafted  # there were rejections to crop after
+    follow = prompt + spec.tokens[:25]
+    warm = engine.generate(follow, SamplingParams(max_tokens=20, exit_layer=2, draft_k=3))
+    assert warm.stats.reused_tokens == len(follow) - 1
+    engine.cache.clear()
+    cold = engine.generate(follow, SamplingParams(max_tokens=20, speculative=False))
+    assert warm.tokens == cold.tokens
+    torch.testing.assert_close(engine.logits_for(follow, use_cache=False), engine.logits_for(follow), rtol=1e-9, atol=1e-9)
+
+
+def test_cancel_mid_generation_returns_verified_prefix(engine):
+    prompt = ids(engine)
+    full = engine.generate(prompt, SamplingParams(max_tokens=60, speculative=False))
+    cancel = CancelToken()
+    rounds = []
+
+    def on_round(tokens):
+        rounds.append(len(tokens))
+        if len(rounds) == 3:
+            cancel.cancel()
+
+    part = engine.generate(prompt, SamplingParams(max_tokens=60, exit_layer=2, draft_k=3), cancel=cancel, on_round=on_round)
+    assert part.finish_reason == "cancelled"
+    assert part.stats.rounds == 3  # stopped at the very next round boundary
+    assert part.tokens == full.tokens[: len(part.tokens)]
+    # its KV stayed: continuing from it reuses everything but the last token
+    again = engine.generate(prompt + part.tokens, SamplingParams(max_tokens=4))
+    assert again.stats.reused_tokens == len(prompt) + len(part.tokens) - 1
+
+
+def test_cancel_from_another_thread_during_prefill(engine):
+    engine.cache.clear()
+    long_prompt = ids(engine, PROMPT * 60)[:2000]
+    cancel = CancelToken()
+    cancel.cancel()
+    gen = engine.generate(long_prompt, SamplingParams(max_tokens=10), cancel=cancel)
+    assert gen.finish_reason == "cancelled" and gen.tokens == []
+    assert gen.stats.reused_tokens == 0
+
+    # cancelled between chunks: what was prefilled stays usable
+    cancel = CancelToken()
+    timer = threading.Timer(0.05, cancel.cancel)
+    timer.start()
+    gen = engine.generate(long_prompt, SamplingParams(max_tokens=500 - 1), cancel=cancel)
+    timer.join()
+    assert gen.finish_reason in {"cancelled", "length", "eos"}
+    again = engine.generate(long_prompt, SamplingParams(max_tokens=1))
+    assert again.stats.reused_tokens > 0
+
+
+def test_same_seed_same_sample(engine):
+    prompt = ids(engine)
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, exit_layer=2, draft_k=4)
+    a = engine.generate(prompt, params)
+    b = engine.generate(prompt, params)
+    assert a.tokens == b.tokens
+
+
+def test_prompt_over_context_is_refused(engine):
+    with pytest.raises(EngineError, match="exceeds the model's context"):
+        engine.generate([1] * engine.max_context, SamplingParams(max_tokens=8))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.generate([10**7], SamplingParams(max_tokens=8))
+    with pytest.raises(EngineError, match="exit layer"):
+        engine.generate([1, 2], SamplingParams(max_tokens=8, exit_layer=99))
+
+
+# ---------------------------------------------------------------- acceptance maths
+
+def _random_dists(v: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * 2, -1)
+    q = torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * 2, -1)
+    return p, q
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_accept_step_reproduces_p_analytically(seed):
+    p, q = _random_dists(12, seed)
+    # P(out = y) = q(y)·a(y) + (Σ_x q(x)(1 - a(x)))·residual(y)
+    accept = torch.tensor([sampling.acceptance_probability(p, q, x) for x in range(12)], dtype=torch.float64)
+    reject_mass = float((q * (1 - accept)).sum())
+    out = q * accept + reject_mass * sampling.residual(p, q)
+    torch.testing.assert_close(out, p, rtol=0, atol=1e-12)
+
+
+def test_accept_sampled_reproduces_p_by_sampling():
+    v, draws = 6, 60000
+    p, q = _random_dists(v, 11)
+    p, q = p.float(), q.float()
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(v)
+    draft = torch.multinomial(q, draws, replacement=True, generator=gen).tolist()
+    for x in draft:
+        m, nxt = sampling.accept_sampled([x], q[None], torch.stack([p, p]), gen)
+        counts[x if m == 1 else nxt] += 1
+    freq = counts / draws
+    # 5 standard errors of a binomial proportion: a false alarm is ~1e-6 per token
+    bound = 5 * torch.sqrt(p * (1 - p) / draws)
+    assert torch.all((freq - p).abs() < bound), (freq, p)
+
+
+def test_warp_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    pr = sampling.probs(logits, sampling.Warp(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(pr[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    pr = sampling.probs(logits, sampling.Warp(temperature=1.0, top_k=1))
+    torch.testing.assert_close(pr[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+# ---------------------------------------------------------------- loading and the cache
+
+def test_pickle_only_model_is_refused(tmp_path):
+    d = make_tiny_model(tmp_path / "m", layers=2)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(EngineError, match="pickle weights"):
+        Engine.load(d)
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(EngineError, match="does not exist"):
+        Engine.load(tmp_path / "nope")
+
+
+def test_prefix_cache_lru_within_budget():
+    def make(n):
+        s = KVSequence(2, 1, 4, torch.float32, "cpu", capacity=n)
+        s.commit(list(range(n)))
+        return s
+
+    one = make(10).nbytes
+    cache = PrefixCache(budget_bytes=3 * one)
+    seqs = []
+    for base in range(5):
+        s = KVSequence(2, 1, 4, torch.float32, "cpu", capacity=10)
+        s.commit([base * 100 + i for i in range(10)])
+        seqs.append(s)
+        cache.release(s)
+    assert len(cache) == 3 and cache.nbytes <= 3 * one and cache.evictions == 2
+    seq, reused = cache.acquire([400 + i for i in range(5)] + [7], lambda n: make(n))
+    assert reused == 5 and seq is seqs[4]
+    seq, reused = cache.acquire([0, 1, 2], lambda n: make(n))  # evicted long ago
+    assert reused == 0
