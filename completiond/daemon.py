@@ -102,6 +102,8 @@ class Service:
                 self.scheduler.set_token_factory(CancelToken)
             except ImportError:
                 pass  # fake engines in tests accept the scheduler's own token
+            # Set here, on the worker, not in _loaded: jobs queued behind the load run before the loop gets to it.
+            self.engine = engine
             return engine
 
         def done(outcome: Outcome) -> None:
