@@ -67,6 +67,7 @@ class SamplingParams:
     draft_k: int | None = None  # None: calibrated; the most drafted per round
     draft_threshold: float | None = None  # None: calibrated
     adaptive_k: bool = True
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Engine:
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-             trust_remote_code: bool = False, cache_bytes: int | None = None) -> "Engine":
+             trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None) -> "Engine":
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,6 +206,11 @@ class Engine:
 
             model = default_model_dir()
         device = pick_device(device)
+        threads = threads or int(os.environ.get("COMPLETIOND_THREADS", "0") or 0)
+        if device == "cpu" and threads > 0:
+            # Batch-1 decode is a stream of small ops: on a busy machine, fewer threads beat
+            # threads that wait for each other.
+            torch.set_num_threads(threads)
         torch_dtype = pick_dtype(dtype, device)
         local = Path(model).expanduser()
         is_local = local.exists() or str(model).startswith((".", "/", "~"))
@@ -408,7 +414,7 @@ class Engine:
                     stats.rounds += 1
                 pending = new[-1]
                 for tok in new:
-                    if tok in self.eos_token_ids:
+                    if tok in self.eos_token_ids and not params.ignore_eos:
                         finish = "eos"
                         break
                     out.append(tok)

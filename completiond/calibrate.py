@@ -1,0 +1,113 @@
+"""`completiond calibrate`: measure acceptance and real speed per exit layer E and draft length K.
+
+Each candidate runs the same held-out prompts with greedy decoding; the winner
+is the fastest, and plain decoding wins when no candidate beats it by a
+margin (an ordinary model's early layers usually draft badly). The result is
+stored per model in the user's cache directory, never in the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# A candidate must beat plain decoding by this factor to switch speculation on:
+# below it, measurement noise could pick a setting that is slower in practice.
+MIN_GAIN = 1.05
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--exit-layers", type=int, nargs="*", default=None, help="candidates (default: a spread over the first half)")
+    p.add_argument("--draft-ks", type=int, nargs="*", default=[2, 3, 4, 6, 8])
+    p.add_argument("--files", nargs="*", default=None, help="sample code files (default: held-out stdlib files)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
+    p.add_argument("--json", action="store_true")
+
+
+def candidate_layers(num_layers: int) -> list[int]:
+    top = max(1, num_layers // 2)
+    if top <= 8:
+        return list(range(1, top + 1))
+    step = max(1, top // 8)
+    return sorted(set(range(1, top + 1, step)) | {top})
+
+
+def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
+              log=print) -> tuple["Calibration", list[dict]]:
+    from completiond.calibration import Calibration
+    from completiond.engine import SamplingParams
+
+    def run(params) -> tuple[float, int, int, float, float, int]:
+        total = drafted = accepted = rounds = 0
+        draft_ms = verify_ms = 0.0
+        for ids in prompts:
+            engine.cache.clear()
+            t = time.perf_counter()
+            g = engine.generate(ids, params)
+            total += time.perf_counter() - t
+            drafted += g.stats.drafted
+            accepted += g.stats.accepted
+            draft_ms += g.stats.draft_ms
+            verify_ms += g.stats.verify_ms
+            rounds += g.stats.rounds
+        return total, drafted, accepted, draft_ms, verify_ms, rounds
+
+    n_tokens = max_tokens * len(prompts)
+    run(SamplingParams(max_tokens=8, speculative=False))  # warm-up
+    plain_s = run(SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True))[0]
+    log(f"plain: {n_tokens / plain_s:.1f} tok/s")
+    rows = []
+    for e in exit_layers:
+        for k in draft_ks:
+            params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True)
+            secs, drafted, accepted, dms, vms, rounds = run(params)
+            rows.append({"exit_layer": e, "draft_k": k, "alpha": accepted / drafted if drafted else 0.0,
+                         "speedup": plain_s / secs, "tokens_per_s": n_tokens / secs,
+                         # one draft step relative to one verify pass: what choose_k weighs K against
+                         "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))})
+            log(f"E={e:2d} K={k}: alpha {rows[-1]['alpha']:.3f}, {rows[-1]['tokens_per_s']:.1f} tok/s, "
+                f"speedup {rows[-1]['speedup']:.2f}")
+    best = max(rows, key=lambda r: r["speedup"])
+    measured = {"alpha": best["alpha"], "speedup": best["speedup"], "draft_cost": best["draft_cost"],
+                "plain_tokens_per_s": n_tokens / plain_s, "date": time.strftime("%Y-%m-%d")}
+    cal = Calibration(speculative=best["speedup"] >= MIN_GAIN, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
+                      source="calibrate", measured=measured)
+    return cal, rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from completiond.bench import prompt_texts
+    from completiond.calibration import save_calibration
+    from completiond.engine import Engine, EngineError
+
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    try:
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+    except EngineError as exc:
+        print(f"completiond calibrate: {exc}", file=sys.stderr)
+        return 1
+    files = [Path(f) for f in args.files] if args.files else None
+    prompts = [engine.tokenizer(t).input_ids for t in prompt_texts(files, args.prompts)]
+    layers = args.exit_layers or candidate_layers(engine.num_layers)
+    bad = [e for e in layers if not 1 <= e < engine.num_layers]
+    if bad:
+        print(f"completiond calibrate: exit layers must be in 1..{engine.num_layers - 1}, got {bad}", file=sys.stderr)
+        return 2
+    cal, rows = calibrate(engine, prompts, args.max_tokens, layers, args.draft_ks, log)
+    where = None if args.dry_run else save_calibration(engine.model_id, cal)
+    verdict = (f"speculation on: E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}"
+               if cal.speculative else f"no speculation: best candidate only {cal.measured['speedup']:.2f}x")
+    if args.json:
+        print(json.dumps({"speculative": cal.speculative, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
+                          "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
+    else:
+        log(verdict + (f"; saved to {where}" if where else " (dry run)"))
+    return 0
