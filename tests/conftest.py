@@ -10,6 +10,12 @@ import json
 import os
 from pathlib import Path
 
+# Tests drive tiny models whose ops are too small to gain from threads, and the
+# machines that run them are shared: extra threads only wait on each other.
+# Set before torch loads, so server subprocesses started by tests inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
