@@ -205,7 +205,8 @@ def make_stop(tokenizer, plan: PromptPlan, cfg: Any) -> Callable[[list[int]], in
 
 def postprocess(plan: PromptPlan, generated: str, max_lines: int) -> tuple[str, int] | None:
     """(insert text, end of the replaced range) or None when there is nothing worth showing."""
-    text, _ = _cut_text(plan, generated, max_lines)
+    # A token sequence cut inside a multi-byte character decodes to U+FFFD: never show that.
+    text, _ = _cut_text(plan, generated.rstrip("\ufffd"), max_lines)
     text = "\n".join(line.rstrip() for line in text.split("\n")).rstrip()
     if not text.strip():
         return None

@@ -134,8 +134,9 @@ class Service:
             pass
 
     def _set_state(self, state: str) -> None:
-        self.state = state
-        self._broadcast()
+        if state != self.state:
+            self.state = state
+            self._broadcast()
 
     def _broadcast(self) -> None:
         status = self.status()
@@ -226,6 +227,7 @@ class Service:
 
         def deliver(outcome: Outcome) -> None:
             self._account(outcome)
+            self._call_soon(self._after_job)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
 
@@ -273,10 +275,7 @@ class Service:
             rounds += 1
 
         self._call_soon(self._set_state, "busy")
-        try:
-            suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round)
-        finally:
-            self._call_soon(self._after_job)
+        suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round)
         stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
         stats.setdefault("rounds", rounds)
         latency = (time.perf_counter() - start) * 1000
@@ -290,8 +289,9 @@ class Service:
         }
 
     def _after_job(self) -> None:
-        if self.state == "busy":
-            self.state = "ready" if not self.scheduler.busy else "busy"
+        if self.state in ("busy", "ready"):
+            # Broadcast even when still busy: the last latency / alpha changed.
+            self.state = "busy" if self.scheduler.busy else "ready"
             self._broadcast()
 
     def _account(self, outcome: Outcome) -> None:

@@ -409,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
     file_cfg, _ = config_mod.load_file(args.config)
     logging.basicConfig(level=(args.log_level or file_cfg.log_level).upper(), stream=sys.stderr,
                         format="%(asctime)s completiond-lsp[%(process)d] %(levelname)s %(name)s: %(message)s")
+    if (args.log_level or file_cfg.log_level) != "debug":
+        # pygls logs every message at INFO: that is debug output for us.
+        logging.getLogger("pygls").setLevel(logging.WARNING)
     server = build_server(no_daemon=args.no_daemon, runtime_dir=args.runtime_dir, config_file=args.config)
     server.start_io()
     return 0

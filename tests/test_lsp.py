@@ -1,0 +1,256 @@
+"""End to end: an LSP client -> `completiond lsp` subprocess -> daemon subprocess (or in-process engine).
+
+Every test gets its own XDG_RUNTIME_DIR, so daemons never leak between tests,
+and kills whatever daemon it caused to be started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from lsprotocol import types
+from pygls.exceptions import JsonRpcException
+from pytest_lsp import make_test_lsp_client
+
+from completiond import paths
+
+pytestmark = pytest.mark.slow
+
+URI = "file:///work/example.py"
+TEXT = "def add(a, b):\n    return a + b\n\n\ndef main():\n    x = "
+
+
+def capabilities(encodings=("utf-16",)) -> types.ClientCapabilities:
+    return types.ClientCapabilities(
+        general=types.GeneralClientCapabilities(position_encodings=list(encodings)),
+        window=types.WindowClientCapabilities(work_done_progress=True),
+        workspace=types.WorkspaceClientCapabilities(configuration=True),
+        text_document=types.TextDocumentClientCapabilities(
+            inline_completion=types.InlineCompletionClientCapabilities()),
+    )
+
+
+class Session:
+    def __init__(self, client, runtime: Path):
+        self.client = client
+        self.runtime = runtime
+        self.status: list[dict] = []
+        self.version = 1
+
+    async def open(self, text: str = TEXT, uri: str = URI) -> None:
+        self.text = text
+        self.client.text_document_did_open(types.DidOpenTextDocumentParams(
+            text_document=types.TextDocumentItem(uri=uri, language_id="python", version=self.version, text=text)))
+
+    def type(self, chars: str, uri: str = URI) -> None:
+        """Insert at the end of the document, as incremental changes (UTF-16 positions)."""
+        for ch in chars:
+            lines = self.text.split("\n")
+            pos = types.Position(line=len(lines) - 1, character=len(lines[-1].encode("utf-16-le")) // 2)
+            self.version += 1
+            self.text += ch
+            self.client.text_document_did_change(types.DidChangeTextDocumentParams(
+                text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=self.version),
+                content_changes=[types.TextDocumentContentChangePartial(range=types.Range(start=pos, end=pos), text=ch)]))
+
+    def end(self) -> types.Position:
+        lines = self.text.split("\n")
+        return types.Position(line=len(lines) - 1, character=len(lines[-1].encode("utf-16-le")) // 2)
+
+    def inline_params(self, uri: str = URI) -> types.InlineCompletionParams:
+        return types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri=uri), position=self.end(),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic))
+
+    async def inline(self, timeout: float = 120) -> types.InlineCompletionList:
+        return await asyncio.wait_for(self.client.text_document_inline_completion_async(self.inline_params()), timeout)
+
+    async def stats(self) -> dict:
+        return await asyncio.wait_for(self.client.workspace_execute_command_async(
+            types.ExecuteCommandParams(command="completiond.stats")), 30)
+
+    async def wait_ready(self, timeout: float = 120) -> None:
+        for _ in range(int(timeout / 0.1)):
+            if any(s.get("state") in ("ready", "busy") for s in self.status):
+                return
+            if any(s.get("state") == "error" for s in self.status):
+                raise AssertionError(f"daemon error: {self.status}")
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"never ready: {self.status}")
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    yield tmp_path
+    pid_file = tmp_path / "completiond" / paths.PID_NAME
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+@pytest.fixture
+async def start(runtime):
+    sessions: list[Session] = []
+
+    async def _start(settings: dict, *args: str, encodings=("utf-16",), workspace: dict | None = None) -> Session:
+        client = make_test_lsp_client()
+        if workspace is not None:
+            client.set_configuration(workspace, section="completiond")
+        session = Session(client, runtime)
+
+        @client.feature("completiond/status")
+        def on_status(params):
+            session.status.append(params if isinstance(params, dict) else params._asdict())
+
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), OMP_NUM_THREADS="1",
+                   XDG_CONFIG_HOME=str(runtime / "config"))
+        await client.start_io(sys.executable, "-m", "completiond.cli", "lsp", *args, env=env)
+        session.init = await client.initialize_session(types.InitializeParams(
+            capabilities=capabilities(encodings), initialization_options={"completiond": settings}))
+        sessions.append(session)
+        return session
+
+    yield _start
+    for s in sessions:
+        try:
+            await asyncio.wait_for(s.client.shutdown_session(), 20)
+        except (asyncio.TimeoutError, JsonRpcException, RuntimeError):
+            pass
+        await s.client.stop()
+
+
+def tiny(tiny_model_dir, **extra) -> dict:
+    return {"model": str(tiny_model_dir), "device": "cpu", "maxTokens": 4, "idleTimeout": 60, **extra}
+
+
+async def test_open_type_complete(start, tiny_model_dir):
+    s = await start(tiny(tiny_model_dir))
+    caps = s.init.capabilities
+    assert caps.inline_completion_provider is not None
+    assert caps.completion_provider is not None
+    assert caps.text_document_sync.change == types.TextDocumentSyncKind.Incremental
+    await s.open()
+    s.type("ad")
+    result = await s.inline()
+    assert isinstance(result, types.InlineCompletionList)
+    for item in result.items:
+        assert item.insert_text.strip()
+        assert item.range.start == s.end()
+    completion = await asyncio.wait_for(s.client.text_document_completion_async(types.CompletionParams(
+        text_document=types.TextDocumentIdentifier(uri=URI), position=s.end())), 60)
+    assert completion.is_incomplete and len(completion.items) <= 1
+    stats = await s.stats()
+    assert stats["completed"] >= 1 and stats["errors"] == 0, stats
+    assert stats["status"]["state"] in ("ready", "busy")
+    # Loading showed up as work-done progress (begin ... end) and as completiond/status.
+    reports = [r for rs in s.client.progress_reports.values() for r in rs]
+    assert any(isinstance(r, types.WorkDoneProgressBegin) for r in reports)
+    assert any(isinstance(r, types.WorkDoneProgressEnd) for r in reports)
+    assert any(st.get("state") == "ready" for st in s.status)
+
+
+async def test_cancel_mid_generation(start, tiny_model_dir):
+    s = await start(tiny(tiny_model_dir, maxTokens=1000))
+    await s.open()
+    await s.wait_ready()
+    msg_id = "inline-1"
+    future = asyncio.ensure_future(s.client.protocol.send_request_async(
+        types.TEXT_DOCUMENT_INLINE_COMPLETION, s.inline_params(), msg_id=msg_id))
+    for _ in range(600):
+        if (await s.stats())["scheduler"]["running"]:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("generation never started")
+    s.client.protocol.notify(types.CANCEL_REQUEST, types.CancelParams(id=msg_id))
+    with pytest.raises(JsonRpcException) as err:
+        await asyncio.wait_for(future, 30)
+    assert err.value.code == -32800
+    for _ in range(200):
+        stats = await s.stats()
+        if not stats["scheduler"]["running"]:
+            break
+        await asyncio.sleep(0.05)
+    assert not stats["scheduler"]["running"], "the daemon kept generating after the cancel"
+    assert stats["cancelled"] == 1 and stats["completed"] == 0
+    assert stats["generated_tokens"] < 1000
+
+
+async def test_burst_of_50(start, tiny_model_dir):
+    s = await start(tiny(tiny_model_dir, maxTokens=16))
+    await s.open()
+    await s.wait_ready()
+    futures = []
+    for i in range(50):
+        s.type("abcdefghij"[i % 10])
+        futures.append(s.client.text_document_inline_completion_async(s.inline_params()))
+    results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 180)
+    assert len(results) == 50
+    assert all(isinstance(r, types.InlineCompletionList) for r in results), [r for r in results if not isinstance(r, types.InlineCompletionList)][:3]
+    stats = await s.stats()
+    assert stats["completed"] <= 1, stats
+    assert stats["completed"] + stats["superseded"] == 50, stats
+
+
+async def test_two_clients_share_one_daemon(start, tiny_model_dir):
+    a, b = await asyncio.gather(start(tiny(tiny_model_dir)), start(tiny(tiny_model_dir)))
+    await a.open()
+    await b.open(uri=URI)  # same URI in both editors: documents are per client
+    ra, rb = await asyncio.gather(a.inline(), b.inline())
+    assert isinstance(ra, types.InlineCompletionList) and isinstance(rb, types.InlineCompletionList)
+    sa, sb = await a.stats(), await b.stats()
+    assert sa["status"]["pid"] == sb["status"]["pid"]
+    assert sb["loads"] == 1
+    assert sb["completed"] == 2 and sb["errors"] == 0
+
+
+async def test_daemon_killed_respawned_documents_replayed(start, tiny_model_dir, runtime):
+    s = await start(tiny(tiny_model_dir))
+    await s.open()
+    await s.inline()
+    old_pid = (await s.stats())["status"]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    s.type("y + 1")  # edits while the daemon is dead are replayed from the editor's copy
+    await asyncio.sleep(0.2)
+    await s.inline()
+    stats = await s.stats()
+    assert stats["status"]["pid"] != old_pid
+    assert stats["completed"] == 1 and stats["errors"] == 0 and stats["documents"] == 1, stats
+
+
+async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_model_dir):
+    settings = tiny(tiny_model_dir, temperature="hot", maxLines=0, bogus=1)
+    s = await start(settings, "--no-daemon", encodings=("utf-8",), workspace={"topP": 7})
+    assert s.init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
+    for _ in range(100):
+        if len(s.client.messages) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    text = "\n".join(m.message for m in s.client.messages)
+    assert "temperature" in text and "maxLines" in text and "bogus" in text and "topP" in text
+    assert all(m.type == types.MessageType.Warning for m in s.client.messages)
+    s.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+        settings={"completiond": {"multiline": "sometimes"}}))
+    for _ in range(100):
+        if any("multiline" in m.message for m in s.client.messages):
+            break
+        await asyncio.sleep(0.05)
+    assert any("multiline" in m.message for m in s.client.messages)
+    # Still serving, in-process, with UTF-8 positions: "é" is two bytes.
+    await s.open(text="s = 'é'\nx = ")
+    s.type("é")
+    pos = types.Position(line=1, character=len("x = é".encode()))
+    result = await asyncio.wait_for(s.client.text_document_inline_completion_async(types.InlineCompletionParams(
+        text_document=types.TextDocumentIdentifier(uri=URI), position=pos,
+        context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked))), 120)
+    for item in result.items:
+        assert item.range.start == pos
+    stats = await s.stats()
+    assert stats["errors"] == 0 and stats["completed"] == 1
+    assert not (s.runtime / "completiond" / paths.SOCKET_NAME).exists()  # no daemon was started
