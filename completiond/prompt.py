@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from completiond.healing import Healing, TokenHealer
-from models.fim import FimTemplate
+from completiond.stops import StopRules
+from models.fim import FimTemplate, make_template
 
 # Upper bound on characters per token used to size the text windows before
 # tokenizing: code averages 3-4, indentation runs a bit more. Too large only
@@ -121,6 +122,7 @@ class PromptBuilder:
         self._pieces: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
         self._max_pieces = piece_cache_entries
         self.tokenized_chars = 0   # characters actually sent to the tokenizer (tests check the bound)
+        self._contexts: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
 
     # -- pieces ----------------------------------------------------------
     def _encode(self, text: str, first: bool = False) -> list[int]:
@@ -311,13 +313,23 @@ class PromptBuilder:
 
     # -- context ---------------------------------------------------------
     def _file_context(self, files: list[tuple[str, str]], path: str | None, budget: int) -> list[int]:
+        # The same block comes back on every keystroke: remember the last few.
+        key = (tuple(files), path, budget)
+        hit = self._contexts.get(key)
+        if hit is not None:
+            return list(hit)
         tpl = self.template
+        ids: list[int] = []
         while files:
             ids = tpl.context_ids(files, current_path=path)
             if len(ids) <= budget:
-                return ids
-            files = files[:-1]  # drop the last (least relevant) file, keep the order of the rest
-        return []
+                break
+            files = files[:-1]  # drop the last file, keep the order of the rest
+            ids = []
+        self._contexts[key] = tuple(ids)
+        if len(self._contexts) > 8:
+            self._contexts.popitem(last=False)
+        return ids
 
     def _text_context(self, files: list[tuple[str, str]], comment: str, budget: int) -> str:
         while files:
@@ -339,3 +351,71 @@ def _line_start(text: str, end: int, lines: int) -> int:
         if nl < 0:
             return 0
     return pos
+
+
+@dataclass
+class Plan:
+    """Everything one request needs around `engine.generate`."""
+
+    prompt: Prompt
+    stop: StopRules | None
+
+    @property
+    def skip_reason(self) -> str | None:
+        return self.prompt.skip_reason
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt.ids
+
+    @property
+    def constraint(self):
+        return self.prompt.constraint
+
+    def suggestion(self, tokens: Sequence[int]) -> str:
+        """Text to show after the cursor ('' = show nothing)."""
+        return self.stop.suggestion(tokens) if self.stop is not None else ""
+
+
+class Planner:
+    """Template, healer and prompt builder for one loaded model.
+
+        planner = Planner.for_engine(engine, cfg)
+        plan = planner.plan(text, offset, context=ws.context(...), path=rel_path)
+        if plan.skip_reason is None:
+            gen = engine.generate(plan.ids, params, cancel=..., stop=plan.stop, constraint=plan.constraint)
+            text = plan.suggestion(gen.tokens)
+
+    Rebuild it (cheap after the first time: the token tables are cached per
+    tokenizer) when the model or the prompt-related settings change.
+    """
+
+    def __init__(self, tokenizer: Any, cfg: Any = None, *, max_context: int | None = None,
+                 vocab_size: int | None = None, device: Any = "cpu", model_dir: Any = None,
+                 options: PromptOptions | None = None):
+        from completiond.config import Config
+
+        self.cfg = cfg if cfg is not None else Config()
+        self.template = make_template(tokenizer, self.cfg.fim_template, model_dir)
+        self.healer = TokenHealer.for_tokenizer(tokenizer, vocab_size, device=device)
+        self.options = options or PromptOptions.from_config(self.cfg, max_context)
+        self.builder = PromptBuilder(self.template, self.options, self.healer)
+
+    @classmethod
+    def for_engine(cls, engine: Any, cfg: Any = None, model_dir: Any = None, **kw) -> "Planner":
+        # The mask must match the model's logits, which can be wider than the tokenizer.
+        vocab = getattr(engine, "vocab_size", None) or getattr(engine, "_vocab", None)
+        return cls(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
+                   device=getattr(engine, "device", "cpu"), model_dir=model_dir, **kw)
+
+    def plan(self, text: str, offset: int, *, context: Sequence[tuple[str, str]] = (), path: str | None = None,
+             language: str | None = None, heal: bool | None = None) -> Plan:
+        from completiond.workspace import comment_for
+
+        prompt = self.builder.build(text, offset, context=context, path=path, context_comment=comment_for(language),
+                                    heal=heal)
+        if prompt.skipped:
+            return Plan(prompt, None)
+        stop = StopRules.for_prompt(prompt, self.template, self.cfg.multiline, self.cfg.max_lines,
+                                    token_bytes=self.healer.bytes)
+        return Plan(prompt, stop)

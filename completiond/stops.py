@@ -96,11 +96,9 @@ def bracket_scan(text: str) -> tuple[int, list[str]]:
     return depth, unmatched
 
 
-def _open_carry(line_prefix: str, line_suffix: str) -> int:
-    """Brackets opened on the cursor line and not closed by the text right of the cursor."""
-    depth, _ = bracket_scan(line_prefix)
-    closers = sum(1 for c in line_suffix if c in CLOSERS)
-    return max(0, depth - closers)
+def _suffix_closers(line_suffix: str) -> int:
+    """Closing brackets right of the cursor that have no opener there (they close ours)."""
+    return len(bracket_scan(line_suffix)[1])
 
 
 @dataclass
@@ -119,7 +117,11 @@ class TextRules:
         self.following = following
         self.max_lines = max(1, int(max_lines))
         self.multiline = wants_multiline(line_prefix, line_suffix, multiline)
-        self.carry = _open_carry(line_prefix, line_suffix)
+        # Brackets open at the cursor, and how many of them the text right of
+        # the cursor closes: the suggestion must leave exactly those open.
+        self.open_depth = bracket_scan(line_prefix)[0]
+        self.suffix_closers = _suffix_closers(line_suffix)
+        self.carry = max(0, self.open_depth - self.suffix_closers)
         if line_prefix.strip():
             # The block is the one the cursor line belongs to; after an
             # opener, the new block is deeper than the opener's line.
@@ -146,7 +148,12 @@ class TextRules:
         return cut
 
     def _bracket_cut(self, s: str) -> Cut | None:
-        depth = self.carry
+        """Cut before a closer that would leave fewer brackets open than the suffix closes.
+
+        `foo(|)` + "a, b)": the ")" is already right of the cursor. With no
+        suffix this is the plain "closer without an opener" rule.
+        """
+        depth = self.open_depth
         quote = None
         prev = ""
         for i, c in enumerate(s):
@@ -159,7 +166,7 @@ class TextRules:
                 depth += 1
             elif c in CLOSERS:
                 depth -= 1
-                if depth < 0:
+                if depth < self.suffix_closers:
                     return Cut(i, "unbalanced closing bracket")
             prev = c if prev != "\\" else ""
         return None
@@ -205,32 +212,28 @@ def _trim_blank_tail(s: str, pos: int) -> int:
     return len(head.rstrip(" \t\n"))
 
 
-def _bracket_net(text: str) -> int:
-    depth = 0
-    for c in text:
-        if c in OPENERS:
-            depth += 1
-        elif c in CLOSERS:
-            depth -= 1
-    return depth
-
-
-def trim_suffix_overlap(s: str, line_suffix: str) -> str:
+def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "") -> str:
     """Remove the end of `s` that repeats the start of the text right of the cursor.
 
-    `foo(|)` + "a, b)" -> "a, b"; a lone closing bracket is only removed if
-    the suggestion closes more brackets than it opens (`f(a)` stays).
+    An overlap of two or more characters that is not only closing brackets
+    (`", b)"`, `'")'`, `"):"`) is removed; closing brackets alone only when
+    the line would otherwise close more brackets than it opens (`f(a)` in
+    `print(|)` stays).
     """
     ls = line_suffix.strip()
     body = s.rstrip()
     if not ls or not body:
         return s
+    open_depth = bracket_scan(line_prefix)[0]
+    owed = _suffix_closers(line_suffix)
     for k in range(min(len(body), len(ls)), 0, -1):
         overlap = ls[:k]
         if not body.endswith(overlap):
             continue
-        meaningful = sum(1 for c in overlap if not c.isspace() and c not in CLOSERS) >= 2
-        if meaningful or _bracket_net(body) < 0:
+        meaningful = len(overlap) >= 2 and not all(c in CLOSERS or c.isspace() for c in overlap)
+        depth, unmatched = bracket_scan(body)
+        over_closed = open_depth + depth - len(unmatched) < owed
+        if meaningful or over_closed:
             return body[: len(body) - k]
     return s
 
@@ -242,7 +245,7 @@ def postprocess(s: str, rules: TextRules) -> str:
         s = s[: cut.pos]
     keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
     s = s.rstrip()
-    s = trim_suffix_overlap(s, rules.line_suffix).rstrip()
+    s = trim_suffix_overlap(s, rules.line_suffix, rules.line_prefix).rstrip()
     if not s.strip():
         return ""
     if keep_newline:

@@ -63,9 +63,10 @@ def test_repeat_of_following_line_is_cut():
 
 
 def test_suffix_overlap_trimmed():
-    assert trim_suffix_overlap("a, b)", ")") == "a, b"
-    assert trim_suffix_overlap("f(a)", ")") == "f(a)"          # balanced: the ")" is the model's own
-    assert trim_suffix_overlap("x, y):", "):") == "x, y"
+    assert trim_suffix_overlap("a, b)", ")", "foo(") == "a, b"
+    assert trim_suffix_overlap("f(a)", ")", "print(") == "f(a)"          # balanced: the ")" is the model's own
+    assert trim_suffix_overlap("x, y):", "):", "def f(") == "x, y"
+    assert trim_suffix_overlap('lo")', '")', 'print("hel') == "lo"
     assert final("foo(", "a, b)", line_suffix=")") == "a, b"
     assert final("print(", '"hi")', line_suffix=")") == '"hi"'
 
@@ -73,6 +74,13 @@ def test_suffix_overlap_trimmed():
 def test_whitespace_only_is_empty():
     assert final("    ", "   \n  \n") == ""
     assert final("x = ", "   ") == ""
+
+
+def test_closers_right_of_cursor_are_owed_by_the_suggestion():
+    # "    |):" : the suggestion opens the bracket the suffix closes, and stops before closing it.
+    assert final("    ", "def norm(self):\n        return 1\n", line_suffix="):") == "def norm(self"
+    assert final("    print(i, add", "(i, i))\n", line_suffix="))") == "(i, i"
+    assert final("print(", "f(a))", line_suffix=")") == "f(a)"
 
 
 def test_closer_right_of_cursor_goes_to_its_own_line():

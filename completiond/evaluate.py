@@ -1,0 +1,340 @@
+"""`completiond eval DIR`: completion quality at deterministic cursor positions.
+
+For each picked position the document is cut the way it looks while the user
+types there, the full request path runs in-process (prompt builder with
+token healing -> engine.generate with the stop rules and the healing
+constraint -> post-processing), and the suggestion is compared with what the
+file really has:
+
+* eol: the rest of the line is removed; target = the rest of the line.
+* infix: the middle of a line is removed, the closing brackets/punctuation
+  at its end stay right of the cursor (`foo(|)`); target = the removed text.
+  This is where suffix duplication (`a, b))`) shows.
+* mid-word (`--compare-healing`): eol positions with the cursor inside an
+  identifier, run with token healing on and off.
+
+Reported: next-line exact match (first suggested line == target), edit
+similarity (1 - Levenshtein / longer length), acceptance alpha (accepted /
+drafted over all requests), suffix-duplication rate, whitespace-only rate,
+empty rate, latency p50/p90 (prompt build + generation + post-processing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from completiond.workspace import language_of
+
+CLOSING_RUN = set(")]}:;,'\"")
+
+
+@dataclass
+class Position:
+    path: str          # relative to DIR
+    text: str          # the document as the user sees it
+    offset: int        # cursor
+    target: str        # what the file really has at the cursor (one line at most)
+    kind: str          # eol | infix | midword
+
+
+@dataclass
+class Outcome:
+    position: Position
+    suggestion: str
+    ms: float
+    stats: dict = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", type=Path, help="directory of source files to sample cursor positions from")
+    parser.add_argument("--model", default="", help="model directory or hub id (default: the bundled model)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    parser.add_argument("--positions", type=int, default=200, help="number of cursor positions (default 200)")
+    parser.add_argument("--per-file", type=int, default=4, help="most positions taken from one file")
+    parser.add_argument("--seed", type=int, default=0, help="position sampling seed (same seed, same positions)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--multiline", default="auto", choices=("auto", "always", "never"))
+    parser.add_argument("--max-lines", type=int, default=8)
+    parser.add_argument("--fim-template", default="auto")
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--suffix-tokens", type=int, default=256)
+    parser.add_argument("--no-heal", action="store_true", help="turn token healing off")
+    parser.add_argument("--no-speculation", action="store_true", help="plain decoding (alpha is then 0)")
+    parser.add_argument("--compare-healing", action="store_true",
+                        help="mid-word positions only, each run with healing on and off")
+    parser.add_argument("--ext", action="append", default=None,
+                        help="file extension to include (repeatable; default: every known source language)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
+
+
+# -- positions -------------------------------------------------------------
+
+def source_files(root: Path, exts: Iterable[str] | None = None) -> list[Path]:
+    wanted = {e if e.startswith(".") else "." + e for e in exts} if exts else None
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in ("node_modules", "__pycache__"))
+        for name in sorted(filenames):
+            ext = os.path.splitext(name)[1].lower()
+            if (wanted is not None and ext in wanted) or (wanted is None and language_of(name) is not None):
+                out.append(Path(dirpath) / name)
+    return sorted(out)
+
+
+def _read(path: Path, max_bytes: int = 1 << 20) -> str | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) > max_bytes or b"\x00" in data[:8192]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _is_word(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
+def pick_positions(root: Path, count: int, seed: int = 0, per_file: int = 4, exts: Iterable[str] | None = None,
+                   midword_only: bool = False) -> list[Position]:
+    """Deterministic cursor positions: same directory contents and seed give the same list."""
+    files = source_files(root, exts)
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    out: list[Position] = []
+    for path in order:
+        if len(out) >= count:
+            break
+        text = _read(path)
+        if not text:
+            continue
+        rel = path.relative_to(root).as_posix()
+        rng = random.Random(f"{seed}:{rel}")
+        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        lines = []
+        for i, s in enumerate(starts):
+            e = text.find("\n", s)
+            e = len(text) if e < 0 else e
+            body = text[s:e]
+            if 2 <= len(body.strip()) <= 200:
+                lines.append((s, e))
+        rng.shuffle(lines)
+        taken = 0
+        for s, e in lines:
+            if taken >= per_file or len(out) >= count:
+                break
+            pos = _position_in_line(rel, text, s, e, rng, midword_only)
+            if pos is not None:
+                out.append(pos)
+                taken += 1
+    return out
+
+
+def _position_in_line(rel: str, text: str, s: int, e: int, rng: random.Random, midword_only: bool) -> Position | None:
+    line = text[s:e]
+    indent = len(line) - len(line.lstrip(" \t"))
+    body_end = len(line.rstrip())
+    if midword_only:
+        cols = [c for c in range(indent + 1, body_end) if _is_word(line[c - 1]) and _is_word(line[c])]
+        if not cols:
+            return None
+        c = rng.choice(cols)
+        return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "midword")
+    run = body_end
+    while run > indent and line[run - 1] in CLOSING_RUN:
+        run -= 1
+    if run < body_end and run - indent >= 3 and rng.random() < 0.4:
+        c = rng.randrange(indent, run)
+        # Keep the closing run right of the cursor, remove the middle.
+        return Position(rel, text[:s + c] + text[s + run:], s + c, line[c:run], "infix")
+    c = rng.randrange(indent, body_end)
+    return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "eol")
+
+
+# -- metrics ---------------------------------------------------------------
+
+def levenshtein(a: str, b: str) -> int:
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def edit_similarity(a: str, b: str) -> float:
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
+
+
+def first_line(s: str) -> str:
+    return s.split("\n", 1)[0]
+
+
+def is_duplication(pos: Position, suggestion: str) -> bool:
+    """The suggestion repeats text that is already right of the cursor or on the next line."""
+    if not suggestion:
+        return False
+    le = pos.text.find("\n", pos.offset)
+    le = len(pos.text) if le < 0 else le
+    right = pos.text[pos.offset:le].strip()
+    head = first_line(suggestion).rstrip()
+    if right:
+        for k in range(len(right), 0, -1):
+            piece = right[:k]
+            if head.endswith(piece) and not pos.target.rstrip().endswith(piece):
+                return True
+    nxt = next((ln.strip() for ln in pos.text[le + 1:le + 2001].split("\n") if ln.strip()), "")
+    if nxt:
+        lines = suggestion.split("\n")
+        line_start = pos.text.rfind("\n", 0, pos.offset) + 1
+        blank_cursor_line = not pos.text[line_start:pos.offset].strip()
+        for i, ln in enumerate(lines):
+            if (i >= 1 or blank_cursor_line) and ln.strip() == nxt:
+                return True
+    return False
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
+    done = [o for o in outcomes if o.skipped is None]
+    n = len(done)
+    exact = sum(first_line(o.suggestion).rstrip() == o.position.target.rstrip() for o in done)
+    sim = sum(edit_similarity(first_line(o.suggestion).rstrip(), o.position.target.rstrip()) for o in done)
+    dup = sum(is_duplication(o.position, o.suggestion) for o in done)
+    ws_only = sum(bool(o.suggestion) and not o.suggestion.strip() for o in done)
+    empty = sum(not o.suggestion for o in done)
+    drafted = sum(o.stats.get("drafted", 0) for o in done)
+    accepted = sum(o.stats.get("accepted", 0) for o in done)
+    ms = sorted(o.ms for o in done)
+    prompt_tokens = sum(o.stats.get("prompt_tokens", 0) for o in done)
+    return {
+        "positions": n,
+        "skipped": len(outcomes) - n,
+        "next_line_exact_match": exact / n if n else 0.0,
+        "edit_similarity": sim / n if n else 0.0,
+        "suffix_duplication_rate": dup / n if n else 0.0,
+        "whitespace_only_rate": ws_only / n if n else 0.0,
+        "empty_rate": empty / n if n else 0.0,
+        "alpha": accepted / drafted if drafted else 0.0,
+        "p50_ms": statistics.median(ms) if ms else 0.0,
+        "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))] if ms else 0.0,
+        "mean_prompt_tokens": prompt_tokens / n if n else 0.0,
+        "by_kind": {k: sum(o.position.kind == k for o in done) for k in sorted({o.position.kind for o in done})},
+    }
+
+
+# -- running ---------------------------------------------------------------
+
+def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool | None = None) -> Outcome:
+    """One request through the daemon's path, timed end to end."""
+    t0 = time.perf_counter()
+    plan = planner.plan(pos.text, pos.offset, path=pos.path, language=language_of(pos.path), heal=heal)
+    if plan.skip_reason is not None:
+        return Outcome(pos, "", 0.0, skipped=plan.skip_reason)
+    gen = engine.generate(plan.ids, params, stop=plan.stop, constraint=plan.constraint)
+    suggestion = plan.suggestion(gen.tokens)
+    ms = 1000 * (time.perf_counter() - t0)
+    return Outcome(pos, suggestion, ms, gen.stats.to_dict())
+
+
+def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None, speculative: bool,
+             show: int = 0, out=sys.stderr) -> list[Outcome]:
+    from completiond.engine import SamplingParams
+    from completiond.prompt import Planner
+
+    planner = Planner.for_engine(engine, cfg)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
+    if positions:
+        complete(engine, planner, positions[0], params, heal)   # warm-up: first-call costs are not latency
+    outcomes = []
+    for i, pos in enumerate(positions):
+        o = complete(engine, planner, pos, params, heal)
+        outcomes.append(o)
+        if i < show:
+            print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
+                  f"  suggestion: {o.suggestion!r}", file=out)
+    return outcomes
+
+
+def _config(args: argparse.Namespace):
+    from completiond import config
+
+    cfg, errors = config.merge(config.defaults(), {
+        "maxTokens": args.max_tokens, "multiline": args.multiline, "maxLines": args.max_lines,
+        "fimTemplate": args.fim_template, "prefixTokens": args.prefix_tokens, "suffixTokens": args.suffix_tokens,
+        "workspaceContext": False,
+    })
+    if errors:
+        raise SystemExit("completiond eval: " + "; ".join(errors))
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from completiond.engine import Engine, EngineError
+
+    if not args.dir.is_dir():
+        print(f"completiond eval: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    cfg = _config(args)
+    positions = pick_positions(args.dir, args.positions, args.seed, args.per_file, args.ext,
+                               midword_only=args.compare_healing)
+    if not positions:
+        print(f"completiond eval: no usable source files under {args.dir}", file=sys.stderr)
+        return 1
+    try:
+        engine = Engine.load(model=args.model or None, device=args.device)
+    except EngineError as exc:
+        print(f"completiond eval: {exc}", file=sys.stderr)
+        return 1
+    speculative = not args.no_speculation
+    result: dict[str, Any]
+    if args.compare_healing:
+        on = summarize(evaluate(engine, positions, cfg, True, speculative, args.show))
+        off = summarize(evaluate(engine, positions, cfg, False, speculative, args.show))
+        result = dict(on)
+        result["healing"] = {"on": on, "off": off}
+    else:
+        result = summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show))
+    result.update(model=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
+                  multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        _print_table(result)
+    return 0
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    rows = [("positions", f"{r['positions']} ({r['skipped']} skipped) {r['by_kind']}"),
+            ("next-line exact match", f"{r['next_line_exact_match']:.3f}"),
+            ("edit similarity", f"{r['edit_similarity']:.3f}"),
+            ("suffix duplication", f"{r['suffix_duplication_rate']:.3%}"),
+            ("whitespace-only", f"{r['whitespace_only_rate']:.3%}"),
+            ("empty", f"{r['empty_rate']:.3%}"),
+            ("acceptance alpha", f"{r['alpha']:.3f}"),
+            ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms")]
+    if isinstance(r.get("healing"), dict):
+        on, off = r["healing"]["on"], r["healing"]["off"]
+        rows.append(("mid-word exact, healing on/off", f"{on['next_line_exact_match']:.3f} / {off['next_line_exact_match']:.3f}"))
+        rows.append(("mid-word edit sim, on/off", f"{on['edit_similarity']:.3f} / {off['edit_similarity']:.3f}"))
+    width = max(len(k) for k, _ in rows)
+    print(f"model {r['model']} on {r['device']}, max_tokens {r['max_tokens']}, multiline {r['multiline']}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")

@@ -1,0 +1,179 @@
+"""`completiond eval`: deterministic positions, metrics, and the full request path."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from completiond import cli
+from completiond.evaluate import (Position, complete, edit_similarity, is_duplication, levenshtein, pick_positions,
+                                  summarize, Outcome)
+from completiond.prompt import Planner
+from tests.conftest import build_tokenizer
+
+SOURCE = '''import os
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def norm(self):
+        return (self.x ** 2 + self.y ** 2) ** 0.5
+
+    def moved(self, dx, dy):
+        return Point(self.x + dx, self.y + dy)
+
+
+def add(a, b):
+    return a + b
+
+
+for i in range(10):
+    print(i, add(i, i))
+'''
+
+
+@pytest.fixture()
+def src_dir(tmp_path):
+    d = tmp_path / "src"
+    (d / "pkg").mkdir(parents=True)
+    (d / "a.py").write_text(SOURCE)
+    (d / "pkg" / "b.py").write_text("# vectors\n" + SOURCE.replace("Point", "Vec"))
+    (d / "notes.bin").write_bytes(b"\x00\x01")
+    return d
+
+
+def test_positions_are_deterministic(src_dir):
+    a = pick_positions(src_dir, 6, seed=3)
+    b = pick_positions(src_dir, 6, seed=3)
+    assert [(p.path, p.offset, p.kind) for p in a] == [(p.path, p.offset, p.kind) for p in b]
+    assert len(a) == 6
+    assert pick_positions(src_dir, 6, seed=4) != a
+    for p in a:
+        assert p.target.strip()
+        assert p.text[:p.offset] == (src_dir / p.path).read_text()[:p.offset]
+
+
+def test_midword_positions_sit_inside_identifiers(src_dir):
+    for p in pick_positions(src_dir, 8, midword_only=True):
+        assert p.text[p.offset - 1].isalnum() or p.text[p.offset - 1] == "_"
+        assert p.target[0].isalnum() or p.target[0] == "_"
+
+
+def test_metric_helpers():
+    assert levenshtein("kitten", "sitting") == 3
+    assert edit_similarity("", "") == 1.0 and edit_similarity("abc", "abd") == pytest.approx(2 / 3)
+    pos = Position("a.py", "foo()\nbar()\n", 4, "x", "infix")
+    assert is_duplication(pos, "x)")
+    assert not is_duplication(pos, "x")
+    line = Position("a.py", "def f():\n    \n    return 1\n", 13, "", "eol")
+    assert is_duplication(line, "y = 2\n    return 1")
+
+
+# -- the request path with an oracle model --------------------------------------
+
+@dataclass
+class _Stats:
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self):
+        return self.data
+
+
+@dataclass
+class _Gen:
+    tokens: list
+    finish_reason: str
+    stats: _Stats
+
+
+class OracleEngine:
+    """Continues the prompt with the real file's text, under the engine's callback contract."""
+
+    def __init__(self, tokenizer, files: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.max_context = 4096
+        self.device = "cpu"
+        self.vocab_size = len(tokenizer)
+        self.model_id = "oracle"
+        self.files = files
+        self.calls = 0
+
+    def generate(self, prompt_ids, params, cancel=None, on_round=None, stop=None, constraint=None):
+        self.calls += 1
+        text = self.tokenizer.decode(prompt_ids)
+        prefix = text.rsplit("<|fim_middle|>", 1)[1]
+        source = next(s for s in self.files.values() if prefix in s)
+        cont = source[source.index(prefix) + len(prefix):][:300]
+        out = []
+        for tok in self.tokenizer.encode(cont, add_special_tokens=False)[: params.max_tokens]:
+            mask = constraint(out) if constraint else None
+            assert mask is None or bool(mask[tok]), "the healing mask must allow the true continuation"
+            out.append(tok)
+            keep = stop(out) if stop else None
+            if keep is not None:
+                del out[keep:]
+                return _Gen(out, "stop", _Stats({"drafted": 4, "accepted": 3}))
+        return _Gen(out, "length", _Stats({"drafted": 4, "accepted": 3}))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("eval-tok")
+    build_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+@pytest.mark.parametrize("midword", [False, True])
+def test_oracle_model_gets_exact_suggestions(tok, src_dir, midword):
+    from completiond.config import Config
+    from completiond.engine import SamplingParams
+
+    files = {p.name: p.read_text() for p in src_dir.rglob("*.py")}
+    engine = OracleEngine(tok, files)
+    cfg = Config()
+    planner = Planner.for_engine(engine, cfg)
+    positions = pick_positions(src_dir, 24, seed=1, per_file=12, midword_only=midword)
+    outcomes = [complete(engine, planner, p, SamplingParams(max_tokens=200)) for p in positions]
+    r = summarize(outcomes)
+    assert r["positions"] == len(positions)
+    assert r["suffix_duplication_rate"] == 0.0
+    assert r["whitespace_only_rate"] == 0.0
+    # The oracle knows the file: every first line must match exactly.
+    misses = [(o.position.kind, o.position.target, o.suggestion) for o in outcomes
+              if o.suggestion.split("\n")[0].rstrip() != o.position.target.rstrip()]
+    assert not misses
+
+
+def test_eval_command_on_the_tiny_model(tiny_model_dir, src_dir, capsys):
+    rc = cli.main(["eval", str(src_dir), "--model", str(tiny_model_dir), "--device", "cpu", "--positions", "4",
+                   "--max-tokens", "6", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("next_line_exact_match", "edit_similarity", "suffix_duplication_rate", "whitespace_only_rate", "alpha",
+                "p50_ms", "positions"):
+        assert key in r
+    assert r["positions"] == 4
+    assert r["whitespace_only_rate"] == 0.0
+    assert 0.0 <= r["alpha"] <= 1.0 and r["p50_ms"] > 0
+
+
+def test_eval_compare_healing(tiny_model_dir, src_dir, capsys):
+    rc = cli.main(["eval", str(src_dir), "--model", str(tiny_model_dir), "--device", "cpu", "--positions", "3",
+                   "--max-tokens", "4", "--compare-healing", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["healing"]) == {"on", "off"}
+    assert r["healing"]["on"]["positions"] == r["healing"]["off"]["positions"] == 3
+
+
+def test_eval_rejects_a_missing_directory(tmp_path, capsys):
+    assert cli.main(["eval", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
