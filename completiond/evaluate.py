@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mid-word positions only, each run with healing on and off")
     parser.add_argument("--ext", action="append", default=None,
                         help="file extension to include (repeatable; default: every known source language)")
+    parser.add_argument("--typing", type=int, default=0, metavar="N",
+                        help="also type the target of N positions character by character and report the fraction "
+                             "of prompt tokens served from the prefix KV cache (typing_cache_fraction)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
 
@@ -273,6 +276,36 @@ def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None
     return outcomes
 
 
+def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Any, max_chars: int = 8) -> dict[str, Any]:
+    """Type each target one character at a time; fraction of prompt tokens the cache served.
+
+    The first request at a position is excluded (it pays for the whole
+    prompt); every later keystroke should be served almost entirely from
+    the cache with a suffix-first template.
+    """
+    from completiond.engine import SamplingParams
+    from completiond.prompt import Planner
+
+    planner = Planner.for_engine(engine, cfg)
+    params = SamplingParams(max_tokens=min(8, cfg.max_tokens), temperature=0.0)
+    reused = total = steps = 0
+    for pos in positions:
+        for j in range(0, min(max_chars, len(pos.target)) + 1):
+            typed = pos.target[:j]
+            text = pos.text[:pos.offset] + typed + pos.text[pos.offset:]
+            plan = planner.plan(text, pos.offset + j, path=pos.path, language=language_of(pos.path))
+            if plan.skip_reason is not None:
+                break
+            gen = engine.generate(plan.ids, params, stop=plan.stop, constraint=plan.constraint)
+            if j:
+                st = gen.stats.to_dict()
+                reused += st.get("reused_tokens", 0)
+                total += st.get("prompt_tokens", 0)
+                steps += 1
+    return {"typing_cache_fraction": reused / total if total else 0.0, "typing_keystrokes": steps,
+            "template": planner.template.name, "spm": planner.template.spm}
+
+
 def _config(args: argparse.Namespace):
     from completiond import config
 
@@ -312,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
         result["healing"] = {"on": on, "off": off}
     else:
         result = summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show))
+    if args.typing > 0:
+        result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
     result.update(model=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
                   multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal)
     if args.json:
@@ -330,6 +365,9 @@ def _print_table(r: dict[str, Any]) -> None:
             ("empty", f"{r['empty_rate']:.3%}"),
             ("acceptance alpha", f"{r['alpha']:.3f}"),
             ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms")]
+    if "typing_cache_fraction" in r:
+        rows.append(("cache-served while typing", f"{r['typing_cache_fraction']:.3f} over {r['typing_keystrokes']} keystrokes "
+                                                   f"({r['template']}, {'SPM' if r['spm'] else 'PSM'})"))
     if isinstance(r.get("healing"), dict):
         on, off = r["healing"]["on"], r["healing"]["off"]
         rows.append(("mid-word exact, healing on/off", f"{on['next_line_exact_match']:.3f} / {off['next_line_exact_match']:.3f}"))

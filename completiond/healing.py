@@ -214,11 +214,12 @@ class TokenHealer:
         self._masks: dict[bytes, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    _instances: dict[tuple[int, int | None], "TokenHealer"] = {}
+    _instances: dict[tuple, "TokenHealer"] = {}
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None, **kwargs) -> "TokenHealer":
-        key = (id(tokenizer), vocab_size)
+        """Shared healer per (tokenizer, vocab size, options): its masks are cached across requests."""
+        key = (id(tokenizer), vocab_size, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
         inst = cls._instances.get(key)
         if inst is None or inst.tokenizer is not tokenizer:
             inst = cls(tokenizer, vocab_size, **kwargs)

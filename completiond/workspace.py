@@ -279,7 +279,7 @@ class Workspace:
     def memory_bytes(self) -> int:
         return self._bytes
 
-    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
         """Block until predicate() holds (re-checked on every change) or timeout."""
         deadline = time.monotonic() + timeout
         with self._changed:

@@ -154,7 +154,7 @@ def test_oracle_model_gets_exact_suggestions(tok, src_dir, midword):
 
 def test_eval_command_on_the_tiny_model(tiny_model_dir, src_dir, capsys):
     rc = cli.main(["eval", str(src_dir), "--model", str(tiny_model_dir), "--device", "cpu", "--positions", "4",
-                   "--max-tokens", "6", "--json"])
+                   "--max-tokens", "6", "--typing", "1", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     for key in ("next_line_exact_match", "edit_similarity", "suffix_duplication_rate", "whitespace_only_rate", "alpha",
@@ -163,6 +163,9 @@ def test_eval_command_on_the_tiny_model(tiny_model_dir, src_dir, capsys):
     assert r["positions"] == 4
     assert r["whitespace_only_rate"] == 0.0
     assert 0.0 <= r["alpha"] <= 1.0 and r["p50_ms"] > 0
+    # Suffix-first prompt: a keystroke re-sends only the cursor line's last tokens.
+    assert r["spm"] and r["typing_keystrokes"] >= 1
+    assert r["typing_cache_fraction"] >= 0.9
 
 
 def test_eval_compare_healing(tiny_model_dir, src_dir, capsys):
