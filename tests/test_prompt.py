@@ -127,3 +127,24 @@ def test_max_prompt_caps_everything(tok):
     doc = document()
     p = b.build(doc, len(doc) // 2)
     assert len(p.ids) <= 100
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+LINES = st.sampled_from(["def f(a, b):", "    return a + b", "", "class P:", "        self.x = x", "print(i)", "\t# ünï", "x = [1, 2,"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(lines=st.lists(LINES, min_size=1, max_size=60), frac=st.floats(0, 1), heal=st.booleans())
+def test_pieces_reassemble_the_document(tok, lines, frac, heal):
+    b = PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=64, suffix_tokens=24, chunk_lines=4),
+                      TokenHealer.for_tokenizer(tok))
+    doc = "\n".join(lines) + "\n"
+    cur = int(frac * len(doc))
+    p = b.build(doc, cur, heal=heal)
+    assert p.skip_reason is None
+    healed = p.healing.removed if p.healing else ""
+    assert tok.decode(p.prefix_ids) + healed == doc[p.prefix_start:cur]
+    assert tok.decode(p.suffix_ids) == doc[cur:p.suffix_end]
+    assert len(p.prefix_ids) <= 64 and len(p.suffix_ids) <= 24
+    assert p.prefix_start == 0 or doc[p.prefix_start - 1] == "\n"

@@ -141,3 +141,28 @@ def test_stop_tokens_and_healed_text(tok):
     kept = feed(rules, ids, round_size=2)
     assert sep not in kept
     assert rules.suggestion(kept) == "rm()"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+GEN_LINES = st.sampled_from(["", "    x = 1", "        y = f(x)", "return x)", "}", "def g():", "    ]", "  a, b)", "z = (1,",
+                             "    pass", "\t", "print(x)"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=st.lists(GEN_LINES, min_size=1, max_size=10), lead=st.sampled_from(["", "\n", "foo", " + 1"]),
+       line_prefix=st.sampled_from(["", "    ", "def f(x):", "    x = foo(", "y = [", "    return self.ap"]),
+       line_suffix=st.sampled_from(["", ")", "):", "]"]), multiline=st.sampled_from(["auto", "always", "never"]),
+       rounds=st.integers(1, 4), max_lines=st.integers(1, 5))
+def test_stopping_early_gives_the_same_suggestion(tok, lines, lead, line_prefix, line_suffix, multiline, rounds, max_lines):
+    """The in-loop stop never cuts earlier than post-processing the whole output would."""
+    table = TokenBytes.for_tokenizer(tok)
+    text = lead + "\n".join(lines)
+    ids = tok.encode(text, add_special_tokens=False)
+    following = "    return x\n"
+    rules = StopRules(table, line_prefix, line_suffix, following, multiline, max_lines)
+    kept = feed(rules, ids, round_size=rounds)
+    assert table.join(kept) == table.join(ids[:len(kept)])
+    full = StopRules(table, line_prefix, line_suffix, following, multiline, max_lines).suggestion(ids)
+    assert rules.suggestion(kept) == full
+    assert full == "" or full.strip()
