@@ -1,0 +1,110 @@
+"""`completiond bench` and `completiond calibrate` run end to end on a tiny model.
+
+Speed figures are not asserted (shared, noisy machines): only that every
+measurement is present, well-formed, and that greedy outputs were identical.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from completiond.calibration import Calibration, load_calibration, save_calibration
+from completiond.engine import Engine, SamplingParams
+from tests.conftest import ROOT, make_tiny_model
+
+REQUIRED = ["spec_vs_plain", "spec_vs_hf_early_exit", "greedy_identical", "alpha", "mean_accepted_per_round",
+            "predicted_speedup", "warm_cold_ttft_ratio", "cancel_ms", "model", "device"]
+
+
+@pytest.fixture(scope="module")
+def peaked_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("bench-model"), layers=4, peaked=True, seed=5)
+
+
+def _prompt_files(tmp_path):
+    # bench prompts come from files of at least 60 lines
+    src = (ROOT / "completiond" / "engine.py").read_text()
+    f = tmp_path / "sample.py"
+    f.write_text(src)
+    return [str(f)]
+
+
+def test_bench_json_has_every_figure(peaked_dir, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "bench", "--json", "--model", str(peaked_dir), "--prompts", "1",
+         "--max-tokens", "12", "--exit-layer", "1", "--draft-k", "3", "--files", *_prompt_files(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    for key in REQUIRED:
+        assert key in result, key
+    assert result["greedy_identical"] is True
+    assert 0.0 <= result["alpha"] <= 1.0
+    assert result["ttft_prompt_tokens"] > 100 and result["warm_reused_tokens"] > 0
+    assert result["tokens_per_s"]["plain"] > 0 and result["tokens_per_s"]["hf_early_exit"] > 0
+
+
+def test_calibrate_stores_a_record_the_engine_uses(peaked_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "calibrate", "--json", "--model", str(peaked_dir), "--prompts", "1",
+         "--max-tokens", "8", "--exit-layers", "1", "2", "--draft-ks", "2", "3", "--files", *_prompt_files(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**__import__("os").environ})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert len(result["candidates"]) == 4
+    assert result["saved_to"]
+    engine = Engine.load(peaked_dir)
+    assert engine.calibration.source.startswith("user calibration")
+    assert engine.calibration.exit_layer == result["exit_layer"]
+    assert engine.calibration.speculative == result["speculative"]
+
+
+def test_no_speculation_record_turns_drafting_off(peaked_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine = Engine.load(peaked_dir)
+    save_calibration(engine.model_id, Calibration(speculative=False, exit_layer=1, draft_k=4))
+    engine = Engine.load(peaked_dir)
+    gen = engine.generate([5, 6, 7], SamplingParams(max_tokens=6))
+    assert gen.stats.drafted == 0
+    # an explicit exit layer still asks for speculation
+    gen = engine.generate([5, 6, 7], SamplingParams(max_tokens=6, exit_layer=1, ignore_eos=True))
+    assert gen.stats.drafted > 0
+
+
+def test_damaged_calibration_record_falls_back(peaked_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    engine = Engine.load(peaked_dir)
+    from completiond.calibration import record_path
+
+    path = record_path(engine.model_id)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"speculative": true, "exit_layer": 99, "draft_k": 4}')
+    cal = load_calibration(engine.model_id, peaked_dir, engine.num_layers)
+    assert cal.source == "heuristic"
+
+
+def test_generate_cli_spec_equals_no_spec(peaked_dir):
+    def gen(*extra):
+        out = subprocess.run([sys.executable, "-m", "completiond.cli", "generate", "--model", str(peaked_dir),
+                              "--prompt", "def add(a, b):\n", "--max-tokens", "24", "--dtype", "float64", *extra],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out
+
+    plain = gen("--no-spec")
+    spec = gen("--exit-layer", "1", "--draft-k", "4", "--stats")
+    assert spec.stdout == plain.stdout
+    stats = json.loads(spec.stderr[spec.stderr.index("{"):])
+    assert stats["drafted"] > 0 and stats["rounds"] > 0
+
+
+def test_generate_cli_reports_bad_model(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", "generate", "--model", str(tmp_path / "missing"),
+                          "--prompt", "x"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1
+    assert "does not exist" in out.stderr
