@@ -360,6 +360,10 @@ class Workspace:
             lines = lines[: len(lines) // 2] if len(lines) > 8 else lines[:-1]
         return "".join(lines)
 
+    def relative_path(self, path: str | os.PathLike) -> str:
+        """Path as the context block and the current file's header name it (relative to its folder)."""
+        return self._relpath(os.path.abspath(os.fspath(path)))
+
     def _relpath(self, path: str) -> str:
         for root in self._folders:
             if _inside(path, root):

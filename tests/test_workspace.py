@@ -101,6 +101,7 @@ def test_context_same_language_stable_and_budgeted(tmp_path):
     small = w.context(tmp_path / "main.py", "python", budget_tokens=12)
     assert sum((len(f"{p}\n{t}") + 3) // 4 + 2 for p, t in small) <= 12
     assert w.context(tmp_path / "main.py", "python", budget_tokens=0) == []
+    assert w.relative_path(tmp_path / "pkg" / "m.py") == "pkg/m.py"
 
 
 def test_snippet_follows_the_last_edit(tmp_path):
