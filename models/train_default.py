@@ -40,8 +40,13 @@ import shutil
 import time
 from pathlib import Path
 
-DEFAULTS = dict(hidden=256, layers=10, heads=4, kv_heads=4, intermediate=704, vocab=8192, seq_len=512,
-                batch_size=8, lr=1.5e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1,
+# Under CPU contention (other jobs on the same cores) libgomp's spinning
+# barriers make multi-threaded torch several times slower; passive waiting
+# avoids that. Must be set before torch starts its OpenMP pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+DEFAULTS = dict(hidden=192, layers=10, heads=3, kv_heads=3, intermediate=512, vocab=8192, seq_len=512,
+                batch_size=8, lr=2e-3, min_lr_ratio=0.1, warmup=50, weight_decay=0.1,
                 layer_dropout=0.1, exit_scale=0.1, exit_frac=0.125, fim_rate=0.5, spm_rate=0.5)
 
 
@@ -50,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     d = DEFAULTS
     parser.add_argument("--out", type=Path, default=default_model_dir(), help="output model directory")
-    parser.add_argument("--minutes", type=float, default=48.0, help="wall-clock budget of the training loop")
+    parser.add_argument("--minutes", type=float, default=50.0, help="wall-clock budget of the training loop")
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: only the time budget)")
     parser.add_argument("--max-files", type=int, default=0, help="use only the first N training files (quick tests)")
     parser.add_argument("--hidden", type=int, default=d["hidden"])
@@ -146,17 +151,21 @@ class Data:
             b = self.rng.randint(a, n)
         return text[:a], text[a:b], text[b:]
 
+    def fim_layout(self, prefix: str, middle: str, suffix: str, spm: bool) -> list[int]:
+        """Token ids of one FIM training sample (pieces tokenized separately)."""
+        ids = self.ids
+        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"] if s else []
+        p, m, s = enc(prefix), enc(middle), enc(suffix)
+        if spm:
+            return [ids["<|fim_prefix|>"], ids["<|fim_suffix|>"]] + s + [ids["<|fim_middle|>"]] + p + m + [ids["<|endoftext|>"]]
+        return [ids["<|fim_prefix|>"]] + p + [ids["<|fim_suffix|>"]] + s + [ids["<|fim_middle|>"]] + m + [ids["<|endoftext|>"]]
+
     def _fim(self):
         ids = self.ids
         # leave room for the 4 sentinels and for re-tokenization at the cut points
         text = self._pick_file_window(self.seq_len - 12)
         prefix, middle, suffix = self._split(text)
-        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"] if s else []
-        p, m, s = enc(prefix), enc(middle), enc(suffix)
-        if self.rng.random() < self.spm_rate:
-            seq = [ids["<|fim_prefix|>"], ids["<|fim_suffix|>"]] + s + [ids["<|fim_middle|>"]] + p + m + [ids["<|endoftext|>"]]
-        else:
-            seq = [ids["<|fim_prefix|>"]] + p + [ids["<|fim_suffix|>"]] + s + [ids["<|fim_middle|>"]] + m + [ids["<|endoftext|>"]]
+        seq = self.fim_layout(prefix, middle, suffix, spm=self.rng.random() < self.spm_rate)
         seq = seq[: self.seq_len + 1]
         mask = [1] * len(seq)
         pad = self.seq_len + 1 - len(seq)
