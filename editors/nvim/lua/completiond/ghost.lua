@@ -1,0 +1,313 @@
+--- completiond's own ghost text renderer, for Neovim 0.10/0.11 (no vim.lsp.inline_completion)
+--- or when `renderer = "fallback"`.
+---
+--- One extmark namespace; the first line of a suggestion is virtual text at the
+--- cursor (overlay at the end of the line, inline before existing text), the
+--- others are virt_lines below. Requests are debounced; a response is dropped
+--- when the buffer's version (changedtick, what Neovim sends as the LSP document
+--- version) or the cursor changed since it was asked for. Moving the cursor
+--- clears the suggestion, except typing the characters it shows.
+local util = require("completiond.util")
+
+local M = {}
+
+M.ns = vim.api.nvim_create_namespace("completiond")
+
+---@class completiond.GhostState
+---@field client_id integer
+---@field augroup integer
+---@field timer uv.uv_timer_t|nil
+---@field pending integer|nil id of the request in flight
+---@field seq integer
+---@field ghost table|nil { text, row, col, line_before, suffix_len, extmark }
+
+---@type table<integer, completiond.GhostState>
+local states = {}
+
+local uv = vim.uv or vim.loop
+
+local function core()
+  return require("completiond")
+end
+
+local function stop_timer(s)
+  if s.timer then
+    s.timer:stop()
+    if not s.timer:is_closing() then
+      s.timer:close()
+    end
+    s.timer = nil
+  end
+end
+
+local function cancel_pending(s)
+  if s.pending then
+    local client = vim.lsp.get_client_by_id(s.client_id)
+    if client then
+      pcall(util.cancel, client, s.pending)
+    end
+    s.pending = nil
+  end
+end
+
+local function expand_tabs(text)
+  if not text:find("\t", 1, true) then
+    return text
+  end
+  return (text:gsub("\t", string.rep(" ", vim.bo.tabstop > 0 and vim.bo.tabstop or 8)))
+end
+
+local function render(bufnr, g)
+  vim.api.nvim_buf_clear_namespace(bufnr, M.ns, 0, -1)
+  local hl = (core().config or {}).hl_group or "CompletiondGhost"
+  local lines = vim.split(g.text, "\n", { plain = true })
+  local line = vim.api.nvim_buf_get_lines(bufnr, g.row, g.row + 1, false)[1] or ""
+  local opts = {
+    virt_text = { { expand_tabs(lines[1]), hl } },
+    virt_text_pos = g.col < #line and "inline" or "overlay",
+    hl_mode = "combine",
+  }
+  if #lines > 1 then
+    local virt_lines = {}
+    for i = 2, #lines do
+      table.insert(virt_lines, { { expand_tabs(lines[i]), hl } })
+    end
+    opts.virt_lines = virt_lines
+  end
+  g.extmark = vim.api.nvim_buf_set_extmark(bufnr, M.ns, g.row, math.min(g.col, #line), opts)
+end
+
+--- Hide the suggestion in a buffer.
+function M.clear(bufnr)
+  local s = states[bufnr]
+  if s then
+    s.ghost = nil
+  end
+  if vim.api.nvim_buf_is_valid(bufnr) then
+    vim.api.nvim_buf_clear_namespace(bufnr, M.ns, 0, -1)
+  end
+end
+
+function M.visible(bufnr)
+  local s = states[bufnr]
+  return s ~= nil and s.ghost ~= nil and s.ghost.text ~= ""
+end
+
+function M.text(bufnr)
+  local s = states[bufnr]
+  return s and s.ghost and s.ghost.text or nil
+end
+
+--- Show `text` as the suggestion at the cursor (also used by the tests).
+---@param suffix_len integer|nil bytes after the cursor that accepting it overwrites
+function M.show(bufnr, text, suffix_len)
+  local s = states[bufnr]
+  if not s or text == nil or text == "" then
+    M.clear(bufnr)
+    return
+  end
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ""
+  s.ghost = { text = text, row = row - 1, col = col, line_before = line:sub(1, col), suffix_len = suffix_len or 0 }
+  render(bufnr, s.ghost)
+end
+
+local function handle(bufnr, s, seq, tick, cursor, client, err, result)
+  if seq ~= s.seq then
+    return -- superseded by a newer request
+  end
+  s.pending = nil
+  if err then
+    if err.code ~= -32800 then -- RequestCancelled
+      vim.lsp.log.warn("completiond: inlineCompletion failed", err)
+    end
+    return
+  end
+  if not vim.api.nvim_buf_is_valid(bufnr) or vim.api.nvim_get_current_buf() ~= bufnr then
+    return
+  end
+  if vim.api.nvim_buf_get_changedtick(bufnr) ~= tick then
+    return -- stale: the document changed since the request
+  end
+  local now = vim.api.nvim_win_get_cursor(0)
+  if now[1] ~= cursor[1] or now[2] ~= cursor[2] or not vim.api.nvim_get_mode().mode:match("^i") then
+    return
+  end
+  local items = result and (result.items or result) or {}
+  for _, item in ipairs(items) do
+    local text = type(item.insertText) == "string" and item.insertText or (item.insertText or {}).value
+    if text then
+      local ghost, replace = util.ghost_text(bufnr, text, item.range, client.offset_encoding, cursor)
+      if ghost and ghost ~= "" then
+        local suffix = 0
+        if replace and replace[3] == cursor[1] - 1 then
+          suffix = math.max(0, replace[4] - cursor[2])
+        end
+        M.show(bufnr, ghost, suffix)
+        return
+      end
+    end
+  end
+  M.clear(bufnr)
+end
+
+--- Ask the server now for a suggestion at the cursor.
+function M.request(bufnr)
+  local s = states[bufnr]
+  if not s or not core().enabled() then
+    return
+  end
+  if vim.api.nvim_get_current_buf() ~= bufnr or not vim.api.nvim_get_mode().mode:match("^i") then
+    return
+  end
+  local client = vim.lsp.get_client_by_id(s.client_id)
+  if not client then
+    return
+  end
+  cancel_pending(s)
+  s.seq = s.seq + 1
+  local seq = s.seq
+  local tick = vim.api.nvim_buf_get_changedtick(bufnr)
+  local cursor = vim.api.nvim_win_get_cursor(0)
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  params.context = { triggerKind = 2 } -- Automatic
+  local ok, id = util.request(client, "textDocument/inlineCompletion", params, function(err, result)
+    handle(bufnr, s, seq, tick, cursor, client, err, result)
+  end, bufnr)
+  if ok and seq == s.seq then
+    s.pending = id
+  end
+end
+
+--- Ask after `debounce_ms` without typing.
+function M.schedule(bufnr)
+  local s = states[bufnr]
+  if not s or not core().enabled() then
+    return
+  end
+  stop_timer(s)
+  local delay = (core().config or {}).debounce_ms or 75
+  s.timer = uv.new_timer()
+  s.timer:start(delay, 0, vim.schedule_wrap(function()
+    stop_timer(s)
+    M.request(bufnr)
+  end))
+end
+
+--- Cursor moved in insert mode: keep the suggestion if the user typed what it shows.
+local function cursor_moved(bufnr)
+  local s = states[bufnr]
+  local g = s and s.ghost
+  if not g then
+    return
+  end
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  row = row - 1
+  if row == g.row and col == g.col then
+    return
+  end
+  if row == g.row and col > g.col then
+    local line = vim.api.nvim_buf_get_lines(bufnr, row, row + 1, false)[1] or ""
+    local typed = line:sub(g.col + 1, col)
+    if line:sub(1, g.col) == g.line_before and g.text:sub(1, #typed) == typed and #typed < #g.text then
+      g.text = g.text:sub(#typed + 1)
+      g.col = col
+      g.line_before = line:sub(1, col)
+      render(bufnr, g)
+      return
+    end
+  end
+  M.clear(bufnr)
+end
+
+--- Insert the whole suggestion, or its next word / line.
+---@param kind "full"|"word"|"line"
+---@return boolean accepted
+function M.accept(bufnr, kind)
+  local s = states[bufnr]
+  local g = s and s.ghost
+  if not g or g.text == "" then
+    return false
+  end
+  stop_timer(s)
+  cancel_pending(s)
+  local part = util.next_part(g.text, kind or "full")
+  local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  if part == g.text then
+    M.clear(bufnr)
+    local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ""
+    util.replace(bufnr, { row - 1, col, row - 1, math.min(#line, col + g.suffix_len) }, g.text)
+    return true
+  end
+  util.insert_at_cursor(bufnr, part)
+  local nrow, ncol = unpack(vim.api.nvim_win_get_cursor(0))
+  local line = vim.api.nvim_buf_get_lines(bufnr, nrow - 1, nrow, false)[1] or ""
+  g.text = g.text:sub(#part + 1)
+  g.row, g.col, g.line_before = nrow - 1, ncol, line:sub(1, ncol)
+  render(bufnr, g)
+  return true
+end
+
+--- Start rendering suggestions from a client in a buffer.
+function M.attach(bufnr, client_id)
+  local old = states[bufnr]
+  if old then
+    old.client_id = client_id
+    return
+  end
+  local group = vim.api.nvim_create_augroup("completiond.ghost." .. bufnr, { clear = true })
+  local s = { client_id = client_id, augroup = group, seq = 0 }
+  states[bufnr] = s
+  vim.api.nvim_create_autocmd({ "InsertEnter", "TextChangedI", "TextChangedP" }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      M.schedule(bufnr)
+    end,
+  })
+  vim.api.nvim_create_autocmd("CursorMovedI", {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      cursor_moved(bufnr)
+    end,
+  })
+  vim.api.nvim_create_autocmd({ "InsertLeave", "BufLeave" }, {
+    group = group,
+    buffer = bufnr,
+    callback = function()
+      stop_timer(s)
+      cancel_pending(s)
+      M.clear(bufnr)
+    end,
+  })
+  vim.api.nvim_create_autocmd({ "BufUnload", "LspDetach" }, {
+    group = group,
+    buffer = bufnr,
+    callback = function(ev)
+      if ev.event == "LspDetach" and ev.data and ev.data.client_id ~= s.client_id then
+        return
+      end
+      M.detach(bufnr)
+    end,
+  })
+end
+
+function M.detach(bufnr)
+  local s = states[bufnr]
+  if not s then
+    return
+  end
+  stop_timer(s)
+  cancel_pending(s)
+  M.clear(bufnr)
+  pcall(vim.api.nvim_del_augroup_by_id, s.augroup)
+  states[bufnr] = nil
+end
+
+--- For :checkhealth and the tests.
+function M.state(bufnr)
+  return states[bufnr]
+end
+
+return M

@@ -1,0 +1,78 @@
+--- :checkhealth completiond
+local M = {}
+
+local health = vim.health
+
+function M.check()
+  health.start("completiond: Neovim")
+  local v = vim.version()
+  local version = ("%d.%d.%d"):format(v.major, v.minor, v.patch)
+  if vim.fn.has("nvim-0.10") ~= 1 then
+    health.error("Neovim " .. version .. " is too old: completiond.nvim needs 0.10 or later")
+    return
+  end
+  if vim.lsp.inline_completion then
+    health.ok("Neovim " .. version .. ": built-in vim.lsp.inline_completion available")
+  else
+    health.ok("Neovim " .. version .. ": completiond's own ghost text is used (vim.lsp.inline_completion needs 0.12)")
+  end
+
+  local core = require("completiond")
+  health.start("completiond: setup")
+  if not core.config then
+    health.warn("require('completiond').setup() was not called", { "Add require('completiond').setup({}) to your config" })
+    return
+  end
+  health.ok(("renderer: %s (option: %s)"):format(core.renderer, core.config.renderer))
+  health.ok("completions: " .. (core.enabled() and "on" or "off (:CompletiondToggle)"))
+  for _, e in ipairs(core.errors or {}) do
+    health.warn("setup(): " .. e)
+  end
+  local km = {}
+  for name, lhs in pairs(core.config.keymaps) do
+    if lhs then
+      table.insert(km, ("%s=%s"):format(name, lhs))
+    end
+  end
+  table.sort(km)
+  health.info("keymaps (active only while a suggestion shows): " .. (#km > 0 and table.concat(km, ", ") or "none"))
+  local set = vim.tbl_keys(core.user_settings)
+  table.sort(set)
+  health.info("server settings you set: " .. (#set > 0 and table.concat(set, ", ") or "none (server defaults / config.toml)"))
+
+  health.start("completiond: server")
+  local cmd, err = core.server_cmd(core.config)
+  if not cmd then
+    health.error(err, { core.NOT_FOUND_HINT })
+    return
+  end
+  health.ok("server command: " .. table.concat(cmd, " "))
+  local probe = cmd[2] == "-m" and { cmd[1], "-c", "import completiond.cli" } or { cmd[1], "--help" }
+  local ok, out = pcall(vim.fn.system, probe)
+  if not ok or vim.v.shell_error ~= 0 then
+    health.error("`" .. table.concat(probe, " ") .. "` failed: " .. tostring(out), { core.NOT_FOUND_HINT })
+  else
+    health.ok("`" .. table.concat(probe, " ") .. "` works")
+  end
+  local clients = core.clients()
+  if #clients == 0 then
+    health.info("no completiond client is running (open a file of a completed filetype)")
+  end
+  for _, client in ipairs(clients) do
+    local s = core.status[client.id]
+    local state = s and s.state or "starting"
+    local line = ("client %d: %s%s"):format(client.id, state, s and s.message and s.message ~= "" and (" — " .. s.message) or "")
+    if state == "error" then
+      health.error(line)
+    elseif state == "ready" or state == "busy" then
+      health.ok(line)
+    else
+      health.info(line)
+    end
+    if not (client.server_capabilities or {}).inlineCompletionProvider then
+      health.warn(("client %d: the server does not offer textDocument/inlineCompletion"):format(client.id))
+    end
+  end
+end
+
+return M

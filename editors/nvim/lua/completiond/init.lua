@@ -1,0 +1,433 @@
+--- completiond.nvim: inline (ghost text) completions from the local completiond server.
+---
+---   require("completiond").setup({ settings = { maxTokens = 48 } })
+---
+--- See :help completiond.
+local M = {}
+
+local config = require("completiond.config")
+local util = require("completiond.util")
+
+M.NAME = "completiond"
+M.STATUS_METHOD = "completiond/status"
+M.CMD_STATS = "completiond.stats"
+M.CMD_RESTART = "completiond.restartDaemon"
+
+--- The merged configuration (nil until setup()).
+M.config = nil
+--- The server settings the user set (sent with a value; the rest go as null).
+M.user_settings = {}
+--- Last `completiond/status` params per client id.
+M.status = {}
+--- "builtin" or "fallback" once set up.
+M.renderer = nil
+
+local augroup = vim.api.nvim_create_augroup("completiond", { clear = true })
+local warned_not_found = false
+
+--- The renderer that `opt` ("auto", "builtin", "fallback") resolves to on this Neovim.
+---@param opt string
+---@return string renderer
+---@return string|nil why a note when "builtin" was asked for but is not available
+function M.pick_renderer(opt)
+  local has_builtin = vim.lsp.inline_completion ~= nil and vim.lsp.inline_completion.get ~= nil
+  if opt == "fallback" then
+    return "fallback"
+  end
+  if has_builtin then
+    return "builtin"
+  end
+  if opt == "builtin" then
+    return "fallback", "vim.lsp.inline_completion needs Neovim >= 0.12: using completiond's own ghost text"
+  end
+  return "fallback"
+end
+
+--- The command that starts the language server.
+---@param cfg table
+---@return string[]|nil cmd
+---@return string|nil err why none was found
+function M.server_cmd(cfg)
+  cfg = cfg or M.config or config.defaults
+  local args = cfg.args or {}
+  if cfg.cmd then
+    local cmd = vim.list_extend(vim.deepcopy(cfg.cmd), args)
+    if vim.fn.executable(cmd[1]) ~= 1 then
+      return nil, ("cmd[1] %q is not an executable"):format(cmd[1])
+    end
+    return cmd
+  end
+  if cfg.python then
+    local python = vim.fn.expand(cfg.python)
+    if vim.fn.isdirectory(python) == 1 then
+      local found
+      for _, rel in ipairs({ "bin/python3", "bin/python", "Scripts/python.exe" }) do
+        local p = python .. "/" .. rel
+        if vim.fn.executable(p) == 1 then
+          found = p
+          break
+        end
+      end
+      if not found then
+        return nil, ("python = %q: no Python interpreter in that folder"):format(cfg.python)
+      end
+      python = found
+    elseif vim.fn.executable(python) ~= 1 then
+      return nil, ("python = %q is not an executable"):format(cfg.python)
+    end
+    return vim.list_extend({ python, "-m", "completiond.cli", "lsp" }, args)
+  end
+  if vim.fn.executable("completiond") == 1 then
+    return vim.list_extend({ "completiond", "lsp" }, args)
+  end
+  local user_bin = vim.fn.expand("~/.local/bin/completiond")
+  if vim.fn.executable(user_bin) == 1 then
+    return vim.list_extend({ user_bin, "lsp" }, args)
+  end
+  return nil, "the `completiond` executable was not found on $PATH"
+end
+
+M.NOT_FOUND_HINT = "Install it with `pip install completiond` (see the README, `:help completiond-install`), "
+  .. "or pass `cmd` or `python` to require('completiond').setup()."
+
+--- The `completiond` settings section sent to the server.
+function M.server_section()
+  return config.server_section(M.user_settings)
+end
+
+--- Whether completions are on (the `enable` server setting).
+function M.enabled()
+  local v = M.user_settings.enable
+  if v == nil or v == vim.NIL then
+    return config.defaults.settings.enable
+  end
+  return v
+end
+
+---@return vim.lsp.Client[]
+function M.clients(bufnr)
+  return vim.lsp.get_clients({ name = M.NAME, bufnr = bufnr })
+end
+
+local function wants_buffer(bufnr)
+  if not vim.api.nvim_buf_is_valid(bufnr) or vim.bo[bufnr].buftype ~= "" then
+    return false
+  end
+  local ft = vim.bo[bufnr].filetype
+  if ft == "" or vim.tbl_contains(M.config.exclude_filetypes, ft) then
+    return false
+  end
+  return vim.tbl_contains(M.config.filetypes, "*") or vim.tbl_contains(M.config.filetypes, ft)
+end
+
+local function on_status(_, params, ctx)
+  if type(params) ~= "table" then
+    return
+  end
+  M.status[ctx.client_id] = params
+  vim.api.nvim_exec_autocmds("User", { pattern = "CompletiondStatus", modeline = false, data = params })
+end
+
+local function on_attach(client, bufnr)
+  if M.renderer == "builtin" then
+    vim.lsp.inline_completion.enable(M.enabled(), { bufnr = bufnr })
+  else
+    require("completiond.ghost").attach(bufnr, client.id)
+  end
+  require("completiond.keymaps").attach(bufnr)
+end
+
+--- Start (or reuse) the client for a buffer.
+---@param bufnr integer|nil
+---@return integer|nil client_id
+function M.attach(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if not M.config or not wants_buffer(bufnr) then
+    return nil
+  end
+  local cmd, err = M.server_cmd(M.config)
+  if not cmd then
+    if not warned_not_found then
+      warned_not_found = true
+      vim.notify(("completiond: %s. %s"):format(err, M.NOT_FOUND_HINT), vim.log.levels.ERROR)
+    end
+    return nil
+  end
+  local root = vim.fs.root(bufnr, M.config.root_markers) or vim.fn.getcwd()
+  local section = M.server_section()
+  return vim.lsp.start({
+    name = M.NAME,
+    cmd = cmd,
+    root_dir = root,
+    init_options = { completiond = section },
+    settings = { completiond = section },
+    handlers = { [M.STATUS_METHOD] = on_status },
+    on_attach = on_attach,
+    on_exit = function(code, signal, client_id)
+      M.status[client_id] = nil
+      if code ~= 0 and signal ~= 15 then
+        vim.schedule(function()
+          vim.notify(("completiond: the language server exited (code %s, signal %s); see :LspLog"):format(code, signal), vim.log.levels.WARN)
+        end)
+      end
+    end,
+  }, { bufnr = bufnr })
+end
+
+--- Send the current settings to every running client.
+function M.push_settings()
+  local section = M.server_section()
+  for _, client in ipairs(M.clients()) do
+    client.settings = vim.tbl_extend("force", client.settings or {}, { completiond = section })
+    util.notify(client, "workspace/didChangeConfiguration", { settings = { completiond = section } })
+  end
+end
+
+--- Set up the plugin. Safe to call again: later calls change the settings of the running server.
+---@param opts table|nil see :help completiond-config
+function M.setup(opts)
+  local cfg, user_settings, errors = config.resolve(opts)
+  if #errors > 0 then
+    vim.notify("completiond: " .. table.concat(errors, "\n"), vim.log.levels.WARN)
+  end
+  local first = M.config == nil
+  M.config = cfg
+  M.errors = errors
+  M.user_settings = user_settings
+  local note
+  M.renderer, note = M.pick_renderer(cfg.renderer)
+  if note then
+    vim.notify("completiond: " .. note, vim.log.levels.INFO)
+  end
+  vim.api.nvim_set_hl(0, "CompletiondGhost", { link = "Comment", default = true })
+
+  vim.api.nvim_clear_autocmds({ group = augroup })
+  vim.api.nvim_create_autocmd("FileType", {
+    group = augroup,
+    callback = function(ev)
+      M.attach(ev.buf)
+    end,
+  })
+  if first then
+    for _, bufnr in ipairs(vim.api.nvim_list_bufs()) do
+      if vim.api.nvim_buf_is_loaded(bufnr) then
+        M.attach(bufnr)
+      end
+    end
+  else
+    M.push_settings()
+    M.refresh_buffers()
+  end
+end
+
+--- Re-apply enable state and keymaps to the attached buffers.
+function M.refresh_buffers()
+  for _, client in ipairs(M.clients()) do
+    for bufnr in pairs(client.attached_buffers or {}) do
+      if M.renderer == "builtin" then
+        vim.lsp.inline_completion.enable(M.enabled(), { bufnr = bufnr })
+      elseif not M.enabled() then
+        require("completiond.ghost").clear(bufnr)
+      end
+      require("completiond.keymaps").attach(bufnr)
+    end
+  end
+end
+
+--- Turn completions on or off (the `enable` server setting), here and in the server.
+---@param on boolean|nil nil flips
+function M.toggle(on)
+  if on == nil then
+    on = not M.enabled()
+  end
+  M.user_settings.enable = on
+  if M.config then
+    M.config.settings.enable = on
+  end
+  M.push_settings()
+  M.refresh_buffers()
+  vim.notify("completiond: inline completions " .. (on and "on" or "off"), vim.log.levels.INFO)
+end
+
+--- Whether a suggestion shows in the buffer.
+function M.visible(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if M.renderer == "builtin" then
+    local ns = vim.api.nvim_get_namespaces()["nvim.lsp.inline_completion"]
+    return ns ~= nil and #vim.api.nvim_buf_get_extmarks(bufnr, ns, 0, -1, { limit = 1 }) > 0
+  end
+  return require("completiond.ghost").visible(bufnr)
+end
+
+--- The text of the suggestion that shows (the part not yet in the buffer), or nil.
+function M.suggestion_text(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if M.renderer == "builtin" then
+    local ns = vim.api.nvim_get_namespaces()["nvim.lsp.inline_completion"]
+    if not ns then
+      return nil
+    end
+    local marks = vim.api.nvim_buf_get_extmarks(bufnr, ns, 0, -1, { details = true })
+    if #marks == 0 then
+      return nil
+    end
+    local d = marks[1][4]
+    local lines = { util.chunks_text(d.virt_text) }
+    for _, l in ipairs(d.virt_lines or {}) do
+      table.insert(lines, util.chunks_text(l))
+    end
+    return table.concat(lines, "\n")
+  end
+  return require("completiond.ghost").text(bufnr)
+end
+
+--- Accept the whole suggestion, its next word, or its next line.
+--- Returns false when no suggestion shows. Usable from <expr> mappings.
+---@param kind "full"|"word"|"line"|nil
+---@return boolean
+function M.accept(kind)
+  kind = kind or "full"
+  local bufnr = vim.api.nvim_get_current_buf()
+  if not M.visible(bufnr) then
+    return false
+  end
+  if M.renderer == "builtin" then
+    if kind == "full" then
+      return vim.lsp.inline_completion.get({ bufnr = bufnr })
+    end
+    return vim.lsp.inline_completion.get({
+      bufnr = bufnr,
+      on_accept = function(item)
+        local client = vim.lsp.get_client_by_id(item.client_id)
+        local text = type(item.insert_text) == "string" and item.insert_text or item.insert_text.value
+        local lsp_range
+        if item.range then
+          lsp_range = {
+            start = { line = item.range.start.row, character = item.range.start.col },
+            ["end"] = { line = item.range.end_.row, character = item.range.end_.col },
+          }
+        end
+        local ghost = util.ghost_text(bufnr, text, lsp_range, "utf-8")
+        if ghost and client then
+          util.insert_at_cursor(bufnr, util.next_part(ghost, kind))
+        end
+      end,
+    })
+  end
+  return require("completiond.ghost").accept(bufnr, kind)
+end
+
+--- Hide the suggestion that shows.
+function M.dismiss(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if not M.visible(bufnr) then
+    return false
+  end
+  if M.renderer == "builtin" then
+    local completor = vim.lsp._capability and vim.lsp._capability.all.inline_completion
+    local active = completor and completor.active and completor.active[bufnr]
+    if active then
+      active:abort()
+    else
+      local ns = vim.api.nvim_get_namespaces()["nvim.lsp.inline_completion"]
+      vim.api.nvim_buf_clear_namespace(bufnr, ns, 0, -1)
+    end
+  else
+    require("completiond.ghost").clear(bufnr)
+  end
+  return true
+end
+
+--- One line for a statusline: "completiond ready 80 ms α 0.81".
+function M.statusline()
+  local clients = M.clients()
+  if #clients == 0 then
+    return ""
+  end
+  if not M.enabled() then
+    return "completiond off"
+  end
+  local s = M.status[clients[1].id]
+  if not s then
+    return "completiond starting"
+  end
+  local parts = { "completiond", tostring(s.state or "?") }
+  if type(s.latencyMs) == "number" then
+    table.insert(parts, ("%d ms"):format(s.latencyMs))
+  end
+  if type(s.alpha) == "number" then
+    table.insert(parts, ("α %.2f"):format(s.alpha))
+  end
+  return table.concat(parts, " ")
+end
+
+--- Lines describing the plugin and each server (used by :CompletiondStatus).
+function M.status_lines()
+  local lines = {}
+  if not M.config then
+    return { "completiond: not set up (call require('completiond').setup())" }
+  end
+  table.insert(lines, ("completiond: renderer %s, completions %s"):format(M.renderer, M.enabled() and "on" or "off"))
+  local clients = M.clients()
+  if #clients == 0 then
+    local cmd, err = M.server_cmd(M.config)
+    table.insert(lines, cmd and ("no server running (would start: %s)"):format(table.concat(cmd, " ")) or ("no server: " .. err))
+  end
+  for _, client in ipairs(clients) do
+    local s = M.status[client.id] or {}
+    table.insert(lines, ("client %d (%s): %s"):format(client.id, client.config.root_dir or "?", table.concat(client.config.cmd or {}, " ")))
+    table.insert(lines, ("  state: %s%s"):format(s.state or "starting", s.message and s.message ~= "" and (" — " .. s.message) or ""))
+    if s.model then
+      table.insert(lines, ("  model: %s on %s"):format(s.model, s.device or "?"))
+    end
+    if type(s.latencyMs) == "number" then
+      table.insert(lines, ("  last completion: %d ms"):format(s.latencyMs))
+    end
+    if type(s.alpha) == "number" then
+      table.insert(lines, ("  acceptance α: %.2f"):format(s.alpha))
+    end
+    if type(s.tokensPerSecond) == "number" then
+      table.insert(lines, ("  speed: %.1f tokens/s"):format(s.tokensPerSecond))
+    end
+  end
+  return lines
+end
+
+--- Ask each server for `completiond.stats`; callback(client, err, result) per client.
+function M.request_stats(callback)
+  for _, client in ipairs(M.clients()) do
+    util.request(client, "workspace/executeCommand", { command = M.CMD_STATS, arguments = {} }, function(err, result)
+      callback(client, err, result)
+    end)
+  end
+end
+
+--- :CompletiondStatus
+function M.show_status()
+  local lines = M.status_lines()
+  vim.api.nvim_echo({ { table.concat(lines, "\n") } }, true, {})
+  M.request_stats(function(client, err, result)
+    local text
+    if err then
+      text = ("client %d stats: error: %s"):format(client.id, err.message or vim.inspect(err))
+    else
+      text = ("client %d stats:\n%s"):format(client.id, util.format_stats(result, "  "))
+    end
+    vim.api.nvim_echo({ { text } }, true, {})
+  end)
+end
+
+--- :CompletiondRestart: restart the shared daemon (the model reloads).
+function M.restart()
+  for _, client in ipairs(M.clients()) do
+    util.request(client, "workspace/executeCommand", { command = M.CMD_RESTART, arguments = {} }, function(err, result)
+      if err then
+        vim.notify("completiond: restart failed: " .. (err.message or vim.inspect(err)), vim.log.levels.ERROR)
+      else
+        vim.notify("completiond: daemon restarting " .. vim.inspect(result), vim.log.levels.INFO)
+      end
+    end)
+  end
+end
+
+return M
