@@ -76,7 +76,8 @@ class Prompt:
     line_prefix: str = ""      # cursor line up to the cursor
     line_suffix: str = ""      # cursor line after the cursor
     following: str = ""        # text after the cursor line (bounded), for the stop rules' duplicate checks
-    prefix_start: int = 0      # document offset where the prefix window starts
+    prefix_start: int = 0      # document offset where the prefix window starts (may be the newline before its first line)
+    prefix_line: int = 0       # absolute number of the first line in the prefix window
     suffix_end: int = 0        # document offset where the suffix window ends
     cursor_line_tokens: int = 0
 
@@ -123,6 +124,7 @@ class PromptBuilder:
         self._max_pieces = piece_cache_entries
         self.tokenized_chars = 0   # characters actually sent to the tokenizer (tests check the bound)
         self._contexts: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        self._shift = 1 if getattr(template, "split_before_newline", False) else 0
 
     # -- pieces ----------------------------------------------------------
     def _encode(self, text: str, first: bool = False) -> list[int]:
@@ -179,24 +181,25 @@ class PromptBuilder:
             elif context_comment:
                 context_text = self._text_context(list(context), context_comment, context_budget)
 
-        cursor_ids = self._encode(line_prefix, first=False) if line_prefix else []
-        healing = None
+        # The cursor line's piece starts at the newline before it when the
+        # tokenizer merges a newline with the next line's indentation.
+        shift = self._shift
+        cstart = ls - shift if ls > 0 else 0
+        cursor_text = text[cstart:cursor]
         use_heal = opt.heal if heal is None else heal
-        if use_heal and self.healer is not None and cursor_ids:
-            cursor_ids, healing = self.healer.heal(cursor_ids)
+        cursor_ids, healing = self._cursor_piece(cursor_text, first=False, heal=use_heal)
         if len(cursor_ids) > prefix_budget:
             cursor_ids = cursor_ids[-prefix_budget:]
         pieces = self._head(text, ls, prefix_budget, len(cursor_ids))
-        prefix_start = pieces[0][0] if pieces else ls
+        prefix_start = pieces[0][0] if pieces else cstart
+        prefix_line = text.count("\n", 0, prefix_start) + (1 if shift and prefix_start > 0 else 0)
         if tpl.prefix_leading_space and not context_text:
             # Only the first piece of the prefix carries the family's leading space.
             if pieces:
-                b, e, _ = pieces[0]
-                pieces[0] = (b, e, self._encode(text[b:e], first=True))
-            elif line_prefix:
-                cursor_ids = self._encode(line_prefix, first=True)
-                if use_heal and self.healer is not None and cursor_ids:
-                    cursor_ids, healing = self.healer.heal(cursor_ids)
+                b0, e0, _ = pieces[0]
+                pieces[0] = (b0, e0, self._encode(text[b0:e0], first=True))
+            elif cursor_text:
+                cursor_ids, healing = self._cursor_piece(cursor_text, first=True, heal=use_heal)
         head_ids = [i for _, _, ids in pieces for i in ids]
         if context_text:
             head_ids = self._encode(context_text, first=True) + head_ids
@@ -209,20 +212,34 @@ class PromptBuilder:
         ids = tpl.build(prefix_ids, suffix_ids, context_ids)
         return Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=context_ids,
                       healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
-                      prefix_start=prefix_start, suffix_end=suffix_end, cursor_line_tokens=len(cursor_ids))
+                      prefix_start=prefix_start, prefix_line=prefix_line, suffix_end=suffix_end,
+                      cursor_line_tokens=len(cursor_ids))
+
+    def _cursor_piece(self, piece: str, first: bool, heal: bool) -> tuple[list[int], Healing | None]:
+        ids = self._encode(piece, first=first) if piece else []
+        if heal and self.healer is not None and ids:
+            return self.healer.heal(ids)
+        return ids, None
 
     # -- prefix ----------------------------------------------------------
+    def _piece(self, text: str, b: int, e: int) -> list[int]:
+        """Ids of the lines starting at line starts b..e, cut on the tokenizer's side of the newline."""
+        sh = self._shift
+        return self._encode(text[max(0, b - sh):e - sh])
+
     def _head(self, text: str, ls: int, budget: int, cursor_tokens: int) -> list[tuple[int, int, list[int]]]:
         """Pieces (begin, end, ids) of whole lines before the cursor line, oldest first.
 
-        Walks back chunk by chunk (chunks aligned to absolute line numbers)
-        while they fit in the budget minus a reserve for the cursor line.
-        The reserve does not depend on the cursor line until that line
-        outgrows it, so typing does not move the window start.
+        begin/end are document offsets of the piece text. Walks back chunk by
+        chunk (chunks aligned to absolute line numbers) while they fit in the
+        budget minus a reserve for the cursor line. The reserve does not
+        depend on the cursor line until that line outgrows it, so typing
+        does not move the window start.
         """
         if ls == 0:
             return []
         opt = self.options
+        sh = self._shift
         n = max(1, opt.chunk_lines)
         reserve = max(budget // 8, cursor_tokens)
         head_budget = max(0, budget - reserve)
@@ -233,19 +250,19 @@ class PromptBuilder:
             first_line -= n
         pieces: list[tuple[int, int, list[int]]] = []
         used = 0
-        end = ls
+        end = ls          # line start where the next (older) piece ends
         while end > 0:
             begin = _line_start(text, end, cur_line - first_line)
             if begin < char_floor or any(len(seg) > opt.max_line_chars for seg in text[begin:end].split("\n")):
                 break
-            ids = self._encode(text[begin:end])
+            ids = self._piece(text, begin, end)
             if used + len(ids) > head_budget:
                 if not pieces:
                     tail = self._tail_lines(text, begin, end, head_budget)
                     if tail is not None:
                         pieces.append(tail)
                 break
-            pieces.append((begin, end, ids))
+            pieces.append((max(0, begin - sh), end - sh, ids))
             used += len(ids)
             end = begin
             cur_line, first_line = first_line, first_line - n
@@ -253,62 +270,65 @@ class PromptBuilder:
         return pieces
 
     def _tail_lines(self, text: str, begin: int, end: int, budget: int) -> tuple[int, int, list[int]] | None:
-        """Trailing whole lines of text[begin:end] that fit in budget (not chunk-aligned)."""
-        lines = text[begin:end].splitlines(keepends=True)
-        kept: list[str] = []
+        """Trailing whole lines of the lines begin..end that fit in budget (not chunk-aligned)."""
+        sh = self._shift
+        starts = [begin] + [i + 1 for i in range(begin, end - 1) if text[i] == "\n"]
         total = 0
-        for line in reversed(lines):
-            k = len(self._encode(line))
-            if total + k > budget:
+        best = None
+        for k in range(len(starts) - 1, -1, -1):
+            b = starts[k]
+            e = starts[k + 1] if k + 1 < len(starts) else end
+            total += len(self._piece(text, b, e))
+            if total > budget:
                 break
-            kept.append(line)
-            total += k
-        if not kept:
+            best = b
+        if best is None:
             return None
-        chunk = "".join(reversed(kept))
-        return end - len(chunk), end, self._encode(chunk)
+        return max(0, best - sh), end - sh, self._piece(text, best, end)
 
     # -- suffix ----------------------------------------------------------
     def _suffix(self, text: str, cursor: int, le: int, budget: int) -> tuple[list[int], int]:
         """Ids of the text after the cursor, cut at a line end within budget."""
         if budget <= 0 or cursor >= len(text):
             return [], cursor
+        sh = self._shift
         hi = min(len(text), cursor + budget * CHARS_PER_TOKEN)
-        window = text[cursor:hi]
-        nl = window.rfind("\n")
-        if hi < len(text) and nl >= 0:
-            window = window[:nl + 1]   # whole lines only
+        # Cut points: every line end in the window, on the tokenizer's side of the newline.
+        cuts: list[int] = []
+        p = le
+        while 0 <= p < hi:
+            cuts.append(p + 1 - sh)
+            p = text.find("\n", p + 1, hi)
+        if hi == len(text) and (not cuts or cuts[-1] < len(text)):
+            cuts.append(len(text))
+        cuts = [c for c in cuts if c > cursor]
+        if not cuts:
+            # The cursor line is longer than the window: keep what fits of it.
+            ids = self._encode(text[cursor:hi])[:budget]
+            return ids, cursor + len(self.template.tokenizer.decode(ids)) if ids else cursor
         # The rest of the cursor line is its own piece: it is all that changes
         # when the user edits to the right of the cursor.
-        rest = window[: le - cursor + 1] if le < len(text) else window
-        ids = self._encode(rest)
+        ids = self._encode(text[cursor:cuts[0]])
         if len(ids) > budget:
-            return ids[:budget], cursor + len(rest)
-        end = cursor + len(rest)
-        pos = len(rest)
+            return ids[:budget], cuts[0]
+        end = cuts[0]
         n = max(1, self.options.chunk_lines)
-        while pos < len(window):
-            q = pos
-            for _ in range(n):
-                nl = window.find("\n", q)
-                if nl < 0:
-                    q = len(window)
-                    break
-                q = nl + 1
-            piece = window[pos:q]
-            pids = self._encode(piece)
+        i = 0
+        while i + 1 < len(cuts):
+            j = min(i + n, len(cuts) - 1)
+            pids = self._encode(text[cuts[i]:cuts[j]])
             if len(ids) + len(pids) > budget:
                 # Take the leading lines of this chunk that still fit.
-                for line in piece.splitlines(keepends=True):
-                    lids = self._encode(line)
+                for k in range(i, j):
+                    lids = self._encode(text[cuts[k]:cuts[k + 1]])
                     if len(ids) + len(lids) > budget:
                         break
                     ids += lids
-                    end += len(line)
+                    end = cuts[k + 1]
                 break
             ids += pids
-            end += len(piece)
-            pos = q
+            end = cuts[j]
+            i = j
         return ids, end
 
     # -- context ---------------------------------------------------------

@@ -129,6 +129,11 @@ class FimTemplate:
     file_sep_id: int | None = None
     repo_name_id: int | None = None
     prefix_leading_space: bool = False
+    # Where tokenizing in pieces reproduces whole-string tokenization: cutting
+    # just before a newline (GPT-2-style BPE merges "\n" with the next line's
+    # indentation) or just after it (pre-tokenizers that glue newlines to
+    # the preceding punctuation). See `newline_split`.
+    split_before_newline: bool = False
     _dummy_prefix: bool = field(default=False, repr=False)
     _sentinel_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -268,7 +273,37 @@ def make_template(tokenizer: Any, name: str | None = "auto", model_dir: str | Pa
     tpl._dummy_prefix = _adds_dummy_prefix(tpl)
     if tpl._dummy_prefix:
         tpl._sentinel_ids = tpl._raw_encode("\n")
+    tpl.split_before_newline = newline_split(tpl) == "before"
     return tpl
+
+
+_PROBE = "import os\n\n\nclass A(B):\n    def f(self, x):\n        if x:\n            return [x]\n\n    y = {1: 2}  \n\tz = 3\n"
+
+
+def newline_split(tpl: FimTemplate) -> str:
+    """'before' or 'after': which side of a newline piecewise tokenization should cut.
+
+    Decided on a probe snippet: the side whose piecewise ids equal the
+    whole-string ids on more lines wins ('before' on a tie).
+    """
+    whole = tpl.encode(_PROBE)
+    lines = _PROBE.split("\n")
+    scores = {}
+    for side in ("before", "after"):
+        if side == "before":
+            pieces = [lines[0]] + ["\n" + ln for ln in lines[1:]]
+        else:
+            pieces = [ln + "\n" for ln in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+        ids: list[int] = []
+        for piece in pieces:
+            ids += tpl.encode(piece)
+        same = 0
+        for a, b in zip(ids, whole):
+            if a != b:
+                break
+            same += 1
+        scores[side] = (ids == whole, same)
+    return "before" if scores["before"] >= scores["after"] else "after"
 
 
 def _adds_dummy_prefix(tpl: FimTemplate) -> bool:
