@@ -1,0 +1,541 @@
+"""Measure the bundled model on held-out stdlib code and write its MODEL_CARD.md.
+
+    python -m models.model_card [--model DIR] [--quick]
+
+Everything is deterministic (fixed seeds, greedy decoding, fp32 evaluation) and
+uses only held-out files (models/corpus.py). Writes into the model directory:
+
+* MODEL_CARD.md          the card
+* loss_curves.png        training / held-out loss per exit layer
+* eval_results.json      every number in the card, machine-readable
+
+Conventions: "exit layer l" (1-based) means the hidden state after the first l
+decoder layers, passed through the model's own final RMSNorm and tied LM head;
+exit layer L (the last) is the full model.
+
+Metrics:
+
+* held-out loss per exit layer: mean next-token cross-entropy on fixed 512-token
+  windows of the held-out stream;
+* greedy acceptance alpha per exit layer: for held-out prompts, the full model's
+  greedy continuation is generated; along it, alpha is the fraction of positions
+  where the exit layer's argmax equals the full model's argmax. With K=4 the
+  self-speculative rounds are simulated exactly (greedy): a round drafts up to 4
+  tokens from the exit layer, accepts the longest matching prefix, then the full
+  model adds one token; we report mean accepted drafts per round and tokens per
+  round (accepted + 1);
+* next-line exact match: cursor at the start of a held-out line (column 0),
+  greedy completion up to the first newline, compared with the real line
+  (trailing whitespace ignored), both left-to-right (prefix only) and with the
+  rest of the file as FIM suffix (SPM); baseline: the previous line's indentation
+  followed by its first token;
+* FIM function bodies: held-out functions with the body removed, SPM and PSM
+  prompts; how often generation ends with <|endoftext|> within 128 tokens, and
+  exact match of the body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+EOT, FILE_SEP = "<|endoftext|>", "<|file_sep|>"
+FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
+
+
+# ----------------------------------------------------------------------------- prompts (shared with tests)
+
+def psm_prompt(prefix: str, suffix: str) -> str:
+    return f"{FIM_PREFIX}{prefix}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}"
+
+
+def spm_prompt(prefix: str, suffix: str) -> str:
+    return f"{FIM_PREFIX}{FIM_SUFFIX}{suffix}{FIM_MIDDLE}{prefix}"
+
+
+def encode_fim(tok, prefix: str, suffix: str, order: str, max_prefix: int = 320, max_suffix: int = 128) -> list[int]:
+    """Token ids of a FIM prompt; prefix and suffix are tokenized separately (as in training)
+    and truncated to keep the end of the prefix and the start of the suffix."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)}
+    p = tok(prefix, add_special_tokens=False)["input_ids"][-max_prefix:] if prefix else []
+    s = tok(suffix, add_special_tokens=False)["input_ids"][:max_suffix] if suffix else []
+    if order == "spm":
+        return [ids[FIM_PREFIX], ids[FIM_SUFFIX]] + s + [ids[FIM_MIDDLE]] + p
+    return [ids[FIM_PREFIX]] + p + [ids[FIM_SUFFIX]] + s + [ids[FIM_MIDDLE]]
+
+
+def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_text=None, tok=None):
+    """Plain greedy decoding with the HF KV cache. Returns (new_ids, stopped_by_token)."""
+    import torch
+
+    out: list[int] = []
+    x = torch.tensor([input_ids])
+    past = None
+    with torch.no_grad():
+        for _ in range(max_new):
+            r = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            nxt = int(r.logits[0, -1].argmax())
+            if nxt in stop_ids:
+                return out, True
+            out.append(nxt)
+            if stop_text is not None and stop_text in tok.decode(out):
+                break
+            x = torch.tensor([[nxt]])
+    return out, False
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def exit_logits_all(model, ids):
+    """Logits at every exit layer for a (1, T) tensor: list of (T, V) tensors, last = full model."""
+    from models.train_default import forward_all_exits
+
+    with __import__("torch").no_grad():
+        final, exits = forward_all_exits(model, ids, None, slice(None))
+        out = [model.lm_head(model.model.norm(h))[0] for h in exits]
+    return out + [final[0]]
+
+
+def heldout_loss(model, tok, files, seq_len: int, count: int):
+    import torch.nn.functional as F
+
+    from models.train_default import heldout_windows
+
+    x, y = heldout_windows(tok, files, seq_len, count)
+    sums = None
+    for i in range(x.shape[0]):
+        lg = exit_logits_all(model, x[i:i + 1])
+        v = [F.cross_entropy(l.float(), y[i]).item() for l in lg]
+        sums = v if sums is None else [a + b for a, b in zip(sums, v)]
+    return [s / x.shape[0] for s in sums]
+
+
+def acceptance(model, tok, files, n_prompts: int, prompt_len: int, gen_len: int, K: int = 4, seed: int = 7):
+    import torch
+
+    rng = random.Random(seed)
+    sep = tok.convert_tokens_to_ids(FILE_SEP)
+    streams = [tok(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
+    streams = [s for s in streams if len(s) > prompt_len + 8]
+    matches = None
+    n_layers = model.config.num_hidden_layers
+    rounds = [[0, 0] for _ in range(n_layers)]  # per layer: (rounds, accepted)
+    for _ in range(n_prompts):
+        s = rng.choice(streams)
+        start = rng.randrange(0, len(s) - prompt_len)
+        prompt = s[start:start + prompt_len]
+        cont, _ = greedy(model, prompt, gen_len, stop_ids=(sep,))
+        if len(cont) < 2:
+            continue
+        full = torch.tensor([prompt + cont])
+        lgs = exit_logits_all(model, full)
+        # predictions for positions that produce cont[0..n-1]
+        sl = slice(len(prompt) - 1, len(prompt) - 1 + len(cont))
+        target = lgs[-1][sl].argmax(-1)
+        m = [(lg[sl].argmax(-1) == target).tolist() for lg in lgs]
+        if matches is None:
+            matches = [[] for _ in lgs]
+        for layer, row in enumerate(m):
+            matches[layer].extend(row)
+            i = 0
+            while i < len(row):
+                acc = 0
+                while acc < K and i + acc < len(row) and row[i + acc]:
+                    acc += 1
+                rounds[layer][0] += 1
+                rounds[layer][1] += acc
+                i += acc + 1
+    alpha = [sum(r) / len(r) for r in matches]
+    per_round = [a / max(1, r) for r, a in rounds]
+    return alpha, per_round, len(matches[0])
+
+
+_FIRST_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def baseline_line(prev_line: str) -> str:
+    indent = prev_line[: len(prev_line) - len(prev_line.lstrip())]
+    body = prev_line.strip()
+    m = _FIRST_TOKEN.match(body)
+    return indent + (m.group(0) if m else "")
+
+
+def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, max_new: int = 48):
+    rng = random.Random(seed)
+    texts = [f.read_text() for f in files]
+    cands = []
+    for ti, t in enumerate(texts):
+        lines = t.split("\n")
+        for li in range(1, len(lines) - 1):
+            if lines[li].strip() and lines[li - 1].strip():
+                cands.append((ti, li))
+    picks = sorted(rng.sample(cands, min(n, len(cands))))
+    res = {"left_to_right": [0, 0.0], "fim_spm": [0, 0.0], "baseline": [0, 0.0]}
+    examples = []
+    for ti, li in picks:
+        lines = texts[ti].split("\n")
+        prefix = "\n".join(lines[:li]) + "\n"
+        suffix = "\n" + "\n".join(lines[li + 1:])
+        truth = lines[li].rstrip()
+        ids = tok(prefix, add_special_tokens=False)["input_ids"][-max_prefix:]
+        eot = tok.convert_tokens_to_ids(EOT)
+        g1, _ = greedy(model, ids, max_new, stop_ids=(eot,), stop_text="\n", tok=tok)
+        l2r = tok.decode(g1).split("\n")[0].rstrip()
+        g2, _ = greedy(model, encode_fim(tok, prefix, suffix, "spm", max_prefix), max_new, stop_ids=(eot,),
+                       stop_text="\n", tok=tok)
+        fim = tok.decode(g2).split("\n")[0].rstrip()
+        base = baseline_line(lines[li - 1]).rstrip()
+        for key, pred in (("left_to_right", l2r), ("fim_spm", fim), ("baseline", base)):
+            res[key][0] += int(pred == truth)
+            res[key][1] += difflib.SequenceMatcher(None, pred, truth).ratio()
+        if len(examples) < 6:
+            examples.append({"file": files[ti].relpath, "line": li + 1, "truth": truth, "left_to_right": l2r,
+                             "fim_spm": fim, "baseline": base})
+    k = len(picks)
+    return {key: {"exact_match": v[0] / k, "char_similarity": v[1] / k} for key, v in res.items()}, k, examples
+
+
+def small_functions(files, max_body_lines: int = 8, limit: int = 60, seed: int = 5):
+    """(relpath, prefix, body, suffix) for held-out functions whose body is a few lines."""
+    rng = random.Random(seed)
+    out = []
+    for f in files:
+        text = f.read_text()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+                continue
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str) and len(node.body) > 1:
+                first = node.body[1]  # keep the docstring in the prefix
+            start, end = first.lineno - 1, node.end_lineno
+            if first.lineno <= node.lineno or end - start > max_body_lines or end - start < 1:
+                continue
+            prefix = "".join(lines[:start])
+            body = "".join(lines[start:end])
+            suffix = "".join(lines[end:])
+            out.append((f.relpath, prefix, body, suffix))
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def fim_bodies(model, tok, files, n: int, max_new: int = 128):
+    eot = tok.convert_tokens_to_ids(EOT)
+    res = {}
+    funcs = small_functions(files, limit=n)
+    example = None
+    for order in ("spm", "psm"):
+        stopped = exact = 0
+        sim = 0.0
+        for rel, prefix, body, suffix in funcs:
+            g, hit = greedy(model, encode_fim(tok, prefix, suffix, order), max_new, stop_ids=(eot,))
+            text = tok.decode(g)
+            stopped += int(hit)
+            exact += int(hit and text.rstrip() == body.rstrip())
+            sim += difflib.SequenceMatcher(None, text, body).ratio()
+            if example is None and order == "spm" and hit:
+                example = {"file": rel, "prefix_tail": "".join(prefix.splitlines(keepends=True)[-6:]),
+                           "suffix_head": "".join(suffix.splitlines(keepends=True)[:3]), "truth": body,
+                           "completion": text}
+        k = max(1, len(funcs))
+        res[order] = {"stops_at_eot": stopped / k, "exact_match": exact / k, "char_similarity": sim / k}
+    return res, len(funcs), example
+
+
+def samples(model, tok, files, n: int = 3, seed: int = 3, max_new: int = 64):
+    rng = random.Random(seed)
+    eot = tok.convert_tokens_to_ids(EOT)
+    sep = tok.convert_tokens_to_ids(FILE_SEP)
+    out = []
+    pool = [f for f in files if f.path.stat().st_size > 3000]
+    for f in rng.sample(pool, min(n, len(pool))):
+        text = f.read_text()
+        lines = text.split("\n")
+        # a cursor at the start of a line inside a function body
+        cands = [i for i in range(10, len(lines) - 10) if lines[i].startswith("        ") and lines[i - 1].strip()]
+        li = rng.choice(cands) if cands else len(lines) // 2
+        prefix = "\n".join(lines[:li]) + "\n"
+        ids = tok(prefix, add_special_tokens=False)["input_ids"][-320:]
+        g, _ = greedy(model, ids, max_new, stop_ids=(eot, sep))
+        comp = tok.decode(g)
+        comp = "\n".join(comp.split("\n")[:6])
+        truth = "\n".join(lines[li:li + 6])
+        out.append({"file": f.relpath, "line": li + 1, "context": "\n".join(lines[max(0, li - 8):li]),
+                    "completion": comp, "truth": truth})
+    return out
+
+
+# ----------------------------------------------------------------------------- plot & card
+
+def plot(log_path: Path, png: Path, n_layers: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    train = [r for r in recs if "exit_losses" in r]
+    held = [r for r in recs if "heldout_exit_losses" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    show = sorted({0, n_layers // 4, n_layers // 2 - 1, n_layers // 2, (3 * n_layers) // 4, n_layers - 1})
+    cmap = plt.get_cmap("viridis")
+    for l in show:
+        c = cmap(l / max(1, n_layers - 1))
+        if train:
+            xs = [r["tokens"] / 1e6 for r in train]
+            ys = [r["exit_losses"][l] for r in train]
+            # light smoothing of the noisy per-interval means
+            sm, acc = [], None
+            for v in ys:
+                acc = v if acc is None else 0.9 * acc + 0.1 * v
+                sm.append(acc)
+            axes[0].plot(xs, sm, color=c, label=f"exit {l + 1}" + (" (full)" if l == n_layers - 1 else ""))
+        if held:
+            axes[1].plot([r["tokens"] / 1e6 for r in held], [r["heldout_exit_losses"][l] for r in held], "o-",
+                         color=c, label=f"exit {l + 1}" + (" (full)" if l == n_layers - 1 else ""))
+    axes[0].set_title("training loss per exit layer (EMA)")
+    axes[1].set_title("held-out loss per exit layer")
+    for ax in axes:
+        ax.set_xlabel("tokens seen (M)")
+        ax.set_ylabel("cross-entropy (nats)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def _fence(s: str) -> str:
+    return "```python\n" + s.replace("```", "`\u200b``") + "\n```"
+
+
+def write_card(model_dir: Path, r: dict) -> None:
+    t = r["training"]
+    data = r["data"]
+    L = t["layers"]
+    rows = "\n".join(
+        f"| {l + 1}{' (full)' if l == L - 1 else ''} | {r['heldout_loss'][l]:.3f} | {r['alpha'][l]:.3f} | "
+        f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
+        for l in range(L))
+    nl = r["next_line"]
+    fb = r["fim_bodies"]
+    first_07 = next((l + 1 for l in range(L - 1) if r["alpha"][l] >= 0.7), None)
+    drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
+    weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
+    sample_md = "\n\n".join(
+        f"**{s['file']}**, cursor at the start of line {s['line']}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
+        f"Model (greedy, up to 64 tokens, first 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
+        for s in r["samples"])
+    fe = r.get("fim_example")
+    fim_md = ""
+    if fe:
+        fim_md = (f"\n### FIM (SPM) example: function body removed\n\n**{fe['file']}**. Prefix (last lines):\n\n"
+                  f"{_fence(fe['prefix_tail'])}\n\nSuffix (first lines):\n\n{_fence(fe['suffix_head'])}\n\n"
+                  f"Model middle (stopped at `<|endoftext|>`):\n\n{_fence(fe['completion'])}\n\nActual body:\n\n"
+                  f"{_fence(fe['truth'])}\n")
+    nl_ex = "\n".join(
+        f"| `{e['file']}:{e['line']}` | `{e['truth'].strip()}` | `{e['left_to_right'].strip()}` | "
+        f"`{e['fim_spm'].strip()}` | `{e['baseline'].strip()}` |".replace("|`", "| `")
+        for e in r["next_line_examples"])
+    card = f"""# completiond-py-mini
+
+The bundled default model of completiond: a small Python code model trained by
+this project from scratch on the CPython standard library, with the LayerSkip
+recipe (layer dropout + early-exit loss) so that its own early layers make a
+good self-speculative draft, and with fill-in-the-middle. It is a plain
+`LlamaForCausalLM` (`AutoModelForCausalLM.from_pretrained(dir)` loads it, no
+custom code). It exists so that completiond works offline out of the box and so
+that tests and benchmarks have a real trained model; it is not a strong code
+model.
+
+Rebuild from scratch: `completiond train-default` (or `python -m models.train_default`),
+then `python -m models.model_card` for this card. Every number here comes from
+`models/model_card.py` ({r['eval_seconds']:.0f} s to run).
+
+## Data
+
+* CPython {data['python']} standard library sources (`sysconfig.get_paths()["stdlib"]` =
+  `{data['stdlib_root']}`), all `*.py` files, `site-packages` excluded, files that are
+  not valid UTF-8 skipped, sorted by relative path. License: PSF.
+* Held-out split by file: a file is held out when `int(sha1(relpath), 16) % 20 == 0`
+  (`models.corpus.is_heldout`). Training: {data['training_files']} files,
+  {data['training_bytes'] / 1e6:.1f} MB ({t['training_stream_tokens']:,} tokens). Held-out:
+  {data['heldout_files']} files, {data['heldout_bytes'] / 1e6:.2f} MB. The tokenizer and the model
+  never saw held-out files; every figure below is on held-out files only.
+
+## Tokenizer
+
+Byte-level BPE (`tokenizers`), vocabulary {t['vocab']}, trained on the training split. No
+normalizer, ByteLevel pre-tokenizer with `add_prefix_space=False`, no clean-up of spaces on
+decode: the round trip is lossless byte for byte. Special tokens: `<|endoftext|>` (id 0, eos),
+`<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
+`<|fim_pad|>` (5, padding). No BOS token is added.
+
+## Architecture
+
+`LlamaForCausalLM`: {t['layers']} layers, hidden {t['hidden']}, {t['heads']} attention heads of
+{t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm,
+RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (trained at
+{t['seq_len']} tokens: `completiond.json` has `train_context: {t['seq_len']}`).
+**{t['parameters']:,} parameters**; weights stored as bfloat16 safetensors.
+
+## Training
+
+* {t['steps']:,} steps of {t['batch_size']} x {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
+  (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in **{t['train_seconds'] / 60:.1f} minutes**
+  of training ({t['total_seconds'] / 60:.1f} min wall in all) on {t['threads']} CPU threads ({t['device']}),
+  shared with other work, bf16 autocast, torch {t['torch']}.
+* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), peak LR {t['lr']}, {t['warmup']} warmup
+  steps, cosine decay to {t['min_lr_ratio']} x peak over the time budget, gradient clip 1.0, seed {t['seed']}.
+* **LayerSkip** (Elhoushi et al., 2024): layer dropout rising linearly with depth, per sample,
+  training only (no rescaling; off at inference): p = [{drop}].
+  Early-exit loss after every layer through the shared final norm and LM head, weights
+  `e_scale * sum(i for i <= l)` for l < L-1 and `L-1` for the last layer, e_scale = {t['exit_scale']},
+  normalized: [{weights}]. The intermediate exits are scored on a random {t['exit_frac']:.3g} of the
+  positions each step (CPU budget); the last layer on all.
+* **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), split at
+  character level inside a window of one file: the cursor uniform; the middle either runs to the
+  end of the cursor's line plus 0-3 lines (half the time) or has uniform length. Other samples are
+  windows of the training stream, where files are joined with `<|file_sep|>`.
+
+### FIM layouts (the engine's template must match exactly)
+
+PREFIX, SUFFIX and MIDDLE are tokenized separately and concatenated as token ids.
+
+```
+PSM: <|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>MIDDLE<|endoftext|>
+SPM: <|fim_prefix|><|fim_suffix|>SUFFIX<|fim_middle|>PREFIX MIDDLE<|endoftext|>
+```
+
+In SPM there is nothing between PREFIX and MIDDLE (the space above is only for reading): the
+prompt ends with the prefix up to the cursor and the model continues it. The middle ends with
+`<|endoftext|>` (the stop token, = eos). The same templates are in `completiond.json`.
+
+![loss curves](loss_curves.png)
+
+## Held-out results
+
+Exit layer l = the hidden state after l decoder layers, through the final norm and LM head.
+Loss: mean cross-entropy (nats) on {r['heldout_windows']} windows of {t['seq_len']} tokens; the uniform baseline is
+ln({t['vocab']}) = {r['uniform_loss']:.2f}. Greedy acceptance alpha: fraction of positions, along the full
+model's greedy continuation of {r['alpha_prompts']} held-out prompts ({r['alpha_positions']} positions), where the
+exit layer's argmax equals the full model's. K=4 rounds simulated exactly (greedy self-speculation:
+accept the longest matching draft prefix, then one token from the full model).
+
+| exit layer | held-out loss | alpha (greedy) | accepted / round (K=4) | tokens / round |
+|---|---|---|---|---|
+{rows}
+
+{"First exit layer with alpha >= 0.7: **" + str(first_07) + f"** of {L}." if first_07 else "**No early exit layer reaches alpha >= 0.7.**"}
+
+### Next-line exact match
+
+{r['next_line_positions']} held-out cursor positions at the start of a non-blank line (column 0, previous line
+non-blank), greedy completion to the first newline (left context up to 320 tokens), compared with the
+real line (trailing whitespace ignored). Baseline: the previous line's indentation plus its first token.
+
+| predictor | exact match | char similarity |
+|---|---|---|
+| model, left to right | {nl['left_to_right']['exact_match']:.1%} | {nl['left_to_right']['char_similarity']:.3f} |
+| model, FIM (SPM, rest of file as suffix, 128 tokens) | {nl['fim_spm']['exact_match']:.1%} | {nl['fim_spm']['char_similarity']:.3f} |
+| baseline (indentation + first token of previous line) | {nl['baseline']['exact_match']:.1%} | {nl['baseline']['char_similarity']:.3f} |
+
+| position | actual | left to right | FIM (SPM) | baseline |
+|---|---|---|---|---|
+{nl_ex}
+
+### FIM: function bodies
+
+{r['fim_functions']} held-out functions of at most 8 body lines, body removed (docstring kept in the prefix),
+greedy up to 128 tokens.
+
+| order | stops at `<|endoftext|>` | exact body | char similarity |
+|---|---|---|---|
+| SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} |
+| PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} |
+
+## Samples (held-out code, greedy)
+
+{sample_md}
+{fim_md}
+## Limitations
+
+Trained for well under an hour on two CPU cores on one codebase: it knows stdlib idioms and Python
+syntax, not third-party libraries, and it repeats and invents names freely. Use a real code model
+for real work; completiond loads any Llama-family model the same way.
+"""
+    (model_dir / "MODEL_CARD.md").write_text(card)
+
+
+def main(argv=None) -> int:
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models import corpus, default_model_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=default_model_dir())
+    p.add_argument("--quick", action="store_true", help="fewer samples (smoke test)")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    t0 = time.time()
+    d = a.model
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    summary = json.loads((d / "training_summary.json").read_text())
+    files = corpus.heldout_files()
+    q = a.quick
+    L = model.config.num_hidden_layers
+    seq_len = summary["seq_len"]
+    n_windows = 8 if q else 48
+    print("held-out loss ...", flush=True)
+    hl = heldout_loss(model, tok, files, seq_len, n_windows)
+    print([round(v, 3) for v in hl], flush=True)
+    print("acceptance ...", flush=True)
+    alpha, per_round, n_pos = acceptance(model, tok, files, 6 if q else 40, 256, 32 if q else 64)
+    print([round(v, 3) for v in alpha], [round(v, 2) for v in per_round], flush=True)
+    print("next line ...", flush=True)
+    nl, n_nl, nl_examples = next_line(model, tok, files, 20 if q else 300)
+    print(nl, flush=True)
+    print("fim bodies ...", flush=True)
+    fb, n_fb, fim_example = fim_bodies(model, tok, files, 6 if q else 60)
+    print(fb, flush=True)
+    smp = samples(model, tok, files)
+    summ = corpus.describe()
+    res = {
+        "model": str(d), "training": summary,
+        "data": {**summ, "python": sys.version.split()[0]},
+        "uniform_loss": float(torch.log(torch.tensor(float(len(tok))))),
+        "heldout_windows": n_windows, "heldout_loss": hl,
+        "alpha": alpha, "accepted_per_round": per_round, "K": 4, "alpha_positions": n_pos,
+        "alpha_prompts": 6 if q else 40,
+        "next_line": nl, "next_line_positions": n_nl, "next_line_examples": nl_examples,
+        "fim_bodies": fb, "fim_functions": n_fb, "fim_example": fim_example,
+        "samples": smp, "eval_seconds": time.time() - t0,
+    }
+    if (d / "train_log.jsonl").is_file():
+        plot(d / "train_log.jsonl", d / "loss_curves.png", L)
+    (d / "eval_results.json").write_text(json.dumps(res, indent=2) + "\n")
+    write_card(d, res)
+    print(f"wrote {d / 'MODEL_CARD.md'} in {time.time() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
