@@ -58,13 +58,16 @@ class _Family:
     repo_name: str | None = None
     bos: bool = False
     prefix_leading_space: bool = False
+    # "paths": <file_sep>path\ncontent per file (Qwen, StarCoder2 repository format);
+    # "separators": content<file_sep> per file, as the bundled model's training stream joins files.
+    context_style: str = "paths"
 
 
 _FAMILIES: dict[str, _Family] = {
     "completiond": _Family("completiond", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", spm=True, psm=True,
                            ends=("<|endoftext|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
                                  "<|fim_pad|>"),
-                           file_sep="<|file_sep|>"),
+                           file_sep="<|file_sep|>", context_style="separators"),
     "qwen2.5-coder": _Family("qwen2.5-coder", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", spm=False, psm=True,
                              ends=("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|fim_prefix|>",
                                    "<|fim_suffix|>", "<|fim_middle|>", "<|im_end|>"),
@@ -129,6 +132,7 @@ class FimTemplate:
     file_sep_id: int | None = None
     repo_name_id: int | None = None
     prefix_leading_space: bool = False
+    context_style: str = "paths"
     # Where tokenizing in pieces reproduces whole-string tokenization: cutting
     # just before a newline (GPT-2-style BPE merges "\n" with the next line's
     # indentation) or just after it (pre-tokenizers that glue newlines to
@@ -197,9 +201,11 @@ class FimTemplate:
                     repo_name: str | None = None) -> list[int]:
         """Repository-level context in the family's format, or [] if it has none.
 
-        Each file becomes `<file_sep>path\\ncontent\\n`; with any files, the
-        current file's `<file_sep>path\\n` header follows, so the FIM prompt
-        reads as the next file of the repository.
+        "paths" style: each file becomes `<file_sep>path\\ncontent\\n`, then the
+        current file's `<file_sep>path\\n` header, so the FIM prompt reads as
+        the next file of the repository. "separators" style (the bundled
+        model, trained on files joined by the separator without paths):
+        `content\\n<file_sep>` per file.
         """
         if self.file_sep_id is None:
             return []
@@ -207,6 +213,12 @@ class FimTemplate:
         if not files:
             return []
         out: list[int] = []
+        if self.context_style == "separators":
+            for _path, text in files:
+                if text and not text.endswith("\n"):
+                    text += "\n"
+                out += self.encode(text) + [self.file_sep_id]
+            return out
         if self.repo_name_id is not None and repo_name:
             out += [self.repo_name_id] + self.encode(repo_name + "\n")
         for path, text in files:
@@ -268,7 +280,7 @@ def make_template(tokenizer: Any, name: str | None = "auto", model_dir: str | Pa
         prefix_id=prefix_id, suffix_id=suffix_id, middle_id=middle_id, bos_id=bos_id,
         file_sep_id=vocab.get(fam.file_sep) if fam.file_sep else None,
         repo_name_id=vocab.get(fam.repo_name) if fam.repo_name else None,
-        prefix_leading_space=fam.prefix_leading_space,
+        prefix_leading_space=fam.prefix_leading_space, context_style=fam.context_style,
     )
     tpl._dummy_prefix = _adds_dummy_prefix(tpl)
     if tpl._dummy_prefix:

@@ -121,7 +121,8 @@ def test_context_block_before_fim_and_within_budget(tok):
     p = b.build("print(x)\n", 6, context=ctx, path="main.py")
     assert len(p.context_ids) <= 40
     text = tok.decode(p.ids)
-    assert text.startswith("<|file_sep|>a.py\nx = 1\n<|file_sep|>main.py\n<|fim_prefix|>")
+    # The bundled family joins files the way its training stream does: content<|file_sep|>.
+    assert text.startswith("x = 1\n<|file_sep|><|fim_prefix|>")
     # Same context, different keystroke: the context ids are identical (KV reuse).
     assert b.build("print(x)\n", 7, context=ctx, path="main.py").context_ids == p.context_ids
 
