@@ -26,6 +26,10 @@ local states = {}
 
 local uv = vim.uv or vim.loop
 
+local function resolve_buf(bufnr)
+  return (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+end
+
 local function core()
   return require("completiond")
 end
@@ -79,6 +83,7 @@ end
 
 --- Hide the suggestion in a buffer.
 function M.clear(bufnr)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if s then
     s.ghost = nil
@@ -89,11 +94,13 @@ function M.clear(bufnr)
 end
 
 function M.visible(bufnr)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   return s ~= nil and s.ghost ~= nil and s.ghost.text ~= ""
 end
 
 function M.text(bufnr)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   return s and s.ghost and s.ghost.text or nil
 end
@@ -101,6 +108,7 @@ end
 --- Show `text` as the suggestion at the cursor (also used by the tests).
 ---@param suffix_len integer|nil bytes after the cursor that accepting it overwrites
 function M.show(bufnr, text, suffix_len)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if not s or text == nil or text == "" then
     M.clear(bufnr)
@@ -153,6 +161,7 @@ end
 
 --- Ask the server now for a suggestion at the cursor.
 function M.request(bufnr)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if not s or not core().enabled() then
     return
@@ -224,6 +233,7 @@ end
 ---@param kind "full"|"word"|"line"
 ---@return boolean accepted
 function M.accept(bufnr, kind)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   local g = s and s.ghost
   if not g or g.text == "" then
@@ -294,6 +304,7 @@ function M.attach(bufnr, client_id)
 end
 
 function M.detach(bufnr)
+  bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if not s then
     return
@@ -307,6 +318,7 @@ end
 
 --- For :checkhealth and the tests.
 function M.state(bufnr)
+  bufnr = resolve_buf(bufnr)
   return states[bufnr]
 end
 
