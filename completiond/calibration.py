@@ -22,6 +22,8 @@ class Calibration:
     threshold: float = 0.0
     source: str = "heuristic"
     measured: dict = field(default_factory=dict)
+    # The draft scores only these ids (the most frequent ones); empty means the whole vocabulary.
+    draft_vocab: list = field(default_factory=list)
 
     @classmethod
     def heuristic(cls, num_layers: int) -> "Calibration":
@@ -38,6 +40,7 @@ class Calibration:
             threshold=float(data.get("threshold", 0.0)),
             source=source,
             measured=dict(data.get("measured", {})),
+            draft_vocab=[int(t) for t in data.get("draft_vocab", [])],
         )
         if not 1 <= cal.exit_layer < num_layers or not 1 <= cal.draft_k <= 32 or not 0 <= cal.threshold <= 1:
             raise ValueError(f"calibration out of range for a {num_layers}-layer model: {data}")

@@ -51,25 +51,31 @@ class EarlyExitDraft:
         masks: list = []
         states: list[torch.Tensor] = []
         x = pending
+        ids = eng.draft_ids  # [Vd] or None: the draft may score only the frequent ids
         for i in range(k_max):
             # The KV written here for layers < E is exactly what the verifier would write: it stays.
             h = eng.run_layers(eng.embed([x]), 0, self.exit_layer, seq.length + i, seq)  # [1, 1, d]
             states.append(h)
             mask = None if constraint is None else constraint(generated + tokens)
-            logits = sampling.mask_logits(eng.head(h)[-1], mask)  # [V]
+            sub_mask = mask if mask is None or ids is None else mask[ids]
+            logits = sampling.mask_logits(eng.draft_head(h), sub_mask)  # [Vd]
+            if not torch.isfinite(logits.max()):
+                break  # the constraint leaves the draft nothing: the verifier decides
             if warp.greedy:
-                tok = int(torch.argmax(logits))
-                top = float(torch.exp(logits[tok] - torch.logsumexp(logits, dim=-1))) if threshold > 0 else 1.0
+                j = int(torch.argmax(logits))
+                top = float(torch.exp(logits[j] - torch.logsumexp(logits, dim=-1))) if threshold > 0 else 1.0
             else:
-                q = sampling.probs(logits[None], warp)[0]
-                tok = sampling.sample(q, rng)
-                top = float(q.max())
+                q_sub = sampling.probs(logits[None], warp)[0]  # [Vd]
+                j = sampling.sample(q_sub, rng)
+                top = float(q_sub.max())
             if top < threshold:
                 break  # unsure: let the verifier take over from this exit state
+            tok = j if ids is None else int(ids[j])
             tokens.append(tok)
             masks.append(mask)
             if not warp.greedy:
-                probs.append(q)
+                # q over the whole vocabulary, zero outside the draft's ids: [V]
+                probs.append(q_sub if ids is None else torch.zeros(eng.vocab_size, device=q_sub.device).index_copy_(0, ids, q_sub))
             if tok in eng.eos_token_ids:
                 break
             x = tok

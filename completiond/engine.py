@@ -190,7 +190,8 @@ class Engine:
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self._rope_cos: torch.Tensor | None = None
         self._rope_sin: torch.Tensor | None = None
-        self._vocab = cfg.vocab_size
+        self.vocab_size = self.adapter.lm_head.weight.shape[0]
+        self.set_draft_vocab(self.calibration.draft_vocab)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -234,6 +235,27 @@ class Engine:
                        name=str(model))
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {model!r}: {exc}") from exc
+
+    def set_draft_vocab(self, ids: Sequence[int]) -> None:
+        """Restrict the draft's LM head to these ids (most frequent first); empty: the full vocabulary.
+
+        The LM head is a large share of a shallow draft's cost (8k x 192 weights against
+        ~0.4M per layer in the bundled model). Proposing only frequent tokens keeps the
+        output exact: q is simply zero elsewhere, and the verifier still scores everything.
+        """
+        ids = sorted({int(t) for t in ids if 0 <= int(t) < self.vocab_size})
+        if not ids or len(ids) >= self.vocab_size:
+            self.draft_ids = None
+            self.draft_head_weight = None
+            return
+        self.draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [Vd]
+        self.draft_head_weight = self.adapter.lm_head.weight[self.draft_ids].detach().clone()  # [Vd, d]
+
+    def draft_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft logits [Vd] for the last position of h [1, t, d], over draft_ids (or everything)."""
+        if self.draft_head_weight is None:
+            return self.head(h[:, -1:])[-1]
+        return F.linear(self.adapter.norm(h[:, -1:]), self.draft_head_weight)[0, -1].float()
 
     def _on_evict(self, seq: KVSequence) -> None:
         del seq.k, seq.v
@@ -441,8 +463,8 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_context:
             raise EngineError(f"prompt of {len(prompt)} tokens plus {params.max_tokens} new tokens exceeds the "
                               f"model's context of {self.max_context} tokens")
-        if min(prompt) < 0 or max(prompt) >= self._vocab:
-            raise EngineError(f"prompt has token ids outside the vocabulary [0, {self._vocab})")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise EngineError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
         if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
             raise EngineError(f"invalid sampling parameters: temperature={params.temperature}, "
                               f"top_p={params.top_p}, top_k={params.top_k}")

@@ -247,3 +247,36 @@ def test_prefix_cache_lru_within_budget():
     assert reused == 5 and seq is seqs[4]
     seq, reused = cache.acquire([0, 1, 2], lambda n: make(n))  # evicted long ago
     assert reused == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_draft_vocab_subset_stays_exact(engine, temperature):
+    """A draft that scores only some ids proposes from a smaller support; the output must not change."""
+    prompt = ids(engine)
+    params = SamplingParams(max_tokens=32, temperature=temperature, seed=3, exit_layer=2, draft_k=4, adaptive_k=False)
+    plain = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=temperature, seed=3, speculative=False))
+    try:
+        engine.set_draft_vocab(range(0, engine.vocab_size, 2))
+        sub = engine.generate(prompt, params)
+    finally:
+        engine.set_draft_vocab([])
+    assert sub.stats.drafted > 0
+    if temperature == 0.0:
+        assert sub.tokens == plain.tokens
+
+
+def test_sampled_speculation_matches_target_distribution(engine):
+    """First two tokens under sampling: speculative and plain frequencies agree (chi-square-like bound)."""
+    prompt = ids(engine)
+    n = 300
+    counts_plain, counts_spec = {}, {}
+    for s in range(n):
+        a = engine.generate(prompt, SamplingParams(max_tokens=2, temperature=1.5, seed=s, speculative=False, ignore_eos=True))
+        b = engine.generate(prompt, SamplingParams(max_tokens=2, temperature=1.5, seed=10_000 + s, exit_layer=1,
+                                                   draft_k=3, adaptive_k=False, ignore_eos=True))
+        counts_plain[a.tokens[0]] = counts_plain.get(a.tokens[0], 0) + 1
+        counts_spec[b.tokens[0]] = counts_spec.get(b.tokens[0], 0) + 1
+    p = torch.softmax(engine.logits_for(prompt, use_cache=False).double() / 1.5, -1)
+    for counts in (counts_plain, counts_spec):
+        for tok, c in counts.items():
+            assert abs(c / n - float(p[tok])) < 5 * math.sqrt(float(p[tok]) * (1 - float(p[tok])) / n) + 2 / n
