@@ -117,3 +117,19 @@ def test_healing_with_the_tiny_model_engine(tiny_model_dir):
                               constraint=healing.constraint)
         text = TokenBytes.for_tokenizer(engine.tokenizer).text(gen.tokens)
         assert text.startswith(healing.removed) or healing.removed.startswith(text)
+
+
+def test_sentencepiece_token_bytes_and_healing(tmp_path):
+    from models.fim import make_template
+    from tests.test_fim import FAMILIES, make_tokenizer
+
+    tok = make_tokenizer(tmp_path, **FAMILIES["codellama"])
+    t = make_template(tok)
+    table = TokenBytes.for_tokenizer(tok)
+    for text in ["def add(a, b):\n    return a + b", "print(add(1, 2))\n"]:
+        assert table.join(t.encode(text)) == text.encode()
+    healer = TokenHealer(tok)
+    kept, healing = healer.heal(t.encode("    return a + b\nprint(ad"))
+    assert healing is not None
+    out = greedy(healing, len(tok), steps=len(healing.removed) + 2, seed=1)
+    assert table.text(out).startswith(healing.removed)

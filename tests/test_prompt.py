@@ -160,3 +160,23 @@ def test_pieces_reassemble_the_document(tok, lines, frac, heal):
     assert tok.decode(p.suffix_ids) == doc[cur:p.suffix_end]
     assert len(p.prefix_ids) <= 64 and len(p.suffix_ids) <= 24
     assert p.prefix_start == 0 or "\n" in (doc[p.prefix_start - 1], doc[p.prefix_start])
+
+
+def test_sentencepiece_family_prompt_reassembles(tmp_path):
+    from completiond.healing import TokenBytes
+    from tests.test_fim import FAMILIES, make_tokenizer
+
+    tok = make_tokenizer(tmp_path, **FAMILIES["codellama"])
+    t = make_template(tok)
+    b = PromptBuilder(t, PromptOptions(prefix_tokens=80, suffix_tokens=30, chunk_lines=4), TokenHealer(tok))
+    doc = "".join(f"def add(a, b):\n    return a + b\nprint(add({1 + i % 2}, 2))\n" for i in range(30))
+    cur = doc.index("return a + b", len(doc) // 2) + len("return a + b")
+    p = b.build(doc, cur)
+    table = TokenBytes.for_tokenizer(tok)
+    healed = p.healing.removed if p.healing else ""
+    # The first prefix piece carries CodeLlama's leading space ("<PRE> {prefix}").
+    assert (table.join(p.prefix_ids).decode() + healed).endswith(doc[p.prefix_start:cur])
+    assert table.join(p.prefix_ids).decode().startswith(" ")
+    assert table.join(p.suffix_ids).decode() == doc[cur:p.suffix_end]
+    names = tok.convert_ids_to_tokens(p.ids)
+    assert names[:3] == ["<s>", "▁<PRE>", "▁<SUF>"]
