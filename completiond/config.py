@@ -187,3 +187,27 @@ def schema() -> list[dict[str, Any]]:
             item["maximum"] = s.maximum
         out.append(item)
     return out
+
+
+def markdown_table() -> str:
+    """The settings table of README.md (a test keeps the README in step with SETTINGS)."""
+    rows = ["| setting | type | default | description |", "| --- | --- | --- | --- |"]
+    for item in schema():
+        kind = item["type"]
+        if "enum" in item:
+            kind = " \\| ".join(f"`{v}`" for v in item["enum"])
+        elif "minimum" in item or "maximum" in item:
+            lo, hi = item.get("minimum"), item.get("maximum")
+            kind += f" ({'' if lo is None else _num(lo)}…{'' if hi is None else _num(hi)})"
+        rows.append(f"| `completiond.{item['key']}` | {kind} | `{_default(item['default'])}` | {item['description']} |")
+    return "\n".join(rows) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
+
+
+def _default(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return '""' if v == "" else str(v)
