@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from completiond.healing import Healing, TokenHealer
 from completiond.stops import StopRules
-from models.fim import FimTemplate, make_template
+from models.fim import FimError, FimTemplate, make_template
 
 # Upper bound on characters per token used to size the text windows before
 # tokenizing: code averages 3-4, indentation runs a bit more. Too large only
@@ -416,7 +416,14 @@ class Planner:
         from completiond.config import Config
 
         self.cfg = cfg if cfg is not None else Config()
-        self.template = make_template(tokenizer, self.cfg.fim_template, model_dir)
+        self.warnings: list[str] = []
+        try:
+            self.template = make_template(tokenizer, self.cfg.fim_template, model_dir)
+        except FimError as exc:
+            # A fimTemplate setting that does not fit the loaded model is a
+            # settings problem: report it and use what the vocabulary says.
+            self.warnings.append(f"fimTemplate: {exc}; using auto-detection")
+            self.template = make_template(tokenizer, "auto", model_dir)
         self.healer = TokenHealer.for_tokenizer(tokenizer, vocab_size, device=device)
         self.options = options or PromptOptions.from_config(self.cfg, max_context)
         self.builder = PromptBuilder(self.template, self.options, self.healer)

@@ -180,3 +180,15 @@ def test_sentencepiece_family_prompt_reassembles(tmp_path):
     assert table.join(p.suffix_ids).decode() == doc[cur:p.suffix_end]
     names = tok.convert_ids_to_tokens(p.ids)
     assert names[:3] == ["<s>", "▁<PRE>", "▁<SUF>"]
+
+
+def test_planner_falls_back_when_the_template_setting_does_not_fit(tok):
+    from completiond.config import merge
+    from completiond.prompt import Planner
+
+    cfg, _ = merge(Config(), {"fimTemplate": "starcoder"})
+    planner = Planner(tok, cfg, max_context=512)
+    assert planner.template.name == "completiond"
+    assert planner.warnings and "starcoder" in planner.warnings[0]
+    plan = planner.plan("def add(a, b):\n    return a", 26)
+    assert plan.skip_reason is None and plan.ids[-1] != tok.convert_tokens_to_ids("<|fim_middle|>")
