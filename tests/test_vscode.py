@@ -1,0 +1,108 @@
+"""The VS Code extension (editors/vscode): install, build, unit + protocol tests, package.
+
+Runs in CI: `npm ci` (from package-lock.json), `npm run build` (tsc), `npm test`
+(node's test runner: the extension's logic against a fake VS Code API, and an
+LSP session through vscode-jsonrpc with the real `completiond lsp --no-daemon`),
+and `vsce package`. No VS Code binary is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXT = ROOT / "editors" / "vscode"
+NPM = shutil.which("npm")
+NPX = shutil.which("npx")
+
+pytestmark = pytest.mark.skipif(NPM is None or NPX is None, reason="node/npm not installed")
+
+
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=EXT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "npm_config_update_notifier": "false", **(env or {})})
+    assert result.returncode == 0, f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-8000:]}\n{result.stderr[-8000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def built() -> Path:
+    run([NPM, "ci", "--prefer-offline", "--no-audit", "--no-fund"], timeout=600)
+    run([NPM, "run", "build"], timeout=300)
+    assert (EXT / "out" / "extension.js").is_file()
+    return EXT
+
+
+@pytest.fixture(scope="module")
+def protocol_model_dir(tmp_path_factory) -> Path:
+    """The bundled model when it is there, else a tiny random one that happens to emit ASCII."""
+    from models import default_model_dir
+
+    bundled = default_model_dir()
+    if (bundled / "config.json").is_file():
+        return bundled
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("vscode-tiny"), seed=1, peaked=True)
+
+
+def test_contributes_configuration_mirrors_server_settings():
+    """Every server setting is `completiond.<key>` with the same type, default, description, enum and range."""
+    from completiond import config
+
+    props = json.loads((EXT / "package.json").read_text())["contributes"]["configuration"]["properties"]
+    server_keys = [k for k in props if "." not in k[len("completiond."):]]
+    assert server_keys == ["completiond." + item["key"] for item in config.schema()]
+    for item in config.schema():
+        prop = props["completiond." + item["key"]]
+        assert prop["type"] == item["type"]
+        assert prop["default"] == item["default"] and type(prop["default"]) in ((int, float) if item["type"] == "number" else (type(item["default"]),))
+        assert prop["description"] == item["description"]
+        assert prop.get("enum") == item.get("enum")
+        assert prop.get("minimum") == item.get("minimum")
+        assert prop.get("maximum") == item.get("maximum")
+
+
+def test_engines_and_types_pinned_together():
+    pkg = json.loads((EXT / "package.json").read_text())
+    assert pkg["devDependencies"]["@types/vscode"] == pkg["engines"]["vscode"].lstrip("^")
+    assert pkg["dependencies"]["vscode-languageclient"].startswith("11.")
+    lock = json.loads((EXT / "package-lock.json").read_text())
+    assert lock["packages"]["node_modules/@types/vscode"]["version"] == pkg["devDependencies"]["@types/vscode"]
+
+
+@pytest.mark.slow
+def test_npm_test_unit_and_protocol(built, protocol_model_dir):
+    """Unit tests of the extension logic, and LSP through vscode-jsonrpc to the real server."""
+    env = {
+        "COMPLETIOND_LSP_CMD": os.environ.get("COMPLETIOND_LSP_CMD")
+        or json.dumps([sys.executable, "-m", "completiond.cli", "lsp", "--no-daemon"]),
+        "COMPLETIOND_TEST_MODEL": str(protocol_model_dir),
+        "COMPLETIOND_PROTOCOL_REQUIRED": "1",
+    }
+    result = run([NPM, "test"], timeout=900, env=env)
+    out = result.stdout
+    assert "# fail 0" in out or "ℹ fail 0" in out, out[-4000:]
+    assert "# skipped 0" in out or "ℹ skipped 0" in out, out[-4000:]
+    assert "textDocument/inlineCompletion returns a suggestion" in out
+
+
+@pytest.mark.slow
+def test_vsce_package(built, tmp_path):
+    vsix = tmp_path / "completiond.vsix"
+    run([NPX, "--no-install", "vsce", "package", "--allow-missing-repository", "--out", str(vsix)], timeout=300)
+    assert vsix.is_file()
+    names = set(zipfile.ZipFile(vsix).namelist())
+    for needed in ("extension/package.json", "extension/out/extension.js", "extension/out/controller.js",
+                   "extension/node_modules/vscode-languageclient/package.json"):
+        assert needed in names, needed
+    assert not any(n.startswith("extension/src/") or n.startswith("extension/out/test/") for n in names)
+    assert not any(n.startswith("extension/node_modules/typescript/") for n in names)
