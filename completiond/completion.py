@@ -1,23 +1,27 @@
 """Document + cursor -> prompt -> engine -> suggestion.
 
-This is deliberately one small pipeline with three replaceable steps:
+One function, `suggest()`, is the boundary the daemon (and `completiond
+complete`) call. Inside it, a plan object supplies the three replaceable steps
+around one `engine.generate` call:
 
-    plan = build_prompt(tokenizer, text, offset, cfg, max_context)   # what the model sees
-    stop = make_stop(tokenizer, plan, cfg)                            # when generation ends
-    suggestion = postprocess(plan, text_generated, ...)               # what the editor shows
+    plan.ids            what the model sees (prompt ids)
+    plan.stop           when generation ends (engine stop callback)
+    plan.suggestion()   what the editor shows (post-processed text)
 
-`suggest()` runs them around one `engine.generate` call. Richer prompt
-construction (models/fim.py, completiond/prompt.py), stop rules
-(completiond/stops.py) and token healing (completiond/healing.py) can replace
-a step without touching the daemon or the LSP server.
+The default plan comes from completiond.prompt.Planner (cache-friendly
+suffix-first FIM prompts, token healing, bracket-aware stop rules). A small
+self-contained pipeline (`build_prompt` / `make_stop` / `postprocess` here)
+remains for engines without a real tokenizer (test fakes) and as a reference.
 
 All offsets are Python string (code point) offsets into the document text.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from completiond.documents import line_starts
 
@@ -213,15 +217,27 @@ def postprocess(plan: PromptPlan, generated: str, max_lines: int) -> tuple[str, 
     end = plan.offset
     rest = plan.line_rest.rstrip()
     if rest and "\n" not in text:
-        # The model often re-types what follows the cursor (a closing bracket):
-        # let the suggestion overwrite that part of the line instead of doubling it.
+        # The model often re-types what follows the cursor (a closing bracket): let the
+        # suggestion overwrite that part of the line instead of doubling it, when the
+        # brackets of the resulting line balance better that way.
+        best = _imbalance(plan.line_before + text + plan.line_rest)
         for k in range(len(rest), 0, -1):
             if text.endswith(rest[:k]):
-                end = plan.offset + (len(plan.line_rest) if k == len(rest) else k)
+                score = _imbalance(plan.line_before + text + plan.line_rest[k:])
+                if score < best or (k == len(rest) and score == best and not _only_closers(rest)):
+                    end, best = plan.offset + (len(plan.line_rest) if k == len(rest) else k), score
                 break
         if plan.line_rest.startswith(text) and end - plan.offset >= len(text):
             return None  # the line would not change
     return text, end
+
+
+def _imbalance(line: str) -> int:
+    return sum(abs(line.count(o) - line.count(c)) for o, c in ("()", "[]", "{}"))
+
+
+def _only_closers(text: str) -> bool:
+    return all(c in ")]}" or c.isspace() for c in text)
 
 
 def sampling_params(cfg: Any):
@@ -247,12 +263,67 @@ class _FallbackParams:
     draft_threshold: float | None = None
 
 
-def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
-            on_round: Callable[[list[int]], None] | None = None) -> tuple[Suggestion | None, Any]:
-    """Run one completion. Returns (suggestion or None, the engine's Generation).
+# Planners are per engine and prompt settings; rebuilding one re-derives token tables, so keep a few.
+_PLANNERS: OrderedDict = OrderedDict()
+_PLANNER_KEYS = ("fim_template", "multiline", "max_lines", "prefix_tokens", "suffix_tokens", "context_tokens",
+                 "workspace_context", "max_tokens")
 
+
+def planner_for(engine, cfg: Any):
+    """The completiond.prompt.Planner for this engine and these settings (worker thread only)."""
+    from completiond.prompt import Planner
+
+    key = (id(engine),) + tuple(getattr(cfg, k) for k in _PLANNER_KEYS)
+    planner = _PLANNERS.get(key)
+    if planner is None:
+        model_dir = cfg.model if cfg.model and Path(cfg.model).is_dir() else None
+        if not cfg.model:
+            from models import default_model_dir
+
+            model_dir = default_model_dir()
+        try:
+            planner = Planner.for_engine(engine, cfg, model_dir=model_dir)
+        except ValueError as exc:  # FimError and friends: a setting that does not fit this model
+            raise PromptError(str(exc)) from None
+        _PLANNERS[key] = planner
+        while len(_PLANNERS) > 4:
+            _PLANNERS.popitem(last=False)
+    else:
+        _PLANNERS.move_to_end(key)
+    return planner
+
+
+def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
+            on_round: Callable[[list[int]], None] | None = None, path: str | None = None,
+            language: str | None = None, context: Sequence[tuple[str, str]] = (),
+            simple: bool = False) -> tuple[Suggestion | None, Any]:
+    """Run one completion. Returns (suggestion or None, the engine's Generation or None if skipped).
+
+    simple=True uses this module's self-contained pipeline instead of the Planner.
     Raises PromptError / the engine's EngineError for input it cannot serve.
     """
+    if simple:
+        return _suggest_simple(engine, text, offset, cfg, cancel=cancel, on_round=on_round)
+    if not 0 <= offset <= len(text):
+        raise PromptError(f"cursor offset {offset} outside a document of {len(text)} characters")
+    plan = planner_for(engine, cfg).plan(text, offset, context=context, path=path, language=language)
+    if plan.skip_reason is not None:
+        return None, None
+    gen = engine.generate(plan.ids, sampling_params(cfg), cancel=cancel, on_round=on_round, stop=plan.stop,
+                          constraint=plan.constraint)
+    if gen.finish_reason == "cancelled":
+        return None, gen
+    insert = plan.suggestion(gen.tokens)
+    if not insert or not insert.strip():
+        return None, gen
+    # The plan's post-processing already dropped text repeating the rest of the line, so the
+    # suggestion is a pure insertion at the cursor.
+    return Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
+                      finish_reason=gen.finish_reason, stats=gen.stats.to_dict()), gen
+
+
+def _suggest_simple(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
+                    on_round: Callable[[list[int]], None] | None = None) -> tuple[Suggestion | None, Any]:
     tok = engine.tokenizer
     plan = build_prompt(tok, text, offset, cfg, engine.max_context)
     gen = engine.generate(plan.ids, sampling_params(cfg), cancel=cancel, on_round=on_round,
@@ -270,5 +341,5 @@ def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
 
 
 __all__ = ["PromptPlan", "Suggestion", "PromptError", "build_prompt", "make_stop", "postprocess", "suggest",
-           "sampling_params", "detect_fim", "wants_multiline"]
+           "sampling_params", "detect_fim", "wants_multiline", "planner_for"]
 

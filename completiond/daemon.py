@@ -70,9 +70,10 @@ class Service:
     """Documents + scheduler + engine. All public methods run on the event loop thread."""
 
     def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending: int = 64,
-                 max_pending_per_client: int = 16):
+                 max_pending_per_client: int = 16, simple_prompts: bool = False):
         self.cfg = cfg
         self._loader = loader
+        self.simple_prompts = simple_prompts  # completion.py's own pipeline (for engines without a real tokenizer)
         self.scheduler = Scheduler(max_pending=max_pending, max_pending_per_client=max_pending_per_client)
         self.engine: Any = None
         self.state = "idle"            # idle | loading | ready | busy | error
@@ -221,7 +222,7 @@ class Service:
         if self.state == "error":
             raise ServiceError(Code.NOT_READY, self.error)
         cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in ENGINE_KEYS})
-        text = doc.text
+        text, path, language = doc.text, _uri_path(uri), doc.language_id or None
         future: asyncio.Future = self.loop.create_future()
         loop = self.loop
 
@@ -232,7 +233,7 @@ class Service:
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
 
         job = Job(key=(client, uri), client=client, request_id=(client, request_id),
-                  run=lambda token: self._run(text, offset, cfg, token), done=deliver)
+                  run=lambda token: self._run(text, offset, cfg, token, path, language), done=deliver)
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -252,7 +253,7 @@ class Service:
             raise ServiceError(Code.CANCELLED, reason)
         if outcome.status == ERROR:
             exc = outcome.value
-            if type(exc).__name__ in ("EngineError", "PromptError"):
+            if type(exc).__name__ in ("EngineError", "PromptError", "FimError", "HealingError"):
                 raise ServiceError(Code.ENGINE_ERROR, str(exc))
             if self.engine is None:
                 raise ServiceError(Code.NOT_READY, self.error or f"model not loaded: {exc}")
@@ -261,7 +262,8 @@ class Service:
         result["version"] = version
         return result
 
-    def _run(self, text: str, offset: int, cfg: Any, token: Any) -> dict[str, Any]:
+    def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
+             language: str | None = None) -> dict[str, Any]:
         """On the worker thread."""
         from completiond import completion
 
@@ -275,7 +277,11 @@ class Service:
             rounds += 1
 
         self._call_soon(self._set_state, "busy")
-        suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round)
+        suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
+                                             path=path, language=language, simple=self.simple_prompts)
+        if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
+            return {"suggestion": None, "finish_reason": "skipped", "stats": {},
+                    "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
         stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
         stats.setdefault("rounds", rounds)
         latency = (time.perf_counter() - start) * 1000
@@ -597,6 +603,14 @@ class DaemonServer:
         else:
             conn.send({"id": rid, "r": result})
         await _drain(conn)
+
+
+def _uri_path(uri: str) -> str | None:
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(uri).path)
+    return None
 
 
 def _int(params: dict[str, Any], key: str) -> int:

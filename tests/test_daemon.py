@@ -44,7 +44,7 @@ class Running:
 async def daemon(rundir):
     engine = FakeEngine(continuation="urn a + b\n", per_round=2, round_s=0.002)
     cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
-    service = Service(cfg, loader=lambda _c: engine)
+    service = Service(cfg, loader=lambda _c: engine, simple_prompts=True)
     server = DaemonServer(service, rundir, idle_timeout=60)
     await server.start()
     service.start_loading()

@@ -249,7 +249,7 @@ def test_stop_answers_queued_jobs():
 
 async def ready_service(engine: FakeEngine, **kw) -> Service:
     cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
-    service = Service(cfg, loader=lambda _cfg: engine, **kw)
+    service = Service(cfg, loader=lambda _cfg: engine, simple_prompts=True, **kw)
     service.start_loading()
     for _ in range(500):
         if service.state == "ready":
