@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--suffix-tokens", type=int, default=256)
     parser.add_argument("--no-heal", action="store_true", help="turn token healing off")
+    parser.add_argument("--context", action="store_true",
+                        help="prepend the workspace context block (other files of DIR, same language)")
+    parser.add_argument("--context-tokens", type=int, default=256)
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding (alpha is then 0)")
     parser.add_argument("--compare-healing", action="store_true",
                         help="mid-word positions only, each run with healing on and off")
@@ -245,10 +248,16 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 
 # -- running ---------------------------------------------------------------
 
-def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool | None = None) -> Outcome:
+def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool | None = None,
+             workspace: "EvalWorkspace | None" = None) -> Outcome:
     """One request through the daemon's path, timed end to end."""
     t0 = time.perf_counter()
-    plan = planner.plan(pos.text, pos.offset, path=pos.path, language=language_of(pos.path), heal=heal)
+    language = language_of(pos.path)
+    context: list[tuple[str, str]] = []
+    if workspace is not None:
+        count = lambda s: len(planner.template.encode(s))  # noqa: E731
+        context = workspace.store.context(workspace.root / pos.path, language, planner.options.context_tokens, count)
+    plan = planner.plan(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
     if plan.skip_reason is not None:
         return Outcome(pos, "", 0.0, skipped=plan.skip_reason)
     gen = engine.generate(plan.ids, params, stop=plan.stop, constraint=plan.constraint)
@@ -258,17 +267,17 @@ def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool |
 
 
 def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None, speculative: bool,
-             show: int = 0, out=sys.stderr) -> list[Outcome]:
+             show: int = 0, out=sys.stderr, workspace: Any = None) -> list[Outcome]:
     from completiond.engine import SamplingParams
     from completiond.prompt import Planner
 
     planner = Planner.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
     if positions:
-        complete(engine, planner, positions[0], params, heal)   # warm-up: first-call costs are not latency
+        complete(engine, planner, positions[0], params, heal, workspace)   # warm-up: first-call costs are not latency
     outcomes = []
     for i, pos in enumerate(positions):
-        o = complete(engine, planner, pos, params, heal)
+        o = complete(engine, planner, pos, params, heal, workspace)
         outcomes.append(o)
         if i < show:
             print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
@@ -306,13 +315,28 @@ def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Any, max_
             "template": planner.template.name, "spm": planner.template.spm}
 
 
+@dataclass
+class EvalWorkspace:
+    store: Any      # completiond.workspace.Workspace
+    root: Path
+
+
+def _workspace(root: Path) -> EvalWorkspace:
+    """A scanned, unwatched Workspace over DIR: the other files become context candidates."""
+    from completiond.workspace import Workspace
+
+    ws = Workspace([root], scan=False)
+    ws.scan()
+    return EvalWorkspace(ws, root.resolve())
+
+
 def _config(args: argparse.Namespace):
     from completiond import config
 
     cfg, errors = config.merge(config.defaults(), {
         "maxTokens": args.max_tokens, "multiline": args.multiline, "maxLines": args.max_lines,
         "fimTemplate": args.fim_template, "prefixTokens": args.prefix_tokens, "suffixTokens": args.suffix_tokens,
-        "workspaceContext": False,
+        "workspaceContext": bool(args.context), "contextTokens": args.context_tokens,
     })
     if errors:
         raise SystemExit("completiond eval: " + "; ".join(errors))
@@ -337,18 +361,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"completiond eval: {exc}", file=sys.stderr)
         return 1
     speculative = not args.no_speculation
+    workspace = _workspace(args.dir) if args.context else None
     result: dict[str, Any]
     if args.compare_healing:
-        on = summarize(evaluate(engine, positions, cfg, True, speculative, args.show))
-        off = summarize(evaluate(engine, positions, cfg, False, speculative, args.show))
+        on = summarize(evaluate(engine, positions, cfg, True, speculative, args.show, workspace=workspace))
+        off = summarize(evaluate(engine, positions, cfg, False, speculative, args.show, workspace=workspace))
         result = dict(on)
         result["healing"] = {"on": on, "off": off}
     else:
-        result = summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show))
+        result = summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show,
+                                    workspace=workspace))
     if args.typing > 0:
         result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
     result.update(model=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
-                  multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal)
+                  multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal,
+                  context_tokens=cfg.context_tokens if args.context else 0)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -169,7 +169,7 @@ class Workspace:
                  snippet_lines: int = 60, max_files: int = 4):
         self.max_bytes = int(max_bytes)
         self.max_file_bytes = int(max_file_bytes)
-        self.scan = scan
+        self.scan_on_start = scan
         self.max_scan_files = max_scan_files
         self.snippet_lines = snippet_lines
         self.max_files = max_files
@@ -197,7 +197,7 @@ class Workspace:
             for root in list(self._folders):
                 self._watch(root)
             self._observer.start()
-        if self.scan:
+        if self.scan_on_start:
             for root in list(self._folders):
                 threading.Thread(target=self._scan_dir, args=(root,), daemon=True, name="workspace-scan").start()
         return self
@@ -227,8 +227,13 @@ class Workspace:
             started = self._observer is not None
             if started:
                 self._watch(root)
-        if started and self.scan:
+        if started and self.scan_on_start:
             threading.Thread(target=self._scan_dir, args=(root,), daemon=True, name="workspace-scan").start()
+
+    def scan(self) -> None:
+        """Load the folders' most recent source files now, in this thread (no watcher needed)."""
+        for root in list(self._folders):
+            self._scan_dir(root)
 
     def remove_folder(self, folder: str | os.PathLike) -> None:
         root = os.path.abspath(os.fspath(folder))

@@ -170,11 +170,12 @@ def test_eval_command_on_the_tiny_model(tiny_model_dir, src_dir, capsys):
 
 def test_eval_compare_healing(tiny_model_dir, src_dir, capsys):
     rc = cli.main(["eval", str(src_dir), "--model", str(tiny_model_dir), "--device", "cpu", "--positions", "3",
-                   "--max-tokens", "4", "--compare-healing", "--json"])
+                   "--max-tokens", "4", "--compare-healing", "--context", "--context-tokens", "64", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert set(r["healing"]) == {"on", "off"}
     assert r["healing"]["on"]["positions"] == r["healing"]["off"]["positions"] == 3
+    assert r["context_tokens"] == 64
 
 
 def test_eval_rejects_a_missing_directory(tmp_path, capsys):
