@@ -56,7 +56,9 @@ class Outcome:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", type=Path, help="directory of source files to sample cursor positions from")
+    parser.add_argument("dir", type=Path, nargs="?", help="directory of source files to sample cursor positions from")
+    parser.add_argument("--heldout", action="store_true",
+                        help="sample from the bundled model's held-out standard-library files instead of DIR")
     parser.add_argument("--model", default="", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--positions", type=int, default=200, help="number of cursor positions (default 200)")
@@ -116,9 +118,12 @@ def _is_word(c: str) -> bool:
 
 
 def pick_positions(root: Path, count: int, seed: int = 0, per_file: int = 4, exts: Iterable[str] | None = None,
-                   midword_only: bool = False) -> list[Position]:
-    """Deterministic cursor positions: same directory contents and seed give the same list."""
-    files = source_files(root, exts)
+                   midword_only: bool = False, files: list[Path] | None = None) -> list[Position]:
+    """Deterministic cursor positions: same directory contents and seed give the same list.
+
+    files: sample from these (under root) instead of every source file in root.
+    """
+    files = sorted(files) if files is not None else source_files(root, exts)
     order = list(files)
     random.Random(seed).shuffle(order)
     out: list[Position] = []
@@ -346,12 +351,21 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from completiond.engine import Engine, EngineError
 
+    files = None
+    if args.heldout:
+        from models import corpus
+
+        args.dir = corpus.stdlib_root()
+        files = [f.path for f in corpus.heldout_files()]
+    elif args.dir is None:
+        print("completiond eval: give a DIR or --heldout", file=sys.stderr)
+        return 2
     if not args.dir.is_dir():
         print(f"completiond eval: {args.dir} is not a directory", file=sys.stderr)
         return 2
     cfg = _config(args)
     positions = pick_positions(args.dir, args.positions, args.seed, args.per_file, args.ext,
-                               midword_only=args.compare_healing)
+                               midword_only=args.compare_healing, files=files)
     if not positions:
         print(f"completiond eval: no usable source files under {args.dir}", file=sys.stderr)
         return 1
@@ -375,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
         result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
     result.update(model=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
                   multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal,
-                  context_tokens=cfg.context_tokens if args.context else 0)
+                  context_tokens=cfg.context_tokens if args.context else 0,
+                  source="heldout" if args.heldout else str(args.dir))
     if args.json:
         print(json.dumps(result, sort_keys=True))
     else:

@@ -181,3 +181,13 @@ def test_eval_compare_healing(tiny_model_dir, src_dir, capsys):
 def test_eval_rejects_a_missing_directory(tmp_path, capsys):
     assert cli.main(["eval", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_heldout_positions_come_from_heldout_files():
+    from models import corpus
+
+    files = [f.path for f in corpus.heldout_files()][:20]
+    root = corpus.stdlib_root()
+    positions = pick_positions(root, 5, files=files)
+    allowed = {f.relative_to(root).as_posix() for f in files}
+    assert positions and all(p.path in allowed and corpus.is_heldout(p.path) for p in positions)
