@@ -16,7 +16,9 @@ from typing import Any
 
 from lsprotocol import types
 from pygls.capabilities import ServerCapabilitiesBuilder
+from pygls.exceptions import JsonRpcException
 from pygls.lsp.server import LanguageServer
+from pygls.protocol import LanguageServerProtocol
 
 from completiond import config as config_mod
 from completiond.client import ConnectionLost, DaemonSession, DaemonUnavailable
@@ -128,9 +130,25 @@ class DaemonBackend:
         await self.session.close()
 
 
+class _Protocol(LanguageServerProtocol):
+    """pygls drops a request whose params do not fit their type (a log line, no response), so the
+    editor would wait for it forever: answer it with the error instead."""
+
+    def structure_message(self, data: dict[str, Any]):
+        try:
+            return super().structure_message(data)
+        except JsonRpcException as exc:
+            rid = data.get("id") if isinstance(data, dict) else None
+            if "method" in data and isinstance(rid, (int, str)) and not isinstance(rid, bool):
+                exc.message = f"{data.get('method')}: {exc.message} ({exc.__cause__})"[:500]
+                self._send_response(rid, error=exc.to_response_error())
+            raise
+
+
 class CompletionServer(LanguageServer):
     def __init__(self, no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None):
-        super().__init__("completiond", _version(), text_document_sync_kind=types.TextDocumentSyncKind.Incremental)
+        super().__init__("completiond", _version(), text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
+                         protocol_cls=_Protocol)
         self.docs: dict[str, Document] = {}
         self.encoding = UTF16
         self.config_file = config_file
