@@ -51,21 +51,20 @@ def pick_lines(text: str, keystrokes: int, min_chars: int = 12) -> list[int]:
                   if len(line.strip()) >= min_chars and not line.strip().startswith(("#", '"', "'"))]
     if not candidates:
         raise ValueError("no line long enough to type in this file")
+    mean = sum(len(lines[i].strip()) for i in candidates) / len(candidates)
+    wanted = max(1, int(keystrokes / mean + 0.999))
+    step = max(1, len(candidates) // wanted)
+    spread = candidates[::step]
+    taken = set(spread)
+    order = spread + [i for i in candidates if i not in taken]
     chosen: list[int] = []
     total = 0
-    step = max(1, len(candidates) // max(1, keystrokes // 30))
-    i = 0
-    while total < keystrokes:
-        idx = candidates[(i * step) % len(candidates)]
-        if idx in chosen and len(chosen) >= len(candidates):
+    for idx in order:
+        if total >= keystrokes:
             break
-        if idx not in chosen:
-            chosen.append(idx)
-            total += len(lines[idx].strip())
-        i += 1
-        if i > 10 * len(candidates):
-            break
-    return chosen
+        chosen.append(idx)
+        total += len(lines[idx].strip())
+    return sorted(chosen)
 
 
 def _percentile(values: list[float], q: float) -> float | None:
