@@ -282,9 +282,14 @@ class DaemonSession:
 
     async def _connect(self) -> DaemonClient:
         settings = self._settings()
-        client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
-                                        client_name=self.client_name, on_notification=self.on_notification,
-                                        idle_timeout=settings.get("idleTimeout"))
+        try:
+            client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
+                                            client_name=self.client_name, on_notification=self.on_notification,
+                                            idle_timeout=settings.get("idleTimeout"))
+        except paths.InsecureDirectoryError as exc:
+            raise DaemonUnavailable(str(exc)) from None
+        except OSError as exc:  # e.g. the runtime directory's parent is missing or read-only
+            raise DaemonUnavailable(f"cannot use the daemon directory: {exc}") from None
         if self.client is not None:
             self.reconnects += 1
         for uri, (version, text, language_id) in self._documents().items():

@@ -137,6 +137,17 @@ async def test_garbage_instead_of_handshake(daemon, caplog):
     await c.close()
 
 
+async def test_foreign_peer_uid_refused(daemon, monkeypatch, caplog):
+    monkeypatch.setattr(paths, "peer_uid", lambda sock: os.getuid() + 1)
+    reader, writer = await asyncio.open_unix_connection(str(daemon.server.socket_path))
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert "refused connection from uid" in caplog.text
+    monkeypatch.undo()
+    c = await daemon.connect()
+    assert await c.request("ping", {}, timeout=5) == "pong"
+    await c.close()
+
+
 async def test_version_mismatch_is_refused_with_error(daemon):
     reader, writer = await raw_connection(daemon.server.socket_path, hello=False)
     writer.write(wire.encode({"t": "hello", "v": 999, "client": "future"}))

@@ -208,6 +208,14 @@ async def test_two_clients_share_one_daemon(start, tiny_model_dir):
     assert sa["status"]["pid"] == sb["status"]["pid"]
     assert sb["loads"] == 1
     assert sb["completed"] == 2 and sb["errors"] == 0
+    # One editor restarts the shared daemon; the other reconnects and replays its documents.
+    restarted = await asyncio.wait_for(a.client.workspace_execute_command_async(
+        types.ExecuteCommandParams(command="completiond.restartDaemon")), 60)
+    assert restarted["restarted"] is True
+    rb = await b.inline()
+    sb2 = await b.stats()
+    assert sb2["status"]["pid"] != sb["status"]["pid"]
+    assert sb2["completed"] == 1 and sb2["errors"] == 0
 
 
 async def test_daemon_killed_respawned_documents_replayed(start, tiny_model_dir, runtime):
@@ -254,3 +262,20 @@ async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_
     stats = await s.stats()
     assert stats["errors"] == 0 and stats["completed"] == 1
     assert not (s.runtime / "completiond" / paths.SOCKET_NAME).exists()  # no daemon was started
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory away")
+async def test_foreign_owned_runtime_dir_reported(start, tiny_model_dir, runtime):
+    d = runtime / "completiond"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    s = await start(tiny(tiny_model_dir))
+    for _ in range(200):
+        if s.client.messages:
+            break
+        await asyncio.sleep(0.05)
+    assert any("owned by uid 12345" in m.message and m.type == types.MessageType.Error for m in s.client.messages)
+    await s.open()
+    result = await s.inline(timeout=30)  # the server stays up and answers, with nothing to show
+    assert not result.items
+    assert not (d / paths.SOCKET_NAME).exists()
