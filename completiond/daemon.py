@@ -45,6 +45,18 @@ class ServiceError(Exception):
         self.message = message
 
 
+class OutOfMemory(Exception):
+    """The device ran out of memory during one request (its KV cache has been freed)."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
+
+
 def load_engine(cfg: Any):
     """Engine.load with the settings of `cfg` (imports torch: call off the event loop)."""
     from completiond.engine import Engine
@@ -253,7 +265,7 @@ class Service:
             raise ServiceError(Code.CANCELLED, reason)
         if outcome.status == ERROR:
             exc = outcome.value
-            if type(exc).__name__ in ("EngineError", "PromptError", "FimError", "HealingError"):
+            if type(exc).__name__ in ("EngineError", "PromptError", "FimError", "HealingError", "OutOfMemory"):
                 raise ServiceError(Code.ENGINE_ERROR, str(exc))
             if self.engine is None:
                 raise ServiceError(Code.NOT_READY, self.error or f"model not loaded: {exc}")
@@ -277,8 +289,18 @@ class Service:
             rounds += 1
 
         self._call_soon(self._set_state, "busy")
-        suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
-                                             path=path, language=language, simple=self.simple_prompts)
+        try:
+            suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
+                                                 path=path, language=language, simple=self.simple_prompts)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            # Fail this request only: drop every cached sequence (the failed one was released into
+            # the cache on the way out) and hand the memory back, so the next request can run.
+            self._free_memory()
+            log.error("out of memory during a completion; KV cache cleared: %s", exc)
+            raise OutOfMemory(f"out of memory on {getattr(self.engine, 'device', '?')}; the KV cache was cleared, "
+                              "try again (or lower cacheMegabytes / prefixTokens)") from None
         if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
             return {"suggestion": None, "finish_reason": "skipped", "stats": {},
                     "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
@@ -293,6 +315,15 @@ class Service:
             "stats": stats,
             "latency_ms": round(latency, 2),
         }
+
+    def _free_memory(self) -> None:
+        """Worker thread: empty the engine's prefix KV cache and return freed GPU memory."""
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None:
+            cache.clear()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _after_job(self) -> None:
         if self.state in ("busy", "ready"):
@@ -547,6 +578,9 @@ class DaemonServer:
             conn.send({"id": rid, "e": wire.error_body(exc.code, exc.message)})
         except (KeyError, TypeError, ValueError) as exc:
             conn.send({"id": rid, "e": wire.error_body(Code.BAD_REQUEST, f"{method}: bad params: {exc}")})
+        except Exception as exc:  # a bug in one handler fails that request, not the connection
+            log.exception("%s: %s failed", conn.name, method)
+            conn.send({"id": rid, "e": wire.error_body(Code.INTERNAL, f"{method} failed: {type(exc).__name__}: {exc}")})
         else:
             conn.send({"id": rid, "r": result})
         await _drain(conn)
@@ -587,6 +621,10 @@ class DaemonServer:
                 raise
             # Notifications have nobody to answer; the next completion will report the document as unknown.
             log.warning("%s: %s notification failed: %s", conn.name, method, exc)
+        except Exception:
+            if strict:
+                raise
+            log.exception("%s: %s notification failed", conn.name, method)
 
     async def _complete(self, conn: _Conn, rid: int, params: dict[str, Any]) -> None:
         try:
@@ -600,6 +638,9 @@ class DaemonServer:
             conn.send({"id": rid, "e": wire.error_body(Code.BAD_REQUEST, f"complete: bad params: {exc}")})
         except asyncio.CancelledError:
             return  # connection gone
+        except Exception as exc:  # a bug in one handler fails that request only
+            log.exception("%s: complete failed", conn.name)
+            conn.send({"id": rid, "e": wire.error_body(Code.INTERNAL, f"complete failed: {type(exc).__name__}: {exc}")})
         else:
             conn.send({"id": rid, "r": result})
         await _drain(conn)
