@@ -22,6 +22,8 @@ from completiond.wire import Code, RemoteError
 
 log = logging.getLogger("completiond.client")
 
+LOG_ROTATE_BYTES = 4 * 1024 * 1024
+
 
 class DaemonUnavailable(ConnectionError):
     """No daemon could be reached (or started)."""
@@ -178,6 +180,12 @@ def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) 
 def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float | None = None) -> subprocess.Popen:
     """Start a detached daemon whose output goes to daemon.log in the runtime directory."""
     cmd = daemon_command(settings, idle_timeout) + ["--runtime-dir", str(directory)]
+    log_path = directory / paths.LOG_NAME
+    try:
+        if log_path.stat().st_size > LOG_ROTATE_BYTES:
+            os.replace(log_path, log_path.with_name(paths.LOG_NAME + ".1"))
+    except FileNotFoundError:
+        pass
     log_fd = os.open(directory / paths.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         log.info("starting daemon: %s", " ".join(cmd))
@@ -245,6 +253,15 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
 # --- the LSP server's view: a daemon that comes back ----------------------------------
 
 
+def _send_open(client: DaemonClient, uri: str, version: int, text: str, language_id: str) -> bool:
+    try:
+        client.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
+    except wire.ProtocolError as exc:
+        log.warning("%s not sent to the daemon: %s", uri, exc)
+        return False
+    return True
+
+
 class DaemonSession:
     """Daemon connection for one editor session.
 
@@ -293,7 +310,7 @@ class DaemonSession:
         if self.client is not None:
             self.reconnects += 1
         for uri, (version, text, language_id) in self._documents().items():
-            client.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
+            _send_open(client, uri, version, text, language_id)
         self.client = client
         if self.on_connect is not None:
             self.on_connect(client.welcome)
@@ -306,6 +323,9 @@ class DaemonSession:
                 self.client.notify(method, params)  # type: ignore[union-attr]
             except (ConnectionError, OSError):
                 pass
+            except wire.ProtocolError as exc:
+                # Too big for one frame: the daemon will not know this document, and says so when asked.
+                log.warning("%s %s not sent to the daemon: %s", method, params.get("uri"), exc)
 
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
         """Request with one transparent retry if the daemon died under it (or did not know the document)."""
@@ -324,7 +344,9 @@ class DaemonSession:
                 if params["uri"] not in docs:
                     raise
                 version, text, language_id = docs[params["uri"]]
-                client.notify("open", {"uri": params["uri"], "version": version, "text": text, "languageId": language_id})
+                if not _send_open(client, params["uri"], version, text, language_id):
+                    raise RemoteError(Code.BAD_REQUEST, f"{params['uri']} is too large to complete in "
+                                                        f"({len(text)} characters)") from None
         raise AssertionError("unreachable")
 
     async def restart(self) -> None:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ STATUS_METHOD = "completiond/status"
 CMD_STATS = "completiond.stats"
 CMD_RESTART = "completiond.restartDaemon"
 PROGRESS_TOKEN = "completiond-loading"
+STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
 
 
 def _version() -> str:
@@ -159,6 +161,7 @@ class CompletionServer(LanguageServer):
         self.no_daemon = no_daemon
         self.status: dict[str, Any] = {"state": "starting"}
         self._progress_open = False
+        self._status_sent = 0.0
         self._started: asyncio.Task | None = None
         if no_daemon:
             self.backend: Any = LocalBackend(self.cfg, self._on_backend_notification)
@@ -231,8 +234,13 @@ class CompletionServer(LanguageServer):
     def _on_backend_notification(self, method: str, params: dict[str, Any]) -> None:
         if method != "status":
             return
+        previous = self.status.get("state")
         self.status = params
         state = params.get("state")
+        now = time.monotonic()
+        if state == previous and now - self._status_sent < STATUS_MIN_INTERVAL:
+            return  # metrics-only updates arrive per keystroke; status bars need far fewer
+        self._status_sent = now
         self.protocol.notify(STATUS_METHOD, {
             "state": state, "message": params.get("error") or "", "model": params.get("model"),
             "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
@@ -341,12 +349,23 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     async def did_change_configuration(ls: CompletionServer, params: types.DidChangeConfigurationParams) -> None:
+        from completiond.daemon import engine_settings
+
+        before = engine_settings(ls.cfg)
         settings = params.settings
         if isinstance(settings, dict) and SECTION in settings:
             ls.workspace_options = settings[SECTION]
         else:
             await ls.pull_configuration()  # the "pull" model: settings is null, ask for them
         ls.apply_settings()
+        if engine_settings(ls.cfg) == before:
+            return
+        if ls.no_daemon:
+            await ls.backend.restart(ls.cfg, ls.document_snapshot())
+        else:
+            # The daemon is shared with other editors: restarting it is the user's call.
+            ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
+                "completiond: model settings changed; run the command completiond.restartDaemon to load them")))
 
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: CompletionServer, params: types.DidOpenTextDocumentParams) -> None:
