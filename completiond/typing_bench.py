@@ -260,13 +260,16 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
                      interval_ms: float = 100.0, device: str = "auto", max_tokens: int = 16,
                      runtime_dir: Path | None = None, settings: dict[str, Any] | None = None,
                      timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
-                     lsp_command: list[str] | None = None) -> dict[str, Any]:
+                     lsp_command: list[str] | None = None,
+                     log: Callable[..., None] | None = None) -> dict[str, Any]:
     """Run the typing benchmark; see the module docstring for what the keys mean.
 
     model: None/"" = the bundled model. file: None = a held-out corpus file.
     runtime_dir: where the benchmark's own daemon puts its socket (default: a fresh
     temporary directory, removed afterwards, with the daemon stopped).
+    progress / log: called with one line of text per typed line.
     """
+    progress = progress or log
     file = Path(file) if file is not None else default_file()
     own_dir = runtime_dir is None
     base = Path(tempfile.mkdtemp(prefix="completiond-bench-")) if own_dir else Path(runtime_dir)

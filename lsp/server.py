@@ -163,6 +163,7 @@ class CompletionServer(LanguageServer):
         self._progress_open = False
         self._status_sent = 0.0
         self._started: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
         if no_daemon:
             self.backend: Any = LocalBackend(self.cfg, self._on_backend_notification)
         else:
@@ -189,6 +190,27 @@ class CompletionServer(LanguageServer):
         from completiond.daemon import ENGINE_KEYS
 
         return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in ENGINE_KEYS}
+
+    async def watch_config_file(self, interval: float = 2.0) -> None:
+        """Re-read config.toml when it changes, so edits apply without restarting the editor."""
+        path = self.config_file or config_mod.config_file_path()
+
+        def stamp() -> tuple[float, int] | None:
+            try:
+                st = path.stat()
+            except OSError:
+                return None
+            return st.st_mtime, st.st_size
+
+        last = stamp()
+        while True:
+            await asyncio.sleep(interval)
+            now = stamp()
+            if now != last:
+                last = now
+                log.info("%s changed: reloading settings", path)
+                self.file_cfg, self.file_errors = config_mod.load_file(path)
+                self.apply_settings()
 
     async def pull_configuration(self) -> None:
         caps = self.client_capabilities.workspace
@@ -346,6 +368,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             await ls.start_backend()
 
         ls._started = asyncio.ensure_future(start())
+        ls._watcher = asyncio.ensure_future(ls.watch_config_file())
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     async def did_change_configuration(ls: CompletionServer, params: types.DidChangeConfigurationParams) -> None:
@@ -429,6 +452,8 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: CompletionServer, params: Any) -> None:
         # Leave the shared daemon running for the other editors; it exits on its own when idle.
+        if ls._watcher is not None:
+            ls._watcher.cancel()
         await ls.backend.close()
 
     return server

@@ -232,7 +232,10 @@ async def test_daemon_killed_respawned_documents_replayed(start, tiny_model_dir,
     assert stats["completed"] == 1 and stats["errors"] == 0 and stats["documents"] == 1, stats
 
 
-async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_model_dir):
+async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_model_dir, runtime):
+    config_toml = runtime / "config" / "completiond" / "config.toml"
+    config_toml.parent.mkdir(parents=True)
+    config_toml.write_text("seed = -1\n")
     settings = tiny(tiny_model_dir, temperature="hot", maxLines=0, bogus=1)
     s = await start(settings, "--no-daemon", encodings=("utf-8",), workspace={"topP": 7})
     assert s.init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
@@ -242,6 +245,14 @@ async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_
         await asyncio.sleep(0.05)
     text = "\n".join(m.message for m in s.client.messages)
     assert "temperature" in text and "maxLines" in text and "bogus" in text and "topP" in text
+    assert "seed" in text and str(config_toml) in text
+    # The config file is watched: a later edit is applied (and reported when invalid).
+    config_toml.write_text("[completiond]\ntopK = -3\n")
+    for _ in range(100):
+        if any("topK" in m.message for m in s.client.messages):
+            break
+        await asyncio.sleep(0.1)
+    assert any("topK" in m.message for m in s.client.messages)
     assert all(m.type == types.MessageType.Warning for m in s.client.messages)
     s.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
         settings={"completiond": {"multiline": "sometimes"}}))
