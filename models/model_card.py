@@ -311,11 +311,22 @@ def plot(log_path: Path, png: Path, n_layers: int) -> None:
         ax.set_xlabel("tokens seen (M)")
         ax.set_ylabel("cross-entropy (nats)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
         ax.set_ylim(top=min(8.0, ax.get_ylim()[1]))
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+
+
+def _cell(s: str) -> str:
+    """Code in a markdown table cell: pipes escaped, empty shown as (empty)."""
+    s = s.strip()
+    if not s:
+        return "*(empty)*"
+    tick = "``" if "`" in s else "`"
+    s = s.replace("|", "\\|")  # GFM tables: an escaped pipe stays in the cell, even in code
+    return f"`` {s} ``" if tick == "``" else f"`{s}`"
 
 
 def _fence(s: str) -> str:
@@ -347,8 +358,8 @@ def write_card(model_dir: Path, r: dict) -> None:
                   f"Model middle (stopped at `<|endoftext|>`):\n\n{_fence(fe['completion'])}\n\nActual body:\n\n"
                   f"{_fence(fe['truth'])}\n")
     nl_ex = "\n".join(
-        f"| `{e['file']}:{e['line']}` | `{e['truth'].strip()}` | `{e['left_to_right'].strip()}` | "
-        f"`{e['fim_spm'].strip()}` | `{e['baseline'].strip()}` |".replace("|`", "| `")
+        f"| {_cell(e['file'] + ':' + str(e['line']))} | {_cell(e['truth'])} | {_cell(e['left_to_right'])} | "
+        f"{_cell(e['fim_spm'])} | {_cell(e['baseline'])} |"
         for e in r["next_line_examples"])
     card = f"""# completiond-py-mini
 
@@ -462,7 +473,7 @@ real line (trailing whitespace ignored). Baseline: the previous line's indentati
 {r['fim_functions']} held-out functions of at most 8 body lines, body removed (docstring kept in the prefix),
 greedy up to 128 tokens.
 
-| order | stops at `<|endoftext|>` | exact body | char similarity |
+| order | stops at the end token | exact body | char similarity |
 |---|---|---|---|
 | SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} |
 | PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} |
@@ -494,6 +505,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     t0 = time.time()
     d = a.model
     tok = AutoTokenizer.from_pretrained(d)
