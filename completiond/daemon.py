@@ -36,6 +36,7 @@ log = logging.getLogger("completiond.daemon")
 # Settings that decide which engine is loaded; the rest apply per request.
 ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes")
 HANDSHAKE_TIMEOUT = 10.0
+MAX_FOLDERS = 16  # workspace folders watched per editor
 
 
 class ServiceError(Exception):
@@ -100,6 +101,7 @@ class Service:
             requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0,
             wasted_rounds=0, rounds=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
         self.last: dict[str, Any] = {}
+        self.workspace: Any = None     # completiond.workspace.Workspace, created on first use
 
     # --- engine lifecycle ---------------------------------------------------
 
@@ -186,15 +188,66 @@ class Service:
             "scheduler": self.scheduler.snapshot(),
             "status": self.status(),
             "documents": len(self.documents),
+            "workspace_files": len(self.workspace.paths()) if self.workspace is not None else 0,
         }
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+        if self.workspace is not None:
+            self.workspace.stop()
+
+    # --- workspace context ------------------------------------------------------
+
+    def _ws(self) -> Any:
+        if self.workspace is None:
+            from completiond.workspace import Workspace
+
+            self.workspace = Workspace()
+        return self.workspace
+
+    def add_folders(self, folders: list[str]) -> None:
+        """Workspace folders of an editor: watched for the context block of prompts."""
+        ws = self._ws()
+        for folder in folders[:MAX_FOLDERS]:
+            try:
+                ws.add_folder(folder)
+            except (OSError, ValueError) as exc:
+                log.warning("workspace folder %s ignored: %s", folder, exc)
+        if folders:
+            ws.start()
+
+    def _ws_update(self, uri: str, doc: Document | None, edit_start: int | None = None) -> None:
+        path = _uri_path(uri)
+        if path is None:
+            return
+        try:
+            if doc is None:
+                self._ws().did_close(path)
+            elif edit_start is None:
+                self._ws().did_open(path, doc.text, doc.language_id or None)
+            else:
+                self._ws().did_change(path, doc.text, edit_line=doc.text.count("\n", 0, edit_start),
+                                      language=doc.language_id or None)
+        except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
+            log.debug("workspace update for %s failed: %s", uri, exc)
+
+    def _context(self, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
+        if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
+            return []
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+        try:
+            return self.workspace.context(path, language, cfg.context_tokens, count)
+        except (OSError, ValueError) as exc:
+            log.debug("workspace context for %s failed: %s", path, exc)
+            return []
 
     # --- documents -----------------------------------------------------------
 
     def open(self, client: Hashable, uri: str, version: int, text: str, language_id: str = "") -> None:
-        self.documents[(client, uri)] = Document(uri=uri, text=text, version=version, language_id=language_id)
+        doc = Document(uri=uri, text=text, version=version, language_id=language_id)
+        self.documents[(client, uri)] = doc
+        self._ws_update(uri, doc)
 
     def change(self, client: Hashable, uri: str, version: int, edits: list) -> None:
         doc = self.documents.get((client, uri))
@@ -206,9 +259,13 @@ class Service:
             # Out of sync: forget it, so the next completion asks the client to resend it whole.
             del self.documents[(client, uri)]
             raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri}: {exc}; resend the document") from None
+        if edits:
+            first = edits[0]
+            self._ws_update(uri, doc, first[0] if isinstance(first[0], int) else 0)
 
     def close(self, client: Hashable, uri: str) -> None:
-        self.documents.pop((client, uri), None)
+        if self.documents.pop((client, uri), None) is not None:
+            self._ws_update(uri, None)
 
     def drop_client(self, client: Hashable) -> None:
         self.scheduler.cancel_client(client)
@@ -289,9 +346,11 @@ class Service:
             rounds += 1
 
         self._call_soon(self._set_state, "busy")
+        context = self._context(cfg, path, language)
         try:
             suggestion, gen = completion.suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
-                                                 path=path, language=language, simple=self.simple_prompts)
+                                                 path=path, language=language, context=context,
+                                                 simple=self.simple_prompts)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -614,6 +673,11 @@ class DaemonServer:
                 self.service.change(conn.id, _str(params, "uri"), _int(params, "version"), edits)
             elif method == "close":
                 self.service.close(conn.id, _str(params, "uri"))
+            elif method == "workspace":
+                folders = params.get("folders")
+                if not isinstance(folders, list) or not all(isinstance(f, str) for f in folders):
+                    raise ValueError("folders must be a list of paths")
+                self.service.add_folders(folders)
             else:
                 raise ServiceError(Code.UNKNOWN_METHOD, f"unknown notification {method!r}")
         except (ServiceError, KeyError, TypeError, ValueError) as exc:

@@ -78,6 +78,8 @@ class LocalBackend:
                 self.service.change(self.CLIENT, params["uri"], params["version"], params["edits"])
             elif method == "close":
                 self.service.close(self.CLIENT, params["uri"])
+            elif method == "workspace":
+                self.service.add_folders(params["folders"])
         except ServiceError as exc:
             log.warning("%s: %s", method, exc.message)
 
@@ -239,8 +241,23 @@ class CompletionServer(LanguageServer):
             return
         if isinstance(welcome, dict) and isinstance(welcome.get("status"), dict):
             self._on_backend_notification("status", welcome["status"])
+        if self.no_daemon and self.workspace_folders():
+            self.backend.notify("workspace", {"folders": self.workspace_folders()})
+
+    def workspace_folders(self) -> list[str]:
+        from urllib.parse import unquote, urlparse
+
+        try:
+            ws = self.workspace
+            uris = [f.uri for f in ws.folders.values()] or ([ws.root_uri] if ws.root_uri else [])
+        except RuntimeError:  # workspace not initialized yet
+            return []
+        return [unquote(urlparse(uri).path) for uri in uris if uri and uri.startswith("file://")]
 
     def _on_connect(self, welcome: dict[str, Any]) -> None:
+        folders = self.workspace_folders()
+        if folders:
+            self.backend.notify("workspace", {"folders": folders})
         if welcome.get("warning"):
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning,
                                                              message=f"completiond: {welcome['warning']}"))

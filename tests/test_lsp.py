@@ -98,7 +98,8 @@ def runtime(tmp_path):
 async def start(runtime):
     sessions: list[Session] = []
 
-    async def _start(settings: dict, *args: str, encodings=("utf-16",), workspace: dict | None = None) -> Session:
+    async def _start(settings: dict, *args: str, encodings=("utf-16",), workspace: dict | None = None,
+                     folder: Path | None = None) -> Session:
         client = make_test_lsp_client()
         if workspace is not None:
             client.set_configuration(workspace, section="completiond")
@@ -112,7 +113,8 @@ async def start(runtime):
                    XDG_CONFIG_HOME=str(runtime / "config"))
         await client.start_io(sys.executable, "-m", "completiond.cli", "lsp", *args, env=env)
         session.init = await client.initialize_session(types.InitializeParams(
-            capabilities=capabilities(encodings), initialization_options={"completiond": settings}))
+            capabilities=capabilities(encodings), initialization_options={"completiond": settings},
+            workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="ws")] if folder else None))
         sessions.append(session)
         return session
 
@@ -129,8 +131,11 @@ def tiny(tiny_model_dir, **extra) -> dict:
     return {"model": str(tiny_model_dir), "device": "cpu", "maxTokens": 4, "idleTimeout": 60, **extra}
 
 
-async def test_open_type_complete(start, tiny_model_dir):
-    s = await start(tiny(tiny_model_dir))
+async def test_open_type_complete(start, tiny_model_dir, tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("def helper():\n    return 42\n")
+    s = await start(tiny(tiny_model_dir), folder=folder)
     caps = s.init.capabilities
     assert caps.inline_completion_provider is not None
     assert caps.completion_provider is not None
@@ -148,6 +153,12 @@ async def test_open_type_complete(start, tiny_model_dir):
     stats = await s.stats()
     assert stats["completed"] >= 1 and stats["errors"] == 0, stats
     assert stats["status"]["state"] in ("ready", "busy")
+    for _ in range(100):  # the editor's workspace folder is scanned for prompt context
+        if stats["workspace_files"] >= 2:
+            break
+        await asyncio.sleep(0.1)
+        stats = await s.stats()
+    assert stats["workspace_files"] >= 2  # helpers.py from the folder + the open document
     # Loading showed up as work-done progress (begin ... end) and as completiond/status.
     reports = [r for rs in s.client.progress_reports.values() for r in rs]
     assert any(isinstance(r, types.WorkDoneProgressBegin) for r in reports)

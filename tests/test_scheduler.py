@@ -358,3 +358,30 @@ async def test_service_load_failure_reports_error():
         assert err.value.code == Code.NOT_READY
     finally:
         service.shutdown()
+
+
+async def test_service_feeds_workspace_context(tmp_path):
+    engine = FakeEngine(continuation="z\n")
+    service = await ready_service(engine)
+    seen = []
+    real_context = service._context
+
+    def spy(cfg, path, language):
+        ctx = real_context(cfg, path, language)
+        seen.append(ctx)
+        return ctx
+
+    service._context = spy
+    try:
+        other = tmp_path / "helpers.py"
+        service.open(1, other.as_uri(), 1, "def helper_one():\n    return 41\n", "python")
+        service.change(1, other.as_uri(), 2, [[29, 31, "42"]])
+        current = tmp_path / "main.py"
+        service.open(1, current.as_uri(), 1, "x = ", "python")
+        await service.complete(1, 1, current.as_uri(), 1, 4)
+        assert seen and seen[-1], "no context for a file with an open sibling"
+        (path, snippet), = seen[-1]
+        assert path.endswith("helpers.py") and "return 42" in snippet
+        service.close(1, other.as_uri())
+    finally:
+        service.shutdown()
