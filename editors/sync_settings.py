@@ -181,6 +181,15 @@ def sync_lua(schema: list[dict], check: bool) -> list[str]:
 
 
 def markdown_table(schema: list[dict]) -> list[str]:
+    """The README settings table: completiond.config.markdown_table() (the top-level README's), when there is one."""
+    try:
+        sys.path.insert(0, str(ROOT))
+        from completiond import config
+
+        if hasattr(config, "markdown_table") and config.schema() == schema:
+            return config.markdown_table().rstrip("\n").split("\n")
+    except ImportError:
+        pass
     lines = ["| Setting | Type | Default | Description |", "| --- | --- | --- | --- |"]
     for item in schema:
         desc = item["description"]

@@ -56,7 +56,7 @@ function pythonIn(dir: string, opts: ResolveOptions): string | undefined {
 }
 
 export const NOT_FOUND_HINT =
-  'Install it with `pip install completiond` (see the README), or set `completiond.server.path` ' +
+  'Install it (in a completiond checkout: `pip install -e .`; see the README), or set `completiond.server.path` ' +
   '(the executable) or `completiond.server.python` (a Python environment that has it).';
 
 export function resolveServer(opts: ResolveOptions): Resolution {

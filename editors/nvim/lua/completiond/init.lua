@@ -87,7 +87,7 @@ function M.server_cmd(cfg)
   return nil, "the `completiond` executable was not found on $PATH"
 end
 
-M.NOT_FOUND_HINT = "Install it with `pip install completiond` (see the README, `:help completiond-install`), "
+M.NOT_FOUND_HINT = "Install it (in a completiond checkout: `pip install -e .`; see `:help completiond-install`), "
   .. "or pass `cmd` or `python` to require('completiond').setup()."
 
 --- The `completiond` settings section sent to the server.

@@ -35,7 +35,7 @@ test('server.path that does not exist: a clear message, no fallback to PATH', ()
   const r = resolveServer({ ...base, path: '/opt/nope/completiond', ...fakeEnvironment(['/usr/bin/completiond']) });
   assert.equal(r.ok, false);
   assert.match((r as { message: string }).message, /\/opt\/nope\/completiond/);
-  assert.match((r as { message: string }).message, /pip install completiond/);
+  assert.match((r as { message: string }).message, /pip install -e \./);
 });
 
 test('server.python: a virtual environment folder or an interpreter runs `python -m completiond.cli lsp`', () => {
