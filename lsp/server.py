@@ -20,6 +20,7 @@ from pygls.capabilities import ServerCapabilitiesBuilder
 from pygls.exceptions import JsonRpcException
 from pygls.lsp.server import LanguageServer
 from pygls.protocol import LanguageServerProtocol
+from pygls.protocol.language_server import lsp_method
 
 from completiond import config as config_mod
 from completiond.client import ConnectionLost, DaemonSession, DaemonUnavailable
@@ -147,6 +148,27 @@ class _Protocol(LanguageServerProtocol):
                 exc.message = f"{data.get('method')}: {exc.message} ({exc.__cause__})"[:500]
                 self._send_response(rid, error=exc.to_response_error())
             raise
+
+    # pygls keeps its own copy of every open document (unused here: CompletionServer.docs is ours).
+    # Updating it rewrites out-of-range positions of the client's change objects in place, with a
+    # line model (str.splitlines) that also breaks at U+2028, U+0085, form feeds..., before our
+    # handler sees them: our copy then drifted from the editor's. It also doubled the memory of a
+    # huge file. So the built-in handlers only pass the notification on.
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_OPEN)
+    def lsp_text_document__did_open(self, params: types.DidOpenTextDocumentParams):
+        if (handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_OPEN)) is not None:
+            yield handler, (params,), None
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CHANGE)
+    def lsp_text_document__did_change(self, params: types.DidChangeTextDocumentParams):
+        if (handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CHANGE)) is not None:
+            yield handler, (params,), None
+
+    @lsp_method(types.TEXT_DOCUMENT_DID_CLOSE)
+    def lsp_text_document__did_close(self, params: types.DidCloseTextDocumentParams):
+        if (handler := self.fm.features.get(types.TEXT_DOCUMENT_DID_CLOSE)) is not None:
+            yield handler, (params,), None
 
 
 class CompletionServer(LanguageServer):
