@@ -99,7 +99,7 @@ class Service:
         self._stats_lock = threading.Lock()
         self.stats_counts: dict[str, float] = dict(
             requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0,
-            wasted_rounds=0, rounds=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
+            wasted_rounds=0, rounds_after_cancel=0, rounds=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
         self.last: dict[str, Any] = {}
         self.workspace: Any = None     # completiond.workspace.Workspace, created on first use
 
@@ -180,11 +180,12 @@ class Service:
         with self._stats_lock:
             counts = dict(self.stats_counts)
         prompt = counts["prompt_tokens"]
-        superseded = counts["superseded"]
+        superseded = counts["superseded"] + counts["cancelled"]
         return {
             **counts,
             "cache_served_fraction": (counts["reused_tokens"] / prompt) if prompt else None,
             "wasted_rounds_per_superseded": (counts["wasted_rounds"] / superseded) if superseded else 0.0,
+            "rounds_after_cancel_per_superseded": (counts["rounds_after_cancel"] / superseded) if superseded else 0.0,
             "scheduler": self.scheduler.snapshot(),
             "status": self.status(),
             "documents": len(self.documents),
@@ -340,10 +341,13 @@ class Service:
             raise RuntimeError(self.error or "model not loaded")
         start = time.perf_counter()
         rounds = 0
+        after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
 
         def on_round(_tokens: list[int]) -> None:
-            nonlocal rounds
+            nonlocal rounds, after_cancel
             rounds += 1
+            if token.cancelled:
+                after_cancel += 1
 
         self._call_soon(self._set_state, "busy")
         context = self._context(cfg, path, language)
@@ -365,6 +369,7 @@ class Service:
                     "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
         stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
         stats.setdefault("rounds", rounds)
+        stats["rounds_after_cancel"] = after_cancel
         latency = (time.perf_counter() - start) * 1000
         return {
             "suggestion": None if suggestion is None else {
@@ -408,11 +413,11 @@ class Service:
                 self.last = {"latency_ms": value.get("latency_ms") if value else None,
                              "alpha": stats.get("alpha"), "tokens_per_s": stats.get("tokens_per_s")}
             elif outcome.status == CANCELLED:
-                if outcome.reason == "superseded":
-                    c["superseded"] += 1
-                    c["wasted_rounds"] += stats.get("rounds", 0) or 0
-                else:
-                    c["cancelled"] += 1
+                # Rounds run for a request nobody will see: superseded by a newer one, or
+                # cancelled by the editor (which, while typing, is the same thing).
+                c["wasted_rounds"] += stats.get("rounds", 0) or 0
+                c["rounds_after_cancel"] += stats.get("rounds_after_cancel", 0) or 0
+                c["superseded" if outcome.reason == "superseded" else "cancelled"] += 1
             else:
                 c["errors"] += 1
 

@@ -14,7 +14,10 @@ Reported:
                                    requests answered with a result (not cancelled)
   cache_served_fraction            prompt tokens served from the KV cache / all prompt tokens
   wasted_rounds_per_superseded     engine rounds spent on requests that were then superseded
-                                   or cancelled, per such request
+                                   or cancelled, per such request (all their rounds, also those
+                                   run while they were still current)
+  rounds_after_cancel_per_superseded   of those, rounds finished after the cancel arrived (how
+                                   fast the engine lets go: at most the one round in flight)
   responses / requests             every request must get exactly one response
 """
 
@@ -249,8 +252,10 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "file": str(file),
         "model": (after.get("status") or {}).get("model"),
         "device": (after.get("status") or {}).get("device"),
-        "engine_runs": delta("completed") + delta("superseded") + delta("cancelled"),
         "superseded": superseded,
+        "wasted_rounds": delta("wasted_rounds"),
+        "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,
+        "rounds": delta("rounds"),
         "mean_statuses": {"alpha": (after.get("status") or {}).get("alpha")},
         "messages": messages,
     }

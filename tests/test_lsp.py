@@ -127,15 +127,24 @@ async def start(runtime):
         await s.client.stop()
 
 
-def tiny(tiny_model_dir, **extra) -> dict:
-    return {"model": str(tiny_model_dir), "device": "cpu", "maxTokens": 4, "idleTimeout": 60, **extra}
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir) -> Path:
+    """The bundled model when it is there (the real thing), else the tiny random one."""
+    from models import default_model_dir
+
+    bundled = default_model_dir()
+    return bundled if (bundled / "config.json").is_file() else tiny_model_dir
 
 
-async def test_open_type_complete(start, tiny_model_dir, tmp_path):
+def settings_for(model: Path, **extra) -> dict:
+    return {"model": str(model), "device": "cpu", "maxTokens": 4, "idleTimeout": 60, **extra}
+
+
+async def test_open_type_complete(start, model_dir, tmp_path):
     folder = tmp_path / "project"
     folder.mkdir()
     (folder / "helpers.py").write_text("def helper():\n    return 42\n")
-    s = await start(tiny(tiny_model_dir), folder=folder)
+    s = await start(settings_for(model_dir), folder=folder)
     caps = s.init.capabilities
     assert caps.inline_completion_provider is not None
     assert caps.completion_provider is not None
@@ -166,8 +175,8 @@ async def test_open_type_complete(start, tiny_model_dir, tmp_path):
     assert any(st.get("state") == "ready" for st in s.status)
 
 
-async def test_cancel_mid_generation(start, tiny_model_dir):
-    s = await start(tiny(tiny_model_dir, maxTokens=1000))
+async def test_cancel_mid_generation(start, model_dir):
+    s = await start(settings_for(model_dir, maxTokens=1000))
     await s.open()
     await s.wait_ready()
     msg_id = "inline-1"
@@ -193,8 +202,8 @@ async def test_cancel_mid_generation(start, tiny_model_dir):
     assert stats["generated_tokens"] < 1000
 
 
-async def test_burst_of_50(start, tiny_model_dir):
-    s = await start(tiny(tiny_model_dir, maxTokens=16))
+async def test_burst_of_50(start, model_dir):
+    s = await start(settings_for(model_dir, maxTokens=16))
     await s.open()
     await s.wait_ready()
     futures = []
@@ -209,8 +218,8 @@ async def test_burst_of_50(start, tiny_model_dir):
     assert stats["completed"] + stats["superseded"] == 50, stats
 
 
-async def test_two_clients_share_one_daemon(start, tiny_model_dir):
-    a, b = await asyncio.gather(start(tiny(tiny_model_dir)), start(tiny(tiny_model_dir)))
+async def test_two_clients_share_one_daemon(start, model_dir):
+    a, b = await asyncio.gather(start(settings_for(model_dir)), start(settings_for(model_dir)))
     await a.open()
     await b.open(uri=URI)  # same URI in both editors: documents are per client
     ra, rb = await asyncio.gather(a.inline(), b.inline())
@@ -229,8 +238,8 @@ async def test_two_clients_share_one_daemon(start, tiny_model_dir):
     assert sb2["completed"] == 1 and sb2["errors"] == 0
 
 
-async def test_daemon_killed_respawned_documents_replayed(start, tiny_model_dir, runtime):
-    s = await start(tiny(tiny_model_dir))
+async def test_daemon_killed_respawned_documents_replayed(start, model_dir, runtime):
+    s = await start(settings_for(model_dir))
     await s.open()
     await s.inline()
     old_pid = (await s.stats())["status"]["pid"]
@@ -243,11 +252,11 @@ async def test_daemon_killed_respawned_documents_replayed(start, tiny_model_dir,
     assert stats["completed"] == 1 and stats["errors"] == 0 and stats["documents"] == 1, stats
 
 
-async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_model_dir, runtime):
+async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, model_dir, runtime):
     config_toml = runtime / "config" / "completiond" / "config.toml"
     config_toml.parent.mkdir(parents=True)
     config_toml.write_text("seed = -1\n")
-    settings = tiny(tiny_model_dir, temperature="hot", maxLines=0, bogus=1)
+    settings = settings_for(model_dir, temperature="hot", maxLines=0, bogus=1)
     s = await start(settings, "--no-daemon", encodings=("utf-8",), workspace={"topP": 7})
     assert s.init.capabilities.position_encoding == types.PositionEncodingKind.Utf8
     for _ in range(100):
@@ -287,11 +296,11 @@ async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, tiny_
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory away")
-async def test_foreign_owned_runtime_dir_reported(start, tiny_model_dir, runtime):
+async def test_foreign_owned_runtime_dir_reported(start, model_dir, runtime):
     d = runtime / "completiond"
     d.mkdir(mode=0o700)
     os.chown(d, 12345, 12345)
-    s = await start(tiny(tiny_model_dir))
+    s = await start(settings_for(model_dir))
     for _ in range(200):
         if s.client.messages:
             break
