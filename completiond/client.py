@@ -195,6 +195,16 @@ def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float 
         os.close(log_fd)
 
 
+def _log_tail(path: Path, lines: int = 2) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().decode("utf-8", "replace").strip().splitlines()
+    except OSError:
+        return "(no log)"
+    return " | ".join(tail[-lines:]) or "(empty log)"
+
+
 def _try_lock(path: Path) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -239,8 +249,8 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
             if proc is not None and proc.poll() is not None and proc.returncode != 3:
                 # 3 = another daemon won the race: keep polling for its socket.
                 raise DaemonUnavailable(
-                    f"the daemon exited with status {proc.returncode} during start-up; "
-                    f"see {directory / paths.LOG_NAME}")
+                    f"the daemon exited with status {proc.returncode} during start-up: "
+                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})")
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"could not reach the daemon at {socket} within {timeout:g} s: {last_error}")
             await asyncio.sleep(delay)

@@ -788,6 +788,10 @@ async def serve(cfg: Any, directory: Path | None = None, idle_timeout: float | N
         log.error("%s", exc)
         service.shutdown()
         return 2
+    except OSError as exc:  # e.g. XDG_RUNTIME_DIR missing, or a path too long for a Unix socket
+        log.error("cannot listen in %s: %s", server.directory, exc)
+        service.shutdown()
+        return 2
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, server.request_stop, f"signal {signal.Signals(sig).name}")

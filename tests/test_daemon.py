@@ -353,3 +353,23 @@ def test_serve_garbage_and_stop_cli(tiny_model_dir, real_rundir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+async def test_spawn_failure_reports_log_tail(real_rundir):
+    settings = {"model": "/no/such/model/dir", "device": "cpu", "idleTimeout": 30}
+    client = await client_mod.connect_or_spawn(settings, real_rundir, timeout=90)
+    try:
+        # The daemon starts and listens, then fails to load: every client is told why.
+        for _ in range(600):
+            status = await client.request("status", {}, timeout=10)
+            if status["state"] == "error":
+                break
+            await asyncio.sleep(0.1)
+        assert status["state"] == "error" and "/no/such/model/dir" in status["error"]
+        client.notify("open", {"uri": "u", "version": 1, "text": "x"})
+        with pytest.raises(RemoteError) as err:
+            await client.request("complete", {"uri": "u", "version": 1, "offset": 1}, timeout=10)
+        assert err.value.code == Code.NOT_READY and "/no/such/model/dir" in err.value.message
+    finally:
+        await client.close()
