@@ -272,6 +272,7 @@ class Service:
         self.scheduler.cancel_client(client)
         for key in [k for k in self.documents if k[0] == client]:
             del self.documents[key]
+            self._ws_update(key[1], None)
 
     # --- completion ---------------------------------------------------------
 

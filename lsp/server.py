@@ -33,7 +33,6 @@ SECTION = "completiond"
 STATUS_METHOD = "completiond/status"
 CMD_STATS = "completiond.stats"
 CMD_RESTART = "completiond.restartDaemon"
-PROGRESS_TOKEN = "completiond-loading"
 STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
 
 
@@ -184,7 +183,9 @@ class CompletionServer(LanguageServer):
         self.cfg = self.file_cfg
         self.no_daemon = no_daemon
         self.status: dict[str, Any] = {"state": "starting"}
-        self._progress_open = False
+        self._progress_wanted = False          # a loading progress is open or being created
+        self._progress_token: str | None = None  # its token, once created
+        self._progress_seq = 0
         self._status_sent = 0.0
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -287,10 +288,9 @@ class CompletionServer(LanguageServer):
             self._on_backend_notification("status", welcome["status"])
 
     def backend_failed(self, exc: Exception) -> None:
-        message = f"completiond: cannot reach the completion daemon: {exc}"
-        log.error("%s", message)
-        self._on_backend_notification("status", {"state": "error", "error": str(exc)})
-        self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error, message=message))
+        log.error("cannot reach the completion daemon: %s", exc)
+        self._on_backend_notification("status", {"state": "error",
+                                                 "error": f"cannot reach the completion daemon: {exc}"})
 
     def _on_backend_notification(self, method: str, params: dict[str, Any]) -> None:
         if method != "status":
@@ -298,6 +298,14 @@ class CompletionServer(LanguageServer):
         previous = self.status.get("state")
         self.status = params
         state = params.get("state")
+        if state == "error" and previous != "error" and params.get("error"):
+            # Once per failure, not once per keystroke while it lasts.
+            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
+                                                             message=f"completiond: {params['error']}"))
+        if state == "loading":
+            self._begin_progress(f"loading {params.get('model') or 'model'}")
+        elif self._progress_wanted:
+            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}")
         now = time.monotonic()
         if state == previous and now - self._status_sent < STATUS_MIN_INTERVAL:
             return  # metrics-only updates arrive per keystroke; status bars need far fewer
@@ -306,42 +314,35 @@ class CompletionServer(LanguageServer):
             "state": state, "message": params.get("error") or "", "model": params.get("model"),
             "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
             "alpha": params.get("alpha"), "tokensPerSecond": params.get("tokens_per_s")})
-        if state == "loading":
-            self._begin_progress(f"loading {params.get('model') or 'model'}")
-        elif self._progress_open:
-            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}")
-        if state == "error" and params.get("error"):
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
-                                                             message=f"completiond: {params['error']}"))
 
     def _begin_progress(self, message: str) -> None:
         window = self.client_capabilities.window
-        if self._progress_open or window is None or not window.work_done_progress:
+        if self._progress_wanted or window is None or not window.work_done_progress:
             return
-        self._progress_open = True
+        self._progress_wanted = True
+        self._progress_seq += 1
+        token = f"completiond-loading-{self._progress_seq}"  # tokens are never reused
 
         async def begin() -> None:
             try:
-                await self.work_done_progress.create_async(PROGRESS_TOKEN)
-            except Exception as exc:  # a client refusing the token only loses the progress bar
+                await asyncio.wait_for(self.work_done_progress.create_async(token), 10)
+            except Exception as exc:  # any refusal (error reply, timeout) only costs the progress bar
                 log.info("work done progress refused: %s", exc)
-                self._progress_open = False
+                self._progress_wanted = False
                 return
-            self.work_done_progress.begin(PROGRESS_TOKEN, types.WorkDoneProgressBegin(
+            self.work_done_progress.begin(token, types.WorkDoneProgressBegin(
                 title="completiond", message=message, cancellable=False))
-            if self.status.get("state") != "loading":
-                self._end_progress("ready")
+            self._progress_token = token
+            if not self._progress_wanted or self.status.get("state") != "loading":
+                self._end_progress("ready")  # loading finished while the token was being created
 
         asyncio.ensure_future(begin())
 
     def _end_progress(self, message: str) -> None:
-        if not self._progress_open:
-            return
-        try:
-            self.work_done_progress.end(PROGRESS_TOKEN, types.WorkDoneProgressEnd(message=message))
-        except Exception:  # token not created yet: begin() ends it when it gets there
-            return
-        self._progress_open = False
+        self._progress_wanted = False
+        token, self._progress_token = self._progress_token, None
+        if token is not None:
+            self.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
 
     # --- completion -------------------------------------------------------------------
 
