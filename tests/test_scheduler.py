@@ -385,3 +385,53 @@ async def test_service_feeds_workspace_context(tmp_path):
         service.close(1, other.as_uri())
     finally:
         service.shutdown()
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["submit", "cancel"]), st.integers(0, 2), st.integers(0, 3)),
+                min_size=1, max_size=40))
+def test_every_job_answered_exactly_once(ops):
+    """Whatever the interleaving of submits and cancels, each accepted job gets one answer."""
+    sched = Scheduler(max_pending=6, max_pending_per_client=3)
+    answers: dict[int, list] = {}
+    accepted = []
+    cancelled_ids = set()
+    lock = threading.Lock()
+
+    def make(rid):
+        def done(outcome):
+            with lock:
+                answers.setdefault(rid, []).append(outcome.status)
+        return done
+
+    try:
+        for rid, (op, client, doc) in enumerate(ops):
+            if op == "submit":
+                job = Job(key=(client, doc), client=client, request_id=rid,
+                          run=lambda tok: time.sleep(0.001) or "ok", done=make(rid))
+                try:
+                    sched.submit(job)
+                    accepted.append(rid)
+                except Overloaded:
+                    pass
+            elif accepted:
+                target = accepted[doc % len(accepted)]
+                cancelled_ids.add(target)
+                sched.cancel(target)
+        wait_for(lambda: len(answers) == len(accepted), timeout=10)
+    finally:
+        sched.stop()
+    assert sorted(answers) == sorted(accepted)
+    assert all(len(v) == 1 for v in answers.values()), answers
+    # The newest job of every document is never superseded (it may only be cancelled explicitly).
+    last_per_doc = {}
+    for rid, (op, client, doc) in enumerate(ops):
+        if rid in accepted:
+            last_per_doc[(client, doc)] = rid
+    for rid in last_per_doc.values():
+        if rid not in cancelled_ids:
+            assert answers[rid] == [OK]

@@ -65,3 +65,31 @@ def test_parse_error():
     err = wire.parse_error({"code": wire.Code.OVERLOADED, "message": "busy"})
     assert err.code == wire.Code.OVERLOADED and "busy" in str(err)
     assert wire.parse_error("junk").code == wire.Code.INTERNAL
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+async def test_arbitrary_bytes_never_escape_as_other_errors(data):
+    reader = await feed(data)
+    try:
+        while (msg := await wire.read_message(reader)) is not None:
+            assert isinstance(msg, dict)
+    except wire.FrameError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=20),
+                    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4),
+                    max_leaves=20))
+async def test_valid_messages_round_trip(value):
+    msg = {"id": 1, "m": "x", "p": {"v": value}}
+    reader = await feed(wire.encode(msg))
+    try:
+        assert await wire.read_message(reader) == msg
+    except wire.FrameError as exc:
+        assert "nested deeper" in str(exc)
