@@ -18,6 +18,7 @@ All offsets are Python string (code point) offsets into the document text.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -265,6 +266,7 @@ class _FallbackParams:
 
 # Planners are per engine and prompt settings; rebuilding one re-derives token tables, so keep a few.
 _PLANNERS: OrderedDict = OrderedDict()
+_PLANNERS_LOCK = threading.Lock()  # an in-process restart briefly has two worker threads
 _PLANNER_KEYS = ("fim_template", "multiline", "max_lines", "prefix_tokens", "suffix_tokens", "context_tokens",
                  "workspace_context", "max_tokens")
 
@@ -273,23 +275,25 @@ def planner_for(engine, cfg: Any):
     """The completiond.prompt.Planner for this engine and these settings (worker thread only)."""
     from completiond.prompt import Planner
 
-    key = (id(engine),) + tuple(getattr(cfg, k) for k in _PLANNER_KEYS)
-    planner = _PLANNERS.get(key)
-    if planner is None:
-        model_dir = cfg.model if cfg.model and Path(cfg.model).is_dir() else None
-        if not cfg.model:
-            from models import default_model_dir
+    key = (id(engine), getattr(engine, "model_id", "")) + tuple(getattr(cfg, k) for k in _PLANNER_KEYS)
+    with _PLANNERS_LOCK:
+        planner = _PLANNERS.get(key)
+        if planner is not None:
+            _PLANNERS.move_to_end(key)
+            return planner
+    model_dir = cfg.model if cfg.model and Path(cfg.model).is_dir() else None
+    if not cfg.model:
+        from models import default_model_dir
 
-            model_dir = default_model_dir()
-        try:
-            planner = Planner.for_engine(engine, cfg, model_dir=model_dir)
-        except ValueError as exc:  # FimError and friends: a setting that does not fit this model
-            raise PromptError(str(exc)) from None
+        model_dir = default_model_dir()
+    try:
+        planner = Planner.for_engine(engine, cfg, model_dir=model_dir)
+    except ValueError as exc:  # FimError and friends: a setting that does not fit this model
+        raise PromptError(str(exc)) from None
+    with _PLANNERS_LOCK:
         _PLANNERS[key] = planner
         while len(_PLANNERS) > 4:
             _PLANNERS.popitem(last=False)
-    else:
-        _PLANNERS.move_to_end(key)
     return planner
 
 
