@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from completiond import stress
-from completiond.documents import UTF8, UTF16, UTF32, Document
+from completiond.documents import UTF8, UTF16, UTF32, Document, line_starts
 
 PIECES = ["a", "Z", " ", "\t", "é", "中文", "字", "😀", "👩\u200d💻", "𝔘", "e\u0301", "\n", "\r\n", "\r", "\r\n\r\n",
           "def f(x):\n    return x\r\n", "ß", "\u2028", "\ufeff"]
@@ -88,6 +88,7 @@ def run_edits(rng: random.Random, text: str, steps: int, encoding: str) -> int:
         forwarded = doc.apply_lsp_changes(changes, step + 2, encoding)
         mirror.apply_edits(forwarded, step + 2)
         assert doc.text == client, (step, encoding, changes)
+        assert doc.starts == line_starts(client), (step, changes)   # kept up to date incrementally
         assert mirror.text == client
         assert doc.version == step + 2
     return steps
@@ -119,6 +120,27 @@ def test_line_end_corner_cases(text, a, b, new, want):
         doc = Document("u", text, 1)
         doc.apply_lsp_changes([lsp_change(text, a, b, new, encoding)], 2, encoding)
         assert doc.text == want == text[:a] + new + text[b:]
+        assert doc.starts == line_starts(want)
+
+
+def test_typing_in_a_huge_document_is_cheap():
+    """50 MB, 8 million lines: each keystroke patches the line table instead of rescanning the file."""
+    import time
+
+    text = "x = 1\n" * (50_000_000 // 6)
+    doc = Document("u", text, 1)
+    doc.offset(0, 0)                      # the one full scan, at open
+    t0 = time.perf_counter()
+    for i, (line, col) in enumerate([(8_333_333, 0), (4_000_000, 3), (8_333_332, 5)] * 10):
+        doc.apply_lsp_changes([lsp_change_at(line, col, "y")], i + 2)
+    per_key = (time.perf_counter() - t0) / 30
+    assert per_key < 0.5, f"{per_key:.3f} s per keystroke"
+    assert doc.text.count("y") == 30 and doc.starts[-1] == doc.text.rfind("\n") + 1
+    print(f"50 MB document: {per_key * 1000:.1f} ms per keystroke")
+
+
+def lsp_change_at(line: int, character: int, new: str):
+    return NS(range=NS(start=NS(line=line, character=character), end=NS(line=line, character=character)), text=new)
 
 
 def test_position_inside_surrogate_pair_never_splits_it():
