@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--save-every-min", type=float, default=10.0, help="checkpoint into --out this often")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue training a model saved by this script (its tokenizer and architecture; "
+                             "a new warmup + cosine stage; steps, tokens and the loss log are cumulative)")
 
 
 # ----------------------------------------------------------------------------- data
@@ -330,7 +333,20 @@ def run(args: argparse.Namespace) -> int:
         held = held[: max(2, args.max_files // 10)]
     print(f"corpus: {len(files)} training files, {len(held)} held-out files", flush=True)
 
-    tok = tokenizer_build.build(work / "tokenizer", vocab_size=args.vocab, files=files)
+    prev = None
+    if args.init_from:
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        init = Path(args.init_from)
+        prev = json.loads((init / "training_summary.json").read_text())
+        prev_log = (init / "train_log.jsonl").read_text() if (init / "train_log.jsonl").is_file() else ""
+        tok = AutoTokenizer.from_pretrained(init)
+        init_model = LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
+        c = init_model.config
+        args.hidden, args.layers, args.heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads
+        args.kv_heads, args.intermediate = c.num_key_value_heads, c.intermediate_size
+    else:
+        tok = tokenizer_build.build(work / "tokenizer", vocab_size=args.vocab, files=files)
     print(f"tokenizer: {len(tok)} tokens ({time.time() - t_start:.0f}s)", flush=True)
 
     rng = random.Random(args.seed)
@@ -338,7 +354,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"training stream: {data.n_tokens:,} tokens ({time.time() - t_start:.0f}s)", flush=True)
     ev_x, ev_y = heldout_windows(tok, held, args.seq_len, count=16 if not args.max_files else 4)
 
-    model = build_model(args, tok).to(device)
+    model = (init_model if prev else build_model(args, tok)).to(device)
+    model.config._attn_implementation = "sdpa"
     n_params = sum(p.numel() for p in model.parameters())
     L = args.layers
     weights = layer_weights(L, args.exit_scale)
@@ -367,6 +384,12 @@ def run(args: argparse.Namespace) -> int:
 
     log_path = work / "train_log.jsonl"
     logf = open(log_path, "w")
+    stage = 1 + len(prev.get("stages", [prev])) if prev else 1
+    step0 = prev["steps"] if prev else 0
+    tokens0 = prev["tokens_seen"] if prev else 0
+    seconds0 = prev["train_seconds"] if prev else 0.0
+    if prev:
+        logf.write(prev_log if prev_log.endswith("\n") or not prev_log else prev_log + "\n")
     n_exit = max(1, int(round(args.exit_frac * args.seq_len)))
     step, tokens = 0, 0
     acc = np.zeros(L)
@@ -376,11 +399,21 @@ def run(args: argparse.Namespace) -> int:
     bar = tqdm(total=args.max_steps or None, disable=args.no_progress, unit="step", mininterval=2.0)
 
     def summary(final_eval=None):
+        this = {"stage": stage, "steps": step, "tokens": tokens, "train_seconds": round(time.time() - t0, 1),
+                "total_seconds": round(time.time() - t_start, 1), "minutes": args.minutes, "lr": args.lr,
+                "warmup": args.warmup, "seed": args.seed, "init_from": str(args.init_from) if prev else None}
+        stages = (prev.get("stages") or [{"stage": 1, "steps": prev["steps"], "tokens": prev["tokens_seen"],
+                                          "train_seconds": prev["train_seconds"],
+                                          "total_seconds": prev["total_seconds"], "lr": prev["lr"],
+                                          "warmup": prev["warmup"], "seed": prev["seed"], "init_from": None}]
+                  ) if prev else []
         return {
             "parameters": n_params, "layers": L, "hidden": args.hidden, "heads": args.heads,
             "kv_heads": args.kv_heads, "intermediate": args.intermediate, "vocab": len(tok),
-            "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": step, "tokens_seen": tokens,
-            "train_seconds": round(time.time() - t0, 1), "total_seconds": round(time.time() - t_start, 1),
+            "seq_len": args.seq_len, "batch_size": args.batch_size, "steps": step0 + step,
+            "tokens_seen": tokens0 + tokens, "train_seconds": round(seconds0 + time.time() - t0, 1),
+            "total_seconds": round(sum(x["total_seconds"] for x in stages) + time.time() - t_start, 1),
+            "stages": stages + [this],
             "lr": args.lr, "warmup": args.warmup, "min_lr_ratio": args.min_lr_ratio,
             "weight_decay": args.weight_decay, "layer_dropout_max": args.layer_dropout,
             "layer_dropout": drop, "exit_scale": args.exit_scale, "exit_weights": weights,
@@ -434,7 +467,8 @@ def run(args: argparse.Namespace) -> int:
         bar.update(1)
         if step % args.log_every == 0:
             mean = acc / acc_n
-            rec = {"step": step, "tokens": tokens, "elapsed": round(time.time() - t0, 1), "lr": lr,
+            rec = {"step": step0 + step, "tokens": tokens0 + tokens, "elapsed": round(seconds0 + time.time() - t0, 1),
+                   "stage": stage, "lr": lr,
                    "loss": float(mean[-1]), "exit_losses": [round(float(v), 4) for v in mean]}
             acc[:] = 0
             acc_n = 0
@@ -450,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
             last_save = time.time()
     bar.close()
     final_eval = evaluate()
-    logf.write(json.dumps({"step": step, "tokens": tokens, "elapsed": round(time.time() - t0, 1), "final": True,
+    logf.write(json.dumps({"step": step0 + step, "tokens": tokens0 + tokens, "stage": stage,
+                           "elapsed": round(seconds0 + time.time() - t0, 1), "final": True,
                            "heldout_exit_losses": [round(v, 4) for v in final_eval]}) + "\n")
     logf.close()
     save_model(model, tok, out, summary(final_eval))

@@ -124,3 +124,15 @@ def test_quick_train_default_run(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([tok("def f():\n    return 1\n")["input_ids"]])).logits
     assert torch.isfinite(logits).all()
+
+    # a continuation stage (--init-from): same tokenizer and architecture, cumulative steps and log
+    out2 = tmp_path / "mini2"
+    rc = cli.main(["train-default", "--out", str(out2), "--init-from", str(out), "--minutes", "0.5", "--max-steps",
+                   "4", "--max-files", "20", "--seq-len", "128", "--batch-size", "4", "--log-every", "4",
+                   "--eval-every", "0", "--warmup", "2", "--no-progress"])
+    assert rc == 0
+    s2 = json.loads((out2 / "training_summary.json").read_text())
+    assert s2["steps"] == 16 and [s["stage"] for s in s2["stages"]] == [1, 2]
+    assert AutoTokenizer.from_pretrained(out2).get_vocab() == tok.get_vocab()
+    log2 = [json.loads(line) for line in (out2 / "train_log.jsonl").read_text().splitlines()]
+    assert log2[-1]["step"] == 16 and log2[-1]["stage"] == 2
