@@ -319,6 +319,53 @@ def plot(log_path: Path, png: Path, n_layers: int) -> None:
     plt.close(fig)
 
 
+def _stages_md(t: dict) -> str:
+    stages = t.get("stages") or [{"stage": 1, "steps": t["steps"], "tokens": t["tokens_seen"],
+                                  "train_seconds": t["train_seconds"], "lr": t["lr"], "warmup": t["warmup"],
+                                  "seed": t["seed"], "init_from": None, "minutes": None}]
+    lines = []
+    for st in stages:
+        how = "from scratch" if not st.get("init_from") else \
+            f"continued from stage {st['stage'] - 1} with `--init-from`, fresh optimizer"
+        lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps, {st['tokens']:,} tokens, "
+                     f"{st['train_seconds'] / 60:.1f} min, peak LR {st['lr']}, {st['warmup']} warmup steps, "
+                     f"seed {st['seed']}")
+    cmds = [c for c in (_command(st) for st in stages) if c]
+    out = "* Stages:\n" + "\n".join(lines)
+    if cmds:
+        out += "\n* Commands (non-default options only):\n\n" + "\n".join(f"      {c}" for c in cmds)
+    return out
+
+
+def _command(st: dict) -> str | None:
+    """The `completiond train-default` command line of one stage, from its recorded arguments."""
+    a = st.get("args")
+    if not a:
+        # stages recorded before arguments were logged ran with every default
+        return "completiond train-default" if not st.get("init_from") else None
+    from models import default_model_dir, train_default
+
+    p = argparse.ArgumentParser()
+    train_default.add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    parts = ["completiond train-default"]
+    for k, v in a.items():
+        if k in ("out", "no_progress", "command") or k not in defaults:
+            continue
+        d = defaults[k]
+        d = str(d) if isinstance(d, Path) else d
+        if v == d:
+            continue
+        if k == "init_from":
+            v = str(default_model_dir().relative_to(Path.cwd())) if Path(v) == default_model_dir() else v
+        if isinstance(v, bool):
+            if v:
+                parts.append("--" + k.replace("_", "-"))
+            continue
+        parts.append(f"--{k.replace('_', '-')} {v}")
+    return " ".join(parts)
+
+
 def _cell(s: str) -> str:
     """Code in a markdown table cell: pipes escaped, empty shown as (empty)."""
     s = s.strip()
@@ -409,8 +456,9 @@ RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (
   (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in **{t['train_seconds'] / 60:.1f} minutes**
   of training ({t['total_seconds'] / 60:.1f} min wall in all) on {t['threads']} CPU threads ({t['device']}),
   shared with other work, bf16 autocast, torch {t['torch']}.
-* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), peak LR {t['lr']}, {t['warmup']} warmup
-  steps, cosine decay to {t['min_lr_ratio']} x peak over the time budget, gradient clip 1.0, seed {t['seed']}.
+* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), linear warmup, then cosine decay to
+  {t['min_lr_ratio']} x peak over the stage's time budget, gradient clip 1.0.
+{_stages_md(t)}
 * **LayerSkip** (Elhoushi et al., 2024): layer dropout rising linearly with depth, per sample,
   training only (no rescaling; off at inference): p = [{drop}].
   Early-exit loss after every layer through the shared final norm and LM head, weights

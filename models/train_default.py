@@ -401,7 +401,9 @@ def run(args: argparse.Namespace) -> int:
     def summary(final_eval=None):
         this = {"stage": stage, "steps": step, "tokens": tokens, "train_seconds": round(time.time() - t0, 1),
                 "total_seconds": round(time.time() - t_start, 1), "minutes": args.minutes, "lr": args.lr,
-                "warmup": args.warmup, "seed": args.seed, "init_from": str(args.init_from) if prev else None}
+                "warmup": args.warmup, "seed": args.seed, "init_from": str(args.init_from) if prev else None,
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                         if k not in ("func",) and not callable(v)}}
         stages = (prev.get("stages") or [{"stage": 1, "steps": prev["steps"], "tokens": prev["tokens_seen"],
                                           "train_seconds": prev["train_seconds"],
                                           "total_seconds": prev["total_seconds"], "lr": prev["lr"],
