@@ -297,6 +297,15 @@ def planner_for(engine, cfg: Any):
     return planner
 
 
+def plan_warnings(engine, cfg: Any) -> list[str]:
+    """Settings problems the planner worked around for this engine and settings (e.g. a fimTemplate
+    the model lacks), for the user to see. Empty when no planner was built."""
+    key = (id(engine), getattr(engine, "model_id", "")) + tuple(getattr(cfg, k) for k in _PLANNER_KEYS)
+    with _PLANNERS_LOCK:
+        planner = _PLANNERS.get(key)
+    return list(getattr(planner, "warnings", []) or [])
+
+
 def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
             on_round: Callable[[list[int]], None] | None = None, path: str | None = None,
             language: str | None = None, context: Sequence[tuple[str, str]] = (),
@@ -345,5 +354,5 @@ def _suggest_simple(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
 
 
 __all__ = ["PromptPlan", "Suggestion", "PromptError", "build_prompt", "make_stop", "postprocess", "suggest",
-           "sampling_params", "detect_fim", "wants_multiline", "planner_for"]
+           "sampling_params", "detect_fim", "wants_multiline", "planner_for", "plan_warnings"]
 

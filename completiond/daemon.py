@@ -372,7 +372,9 @@ class Service:
         stats.setdefault("rounds", rounds)
         stats["rounds_after_cancel"] = after_cancel
         latency = (time.perf_counter() - start) * 1000
+        warnings = [] if self.simple_prompts else completion.plan_warnings(self.engine, cfg)
         return {
+            "warnings": warnings,
             "suggestion": None if suggestion is None else {
                 "text": suggestion.text, "start": suggestion.start, "end": suggestion.end,
                 "multiline": suggestion.multiline},

@@ -187,6 +187,7 @@ class CompletionServer(LanguageServer):
         self._progress_token: str | None = None  # its token, once created
         self._progress_seq = 0
         self._status_sent = 0.0
+        self._told: set[str] = set()  # error messages already shown
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         if no_daemon:
@@ -361,14 +362,25 @@ class CompletionServer(LanguageServer):
             if exc.code == Code.CANCELLED:
                 return None  # superseded by a newer request: that one answers
             log.warning("completion for %s failed: %s", uri, exc)
+            if exc.code in (Code.ENGINE_ERROR, Code.NOT_READY, Code.INTERNAL):
+                self.tell_once(exc.message, types.MessageType.Warning)
             return None
         except (DaemonUnavailable, ConnectionLost) as exc:
             self.backend_failed(exc)
             return None
+        for warning in (result.get("warnings") or []) if isinstance(result, dict) else []:
+            self.tell_once(str(warning), types.MessageType.Warning)
         suggestion = result.get("suggestion") if isinstance(result, dict) else None
         if suggestion is None or self.docs.get(uri) is not doc or doc.version != version:
             return None  # nothing to show, or the document moved on: never show a stale result as fresh
         return doc, suggestion
+
+    def tell_once(self, message: str, kind: types.MessageType) -> None:
+        """Show a problem the user can fix (a setting, a document), once, not on every keystroke."""
+        if message in self._told:
+            return
+        self._told.add(message)
+        self.window_show_message(types.ShowMessageParams(type=kind, message=f"completiond: {message}"))
 
     def lsp_range(self, doc: Document, start: int, end: int) -> types.Range:
         s = doc.position(start, self.encoding)

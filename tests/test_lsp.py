@@ -310,3 +310,16 @@ async def test_foreign_owned_runtime_dir_reported(start, model_dir, runtime):
     result = await s.inline(timeout=30)  # the server stays up and answers, with nothing to show
     assert not result.items
     assert not (d / paths.SOCKET_NAME).exists()
+
+
+async def test_setting_the_model_cannot_serve_is_reported_once(start, model_dir):
+    s = await start(settings_for(model_dir, fimTemplate="deepseek-coder"))
+    await s.open()
+    await s.wait_ready()
+    for _ in range(3):
+        s.type("a")
+        assert isinstance(await s.inline(), types.InlineCompletionList)
+    shown = [m.message for m in s.client.messages if "deepseek-coder" in m.message]
+    assert len(shown) == 1, s.client.messages  # worked around (auto-detected template), said once
+    stats = await s.stats()
+    assert stats["errors"] == 0 and stats["completed"] == 3
