@@ -64,6 +64,8 @@ def load_calibration(model_id: str, model_dir: Path | None, num_layers: int) -> 
         try:
             data = json.loads(path.read_text())
             if key is not None:
+                if key not in data:
+                    continue  # a model file with other metadata but no speculation defaults
                 data = data[key]
             return Calibration.from_dict(data, num_layers, f"{source} ({path})")
         except FileNotFoundError:
