@@ -185,6 +185,9 @@ class Engine:
         window = self.adapter.sliding_window or 1 << 30
         self.max_context = int(min(getattr(cfg, "max_position_embeddings", 4096), window))
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # Longest context the model was trained on, when it says (the bundled model's
+        # completiond.json does); prompt builders budget against this, not max_context.
+        self.train_context = self.max_context
         if cache_bytes is None:
             cache_bytes = (512 if device == "cpu" else 4096) << 20
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
@@ -230,11 +233,14 @@ class Engine:
         hf.to(device).eval()
         model_id = model_identity(local if is_local else source)
         try:
-            return cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
+            engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
                        calibration=load_calibration(model_id, local if is_local else None, hf.config.num_hidden_layers),
                        name=str(model))
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {model!r}: {exc}") from exc
+        if is_local:
+            engine.train_context = min(engine.max_context, _train_context(local) or engine.max_context)
+        return engine
 
     def set_draft_vocab(self, ids: Sequence[int]) -> None:
         """Restrict the draft's LM head to these ids (most frequent first); empty: the full vocabulary.
@@ -489,6 +495,14 @@ def choose_k(alpha: float, cost: float, k_max: int) -> int:
     """
     a = min(max(alpha, 0.0), 0.999)
     return max(range(1, k_max + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * cost + 1))
+
+
+def _train_context(model_dir: Path) -> int | None:
+    try:
+        value = json.loads((model_dir / "completiond.json").read_text()).get("train_context")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
