@@ -41,6 +41,7 @@ class InProcDaemon:
 
     def __init__(self, runtime: Path | None = None, engine=None, loader=None, **service_kw):
         self.runtime = Path(runtime or tempfile.mkdtemp(prefix="completiond-test-"))
+        self.runtime.mkdir(parents=True, exist_ok=True)
         self.rundir = self.runtime / "completiond"
         self.engine = engine or FakeEngine(continuation="urn a + b\n", per_round=2, round_s=0.001)
         self.errors: list[dict] = []
