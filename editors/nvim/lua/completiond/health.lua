@@ -47,12 +47,19 @@ function M.check()
     return
   end
   health.ok("server command: " .. table.concat(cmd, " "))
-  local probe = cmd[2] == "-m" and { cmd[1], "-c", "import completiond.cli" } or { cmd[1], "--help" }
-  local ok, out = pcall(vim.fn.system, probe)
-  if not ok or vim.v.shell_error ~= 0 then
-    health.error("`" .. table.concat(probe, " ") .. "` failed: " .. tostring(out), { core.NOT_FOUND_HINT })
-  else
-    health.ok("`" .. table.concat(probe, " ") .. "` works")
+  local probe
+  if cmd[2] == "-m" then
+    probe = { cmd[1], "-c", "import completiond.cli" }
+  elseif vim.fs.basename(cmd[1]) == "completiond" then
+    probe = { cmd[1], "--help" }
+  end
+  if probe then
+    local ok, out = pcall(vim.fn.system, probe)
+    if not ok or vim.v.shell_error ~= 0 then
+      health.error("`" .. table.concat(probe, " ") .. "` failed: " .. tostring(out), { core.NOT_FOUND_HINT })
+    else
+      health.ok("`" .. table.concat(probe, " ") .. "` works")
+    end
   end
   local clients = core.clients()
   if #clients == 0 then

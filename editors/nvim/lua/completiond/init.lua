@@ -402,19 +402,27 @@ function M.request_stats(callback)
   end
 end
 
---- :CompletiondStatus
+--- The daemon's stats from each server, as lines (waits up to timeout_ms per server).
+function M.stats_lines(timeout_ms)
+  local lines = {}
+  for _, client in ipairs(M.clients()) do
+    local result, err = util.request_sync(client, "workspace/executeCommand",
+      { command = M.CMD_STATS, arguments = {} }, timeout_ms or 3000)
+    if err then
+      table.insert(lines, ("client %d stats: error: %s"):format(client.id, err.message or vim.inspect(err)))
+    else
+      table.insert(lines, ("client %d stats:"):format(client.id))
+      vim.list_extend(lines, vim.split(util.format_stats(result, "  "), "\n", { plain = true }))
+    end
+  end
+  return lines
+end
+
+--- :CompletiondStatus: the state of each server, then the daemon's stats, in one message.
 function M.show_status()
   local lines = M.status_lines()
+  vim.list_extend(lines, M.stats_lines(3000))
   vim.api.nvim_echo({ { table.concat(lines, "\n") } }, true, {})
-  M.request_stats(function(client, err, result)
-    local text
-    if err then
-      text = ("client %d stats: error: %s"):format(client.id, err.message or vim.inspect(err))
-    else
-      text = ("client %d stats:\n%s"):format(client.id, util.format_stats(result, "  "))
-    end
-    vim.api.nvim_echo({ { text } }, true, {})
-  end)
 end
 
 --- :CompletiondRestart: restart the shared daemon (the model reloads).

@@ -13,6 +13,20 @@ function M.request(client, method, params, handler, bufnr)
   return client.request(method, params, handler, bufnr)
 end
 
+--- Synchronous request; returns result, err.
+function M.request_sync(client, method, params, timeout_ms, bufnr)
+  local resp, err
+  if method_calls then
+    resp, err = client:request_sync(method, params, timeout_ms, bufnr)
+  else
+    resp, err = client.request_sync(method, params, timeout_ms, bufnr)
+  end
+  if not resp then
+    return nil, { message = err or "no answer" }
+  end
+  return resp.result, resp.err
+end
+
 function M.notify(client, method, params)
   if method_calls then
     return client:notify(method, params)
