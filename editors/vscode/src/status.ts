@@ -11,6 +11,8 @@ export interface StatusParams {
   message?: string | null;
   /** loading progress in [0, 1], when the server reports one */
   progress?: number | null;
+  model?: string | null;
+  device?: string | null;
 }
 
 /** Client-side states that the server does not send. */
@@ -55,8 +57,9 @@ export function statusView(last: StatusParams | undefined, client: ClientState |
   }
   const state = last?.state ?? 'loading';
   const m = last ? metrics(last) : '';
-  const message = last?.message ? `\n${last.message}` : '';
+  const message = (last?.message ? `\n${last.message}` : '') + (last?.model ? `\nmodel: ${last.model}${last.device ? ` on ${last.device}` : ''}` : '');
   switch (state) {
+    case 'starting':
     case 'loading': {
       const pct = num(last?.progress) ? ` ${Math.round(Math.max(0, Math.min(1, last!.progress!)) * 100)}%` : '';
       return { text: `$(loading~spin) completiond${pct}`, tooltip: `completiond: loading the model${pct}…${message}`, error: false };

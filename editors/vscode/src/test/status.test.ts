@@ -20,6 +20,12 @@ test('loading shows progress and the message', () => {
   assert.equal(v.text, '$(loading~spin) completiond 46%');
   assert.match(v.tooltip, /reading weights/);
   assert.equal(statusView({ state: 'loading' }, undefined, true).text, '$(loading~spin) completiond');
+  assert.equal(statusView({ state: 'starting' }, undefined, true).text, '$(loading~spin) completiond');
+});
+
+test('the tooltip names the model and device', () => {
+  const v = statusView({ state: 'ready', model: 'mini', device: 'cpu', latencyMs: 5 }, undefined, true);
+  assert.match(v.tooltip, /model: mini on cpu/);
 });
 
 test('busy spins; error is red with the message', () => {
