@@ -10,7 +10,9 @@ script writes, from it:
                                        and kept as they are)
   editors/nvim/lua/completiond/config.lua   the `settings` part of the defaults table
   editors/nvim/doc/completiond.txt    the settings reference
-  editors/README.md, editors/vscode/README.md   the settings table
+  editors/README.md                   the settings table
+  editors/vscode/README.md            the install, VS Code and settings sections of
+                                       editors/README.md (the extension's page)
 
     python3 editors/sync_settings.py           # rewrite the generated parts
     python3 editors/sync_settings.py --check   # exit 1 and say what differs
@@ -33,7 +35,8 @@ ROOT = EDITORS.parent
 PACKAGE_JSON = EDITORS / "vscode" / "package.json"
 NVIM_CONFIG = EDITORS / "nvim" / "lua" / "completiond" / "config.lua"
 NVIM_DOC = EDITORS / "nvim" / "doc" / "completiond.txt"
-READMES = [EDITORS / "README.md", EDITORS / "vscode" / "README.md"]
+READMES = [EDITORS / "README.md"]
+VSCODE_README = EDITORS / "vscode" / "README.md"
 
 PREFIX = "completiond."
 LUA_BEGIN = "-- BEGIN GENERATED SETTINGS (editors/sync_settings.py; do not edit by hand)"
@@ -241,6 +244,29 @@ def sync_vimdoc(schema: list[dict], check: bool) -> list[str]:
     return [f"{NVIM_DOC.relative_to(ROOT)}: the settings reference differs from the server schema"] if changed else []
 
 
+def vscode_readme(editors_readme: str) -> str:
+    def section(title: str) -> str:
+        i = editors_readme.index(title)
+        j = editors_readme.find("\n## ", i + 3)
+        return editors_readme[i:j if j != -1 else None].rstrip() + "\n"
+
+    return ("# completiond for VS Code\n\n"
+            "Inline (ghost text) code completions from a local model: the extension starts `completiond lsp`\n"
+            "and shows its `textDocument/inlineCompletion` suggestions. Nothing leaves your machine.\n\n"
+            + section("## 1. Install the server").replace("## 1. Install the server", "## Install the server") + "\n"
+            + section("## 2. VS Code").replace("## 2. VS Code", "## Use") + "\n"
+            + section("## Settings"))
+
+
+def sync_vscode_readme(check: bool) -> list[str]:
+    wanted = vscode_readme((EDITORS / "README.md").read_text())
+    if VSCODE_README.exists() and VSCODE_README.read_text() == wanted:
+        return []
+    if not check:
+        VSCODE_README.write_text(wanted)
+    return [f"{VSCODE_README.relative_to(ROOT)}: differs from the sections of editors/README.md"]
+
+
 def sync(check: bool = False, from_cli: bool = False) -> list[str]:
     schema = load_schema(from_cli)
     problems = []
@@ -248,6 +274,8 @@ def sync(check: bool = False, from_cli: bool = False) -> list[str]:
     problems += sync_lua(schema, check)
     problems += sync_vimdoc(schema, check)
     problems += sync_markdown(schema, check)
+    if not (check and problems):
+        problems += sync_vscode_readme(check)
     return problems
 
 

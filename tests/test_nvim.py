@@ -394,6 +394,9 @@ def run_typing_session(n: Nvim):
 def test_e2e_builtin_or_default_renderer(nvim, editor_model_dir, tmp_path):
     n = start_session(nvim, editor_model_dir, "auto", tmp_path)
     has_builtin = n.lua("return vim.lsp.inline_completion ~= nil")
+    # Only inline completions are asked for: completion plugins must not compete with them.
+    assert n.lua("return require('completiond').clients(0)[1].server_capabilities.completionProvider == nil")
+    assert n.lua("return require('completiond').clients(0)[1].server_capabilities.inlineCompletionProvider ~= nil")
     assert n.lua("return require('completiond').renderer") == ("builtin" if has_builtin else "fallback")
     ghost = run_typing_session(n)
     # :CompletiondStatus runs and reports the server.

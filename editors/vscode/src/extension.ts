@@ -82,6 +82,10 @@ function clientFactory(log: vscode.LogOutputChannel): ClientFactory {
             });
           },
         },
+        // The server also answers textDocument/completion (for editors without inline
+        // completions). Here that would only compete with the inline requests, since the
+        // daemon keeps the latest request per document: ask for inline ones only.
+        provideCompletionItem: () => undefined,
         provideInlineCompletionItems: (document, position, context, token, next) =>
           options.shouldComplete(document.languageId) ? next(document, position, context, token) : undefined,
       },

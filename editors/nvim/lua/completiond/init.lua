@@ -162,6 +162,13 @@ function M.attach(bufnr)
     init_options = { completiond = section },
     settings = { completiond = section },
     handlers = { [M.STATUS_METHOD] = on_status },
+    on_init = function(client)
+      -- The server also answers textDocument/completion (for editors without inline
+      -- completions). Completion plugins would then ask it on every keystroke, and
+      -- since the daemon keeps only the latest request per document those requests
+      -- would cancel the inline ones: hide that capability.
+      client.server_capabilities.completionProvider = nil
+    end,
     on_attach = on_attach,
     on_exit = function(code, signal, client_id)
       M.status[client_id] = nil
