@@ -23,6 +23,9 @@ from completiond.wire import Code, RemoteError
 log = logging.getLogger("completiond.client")
 
 LOG_ROTATE_BYTES = 4 * 1024 * 1024
+CRASH_WINDOW = 10.0          # a daemon dying this soon after we connected counts as a failed start
+CRASH_LOOP_FAILURES = 3      # after this many failures in a row, back off before trying again
+CRASH_LOOP_MAX_WAIT = 60.0
 
 
 class DaemonUnavailable(ConnectionError):
@@ -294,6 +297,11 @@ class DaemonSession:
         self.client: DaemonClient | None = None
         self._connecting: asyncio.Task | None = None
         self.reconnects = 0
+        # Crash-loop protection: a daemon that dies right after starting is not restarted on
+        # every keystroke; after a few quick failures we wait (exponentially longer) first.
+        self.failures = 0
+        self._retry_at = 0.0
+        self._connected_at = 0.0
 
     @property
     def connected(self) -> bool:
@@ -302,6 +310,10 @@ class DaemonSession:
     async def ensure(self) -> DaemonClient:
         if self.connected:
             return self.client  # type: ignore[return-value]
+        wait = self._retry_at - time.monotonic()
+        if wait > 0 and (self._connecting is None or self._connecting.done()):
+            raise DaemonUnavailable(f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
+                                    f"(log: {(self.directory or paths.runtime_dir()) / paths.LOG_NAME})")
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
         # Shield: one caller giving up (a cancelled completion) must not abort the connect for the others.
@@ -314,9 +326,15 @@ class DaemonSession:
                                             client_name=self.client_name, on_notification=self.on_notification,
                                             idle_timeout=settings.get("idleTimeout"))
         except paths.InsecureDirectoryError as exc:
+            self._failed()
             raise DaemonUnavailable(str(exc)) from None
         except OSError as exc:  # e.g. the runtime directory's parent is missing or read-only
+            self._failed()
             raise DaemonUnavailable(f"cannot use the daemon directory: {exc}") from None
+        except DaemonUnavailable:
+            self._failed()
+            raise
+        self._connected_at = time.monotonic()
         if self.client is not None:
             self.reconnects += 1
         for uri, (version, text, language_id) in self._documents().items():
@@ -325,6 +343,19 @@ class DaemonSession:
         if self.on_connect is not None:
             self.on_connect(client.welcome)
         return client
+
+    def _failed(self) -> None:
+        self.failures += 1
+        if self.failures >= CRASH_LOOP_FAILURES:
+            self._retry_at = time.monotonic() + min(CRASH_LOOP_MAX_WAIT, 2.0 ** (self.failures - CRASH_LOOP_FAILURES))
+
+    def _lost(self) -> None:
+        """The connection died: a crash if it had only just been made."""
+        if time.monotonic() - self._connected_at < CRASH_WINDOW:
+            self._failed()
+        else:
+            self.failures = 0
+            self._retry_at = 0.0
 
     def notify(self, method: str, params: dict[str, Any]) -> None:
         """Document notifications: dropped while disconnected (the replay on reconnect covers them)."""
@@ -342,8 +373,9 @@ class DaemonSession:
         for attempt in (1, 2):
             client = await self.ensure()
             try:
-                return await client.request(method, params, timeout)
+                result = await client.request(method, params, timeout)
             except ConnectionLost:
+                self._lost()
                 if attempt == 2:
                     raise
                 log.warning("daemon connection lost; reconnecting")
@@ -357,6 +389,10 @@ class DaemonSession:
                 if not _send_open(client, params["uri"], version, text, language_id):
                     raise RemoteError(Code.BAD_REQUEST, f"{params['uri']} is too large to complete in "
                                                         f"({len(text)} characters)") from None
+            else:
+                if self.failures and time.monotonic() - self._connected_at >= CRASH_WINDOW:
+                    self.failures = 0
+                return result
         raise AssertionError("unreachable")
 
     async def restart(self) -> None:

@@ -373,3 +373,24 @@ async def test_spawn_failure_reports_log_tail(real_rundir):
         assert err.value.code == Code.NOT_READY and "/no/such/model/dir" in err.value.message
     finally:
         await client.close()
+
+
+async def test_session_backs_off_after_repeated_failures(tmp_path, monkeypatch):
+    calls = []
+
+    async def failing(*args, **kwargs):
+        calls.append(1)
+        raise client_mod.DaemonUnavailable("the daemon exited with status 1 during start-up")
+
+    monkeypatch.setattr(client_mod, "connect_or_spawn", failing)
+    session = client_mod.DaemonSession(lambda: {}, lambda: {}, directory=tmp_path)
+    for _ in range(client_mod.CRASH_LOOP_FAILURES):
+        with pytest.raises(client_mod.DaemonUnavailable, match="start-up"):
+            await session.ensure()
+    with pytest.raises(client_mod.DaemonUnavailable, match="failed 3 times in a row"):
+        await session.ensure()
+    assert len(calls) == client_mod.CRASH_LOOP_FAILURES  # no spawn attempt while backing off
+    session._retry_at = 0.0
+    with pytest.raises(client_mod.DaemonUnavailable, match="start-up"):
+        await session.ensure()
+    assert len(calls) == client_mod.CRASH_LOOP_FAILURES + 1
