@@ -188,6 +188,7 @@ class CompletionServer(LanguageServer):
         self._progress_seq = 0
         self._status_sent = 0.0
         self._told: set[str] = set()  # error messages already shown
+        self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         if no_daemon:
@@ -207,7 +208,10 @@ class CompletionServer(LanguageServer):
             cfg, more = config_mod.merge(cfg, _section(layer))
             errors += more
         self.cfg = cfg
-        if errors:
+        new_errors = [e for e in errors if e not in self._setting_errors]
+        self._setting_errors = set(errors)
+        if new_errors:  # each layer is re-merged on every change: report only what is newly wrong
+            errors = new_errors
             message = "completiond: invalid settings, defaults used instead:\n" + "\n".join(errors)
             log.warning("%s", message)
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))

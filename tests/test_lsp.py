@@ -266,6 +266,8 @@ async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, model
     text = "\n".join(m.message for m in s.client.messages)
     assert "temperature" in text and "maxLines" in text and "bogus" in text and "topP" in text
     assert "seed" in text and str(config_toml) in text
+    await asyncio.sleep(0.5)  # the workspace/configuration pull re-merges every layer: no repeats
+    assert sum("temperature" in m.message for m in s.client.messages) == 1, s.client.messages
     # The config file is watched: a later edit is applied (and reported when invalid).
     config_toml.write_text("[completiond]\ntopK = -3\n")
     for _ in range(100):
