@@ -37,7 +37,17 @@ function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChann
         )
       );
     },
-    updateSetting: (key, value) => config().update(key, value, vscode.ConfigurationTarget.Global),
+    // Write where the value comes from now (a workspace value would hide a user one).
+    updateSetting: (key, value) => {
+      const i = config().inspect(key);
+      const target =
+        i?.workspaceFolderValue !== undefined
+          ? vscode.ConfigurationTarget.WorkspaceFolder
+          : i?.workspaceValue !== undefined
+            ? vscode.ConfigurationTarget.Workspace
+            : vscode.ConfigurationTarget.Global;
+      return config().update(key, value, target);
+    },
     onDidChangeSettings: (listener) => vscode.workspace.onDidChangeConfiguration((e) => listener((s) => e.affectsConfiguration(s))),
     settingsSchema: () => context.extension.packageJSON?.contributes?.configuration?.properties ?? {},
     registerCommand: (id, run) => vscode.commands.registerCommand(id, run),

@@ -22,7 +22,7 @@ export interface Host {
   getSetting(key: string): unknown;
   /** Whether the user set the key anywhere (user, workspace, folder, language), i.e. it is not just the default. */
   isSettingSet(key: string): boolean;
-  /** Set a setting in the user (global) settings. */
+  /** Set a setting where its value comes from now (folder, workspace, else user settings). */
   updateSetting(key: string, value: unknown): Thenable<void>;
   /** Called with a predicate like `ConfigurationChangeEvent.affectsConfiguration`. */
   onDidChangeSettings(listener: (affects: (section: string) => boolean) => void): Disposable;
