@@ -237,10 +237,13 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
                         "k" + str(rng.randrange(9))]): random_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))}
 
 
+FUZZ_TEXT = "def f(x):\n    return x\n"
+
+
 def random_params(rng: random.Random, method: str) -> Any:
     """Params that are mostly right for `method`, with one or two things wrong."""
     good: dict[str, Any] = {
-        "open": {"uri": "file:///f.py", "version": 1, "text": "def f(x):\n    return x\n", "languageId": "python"},
+        "open": {"uri": "file:///f.py", "version": 1, "text": FUZZ_TEXT, "languageId": "python"},
         "change": {"uri": "file:///f.py", "version": 2, "edits": [[0, 0, "# hi\n"]]},
         "close": {"uri": "file:///f.py"},
         "complete": {"uri": "file:///f.py", "version": 1, "offset": 10, "settings": {"maxTokens": 2}},
@@ -346,6 +349,9 @@ def check_wire_frame(sock_path: Path, frame: bytes, timeout: float = 10.0) -> st
     expect = expected_outcome(frame)
     probe = WireProbe(sock_path, timeout=timeout)
     try:
+        # The document most fuzzed messages name is open on this connection, so completions and
+        # edits get past the "unknown document" check into the engine and the edit code.
+        probe.request("open", {"uri": "file:///f.py", "version": 1, "text": FUZZ_TEXT, "languageId": "python"})
         probe.send(frame)
         if len(frame) < 4 or len(frame) - 4 < struct.unpack(">I", frame[:4])[0]:
             # A frame cut short: the daemon waits for the rest until we hang up our side.
