@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -256,7 +255,7 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "wasted_rounds": delta("wasted_rounds"),
         "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,
         "rounds": delta("rounds"),
-        "mean_statuses": {"alpha": (after.get("status") or {}).get("alpha")},
+        "last_alpha": (after.get("status") or {}).get("alpha"),
         "messages": messages,
     }
 
