@@ -251,6 +251,8 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "file": str(file),
         "model": (after.get("status") or {}).get("model"),
         "device": (after.get("status") or {}).get("device"),
+        "typed_through": ((after.get("lsp") or {}).get("typed_through", 0) -
+                          (before.get("lsp") or {}).get("typed_through", 0)),
         "superseded": superseded,
         "wasted_rounds": delta("wasted_rounds"),
         "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,

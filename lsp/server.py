@@ -188,6 +188,8 @@ class CompletionServer(LanguageServer):
         self._progress_seq = 0
         self._status_sent = 0.0
         self._told: set[str] = set()  # error messages already shown
+        self._last: dict[str, tuple[str, int, str]] = {}  # uri -> (text, cursor, suggestion) last shown
+        self.typed_through_count = 0
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -357,6 +359,9 @@ class CompletionServer(LanguageServer):
             return None
         version = doc.version
         offset = doc.offset(position.line, position.character, self.encoding)
+        typed_through = self._typed_through(doc, offset)
+        if typed_through is not None:
+            return doc, typed_through
         if self._started is not None and not self._started.done():
             await asyncio.shield(self._started)
         try:
@@ -377,7 +382,32 @@ class CompletionServer(LanguageServer):
         suggestion = result.get("suggestion") if isinstance(result, dict) else None
         if suggestion is None or self.docs.get(uri) is not doc or doc.version != version:
             return None  # nothing to show, or the document moved on: never show a stale result as fresh
+        if suggestion["start"] == suggestion["end"] == offset:
+            self._last[uri] = (doc.text, offset, suggestion["text"])
         return doc, suggestion
+
+    def _typed_through(self, doc: Document, offset: int) -> dict[str, Any] | None:
+        """The rest of the last suggestion, if the user has since typed its beginning (and nothing else).
+
+        Editors ask again on every keystroke; while the typing agrees with the suggestion shown,
+        its remainder is still the model's answer, so it is returned at once without a round trip.
+        """
+        last = self._last.pop(doc.uri, None)
+        if last is None:
+            return None
+        text, at, shown = last
+        typed = offset - at
+        if not 0 < typed < len(shown) or len(doc.text) != len(text) + typed:
+            return None
+        new = doc.text
+        if new[at:offset] != shown[:typed] or not new.startswith(text[:at]) or not new.endswith(text[at:]):
+            return None
+        rest = shown[typed:]
+        if not rest.strip():
+            return None
+        self._last[doc.uri] = (new, offset, rest)
+        self.typed_through_count += 1
+        return {"text": rest, "start": offset, "end": offset, "multiline": "\n" in rest}
 
     def tell_once(self, message: str, kind: types.MessageType) -> None:
         """Show a problem the user can fix (a setting, a document), once, not on every keystroke."""
@@ -463,6 +493,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CompletionServer, params: types.DidCloseTextDocumentParams) -> None:
+        ls._last.pop(params.text_document.uri, None)
         if ls.docs.pop(params.text_document.uri, None) is not None:
             ls.backend.notify("close", {"uri": params.text_document.uri})
 
@@ -492,9 +523,11 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     @server.command(CMD_STATS)
     async def stats(ls: CompletionServer, *args: Any) -> dict[str, Any]:
         try:
-            return await ls.backend.request("stats", {}, timeout=10)
+            stats = await ls.backend.request("stats", {}, timeout=10)
         except (RemoteError, DaemonUnavailable, ConnectionLost, asyncio.TimeoutError) as exc:
-            return {"error": str(exc)}
+            stats = {"error": str(exc)}
+        stats["lsp"] = {"typed_through": ls.typed_through_count}
+        return stats
 
     @server.command(CMD_RESTART)
     async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:

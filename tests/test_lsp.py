@@ -325,3 +325,28 @@ async def test_setting_the_model_cannot_serve_is_reported_once(start, model_dir)
     assert len(shown) == 1, s.client.messages  # worked around (auto-detected template), said once
     stats = await s.stats()
     assert stats["errors"] == 0 and stats["completed"] == 3
+
+
+async def test_typing_the_suggestion_shows_its_rest_without_a_round_trip(start, model_dir):
+    s = await start(settings_for(model_dir, maxTokens=8))
+    await s.open()
+    shown = ""
+    for ch in "abcdefgh":  # until the model offers something at least two characters long
+        s.type(ch)
+        result = await s.inline()
+        if result.items and len(result.items[0].insert_text) >= 2:
+            shown = result.items[0].insert_text
+            break
+    if not shown:
+        pytest.skip("the model offered no suggestion of two or more characters here")
+    before = await s.stats()
+    s.type(shown[0])
+    result = await s.inline()
+    assert [i.insert_text for i in result.items] == [shown[1:]]
+    assert result.items[0].range.start == s.end() == result.items[0].range.end
+    after = await s.stats()
+    assert after["requests"] == before["requests"]  # answered by the LSP server itself
+    assert after["lsp"]["typed_through"] == before["lsp"]["typed_through"] + 1
+    s.type("§")  # anything else: back to the model
+    await s.inline()
+    assert (await s.stats())["requests"] == before["requests"] + 1
