@@ -26,7 +26,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "point", "norm", "range", "print"]
 
 def live_sequences() -> list[KVSequence]:
     gc.collect()
-    return [o for o in gc.get_objects() if isinstance(o, KVSequence) and hasattr(o, "k")]
+    return [o for o in gc.get_objects() if type(o) is KVSequence and hasattr(o, "k")]
 
 
 def document(i: int) -> str:
