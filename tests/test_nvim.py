@@ -350,12 +350,12 @@ def editor_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("nvim-tiny"), seed=1, peaked=True)
 
 
-def start_session(nvim, model_dir: Path, renderer: str, tmp_path: Path):
+def start_session(nvim, model_dir: Path, renderer: str, tmp_path: Path, cmd: list[str] | None = None):
     n = nvim()
     source = tmp_path / "example.py"
     source.write_text("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n")
     opts = {
-        "cmd": server_cmd(),
+        "cmd": cmd or server_cmd(),
         "renderer": renderer,
         "debounce_ms": 30,
         "settings": {"model": str(model_dir), "device": "cpu", "temperature": 0, "maxTokens": 16,
@@ -415,6 +415,21 @@ def test_e2e_fallback_renderer(nvim, editor_model_dir, tmp_path):
     n.request("nvim_command", "CompletiondToggle")
     assert n.lua("return require('completiond').enabled()") is False
     assert n.lua("return require('completiond').clients(0)[1].settings.completiond.enable") is False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get("COMPLETIOND_LSP_CMD")), reason="COMPLETIOND_LSP_CMD picks the server")
+def test_e2e_shared_daemon(nvim, editor_model_dir, tmp_path):
+    """The default command, `completiond lsp`: the model runs in the shared daemon (socket under the test's
+    XDG_RUNTIME_DIR), which is stopped afterwards."""
+    cmd = [sys.executable, "-m", "completiond.cli", "lsp"]
+    n = start_session(nvim, editor_model_dir, "auto", tmp_path, cmd=cmd)
+    try:
+        run_typing_session(n)
+    finally:
+        n.close()
+        subprocess.run([sys.executable, "-m", "completiond.cli", "stop", "--runtime-dir", str(tmp_path / "run" / "completiond"),
+                        "--timeout", "30"], capture_output=True, timeout=60)
 
 
 def test_checkhealth(nvim, tmp_path):
