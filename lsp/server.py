@@ -190,6 +190,7 @@ class CompletionServer(LanguageServer):
         self._told: set[str] = set()  # error messages already shown
         self._last: dict[str, tuple[str, int, str]] = {}  # uri -> (text, cursor, suggestion) last shown
         self.typed_through_count = 0
+        self.backend_started = False
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -451,7 +452,9 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             await ls.pull_configuration()
             if ls.workspace_options is not None:
                 ls.apply_settings()
-            await ls.start_backend()
+            if ls.cfg.enable:  # disabled: no daemon, no model in memory, until enabled
+                await ls.start_backend()
+                ls.backend_started = True
 
         ls._started = asyncio.ensure_future(start())
         ls._watcher = asyncio.ensure_future(ls.watch_config_file())
@@ -467,7 +470,11 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         else:
             await ls.pull_configuration()  # the "pull" model: settings is null, ask for them
         ls.apply_settings()
-        if engine_settings(ls.cfg) == before:
+        if ls.cfg.enable and not ls.backend_started and (ls._started is None or ls._started.done()):
+            ls.backend_started = True
+            ls._started = asyncio.ensure_future(ls.start_backend())
+            return
+        if engine_settings(ls.cfg) == before or not ls.backend_started:
             return
         if ls.no_daemon:
             await ls.backend.restart(ls.cfg, ls.document_snapshot())

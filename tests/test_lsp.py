@@ -350,3 +350,42 @@ async def test_typing_the_suggestion_shows_its_rest_without_a_round_trip(start, 
     s.type("§")  # anything else: back to the model
     await s.inline()
     assert (await s.stats())["requests"] == before["requests"] + 1
+
+
+async def test_disabled_starts_no_daemon_until_enabled(start, model_dir, runtime):
+    s = await start(settings_for(model_dir, enable=False))
+    await s.open()
+    s.type("x")
+    assert not (await s.inline()).items
+    await asyncio.sleep(0.5)
+    assert not (runtime / "completiond" / paths.SOCKET_NAME).exists()
+    s.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+        settings={"completiond": {"enable": True}}))
+    await s.wait_ready()
+    assert isinstance(await s.inline(), types.InlineCompletionList)
+    stats = await s.stats()
+    assert stats["requests"] == 1 and stats["errors"] == 0
+
+
+def test_typed_through_only_on_exact_agreement():
+    from completiond.documents import Document
+    from lsp.server import CompletionServer
+
+    server = CompletionServer(no_daemon=True)
+    text = "x = \nrest\n"
+
+    def attempt(new_text: str, offset: int):
+        server._last["u"] = (text, 4, "foo(1)")
+        return server._typed_through(Document("u", new_text, 2), offset)
+
+    assert attempt("x = f\nrest\n", 5) == {"text": "oo(1)", "start": 5, "end": 5, "multiline": False}
+    assert attempt("x = foo\nrest\n", 7)["text"] == "(1)"
+    assert attempt("x = g\nrest\n", 5) is None           # typed something else
+    assert attempt("x = f\nrust\n", 5) is None           # and edited elsewhere
+    assert attempt("y = f\nrest\n", 5) is None
+    assert attempt("x = foo(1)\nrest\n", 10) is None     # typed all of it: nothing left to show
+    assert attempt("x = \nrest\n", 4) is None            # same place: ask the model again
+    # A chain: each accepted character moves the remembered suggestion along.
+    server._last["u"] = (text, 4, "foo(1)")
+    assert server._typed_through(Document("u", "x = f\nrest\n", 2), 5)["text"] == "oo(1)"
+    assert server._typed_through(Document("u", "x = fo\nrest\n", 3), 6)["text"] == "o(1)"
