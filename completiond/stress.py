@@ -337,10 +337,6 @@ def expected_outcome(frame: bytes) -> str:
     return "reply" if "id" in msg else "none"
 
 
-class WireFuzzReport(dict):
-    pass
-
-
 def check_wire_frame(sock_path: Path, frame: bytes, timeout: float = 10.0) -> str:
     """Send one frame on a fresh connection and check the daemon's answer; returns what happened.
 

@@ -16,7 +16,7 @@ import random
 from types import SimpleNamespace as NS
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from completiond import stress

@@ -7,7 +7,6 @@ out of range. The `completiond lsp` process must never exit, must answer every r
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import struct
 import tempfile
 import threading
 from pathlib import Path
 
-import msgpack
 import numpy  # noqa: F401  (imported before the daemon thread does: hypothesis peeks at sys.modules["numpy"])
 import pytest
 from hypothesis import HealthCheck, given, settings

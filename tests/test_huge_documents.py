@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from completiond import config, stress
-from completiond.prompt import CHARS_PER_TOKEN, Planner, PromptOptions
+from completiond.prompt import CHARS_PER_TOKEN, Planner
 
 LINE = "    value = compute(alpha, beta) + offset  # x\n"
 BIG = LINE * (50_000_000 // len(LINE))                           # 50 MB of ordinary code
