@@ -43,6 +43,7 @@ async def _status(directory: Path, as_json: bool, timeout: float) -> int:
     st = stats["status"]
     print(f"completiond daemon pid {st['pid']}: {st['state']}{' - ' + st['error'] if st.get('error') else ''}")
     print(f"  model    {st['model']} on {st['device']}")
+    print(f"  clients  {stats.get('clients', 0) - 1} editor connection(s)")  # minus this command's own
     print(f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
           f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors")
     if st.get("last_latency_ms") is not None:

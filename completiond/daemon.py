@@ -658,7 +658,7 @@ class DaemonServer:
         if method == "status":
             return self.service.status()
         if method == "stats":
-            return self.service.stats()
+            return {**self.service.stats(), "clients": len(self.conns)}
         if method == "stop":
             asyncio.get_running_loop().call_soon(self.request_stop, f"stop requested by {conn.name}")
             return {"stopping": True, "pid": os.getpid()}

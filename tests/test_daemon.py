@@ -306,7 +306,7 @@ async def test_spawn_once_kill9_and_respawn(tiny_model_dir, real_rundir):
                                          "settings": {"maxTokens": 4}}, timeout=120)
         assert r["version"] == 1 and r["stats"]["prompt_tokens"] > 0
         stats = await b.request("stats", {}, timeout=10)
-        assert stats["loads"] == 1
+        assert stats["loads"] == 1 and stats["clients"] == 2
 
         os.kill(pid, signal.SIGKILL)
         docs = {"u": (1, text, "python")}
