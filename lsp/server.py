@@ -483,6 +483,15 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
                 "completiond: model settings changed; run the command completiond.restartDaemon to load them")))
 
+    @server.feature(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS)
+    def did_change_folders(ls: CompletionServer, params: types.DidChangeWorkspaceFoldersParams) -> None:
+        # Added folders feed the prompt context; removed ones age out of the daemon's bounded store.
+        from urllib.parse import unquote, urlparse
+
+        added = [unquote(urlparse(f.uri).path) for f in params.event.added if f.uri.startswith("file://")]
+        if added:
+            ls.backend.notify("workspace", {"folders": added})
+
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: CompletionServer, params: types.DidOpenTextDocumentParams) -> None:
         td = params.text_document

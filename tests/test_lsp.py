@@ -168,6 +168,18 @@ async def test_open_type_complete(start, model_dir, tmp_path):
         await asyncio.sleep(0.1)
         stats = await s.stats()
     assert stats["workspace_files"] >= 2  # helpers.py from the folder + the open document
+    more = tmp_path / "second"
+    more.mkdir()
+    (more / "extra.py").write_text("X = 1\n")
+    s.client.workspace_did_change_workspace_folders(types.DidChangeWorkspaceFoldersParams(
+        event=types.WorkspaceFoldersChangeEvent(added=[types.WorkspaceFolder(uri=more.as_uri(), name="2")],
+                                                removed=[])))
+    for _ in range(100):
+        stats = await s.stats()
+        if stats["workspace_files"] >= 3:
+            break
+        await asyncio.sleep(0.1)
+    assert stats["workspace_files"] >= 3
     # Loading showed up as work-done progress (begin ... end) and as completiond/status.
     reports = [r for rs in s.client.progress_reports.values() for r in rs]
     assert any(isinstance(r, types.WorkDoneProgressBegin) for r in reports)
