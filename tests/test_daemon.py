@@ -63,6 +63,14 @@ async def raw_connection(path: Path, hello: bool = True):
     return reader, writer
 
 
+async def read_reply(reader):
+    """Next reply, skipping the status notifications the daemon broadcasts."""
+    while True:
+        message = await asyncio.wait_for(wire.read_message(reader), 5)
+        if "id" in message:
+            return message
+
+
 async def test_socket_and_dir_permissions(daemon, rundir):
     assert (os.stat(rundir).st_mode & 0o777) == 0o700
     assert (os.stat(daemon.server.socket_path).st_mode & 0o777) == 0o600
@@ -160,10 +168,10 @@ async def test_version_mismatch_is_refused_with_error(daemon):
 async def test_malformed_message_keeps_connection(daemon):
     reader, writer = await raw_connection(daemon.server.socket_path)
     writer.write(wire.encode({"id": 5, "m": 17}))
-    reply = await wire.read_message(reader)
+    reply = await read_reply(reader)
     assert reply["id"] == 5 and reply["e"]["code"] == Code.BAD_REQUEST
     writer.write(wire.encode({"id": 6, "m": "ping", "p": {}}))
-    assert (await wire.read_message(reader))["r"] == "pong"
+    assert (await read_reply(reader))["r"] == "pong"
     writer.close()
 
 
