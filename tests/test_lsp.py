@@ -258,7 +258,7 @@ async def test_daemon_killed_respawned_documents_replayed(start, model_dir, runt
     await s.inline()
     old_pid = (await s.stats())["status"]["pid"]
     os.kill(old_pid, signal.SIGKILL)
-    s.type("y + 1")  # edits while the daemon is dead are replayed from the editor's copy
+    s.type("zq7")  # edits while the daemon is dead are replayed from the editor's copy
     await asyncio.sleep(0.2)
     await s.inline()
     stats = await s.stats()
