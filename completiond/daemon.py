@@ -99,7 +99,7 @@ class Service:
         self._stats_lock = threading.Lock()
         self.stats_counts: dict[str, float] = dict(
             requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0,
-            wasted_rounds=0, rounds_after_cancel=0, rounds=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
+            wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
         self.last: dict[str, Any] = {}
         self.workspace: Any = None     # completiond.workspace.Workspace, created on first use
 
@@ -411,6 +411,7 @@ class Service:
                 c["generated_tokens"] += stats.get("generated_tokens", 0) or 0
             if outcome.status == OK:
                 c["completed"] += 1
+                c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
                 if value and value.get("suggestion") is None:
                     c["empty"] += 1
                 self.last = {"latency_ms": value.get("latency_ms") if value else None,

@@ -251,6 +251,7 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "file": str(file),
         "model": (after.get("status") or {}).get("model"),
         "device": (after.get("status") or {}).get("device"),
+        "engine_mean_ms": (delta("latency_ms_sum") / delta("completed")) if delta("completed") else None,
         "typed_through": ((after.get("lsp") or {}).get("typed_through", 0) -
                           (before.get("lsp") or {}).get("typed_through", 0)),
         "superseded": superseded,
