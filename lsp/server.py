@@ -57,13 +57,18 @@ class LocalBackend:
         self._ids = 0
         self.docs: dict[str, tuple[int, str, str]] = {}
 
-    async def start(self, cfg: Any) -> dict[str, Any]:
+    async def start(self, cfg: Any, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
         from completiond.daemon import Service
 
         self.cfg = cfg
         self.service = Service(cfg)
         self.service.listeners.append(lambda status: self.on_notification("status", status))
         self.service.start_loading()
+        # Editors open documents right after `initialized`, before this task runs, and notify()
+        # drops them while there is no service: hand over what the LSP side already holds.
+        # No await since the Service was made, so no didOpen can slip in between.
+        for uri, (version, text, language_id) in (documents or {}).items():
+            self.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
         return {"status": self.service.status()}
 
     def notify(self, method: str, params: dict[str, Any]) -> None:
@@ -104,9 +109,7 @@ class LocalBackend:
     async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
         if self.service is not None:
             self.service.shutdown()
-        await self.start(cfg)
-        for uri, (version, text, language_id) in documents.items():
-            self.notify("open", {"uri": uri, "version": version, "text": text, "languageId": language_id})
+        await self.start(cfg, documents)
 
     async def close(self) -> None:
         if self.service is not None:
@@ -117,7 +120,7 @@ class DaemonBackend:
     def __init__(self, session: DaemonSession):
         self.session = session
 
-    async def start(self, cfg: Any) -> dict[str, Any]:
+    async def start(self, cfg: Any, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
         client = await self.session.ensure()
         return client.welcome
 
@@ -266,7 +269,7 @@ class CompletionServer(LanguageServer):
 
     async def start_backend(self) -> None:
         try:
-            welcome = await self.backend.start(self.cfg)
+            welcome = await self.backend.start(self.cfg, self.document_snapshot())
         except (DaemonUnavailable, ConnectionError, OSError, RemoteError) as exc:
             self.backend_failed(exc)
             return
