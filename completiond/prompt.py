@@ -425,6 +425,11 @@ class Planner:
             self.warnings.append(f"fimTemplate: {exc}; using auto-detection")
             self.template = make_template(tokenizer, "auto", model_dir)
         self.healer = TokenHealer.for_tokenizer(tokenizer, vocab_size, device=device)
+        trained = _trained_context(model_dir)
+        if trained:
+            # Positions past the training length work mechanically but degrade
+            # quality: keep prompt + generation within what the model saw.
+            max_context = min(max_context or trained, trained)
         self.options = options or PromptOptions.from_config(self.cfg, max_context)
         self.builder = PromptBuilder(self.template, self.options, self.healer)
 
@@ -432,6 +437,13 @@ class Planner:
     def for_engine(cls, engine: Any, cfg: Any = None, model_dir: Any = None, **kw) -> "Planner":
         # The mask must match the model's logits, which can be wider than the tokenizer.
         vocab = getattr(engine, "vocab_size", None) or getattr(engine, "_vocab", None)
+        if model_dir is None:
+            # The engine remembers what it loaded; a local directory may carry the marker file.
+            from pathlib import Path
+
+            name = getattr(engine, "name", None)
+            if isinstance(name, str) and name and Path(name).is_dir():
+                model_dir = name
         return cls(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
                    device=getattr(engine, "device", "cpu"), model_dir=model_dir, **kw)
 
@@ -446,3 +458,22 @@ class Planner:
         stop = StopRules.for_prompt(prompt, self.template, self.cfg.multiline, self.cfg.max_lines,
                                     token_bytes=self.healer.bytes)
         return Plan(prompt, stop)
+
+
+def _trained_context(model_dir: Any) -> int | None:
+    """`train_context` from the bundled model's marker file, if there is one."""
+    if not model_dir:
+        return None
+    import json
+    from pathlib import Path
+
+    from models.fim import MODEL_MARKER
+
+    path = Path(model_dir) / MODEL_MARKER
+    try:
+        value = json.loads(path.read_text()).get("train_context")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return None  # a damaged marker must not stop completions; detection falls back to the vocabulary
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None

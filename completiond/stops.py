@@ -96,6 +96,25 @@ def bracket_scan(text: str) -> tuple[int, list[str]]:
     return depth, unmatched
 
 
+def open_stack(text: str) -> list[str]:
+    """Opening brackets still open at the end of text, innermost last (quoted strings skipped)."""
+    stack: list[str] = []
+    quote = None
+    prev = ""
+    for c in text:
+        if quote:
+            if (c == quote and prev != "\\") or c == "\n":
+                quote = None
+        elif c in "'\"`":
+            quote = c
+        elif c in OPENERS:
+            stack.append(c)
+        elif c in CLOSERS and stack and stack[-1] == CLOSERS[c]:
+            stack.pop()
+        prev = c if prev != "\\" else ""
+    return stack
+
+
 def _suffix_closers(line_suffix: str) -> int:
     """Closing brackets right of the cursor that have no opener there (they close ours)."""
     return len(bracket_scan(line_suffix)[1])
@@ -120,6 +139,7 @@ class TextRules:
         # Brackets open at the cursor, and how many of them the text right of
         # the cursor closes: the suggestion must leave exactly those open.
         self.open_depth = bracket_scan(line_prefix)[0]
+        self.open_brackets = open_stack(line_prefix)
         self.suffix_closers = _suffix_closers(line_suffix)
         self.carry = max(0, self.open_depth - self.suffix_closers)
         if line_prefix.strip():
@@ -148,12 +168,14 @@ class TextRules:
         return cut
 
     def _bracket_cut(self, s: str) -> Cut | None:
-        """Cut before a closer that would leave fewer brackets open than the suffix closes.
+        """Cut before a closer that has no opener, closes the wrong kind, or is owed to the suffix.
 
-        `foo(|)` + "a, b)": the ")" is already right of the cursor. With no
-        suffix this is the plain "closer without an opener" rule.
+        `foo(|)` + "a, b)": the ")" is already right of the cursor, so the
+        suggestion must leave that bracket open. `[(x|]` + "y]": "]" cannot
+        close "(".
         """
-        depth = self.open_depth
+        stack = list(self.open_brackets)
+        owed = self.suffix_closers
         quote = None
         prev = ""
         for i, c in enumerate(s):
@@ -163,11 +185,15 @@ class TextRules:
             elif c in "'\"`":
                 quote = c
             elif c in OPENERS:
-                depth += 1
+                stack.append(c)
             elif c in CLOSERS:
-                depth -= 1
-                if depth < self.suffix_closers:
+                if not stack:
                     return Cut(i, "unbalanced closing bracket")
+                if stack[-1] != CLOSERS[c]:
+                    return Cut(i, "mismatched closing bracket")
+                stack.pop()
+                if len(stack) < owed:
+                    return Cut(i, "closing bracket already right of the cursor")
             prev = c if prev != "\\" else ""
         return None
 
@@ -230,7 +256,10 @@ def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "") -> str:
         overlap = ls[:k]
         if not body.endswith(overlap):
             continue
-        meaningful = len(overlap) >= 2 and not all(c in CLOSERS or c.isspace() for c in overlap)
+        only_closers = all(c in CLOSERS or c.isspace() for c in overlap)
+        # The whole rest of the line repeated (":" after "if x") is a duplicate
+        # even when short; a partial overlap must be long enough to be telling.
+        meaningful = not only_closers and (len(overlap) >= 2 or k == len(ls))
         depth, unmatched = bracket_scan(body)
         over_closed = open_depth + depth - len(unmatched) < owed
         if meaningful or over_closed:

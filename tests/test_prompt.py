@@ -192,3 +192,15 @@ def test_planner_falls_back_when_the_template_setting_does_not_fit(tok):
     assert planner.warnings and "starcoder" in planner.warnings[0]
     plan = planner.plan("def add(a, b):\n    return a", 26)
     assert plan.skip_reason is None and plan.ids[-1] != tok.convert_tokens_to_ids("<|fim_middle|>")
+
+
+def test_planner_keeps_prompts_within_the_trained_context(tok, tmp_path):
+    from completiond.prompt import Planner
+
+    (tmp_path / "completiond.json").write_text('{"train_context": 256}')
+    planner = Planner(tok, Config(), max_context=4096, model_dir=tmp_path)
+    assert planner.options.max_prompt_tokens == 256 - Config().max_tokens
+    doc = document()
+    plan = planner.plan(doc, len(doc) // 2)
+    assert len(plan.ids) + Config().max_tokens <= 256
+    assert Planner(tok, Config(), max_context=4096).options.max_prompt_tokens == 4096 - Config().max_tokens

@@ -83,6 +83,14 @@ def test_closers_right_of_cursor_are_owed_by_the_suggestion():
     assert final("print(", "f(a))", line_suffix=")") == "f(a)"
 
 
+def test_mismatched_closer_and_short_whole_suffix():
+    # "]" cannot close "(": the model wandered off.
+    assert final("        self.last = [(C", "_name]", line_suffix="]") == "_name"
+    # The whole rest of the line (":") repeated at the end is trimmed even though it is one character.
+    assert final("    if", " x is None:", line_suffix=":") == " x is None"
+    assert final("    if x", " == y", line_suffix=":") == " == y"
+
+
 def test_closer_right_of_cursor_goes_to_its_own_line():
     got = final("function f() {", "\n  return 1;\n}", line_suffix="}")
     assert got == "\n  return 1;\n"
