@@ -151,6 +151,17 @@ class _Protocol(LanguageServerProtocol):
                 self._send_response(rid, error=exc.to_response_error())
             raise
 
+    def _check_handler_result(self, future) -> None:
+        # pygls files the future of every notification handled by a coroutine or generator (our
+        # didOpen/didChange/didClose, didChangeConfiguration) in _request_futures under a fresh
+        # uuid and never removes it: one Future, lock and uuid leaked per keystroke. This is the
+        # done-callback of exactly those futures, so drop the entry here.
+        for key, value in list(self._request_futures.items()):
+            if value is future:
+                del self._request_futures[key]
+                break
+        super()._check_handler_result(future)
+
     # pygls keeps its own copy of every open document (unused here: CompletionServer.docs is ours).
     # Updating it rewrites out-of-range positions of the client's change objects in place, with a
     # line model (str.splitlines) that also breaks at U+2028, U+0085, form feeds..., before our

@@ -168,3 +168,40 @@ def test_over_context_request_refused_at_validation(tiny_daemon):
         assert "r" in ok and ok["r"]["stats"]["prompt_tokens"] + 8 <= 48, ok
     finally:
         probe.close()
+
+
+FUTURES_PROBE = """
+import lsp.server as S
+_build = S.build_server
+def build_server(*a, **k):
+    server = _build(*a, **k)
+    @server.command("test.pendingFutures")
+    def pending(ls, *args):
+        return len(ls.protocol._request_futures)
+    return server
+S.build_server = build_server
+"""
+
+
+@pytest.mark.slow
+async def test_lsp_keeps_nothing_per_keystroke(tmp_path):
+    """pygls filed a Future per didChange (and per didOpen/didClose/didChangeConfiguration) and never
+    dropped it: the LSP process grew with every keystroke. 3,000 keystrokes must leave nothing behind."""
+    daemon = InProcDaemon(tmp_path)
+    lsp = await stress.RawLsp.start({"maxTokens": 2}, tmp_path, pre=FUTURES_PROBE)
+    try:
+        uri, text = "file:///keys.py", "x = "
+        lsp.notify("textDocument/didOpen", stress.did_open(uri, text))
+        for version in range(2, 3002):
+            pos = stress.utf16_position(text, len(text))
+            lsp.notify("textDocument/didChange", {"textDocument": {"uri": uri, "version": version},
+                                                  "contentChanges": [{"range": {"start": pos, "end": pos}, "text": "a"}]})
+            text += "a"
+        lsp.notify("workspace/didChangeConfiguration", {"settings": {"completiond": {"maxTokens": 3}}})
+        await lsp.stats()
+        pending = await lsp.request("workspace/executeCommand", {"command": "test.pendingFutures", "arguments": []})
+        assert pending <= 10, f"{pending} handler futures retained after 3,000 keystrokes"
+        assert [v for (_c, u), v in daemon.documents().items() if u == uri] == [(3001, text)]
+    finally:
+        await lsp.close()
+        daemon.stop()
