@@ -24,8 +24,8 @@ Metrics:
   tokens from the exit layer, accepts the longest matching prefix, then the full
   model adds one token; we report mean accepted drafts per round and tokens per
   round (accepted + 1);
-* next-line exact match: cursor at the start of a held-out line (column 0),
-  greedy completion up to the first newline, compared with the real line
+* next-line exact match: cursor at the end of a held-out line (before its newline),
+  greedy completion; the line after the newline is compared with the real next line
   (trailing whitespace ignored), both left-to-right (prefix only) and with the
   rest of the file as FIM suffix (SPM); baseline: the previous line's indentation
   followed by its first token;
@@ -70,7 +70,7 @@ def encode_fim(tok, prefix: str, suffix: str, order: str, max_prefix: int = 320,
     return [ids[FIM_PREFIX]] + p + [ids[FIM_SUFFIX]] + s + [ids[FIM_MIDDLE]]
 
 
-def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_text=None, tok=None):
+def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_fn=None, tok=None):
     """Plain greedy decoding with the HF KV cache. Returns (new_ids, stopped_by_token)."""
     import torch
 
@@ -85,7 +85,7 @@ def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_text=Non
             if nxt in stop_ids:
                 return out, True
             out.append(nxt)
-            if stop_text is not None and stop_text in tok.decode(out):
+            if stop_fn is not None and stop_fn(tok.decode(out)):
                 break
             x = torch.tensor([[nxt]])
     return out, False
@@ -167,7 +167,26 @@ def baseline_line(prev_line: str) -> str:
     return indent + (m.group(0) if m else "")
 
 
+def _line_done(text: str) -> bool:
+    """Stop once the text after the cursor holds a whole next line (or went wrong)."""
+    if not text.startswith("\n"):
+        return "\n" in text
+    return "\n" in text[1:]
+
+
+def _next_line_of(text: str) -> str | None:
+    """The predicted next line: the completion must start with the newline that ends the cursor's line."""
+    if not text.startswith("\n"):
+        return None
+    return text[1:].split("\n")[0].rstrip()
+
+
 def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, max_new: int = 48):
+    """Cursor at the end of a held-out line (before its newline); predict the whole next line.
+
+    The cursor sits at a token boundary the model saw in training (the newline is tokenized together
+    with the next line's indentation, so a prompt ending in a bare newline would be out of distribution:
+    editors that put the cursor at column 0 need token healing, which the engine does)."""
     rng = random.Random(seed)
     texts = [f.read_text() for f in files]
     cands = []
@@ -179,31 +198,35 @@ def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, 
     picks = sorted(rng.sample(cands, min(n, len(cands))))
     res = {"left_to_right": [0, 0.0], "fim_spm": [0, 0.0], "baseline": [0, 0.0]}
     examples = []
+    eot = tok.convert_tokens_to_ids(EOT)
     for ti, li in picks:
         lines = texts[ti].split("\n")
-        prefix = "\n".join(lines[:li]) + "\n"
+        prefix = "\n".join(lines[:li])
         suffix = "\n" + "\n".join(lines[li + 1:])
         truth = lines[li].rstrip()
         ids = tok(prefix, add_special_tokens=False)["input_ids"][-max_prefix:]
-        eot = tok.convert_tokens_to_ids(EOT)
-        g1, _ = greedy(model, ids, max_new, stop_ids=(eot,), stop_text="\n", tok=tok)
-        l2r = tok.decode(g1).split("\n")[0].rstrip()
+        g1, _ = greedy(model, ids, max_new, stop_ids=(eot,), stop_fn=_line_done, tok=tok)
+        l2r = _next_line_of(tok.decode(g1))
         g2, _ = greedy(model, encode_fim(tok, prefix, suffix, "spm", max_prefix), max_new, stop_ids=(eot,),
-                       stop_text="\n", tok=tok)
-        fim = tok.decode(g2).split("\n")[0].rstrip()
+                       stop_fn=_line_done, tok=tok)
+        fim = _next_line_of(tok.decode(g2))
         base = baseline_line(lines[li - 1]).rstrip()
         for key, pred in (("left_to_right", l2r), ("fim_spm", fim), ("baseline", base)):
             res[key][0] += int(pred == truth)
-            res[key][1] += difflib.SequenceMatcher(None, pred, truth).ratio()
-        if len(examples) < 6:
-            examples.append({"file": files[ti].relpath, "line": li + 1, "truth": truth, "left_to_right": l2r,
-                             "fim_spm": fim, "baseline": base})
+            res[key][1] += difflib.SequenceMatcher(None, pred or "", truth).ratio()
+        if len(examples) < 8:
+            examples.append({"file": files[ti].relpath, "line": li + 1, "truth": truth, "left_to_right": l2r or "",
+                             "fim_spm": fim or "", "baseline": base})
     k = len(picks)
     return {key: {"exact_match": v[0] / k, "char_similarity": v[1] / k} for key, v in res.items()}, k, examples
 
 
 def small_functions(files, max_body_lines: int = 8, limit: int = 60, seed: int = 5):
-    """(relpath, prefix, body, suffix) for held-out functions whose body is a few lines."""
+    """(relpath, prefix, middle, suffix) for held-out functions whose body is a few lines.
+
+    The cut is at the end of the line before the body (prefix ends with the def or docstring line, no
+    newline); the middle is "\n" + the body lines without their final newline; the suffix starts with
+    that newline. prefix + middle + suffix is the file."""
     rng = random.Random(seed)
     out = []
     for f in files:
@@ -223,10 +246,13 @@ def small_functions(files, max_body_lines: int = 8, limit: int = 60, seed: int =
             start, end = first.lineno - 1, node.end_lineno
             if first.lineno <= node.lineno or end - start > max_body_lines or end - start < 1:
                 continue
-            prefix = "".join(lines[:start])
-            body = "".join(lines[start:end])
-            suffix = "".join(lines[end:])
-            out.append((f.relpath, prefix, body, suffix))
+            if not lines[start - 1].endswith("\n") or not lines[end - 1].endswith("\n"):
+                continue
+            prefix = "".join(lines[:start])[:-1]
+            middle = "\n" + "".join(lines[start:end])[:-1]
+            suffix = "\n" + "".join(lines[end:])
+            assert prefix + middle + suffix == text
+            out.append((f.relpath, prefix, middle, suffix))
     rng.shuffle(out)
     return out[:limit]
 
@@ -263,15 +289,15 @@ def samples(model, tok, files, n: int = 3, seed: int = 3, max_new: int = 64):
     for f in rng.sample(pool, min(n, len(pool))):
         text = f.read_text()
         lines = text.split("\n")
-        # a cursor at the start of a line inside a function body
+        # the cursor at the end of a line inside a function body (before its newline)
         cands = [i for i in range(10, len(lines) - 10) if lines[i].startswith("        ") and lines[i - 1].strip()]
         li = rng.choice(cands) if cands else len(lines) // 2
-        prefix = "\n".join(lines[:li]) + "\n"
+        prefix = "\n".join(lines[:li])
         ids = tok(prefix, add_special_tokens=False)["input_ids"][-320:]
         g, _ = greedy(model, ids, max_new, stop_ids=(eot, sep))
         comp = tok.decode(g)
-        comp = "\n".join(comp.split("\n")[:6])
-        truth = "\n".join(lines[li:li + 6])
+        comp = "\n".join(comp.split("\n")[:7])
+        truth = "\n" + "\n".join(lines[li:li + 6])
         out.append({"file": f.relpath, "line": li + 1, "context": "\n".join(lines[max(0, li - 8):li]),
                     "completion": comp, "truth": truth})
     return out
@@ -327,7 +353,11 @@ def _stages_md(t: dict) -> str:
     for st in stages:
         how = "from scratch" if not st.get("init_from") else \
             f"continued from stage {st['stage'] - 1} with `--init-from`, fresh optimizer"
-        lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps, {st['tokens']:,} tokens, "
+        from models.train_default import DEFAULTS
+
+        batch = (st.get("args") or {}).get("batch_size", DEFAULTS["batch_size"])
+        lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps of {batch} sequences, "
+                     f"{st['tokens']:,} tokens, "
                      f"{st['train_seconds'] / 60:.1f} min, peak LR {st['lr']}, {st['warmup']} warmup steps, "
                      f"seed {st['seed']}")
     cmds = [c for c in (_command(st) for st in stages) if c]
@@ -394,8 +424,8 @@ def write_card(model_dir: Path, r: dict) -> None:
     drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
     weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
     sample_md = "\n\n".join(
-        f"**{s['file']}**, cursor at the start of line {s['line']}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
-        f"Model (greedy, up to 64 tokens, first 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
+        f"**{s['file']}**, cursor at the end of line {s['line'] - 1}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
+        f"Model (greedy, up to 64 tokens, shown up to 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
         for s in r["samples"])
     fe = r.get("fim_example")
     fim_md = ""
@@ -452,7 +482,7 @@ RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (
 
 ## Training
 
-* {t['steps']:,} steps of {t['batch_size']} x {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
+* {t['steps']:,} optimizer steps on sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
   (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in **{t['train_seconds'] / 60:.1f} minutes**
   of training ({t['total_seconds'] / 60:.1f} min wall in all) on {t['threads']} CPU threads ({t['device']}),
   shared with other work, bf16 autocast, torch {t['torch']}.
@@ -502,8 +532,10 @@ accept the longest matching draft prefix, then one token from the full model).
 
 ### Next-line exact match
 
-{r['next_line_positions']} held-out cursor positions at the start of a non-blank line (column 0, previous line
-non-blank), greedy completion to the first newline (left context up to 320 tokens), compared with the
+{r['next_line_positions']} held-out cursor positions at the end of a non-blank line whose next line is non-blank
+(before the newline: a token boundary the model knows; a prompt ending in a bare newline needs token healing,
+which the engine does). Greedy completion (left context up to 320 tokens); it must start with the newline, and
+the text up to the following newline is compared with the
 real line (trailing whitespace ignored). Baseline: the previous line's indentation plus its first token.
 
 | predictor | exact match | char similarity |
@@ -574,10 +606,10 @@ def main(argv=None) -> int:
     alpha, per_round, n_pos = acceptance(model, tok, files, 6 if q else 40, 256, 32 if q else 64)
     print([round(v, 3) for v in alpha], [round(v, 2) for v in per_round], flush=True)
     print("next line ...", flush=True)
-    nl, n_nl, nl_examples = next_line(model, tok, files, 20 if q else 300)
+    nl, n_nl, nl_examples = next_line(model, tok, files, 20 if q else 200)
     print(nl, flush=True)
     print("fim bodies ...", flush=True)
-    fb, n_fb, fim_example = fim_bodies(model, tok, files, 6 if q else 60)
+    fb, n_fb, fim_example = fim_bodies(model, tok, files, 6 if q else 40)
     print(fb, flush=True)
     smp = samples(model, tok, files)
     summ = corpus.describe()

@@ -109,15 +109,17 @@ def test_early_exits_are_trained(model, tok):
     assert loss < 0.6 * math.log(len(tok))
 
 
+# A function with its body removed. The cut is at the end of the docstring line (before its
+# newline), the boundary the model knows from training; see the model card.
 FUNC_PREFIX = '''import os
 
 
 def is_hidden(path):
-    """Return True if the final component of path starts with a dot."""
-'''
-FUNC_BODY = '''    return os.path.basename(path).startswith(".")
-'''
+    """Return True if the final component of path starts with a dot."""'''
+FUNC_BODY = '''
+    return os.path.basename(path).startswith(".")'''
 FUNC_SUFFIX = '''
+
 
 def visible_files(directory):
     return [name for name in os.listdir(directory) if not is_hidden(name)]
@@ -140,6 +142,7 @@ def test_fim_function_body_stops_at_end_token(model, tok, order):
     assert eot in new, tok.decode(new)
     body = tok.decode(new[: new.index(eot)])
     assert body.strip(), "empty middle"
+    assert body.startswith("\n")  # the middle goes on after the docstring line
     assert "<|" not in body  # no other special token inside the middle
 
 
