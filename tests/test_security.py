@@ -66,16 +66,20 @@ def test_real_daemon_dir_and_socket_private_under_umask_000(tiny_model_dir, tmp_
         proc.wait()
 
 
-def test_daemon_refuses_loose_or_foreign_directory(tmp_path):
+def test_daemon_refuses_loose_or_symlinked_directory(tmp_path):
     """A group/world-writable or symlinked runtime dir stops the daemon (never 'fixed' by deleting it)."""
     for setup, why in ((lambda d: (d.mkdir(), os.chmod(d, 0o777)), "writable by group or others"),
                        (lambda d: ((tmp_path / "real").mkdir(mode=0o700), d.symlink_to(tmp_path / "real")), "symlink")):
         d = tmp_path / f"rt-{why[:4]}"
         setup(d)
-        with pytest.raises(Exception) as err:
+        with pytest.raises(paths.InsecureDirectoryError) as err:
             _start_in(d)
         assert why in str(err.value)
-        assert d.exists() or d.is_symlink()
+        if d.is_symlink():
+            assert d.resolve() == (tmp_path / "real").resolve()       # left alone
+        else:
+            assert stat.S_IMODE(os.stat(d).st_mode) == 0o777           # refused, not silently "fixed"
+        assert not paths.socket_path(d).exists()
 
 
 def _start_in(rundir: Path) -> None:
