@@ -157,6 +157,9 @@ class TextRules:
         counts as complete.
         """
         cut = self._bracket_cut(s)
+        loop = find_loop(s)
+        if loop is not None and (cut is None or loop.pos < cut.pos):
+            cut = loop
         if not self.multiline:
             nl = s.find("\n")
             if nl >= 0 and (cut is None or nl < cut.pos):
@@ -228,6 +231,38 @@ class TextRules:
             if stripped:
                 seen_content = True
         return None
+
+
+LOOP_REPEATS = 6
+LOOP_MAX_UNIT = 16
+
+
+def find_loop(s: str) -> Cut | None:
+    """The earliest degenerate repetition inside a line (`path.path.path...`), cut after its first unit.
+
+    A unit of 2-16 characters containing a letter, repeated LOOP_REPEATS
+    times back to back, is a model stuck in a loop, not code; stopping there
+    also saves the rest of the token budget.
+    """
+    best: int | None = None
+    for p in range(2, LOOP_MAX_UNIT + 1):
+        need = (LOOP_REPEATS - 1) * p
+        run = 0
+        for i in range(p, len(s)):
+            if s[i] == s[i - p] and s[i] != "\n":
+                run += 1
+                if run >= need:
+                    start = i - need - p + 1
+                    unit = s[start:start + p]
+                    if any(c.isalpha() for c in unit):
+                        if best is None or start + p < best:
+                            best = start + p
+                        break
+            else:
+                run = 0
+            if best is not None and i - need - p + 1 > best:
+                break
+    return Cut(best, "repetition loop") if best is not None else None
 
 
 def _trim_blank_tail(s: str, pos: int) -> int:

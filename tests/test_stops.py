@@ -91,6 +91,12 @@ def test_mismatched_closer_and_short_whole_suffix():
     assert final("    if x", " == y", line_suffix=":") == " == y"
 
 
+def test_repetition_loop_is_cut():
+    assert final("    x = self.", "path.path.path.path.path.path.path.path.path") == "path."
+    assert final("foo(", "'a', 'b', 'c')", line_suffix=")") == "'a', 'b', 'c'"
+    assert final("x = [", "0, 0, 0, 0, 0, 0, 0, 0]") == "0, 0, 0, 0, 0, 0, 0, 0]"   # no letters: data, not a loop
+
+
 def test_closer_right_of_cursor_goes_to_its_own_line():
     got = final("function f() {", "\n  return 1;\n}", line_suffix="}")
     assert got == "\n  return 1;\n"
