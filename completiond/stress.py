@@ -817,7 +817,10 @@ def _model(args: argparse.Namespace, tmp: Path) -> str:
         return str(make_tiny_model(tmp / "tiny"))
     from models import default_model_dir
 
-    return str(default_model_dir())
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"no bundled model at {path}: pass --model DIR or --tiny")
+    return str(path)
 
 
 async def _fuzz_lsp_main(model: str, runtime: Path, messages: int, seed: int, seconds: float | None) -> dict[str, Any]:
