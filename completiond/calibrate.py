@@ -40,8 +40,17 @@ def candidate_layers(num_layers: int) -> list[int]:
     return sorted(set(range(1, top + 1, step)) | {top})
 
 
+def frequent_ids(engine, texts: list[str]) -> list[int]:
+    """Token ids by falling frequency in sample text (ids never seen are left out)."""
+    counts: dict[int, int] = {}
+    for text in texts:
+        for t in engine.tokenizer(text).input_ids:
+            counts[t] = counts.get(t, 0) + 1
+    return sorted(counts, key=lambda t: (-counts[t], t))
+
+
 def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
-              log=print) -> tuple["Calibration", list[dict]]:
+              log=print, ranked_ids: list[int] | None = None) -> tuple["Calibration", list[dict]]:
     from completiond.calibration import Calibration
     from completiond.engine import SamplingParams
 
@@ -61,6 +70,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
         return total, drafted, accepted, draft_ms, verify_ms, rounds
 
     n_tokens = max_tokens * len(prompts)
+    engine.set_draft_vocab([])  # candidates are first compared with the full draft head
     run(SamplingParams(max_tokens=8, speculative=False))  # warm-up
     plain_s = run(SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True))[0]
     log(f"plain: {n_tokens / plain_s:.1f} tok/s")
@@ -76,10 +86,28 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
             log(f"E={e:2d} K={k}: alpha {rows[-1]['alpha']:.3f}, {rows[-1]['tokens_per_s']:.1f} tok/s, "
                 f"speedup {rows[-1]['speedup']:.2f}")
     best = max(rows, key=lambda r: r["speedup"])
+    # Then a draft head over only the most frequent ids, at the best E and K.
+    vocab = []
+    for size in (engine.vocab_size // 8, engine.vocab_size // 4, engine.vocab_size // 2):
+        if not ranked_ids or size < 256 or size > len(ranked_ids):
+            continue
+        engine.set_draft_vocab(ranked_ids[:size])
+        params = SamplingParams(max_tokens=max_tokens, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
+                                adaptive_k=False, ignore_eos=True)
+        secs, drafted, accepted, dms, vms, rounds = run(params)
+        row = {"exit_layer": best["exit_layer"], "draft_k": best["draft_k"], "draft_vocab": size,
+               "alpha": accepted / drafted if drafted else 0.0, "speedup": plain_s / secs,
+               "tokens_per_s": n_tokens / secs, "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
+        rows.append(row)
+        log(f"E={row['exit_layer']:2d} K={row['draft_k']} draft vocab {size}: alpha {row['alpha']:.3f}, "
+            f"{row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}")
+        if row["speedup"] > best["speedup"]:
+            best, vocab = row, ranked_ids[:size]
+    engine.set_draft_vocab([])
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "draft_cost": best["draft_cost"],
                 "plain_tokens_per_s": n_tokens / plain_s, "date": time.strftime("%Y-%m-%d")}
     cal = Calibration(speculative=best["speedup"] >= MIN_GAIN, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                      source="calibrate", measured=measured)
+                      source="calibrate", measured=measured, draft_vocab=list(vocab))
     return cal, rows
 
 
@@ -101,13 +129,20 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"completiond calibrate: exit layers must be in 1..{engine.num_layers - 1}, got {bad}", file=sys.stderr)
         return 2
-    cal, rows = calibrate(engine, prompts, args.max_tokens, layers, args.draft_ks, log)
+    if files is None:
+        # token frequencies from training files: the held-out ones stay unseen
+        from models.corpus import training_files
+
+        freq_texts = [f.read_text() for f in training_files()[:: max(1, len(training_files()) // 200)]]
+    else:
+        freq_texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    cal, rows = calibrate(engine, prompts, args.max_tokens, layers, args.draft_ks, log, frequent_ids(engine, freq_texts))
     where = None if args.dry_run else save_calibration(engine.model_id, cal)
     verdict = (f"speculation on: E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}"
                if cal.speculative else f"no speculation: best candidate only {cal.measured['speedup']:.2f}x")
     if args.json:
         print(json.dumps({"speculative": cal.speculative, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
-                          "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
+                          "draft_vocab": len(cal.draft_vocab), "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
     else:
         log(verdict + (f"; saved to {where}" if where else " (dry run)"))
     return 0

@@ -56,7 +56,7 @@ def test_calibrate_stores_a_record_the_engine_uses(peaked_dir, tmp_path, monkeyp
         capture_output=True, text=True, timeout=600, cwd=ROOT, env={**__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
-    assert len(result["candidates"]) == 4
+    assert len(result["candidates"]) >= 4
     assert result["saved_to"]
     engine = Engine.load(peaked_dir)
     assert engine.calibration.source.startswith("user calibration")
