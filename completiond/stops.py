@@ -299,6 +299,11 @@ def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "") -> str:
         over_closed = open_depth + depth - len(unmatched) < owed
         if meaningful or over_closed:
             return body[: len(body) - k]
+    q = ls[0]
+    if q in "'\"`" and body.endswith(q) and (line_prefix + body + line_suffix).count(q) % 2 == 1:
+        # The closing quote is already right of the cursor: the line would
+        # otherwise be left with an unterminated string.
+        return body[:-1]
     return s
 
 

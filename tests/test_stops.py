@@ -67,6 +67,8 @@ def test_suffix_overlap_trimmed():
     assert trim_suffix_overlap("f(a)", ")", "print(") == "f(a)"          # balanced: the ")" is the model's own
     assert trim_suffix_overlap("x, y):", "):", "def f(") == "x, y"
     assert trim_suffix_overlap('lo")', '")', 'print("hel') == "lo"
+    assert trim_suffix_overlap("'x'", "',", "    'a':  ") == "'x"        # the closing quote is already there
+    assert trim_suffix_overlap("'x'", "", "    'a':  ") == "'x'"
     assert final("foo(", "a, b)", line_suffix=")") == "a, b"
     assert final("print(", '"hi")', line_suffix=")") == '"hi"'
 
