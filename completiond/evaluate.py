@@ -261,7 +261,7 @@ def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool |
     context: list[tuple[str, str]] = []
     if workspace is not None:
         count = lambda s: len(planner.template.encode(s))  # noqa: E731
-        context = workspace.store.context(workspace.root / pos.path, language, planner.options.context_tokens, count)
+        context = workspace.store.context(workspace.root / pos.path, language, planner.context_tokens, count)
     plan = planner.plan(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
     if plan.skip_reason is not None:
         return Outcome(pos, "", 0.0, skipped=plan.skip_reason)

@@ -163,14 +163,7 @@ class PromptBuilder:
         le = len(text) if le < 0 else le
         line_prefix, line_suffix = text[ls:cursor], text[cursor:le]
 
-        prefix_budget, suffix_budget, context_budget = opt.prefix_tokens, opt.suffix_tokens, opt.context_tokens
-        if not tpl.supports_suffix:
-            suffix_budget = 0
-        if opt.max_prompt_tokens is not None:
-            room = opt.max_prompt_tokens - 8  # FIM special tokens and BOS
-            context_budget = min(context_budget, max(0, room // 4))
-            suffix_budget = min(suffix_budget, max(0, (room - context_budget) // 4))
-            prefix_budget = min(prefix_budget, max(1, room - context_budget - suffix_budget))
+        prefix_budget, suffix_budget, context_budget = self.budgets(bool(context))
 
         # Context first: its token count is known before the prefix is cut.
         context_ids: list[int] = []
@@ -214,6 +207,23 @@ class PromptBuilder:
                       healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
                       prefix_start=prefix_start, prefix_line=prefix_line, suffix_end=suffix_end,
                       cursor_line_tokens=len(cursor_ids))
+
+    def budgets(self, with_context: bool = True) -> tuple[int, int, int]:
+        """(prefix, suffix, context) token budgets after fitting them into max_prompt_tokens.
+
+        Pass the context budget to Workspace.context so the block it returns fits.
+        """
+        opt = self.options
+        prefix_budget, suffix_budget = opt.prefix_tokens, opt.suffix_tokens
+        context_budget = opt.context_tokens if with_context else 0
+        if not self.template.supports_suffix:
+            suffix_budget = 0
+        if opt.max_prompt_tokens is not None:
+            room = opt.max_prompt_tokens - 8  # FIM special tokens and BOS
+            context_budget = min(context_budget, max(0, room // 4))
+            suffix_budget = min(suffix_budget, max(0, (room - context_budget) // 4))
+            prefix_budget = min(prefix_budget, max(1, room - context_budget - suffix_budget))
+        return prefix_budget, suffix_budget, context_budget
 
     def _cursor_piece(self, piece: str, first: bool, heal: bool) -> tuple[list[int], Healing | None]:
         ids = self._encode(piece, first=first) if piece else []
@@ -344,7 +354,13 @@ class PromptBuilder:
             ids = tpl.context_ids(files, current_path=path)
             if len(ids) <= budget:
                 break
-            files = files[:-1]  # drop the last file, keep the order of the rest
+            # Shorten the last file by lines; drop it when nothing of it fits.
+            last_path, last_text = files[-1]
+            lines = last_text.splitlines(keepends=True)
+            if len(lines) > 1:
+                files = files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
+            else:
+                files = files[:-1]
             ids = []
         self._contexts[key] = tuple(ids)
         if len(self._contexts) > 8:
@@ -446,6 +462,11 @@ class Planner:
                 model_dir = name
         return cls(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
                    device=getattr(engine, "device", "cpu"), model_dir=model_dir, **kw)
+
+    @property
+    def context_tokens(self) -> int:
+        """Token budget the context block really gets (ask the workspace for this much)."""
+        return self.builder.budgets(True)[2]
 
     def plan(self, text: str, offset: int, *, context: Sequence[tuple[str, str]] = (), path: str | None = None,
              language: str | None = None, heal: bool | None = None) -> Plan:

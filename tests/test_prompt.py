@@ -122,7 +122,9 @@ def test_context_block_before_fim_and_within_budget(tok):
     assert len(p.context_ids) <= 40
     text = tok.decode(p.ids)
     # The bundled family joins files the way its training stream does: content<|file_sep|>.
-    assert text.startswith("x = 1\n<|file_sep|><|fim_prefix|>")
+    # The second file does not fit whole: it is shortened by lines.
+    assert text.startswith("x = 1\n<|file_sep|>def add(a, b):\n    return a + b\n")
+    assert text.count("def add") < 20 and "<|file_sep|><|fim_prefix|>" in text
     # Same context, different keystroke: the context ids are identical (KV reuse).
     assert b.build("print(x)\n", 7, context=ctx, path="main.py").context_ids == p.context_ids
 
@@ -204,3 +206,19 @@ def test_planner_keeps_prompts_within_the_trained_context(tok, tmp_path):
     plan = planner.plan(doc, len(doc) // 2)
     assert len(plan.ids) + Config().max_tokens <= 256
     assert Planner(tok, Config(), max_context=4096).options.max_prompt_tokens == 4096 - Config().max_tokens
+
+
+def test_context_room_is_reserved_only_with_context(tok):
+    from completiond.prompt import Planner
+
+    b = PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=1024, suffix_tokens=256, context_tokens=256,
+                                                        max_prompt_tokens=480))
+    assert b.budgets(False)[2] == 0 and b.budgets(False)[0] > b.budgets(True)[0]
+    doc = document()
+    cur = len(doc) // 2
+    big = [("a.py", "def add(a, b):\n    return a + b\n" * 40)]
+    p = b.build(doc, cur, context=big)
+    assert 0 < len(p.context_ids) <= b.budgets(True)[2]   # shortened, not dropped
+    assert len(p.ids) <= 480
+    planner = Planner(tok, Config(), max_context=512 + Config().max_tokens)
+    assert 0 < planner.context_tokens <= Config().context_tokens
