@@ -208,9 +208,19 @@ def is_duplication(pos: Position, suggestion: str) -> bool:
     right = pos.text[pos.offset:le].strip()
     head = first_line(suggestion).rstrip()
     if right:
+        from completiond.stops import CLOSERS, bracket_scan
+
+        line_start = pos.text.rfind("\n", 0, pos.offset) + 1
+        before = pos.text[line_start:pos.offset]
         for k in range(len(right), 0, -1):
             piece = right[:k]
             if head.endswith(piece) and not pos.target.rstrip().endswith(piece):
+                if all(c in CLOSERS or c.isspace() for c in piece):
+                    # Closing brackets are only repeated if the line now closes more than it opens.
+                    over = bracket_scan(before + head + pos.text[pos.offset:le])[1]
+                    truth = bracket_scan(before + pos.target + pos.text[pos.offset:le])[1]
+                    if len(over) <= len(truth):
+                        continue
                 return True
     nxt = next((ln.strip() for ln in pos.text[le + 1:le + 2001].split("\n") if ln.strip()), "")
     if nxt:

@@ -71,6 +71,7 @@ def test_metric_helpers():
     pos = Position("a.py", "foo()\nbar()\n", 4, "x", "infix")
     assert is_duplication(pos, "x)")
     assert not is_duplication(pos, "x")
+    assert not is_duplication(pos, "f(x)")          # its own bracket pair: the ")" right of the cursor is still needed
     line = Position("a.py", "def f():\n    \n    return 1\n", 13, "", "eol")
     assert is_duplication(line, "y = 2\n    return 1")
 
