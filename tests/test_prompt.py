@@ -222,3 +222,21 @@ def test_context_room_is_reserved_only_with_context(tok):
     assert len(p.ids) <= 480
     planner = Planner(tok, Config(), max_context=512 + Config().max_tokens)
     assert 0 < planner.context_tokens <= Config().context_tokens
+
+
+def test_psm_family_keeps_everything_before_the_cursor_line(tmp_path):
+    from tests.test_fim import FAMILIES, make_tokenizer
+
+    tok = make_tokenizer(tmp_path, **FAMILIES["qwen2.5-coder"])
+    t = make_template(tok)
+    assert not t.spm
+    b = PromptBuilder(t, PromptOptions(prefix_tokens=120, suffix_tokens=30, chunk_lines=4))
+    doc = "".join(f"def add(a, b):\n    return a + b\nprint(add({1 + i % 2}, 2))\n" for i in range(40))
+    cur = doc.index("return a", len(doc) // 2) + len("return a")
+    first = b.build(doc, cur)
+    doc2 = doc[:cur] + " +" + doc[cur:]
+    second = b.build(doc2, cur + 2)
+    common = len(os.path.commonprefix([first.ids, second.ids]))
+    head = 1 + len(first.prefix_ids) - first.cursor_line_tokens    # <|fim_prefix|> + whole lines
+    assert common >= head
+    assert second.suffix_ids == first.suffix_ids
