@@ -22,9 +22,12 @@ Rules (in text after the healed characters, see healing.py):
   line that closes the bracket opened on the cursor line, at maxLines, and
   before a line that repeats the next non-blank line of the document;
 * always: end before a closing bracket that has no opener (in the cursor
-  line's prefix or the suggestion).
+  line's prefix or the suggestion), closes the wrong kind of bracket, or
+  closes one that the text right of the cursor already closes (`foo(|)`);
+  end after the first unit of an in-line repetition loop (`path.path.path`).
 Post-processing: strip trailing whitespace, trim the end of the suggestion
-that repeats the text right of the cursor, and turn whitespace-only
+that repeats the text right of the cursor (brackets and quotes by balance,
+other text when the overlap is telling), and turn whitespace-only
 suggestions into "" (show nothing).
 """
 
