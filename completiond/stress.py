@@ -790,6 +790,7 @@ async def run_load(model: str, runtime: Path, clients: int = 4, rate: float = 20
             "max_queued": queued_max, "documents": clients, "queue_samples": samples,
             "daemon_completed": after["completed"] - before["completed"],
             "daemon_superseded": after["superseded"] - before["superseded"],
+            "daemon_cancelled": after["cancelled"] - before["cancelled"],
             "daemon_errors": after["errors"] - before["errors"],
             "daemon_rejected": after["rejected"] - before["rejected"],
             "daemon_rss_mb": round(rss_mb(daemon.pid), 1) if daemon is not None else None,
