@@ -25,7 +25,7 @@ from pygls.protocol.language_server import lsp_method
 from completiond import config as config_mod
 from completiond.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.documents import UTF8, UTF16, UTF32, Document
-from completiond.wire import Code, RemoteError
+from completiond.wire import MAX_FRAME, Code, RemoteError
 
 log = logging.getLogger("completiond.lsp")
 
@@ -371,6 +371,12 @@ class CompletionServer(LanguageServer):
     async def suggest(self, uri: str, position: types.Position) -> tuple[Document, dict[str, Any]] | None:
         doc = self.docs.get(uri)
         if doc is None or not self.cfg.enable:
+            return None
+        if len(doc.text) > MAX_FRAME:
+            # Far past what the prompt builder takes, and too big to send to the daemon: answer at
+            # once, instead of scanning the file and trying to encode it again on every keystroke.
+            self.tell_once(f"{uri} is too large for completions (over {MAX_FRAME} characters); skipped",
+                           types.MessageType.Info)
             return None
         version = doc.version
         offset = doc.offset(position.line, position.character, self.encoding)

@@ -161,8 +161,9 @@ async def test_through_lsp_50mb_minified_binary(tmp_path, tiny_engine):
         assert "result" in reply, reply                      # the normal file is unaffected
         stats = await lsp.stats()
         assert stats["errors"] == 0 and stats["completed"] >= 1, stats
-        log = lsp.stderr_tail.decode(errors="replace")
-        assert "too large" in log, log[-2000:]
+        told = [n["params"]["message"] for n in lsp.notifications
+                if n["method"] == "window/showMessage" and "too large" in n["params"]["message"]]
+        assert len(told) == 1 and "big.py" in told[0], told     # the user is told why, once
         docs = daemon.documents()
         assert all(len(text) < 4_000_000 for _v, text in docs.values())   # the daemon never got 50 MB
         figures["lsp_rss_mb"] = stress.rss_mb(lsp.pid)
