@@ -56,6 +56,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200),
     Setting("fimTemplate", str, "auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
             enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")),
+    Setting("tokenHealing", bool, True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text."),
     Setting("prefixTokens", int, 1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768),
     Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768),
     Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language."),

@@ -58,6 +58,7 @@ class PromptOptions:
             suffix_tokens=int(cfg.suffix_tokens),
             context_tokens=int(cfg.context_tokens) if getattr(cfg, "workspace_context", True) else 0,
             max_prompt_tokens=max_prompt,
+            heal=bool(getattr(cfg, "token_healing", True)),
         )
         kw.update(overrides)
         return cls(**kw)

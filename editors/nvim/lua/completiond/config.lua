@@ -77,6 +77,8 @@ M.defaults = {
     maxLines = 8,
     -- Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens. (string; one of "auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")
     fimTemplate = "auto",
+    -- When the cursor is inside a word, back up its last token and constrain the output to start with the removed text. (boolean)
+    tokenHealing = true,
     -- Token budget for text before the cursor (clipped to the model's context). (integer; range 16..32768)
     prefixTokens = 1024,
     -- Token budget for text after the cursor. (integer; range 0..32768)
