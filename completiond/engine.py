@@ -366,10 +366,13 @@ class Engine:
 
     def speculative_round(self, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, k_max: int,
                           threshold: float, warp: sampling.Warp, rng: torch.Generator,
-                          constraint: ConstraintFn | None, stats: Stats) -> list[int]:
-        """One draft + verify + accept round. Returns the tokens it commits (accepted drafts + one more)."""
+                          constraint: ConstraintFn | None, stats: Stats, cancel: CancelToken | None = None) -> list[int] | None:
+        """One draft + verify + accept round. Returns the tokens it commits (accepted drafts + one more),
+        or None when cancelled between draft and verify (the draft's scratch KV is simply not committed)."""
         t0 = time.perf_counter()
         proposal = draft.propose(seq, pending, gen_tokens, k_max, threshold, warp, rng, constraint)
+        if cancel is not None and cancel.cancelled:
+            return None
         t1 = time.perf_counter()
         k = len(proposal.tokens)
         exit_states = proposal.exit_states  # [1, k+1, d]: pending and each draft token at layer E
@@ -434,7 +437,11 @@ class Engine:
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, params.max_tokens - len(out) - 1)
                 if spec and k > 0:
-                    new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint, stats)
+                    new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint, stats,
+                                                 cancel)
+                    if new is None:
+                        finish = "cancelled"
+                        break
                     if stats.last_drafted:
                         alpha = 0.8 * alpha + 0.2 * (len(new) - 1) / stats.last_drafted
                 else:
