@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from completiond.calibration import Calibration
+
 # A candidate must beat plain decoding by this factor to switch speculation on:
 # below it, measurement noise could pick a setting that is slower in practice.
 MIN_GAIN = 1.05

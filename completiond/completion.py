@@ -242,26 +242,11 @@ def _only_closers(text: str) -> bool:
 
 
 def sampling_params(cfg: Any):
-    try:
-        from completiond.engine import SamplingParams
-    except ImportError:  # engine not installed yet: any object with these fields works for fakes
-        SamplingParams = _FallbackParams
+    from completiond.engine import SamplingParams
+
     return SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           seed=cfg.seed, speculative=cfg.speculation, exit_layer=cfg.exit_layer or None,
                           draft_k=cfg.draft_tokens or None, draft_threshold=cfg.draft_threshold or None)
-
-
-@dataclass
-class _FallbackParams:
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    speculative: bool = True
-    exit_layer: int | None = None
-    draft_k: int | None = None
-    draft_threshold: float | None = None
 
 
 # Planners are per engine and prompt settings; rebuilding one re-derives token tables, so keep a few.

@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from completiond import sampling
 from completiond.calibration import Calibration, load_calibration
+from completiond.cancel import CancelToken  # noqa: F401  (part of the engine API)
 from completiond.draft import Draft, EarlyExitDraft
 from completiond.kvcache import KVSequence, PrefixCache
 from models.adapters import Adapter, UnsupportedModel, adapter_for
@@ -39,20 +37,6 @@ PREFILL_CHUNK = 256
 
 class EngineError(Exception):
     """A request or model the engine refuses, with a message meant for the user."""
-
-
-class CancelToken:
-    """Set from any thread; the engine checks it before each round and prefill chunk."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def cancel(self) -> None:
-        self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
 
 
 @dataclass

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from completiond.cancel import CancelToken
+
 log = logging.getLogger("completiond.scheduler")
 
 OK = "ok"
@@ -36,20 +38,6 @@ class Overloaded(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     pass
-
-
-class SimpleCancelToken:
-    """Stand-in with the engine CancelToken's interface, for work that is not generation."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def cancel(self) -> None:
-        self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
 
 
 @dataclass
@@ -73,7 +61,7 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, token_factory: Callable[[], Any] = SimpleCancelToken, max_pending: int = 64,
+    def __init__(self, token_factory: Callable[[], Any] = CancelToken, max_pending: int = 64,
                  max_pending_per_client: int = 16, name: str = "completiond-engine"):
         self._token_factory = token_factory
         self.max_pending = max_pending
