@@ -141,7 +141,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
     times = {"plain": 0.0, "spec": 0.0, "hf": 0.0, "hf_early_exit": 0.0}
     identical = True
-    drafted = accepted = rounds = generated = 0
+    drafted = accepted = rejected = rounds = generated = 0
     draft_ms = verify_ms = plain_decode_ms = spec_decode_ms = 0.0
     for i, ids in enumerate(prompts):
         plain, t_plain = _timed(engine, ids, plain_p)
@@ -159,6 +159,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         s = spec.stats
         drafted += s.drafted
         accepted += s.accepted
+        rejected += s.rejected
         rounds += s.rounds
         generated += s.generated_tokens
         draft_ms += s.draft_ms
@@ -170,7 +171,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
     n_tokens = max_tokens * len(prompts)
     tps = {k: (n_tokens / v if v > 0 else None) for k, v in times.items()}
-    alpha = accepted / drafted if drafted else 0.0
+    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0  # per token, as Stats.alpha
     mean_k = drafted / rounds if rounds else 0.0
     plain_token_ms = plain_decode_ms / n_tokens
     draft_step_ms = draft_ms / drafted if drafted else 0.0

@@ -57,7 +57,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     from completiond.engine import SamplingParams
 
     def run(params) -> tuple[float, int, int, float, float, int]:
-        total = drafted = accepted = rounds = 0
+        total = drafted = accepted = rounds = rejected = 0
         draft_ms = verify_ms = 0.0
         for ids in prompts:
             engine.cache.clear()
@@ -69,7 +69,9 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
             draft_ms += g.stats.draft_ms
             verify_ms += g.stats.verify_ms
             rounds += g.stats.rounds
-        return total, drafted, accepted, draft_ms, verify_ms, rounds
+            rejected += g.stats.rejected
+        # per-token acceptance: accepted / (accepted + rejections), as in Stats.alpha
+        return total, drafted, accepted, draft_ms, verify_ms, rounds, accepted / max(1, accepted + rejected)
 
     n_tokens = max_tokens * len(prompts)
     engine.set_draft_vocab([])  # candidates are first compared with the full draft head
@@ -80,8 +82,8 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     for e in exit_layers:
         for k in draft_ks:
             params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True)
-            secs, drafted, accepted, dms, vms, rounds = run(params)
-            rows.append({"exit_layer": e, "draft_k": k, "alpha": accepted / drafted if drafted else 0.0,
+            secs, drafted, accepted, dms, vms, rounds, alpha = run(params)
+            rows.append({"exit_layer": e, "draft_k": k, "alpha": alpha,
                          "speedup": plain_s / secs, "tokens_per_s": n_tokens / secs,
                          # one draft step relative to one verify pass: what choose_k weighs K against
                          "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))})
@@ -96,9 +98,9 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
         engine.set_draft_vocab(ranked_ids[:size])
         params = SamplingParams(max_tokens=max_tokens, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
                                 adaptive_k=False, ignore_eos=True)
-        secs, drafted, accepted, dms, vms, rounds = run(params)
+        secs, drafted, accepted, dms, vms, rounds, alpha = run(params)
         row = {"exit_layer": best["exit_layer"], "draft_k": best["draft_k"], "draft_vocab": size,
-               "alpha": accepted / drafted if drafted else 0.0, "speedup": plain_s / secs,
+               "alpha": alpha, "speedup": plain_s / secs,
                "tokens_per_s": n_tokens / secs, "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
         rows.append(row)
         log(f"E={row['exit_layer']:2d} K={row['draft_k']} draft vocab {size}: alpha {row['alpha']:.3f}, "

@@ -63,15 +63,21 @@ class Stats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that stopped at a rejected draft token
     generated_tokens: int = 0
     exit_layer: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    last_drafted: int = field(default=0, repr=False)
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        """Per-token acceptance probability, the α of (1 - α^(K+1)) / (1 - α).
+
+        Each drafted token after a rejection is never tested, so accepted/drafted would
+        understate it; accepted / (accepted + rejections) is its estimate from the tests made.
+        """
+        tested = self.accepted + self.rejected
+        return self.accepted / tested if tested else 0.0
 
     @property
     def mean_accepted_per_round(self) -> float:
@@ -84,7 +90,6 @@ class Stats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        del d["last_drafted"]
         d.update(alpha=self.alpha, mean_accepted_per_round=self.mean_accepted_per_round, tokens_per_s=self.tokens_per_s)
         return d
 
@@ -376,9 +381,9 @@ class Engine:
         seq.commit([pending] + proposal.tokens[:m])
         t2 = time.perf_counter()
         stats.rounds += 1
-        stats.last_drafted = k
         stats.drafted += k
         stats.accepted += m
+        stats.rejected += int(m < k)
         stats.draft_ms += 1000 * (t1 - t0)
         stats.verify_ms += 1000 * (t2 - t1)
         return proposal.tokens[:m] + [nxt]
@@ -411,13 +416,15 @@ class Engine:
             pending = prompt[-1]
             # Acceptance estimate for choosing K: starts at the calibrated value and follows this
             # request only, so that a seeded request is reproducible whatever ran before it.
-            alpha = self.calibration.measured.get("alpha", 0.7)
+            alpha0 = self.calibration.measured.get("alpha", 0.7)
             cost = self.calibration.measured.get("draft_cost", exit_layer / self.num_layers)
             while finish == "length" and len(out) < params.max_tokens:
                 if cancel is not None and cancel.cancelled:
                     finish = "cancelled"
                     break
                 if spec:
+                    # 8 pseudo-tests of the calibrated α, then this request's own tests
+                    alpha = (8 * alpha0 + stats.accepted) / (8 + stats.accepted + stats.rejected)
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, params.max_tokens - len(out) - 1)
                 if spec and k > 0:
@@ -426,8 +433,6 @@ class Engine:
                     if new is None:
                         finish = "cancelled"
                         break
-                    if stats.last_drafted:
-                        alpha = 0.8 * alpha + 0.2 * (len(new) - 1) / stats.last_drafted
                 else:
                     new = [self.plain_step(seq, pending, out, warp, rng, constraint)]
                     stats.rounds += 1
