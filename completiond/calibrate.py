@@ -53,42 +53,42 @@ def frequent_ids(engine, texts: list[str]) -> list[int]:
 
 def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
               log=print, ranked_ids: list[int] | None = None) -> tuple["Calibration", list[dict]]:
-    from completiond.calibration import Calibration
     from completiond.engine import SamplingParams
 
-    def run(params) -> tuple[float, int, int, float, float, int]:
-        total = drafted = accepted = rounds = rejected = 0
+    def timed(params) -> tuple[float, int, int, int, float, float, int]:
+        """Seconds, drafted, accepted, rejected, draft ms, verify ms and rounds over all prompts, cold cache."""
+        total = drafted = accepted = rejected = rounds = 0
         draft_ms = verify_ms = 0.0
         for ids in prompts:
             engine.cache.clear()
             t = time.perf_counter()
-            g = engine.generate(ids, params)
+            s = engine.generate(ids, params).stats
             total += time.perf_counter() - t
-            drafted += g.stats.drafted
-            accepted += g.stats.accepted
-            draft_ms += g.stats.draft_ms
-            verify_ms += g.stats.verify_ms
-            rounds += g.stats.rounds
-            rejected += g.stats.rejected
-        # per-token acceptance: accepted / (accepted + rejections), as in Stats.alpha
-        return total, drafted, accepted, draft_ms, verify_ms, rounds, accepted / max(1, accepted + rejected)
+            drafted, accepted, rejected, rounds = drafted + s.drafted, accepted + s.accepted, rejected + s.rejected, rounds + s.rounds
+            draft_ms, verify_ms = draft_ms + s.draft_ms, verify_ms + s.verify_ms
+        return total, drafted, accepted, rejected, draft_ms, verify_ms, rounds
 
     n_tokens = max_tokens * len(prompts)
+
+    def candidate(e: int, k: int, draft_vocab: int = 0) -> dict:
+        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True)
+        secs, drafted, accepted, rejected, dms, vms, rounds = timed(params)
+        row = {"exit_layer": e, "draft_k": k, "draft_vocab": draft_vocab,
+               # per-token acceptance, as in Stats.alpha
+               "alpha": accepted / max(1, accepted + rejected),
+               "speedup": plain_s / secs, "tokens_per_s": n_tokens / secs,
+               # one draft step relative to one verify pass: what choose_k weighs K against
+               "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
+        log(f"E={e:2d} K={k}" + (f" draft vocab {draft_vocab}" if draft_vocab else "")
+            + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}")
+        return row
+
+    loaded_vocab = [] if engine.draft_ids is None else engine.draft_ids.tolist()
     engine.set_draft_vocab([])  # candidates are first compared with the full draft head
-    run(SamplingParams(max_tokens=8, speculative=False))  # warm-up
-    plain_s = run(SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True))[0]
+    timed(SamplingParams(max_tokens=8, speculative=False))  # warm-up
+    plain_s = timed(SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True))[0]
     log(f"plain: {n_tokens / plain_s:.1f} tok/s")
-    rows = []
-    for e in exit_layers:
-        for k in draft_ks:
-            params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True)
-            secs, drafted, accepted, dms, vms, rounds, alpha = run(params)
-            rows.append({"exit_layer": e, "draft_k": k, "alpha": alpha,
-                         "speedup": plain_s / secs, "tokens_per_s": n_tokens / secs,
-                         # one draft step relative to one verify pass: what choose_k weighs K against
-                         "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))})
-            log(f"E={e:2d} K={k}: alpha {rows[-1]['alpha']:.3f}, {rows[-1]['tokens_per_s']:.1f} tok/s, "
-                f"speedup {rows[-1]['speedup']:.2f}")
+    rows = [candidate(e, k) for e in exit_layers for k in draft_ks]
     best = max(rows, key=lambda r: r["speedup"])
     # Then a draft head over only the most frequent ids, at the best E and K.
     vocab = []
@@ -96,18 +96,10 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
         if not ranked_ids or size < 256 or size > len(ranked_ids):
             continue
         engine.set_draft_vocab(ranked_ids[:size])
-        params = SamplingParams(max_tokens=max_tokens, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                                adaptive_k=False, ignore_eos=True)
-        secs, drafted, accepted, dms, vms, rounds, alpha = run(params)
-        row = {"exit_layer": best["exit_layer"], "draft_k": best["draft_k"], "draft_vocab": size,
-               "alpha": alpha, "speedup": plain_s / secs,
-               "tokens_per_s": n_tokens / secs, "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        rows.append(row)
-        log(f"E={row['exit_layer']:2d} K={row['draft_k']} draft vocab {size}: alpha {row['alpha']:.3f}, "
-            f"{row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f}")
-        if row["speedup"] > best["speedup"]:
-            best, vocab = row, ranked_ids[:size]
-    engine.set_draft_vocab([])
+        rows.append(candidate(best["exit_layer"], best["draft_k"], size))
+        if rows[-1]["speedup"] > best["speedup"]:
+            best, vocab = rows[-1], ranked_ids[:size]
+    engine.set_draft_vocab(loaded_vocab)
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "draft_cost": best["draft_cost"],
                 "plain_tokens_per_s": n_tokens / plain_s, "date": time.strftime("%Y-%m-%d")}
     cal = Calibration(speculative=best["speedup"] >= MIN_GAIN, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
