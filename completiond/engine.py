@@ -416,8 +416,10 @@ class Engine:
             pending = prompt[-1]
             # Acceptance estimate for choosing K: starts at the calibrated value and follows this
             # request only, so that a seeded request is reproducible whatever ran before it.
-            alpha0 = self.calibration.measured.get("alpha", 0.7)
-            cost = self.calibration.measured.get("draft_cost", exit_layer / self.num_layers)
+            # The calibrated figures describe the calibrated exit layer only.
+            measured = self.calibration.measured if exit_layer == self.calibration.exit_layer else {}
+            alpha0 = measured.get("alpha", 0.7)
+            cost = measured.get("draft_cost", exit_layer / self.num_layers)
             while finish == "length" and len(out) < params.max_tokens:
                 if cancel is not None and cancel.cancelled:
                     finish = "cancelled"
