@@ -39,9 +39,6 @@ class KVSequence:
     def nbytes(self) -> int:
         return 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
 
-    def token_list(self) -> list[int]:
-        return self.tokens[: self.length].tolist()
-
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
             return
