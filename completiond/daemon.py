@@ -461,6 +461,9 @@ class DaemonServer:
         self.directory = Path(directory) if directory else paths.runtime_dir()
         self.idle_timeout = idle_timeout
         self.conns: dict[int, _Conn] = {}
+        # Every connection handler with its writer, including those still in their handshake (not
+        # in conns yet): close() closes them all and waits, so none is left pending when the loop goes away.
+        self._handlers: dict[asyncio.Task, asyncio.StreamWriter] = {}
         self._stop = asyncio.Event()
         self._idle_since = time.monotonic()
         self._lock_fd: int | None = None
@@ -515,7 +518,10 @@ class DaemonServer:
         self._server.close()
         for conn in list(self.conns.values()):
             conn.closed = True
-            conn.writer.close()
+        for writer in self._handlers.values():
+            writer.close()  # the handler's next read ends, and it returns on its own
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5)
         self.service.shutdown()
         try:
             if os.stat(self.socket_path).st_ino == self._socket_ino:
@@ -546,6 +552,9 @@ class DaemonServer:
             conn.send({"m": "status", "p": status})
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._handlers[task] = writer
+        task.add_done_callback(lambda t: self._handlers.pop(t, None))
         conn = _Conn(reader, writer)
         sock = writer.get_extra_info("socket")
         try:
