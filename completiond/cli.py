@@ -9,38 +9,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("completiond.generate", "continue a prompt (the external losslessness check)"),
-    "bench": ("completiond.bench", "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path"),
-    "calibrate": ("completiond.calibrate", "measure acceptance and speed per exit layer and K; store the best"),
-    "complete": ("completiond.complete", "print the suggestion for FILE:LINE:COL"),
-    "serve": ("completiond.daemon", "run the shared daemon in the foreground"),
-    "lsp": ("lsp.server", "LSP server over stdio (what editors run)"),
-    "status": ("completiond.control", "show the running daemon's status"),
-    "stop": ("completiond.control", "stop the running daemon"),
-    "eval": ("completiond.evaluate", "completion quality on deterministic cursor positions in a directory"),
-    "train-default": ("models.train_default", "retrain the bundled default model from scratch"),
-    "settings": ("completiond.cli", "print the settings schema as JSON"),
+    "complete": ("completiond.commands.complete", "print the suggestion for FILE:LINE:COL"),
+    "generate": ("completiond.commands.generate", "continue a prompt (the external losslessness check)"),
+    "bench": ("completiond.commands.bench", "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path"),
+    "calibrate": ("completiond.commands.calibrate", "measure acceptance and speed per exit layer and K; store the best"),
+    "eval": ("completiond.commands.eval", "completion quality on deterministic cursor positions in a directory"),
+    "serve": ("completiond.commands.serve", "run the shared daemon in the foreground"),
+    "lsp": ("completiond.lsp.server", "LSP server over stdio (what editors run)"),
+    "status": ("completiond.commands.status", "show the running daemon's status"),
+    "stop": ("completiond.commands.stop", "stop the running daemon"),
+    "settings": ("completiond.commands.settings", "print the settings schema as JSON"),
+    "train-default": ("completiond.models.train_default", "retrain the bundled default model"),
+    "stress": ("completiond.commands.stress", "fuzz and load drivers for the daemon and the LSP server (development)"),
 }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--toml", action="store_true", help="print a config.toml with every default instead")
-
-
-def run(args: argparse.Namespace) -> int:
-    from completiond import config
-
-    if args.toml:
-        for item in config.schema():
-            value = json.dumps(item["default"])
-            print(f"# {item['description']}\n{item['key']} = {value}\n")
-    else:
-        print(json.dumps(config.schema(), indent=2))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

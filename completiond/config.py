@@ -212,3 +212,12 @@ def _default(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return '""' if v == "" else str(v)
+
+
+# Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
+ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes")
+
+
+def engine_settings(cfg: Any) -> dict[str, Any]:
+    full = to_settings(cfg)
+    return {k: full[k] for k in ENGINE_KEYS}

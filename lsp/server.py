@@ -23,9 +23,9 @@ from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
 from completiond import config as config_mod
-from completiond.client import ConnectionLost, DaemonSession, DaemonUnavailable
-from completiond.documents import UTF8, UTF16, UTF32, Document
-from completiond.wire import MAX_FRAME, Code, RemoteError
+from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
+from completiond.completion.documents import UTF8, UTF16, UTF32, Document
+from completiond.serving.wire import MAX_FRAME, Code, RemoteError
 
 log = logging.getLogger("completiond.lsp")
 
@@ -58,7 +58,7 @@ class LocalBackend:
         self.docs: dict[str, tuple[int, str, str]] = {}
 
     async def start(self, cfg: Any, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
-        from completiond.daemon import Service
+        from completiond.serving.service import Service
 
         self.cfg = cfg
         self.service = Service(cfg)
@@ -72,39 +72,25 @@ class LocalBackend:
         return {"status": self.service.status()}
 
     def notify(self, method: str, params: dict[str, Any]) -> None:
-        from completiond.daemon import ServiceError
+        from completiond.serving.service import ServiceError
 
         if self.service is None:
             return
         try:
-            if method == "open":
-                self.service.open(self.CLIENT, params["uri"], params["version"], params["text"], params.get("languageId", ""))
-            elif method == "change":
-                self.service.change(self.CLIENT, params["uri"], params["version"], params["edits"])
-            elif method == "close":
-                self.service.close(self.CLIENT, params["uri"])
-            elif method == "workspace":
-                self.service.add_folders(params["folders"])
+            self.service.notify(self.CLIENT, method, params)
         except ServiceError as exc:
             log.warning("%s: %s", method, exc.message)
 
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
-        from completiond.daemon import ServiceError
+        from completiond.serving.service import ServiceError
 
         if self.service is None:
             raise RemoteError(Code.NOT_READY, "engine not started")
+        self._ids += 1
         try:
-            if method == "complete":
-                self._ids += 1
-                return await self.service.complete(self.CLIENT, self._ids, params["uri"], params["version"],
-                                                   params["offset"], params.get("settings"))
-            if method == "stats":
-                return self.service.stats()
-            if method == "status":
-                return self.service.status()
+            return await self.service.request(self.CLIENT, self._ids, method, params)
         except ServiceError as exc:
             raise RemoteError(exc.code, exc.message) from None
-        raise RemoteError(Code.UNKNOWN_METHOD, method)
 
     async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
         if self.service is not None:
@@ -234,9 +220,7 @@ class CompletionServer(LanguageServer):
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
 
     def request_settings(self) -> dict[str, Any]:
-        from completiond.daemon import ENGINE_KEYS
-
-        return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in ENGINE_KEYS}
+        return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in config_mod.ENGINE_KEYS}
 
     async def watch_config_file(self, interval: float = 2.0) -> None:
         """Re-read config.toml when it changes, so edits apply without restarting the editor."""
@@ -481,9 +465,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     async def did_change_configuration(ls: CompletionServer, params: types.DidChangeConfigurationParams) -> None:
-        from completiond.daemon import engine_settings
-
-        before = engine_settings(ls.cfg)
+        before = config_mod.engine_settings(ls.cfg)
         settings = params.settings
         if isinstance(settings, dict) and SECTION in settings:
             ls.workspace_options = settings[SECTION]
@@ -494,7 +476,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             ls.backend_started = True
             ls._started = asyncio.ensure_future(ls.start_backend())
             return
-        if engine_settings(ls.cfg) == before or not ls.backend_started:
+        if config_mod.engine_settings(ls.cfg) == before or not ls.backend_started:
             return
         if ls.no_daemon:
             await ls.backend.restart(ls.cfg, ls.document_snapshot())

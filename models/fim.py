@@ -31,15 +31,9 @@ the context as plain text at the start of the prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 TEMPLATE_NAMES = ("completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")
-
-# Marker file the bundled model's directory carries; it beats vocabulary
-# sniffing because the bundled vocabulary looks like Qwen's.
-MODEL_MARKER = "completiond.json"
-
 
 class FimError(ValueError):
     """The tokenizer lacks what the requested template needs."""
@@ -95,10 +89,15 @@ def _vocab(tokenizer: Any) -> dict[str, int]:
     return vocab
 
 
-def detect(tokenizer: Any, model_dir: str | Path | None = None) -> str:
-    """Name of the template that fits this tokenizer (one of TEMPLATE_NAMES)."""
-    if model_dir is not None and (Path(model_dir) / MODEL_MARKER).is_file():
-        return "completiond"
+def detect(tokenizer: Any, default: str | None = None) -> str:
+    """Name of the template that fits this tokenizer (one of TEMPLATE_NAMES).
+
+    default: the family the model's own metadata names (the bundled model's
+    completiond.json); it beats vocabulary sniffing, since the bundled
+    vocabulary looks like Qwen's.
+    """
+    if default in _FAMILIES:
+        return default
     vocab = _vocab(tokenizer)
     if "<|fim_prefix|>" in vocab and "<|fim_middle|>" in vocab:
         # The bundled vocabulary has <|fim_pad|> too; only Qwen has the
@@ -233,19 +232,19 @@ class FimTemplate:
         return token_id in self.stop_ids
 
 
-def make_template(tokenizer: Any, name: str | None = "auto", model_dir: str | Path | None = None,
+def make_template(tokenizer: Any, name: str | None = "auto", default: str | None = None,
                   order: str = "auto") -> FimTemplate:
     """The template for `tokenizer`.
 
     name: a TEMPLATE_NAMES entry (the fimTemplate setting) or "auto"/None to
-    detect from the vocabulary (and `model_dir`'s marker file).
+    detect (`default`: the family the model's metadata names, else the vocabulary).
     order: "auto" picks SPM where the family supports it (typing at the
     cursor then only appends prompt tokens), "spm" or "psm" force one.
     Raises FimError if the tokenizer lacks the family's special tokens or
     the order is unsupported.
     """
     if not name or name == "auto":
-        name = detect(tokenizer, model_dir)
+        name = detect(tokenizer, default)
     fam = _FAMILIES.get(name)
     if fam is None:
         raise FimError(f"unknown FIM template {name!r}; expected one of {', '.join(TEMPLATE_NAMES)} or auto")

@@ -1,6 +1,6 @@
 """Measure the bundled model on held-out stdlib code and write its MODEL_CARD.md.
 
-    python -m models.model_card [--model DIR] [--quick]
+    python -m completiond.models.model_card [--model DIR] [--quick]
 
 Everything is deterministic (fixed seeds, greedy decoding, fp32 evaluation) and
 uses only held-out files (models/corpus.py). Writes into the model directory:
@@ -95,7 +95,7 @@ def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_fn=None,
 
 def exit_logits_all(model, ids):
     """Logits at every exit layer for a (1, T) tensor: list of (T, V) tensors, last = full model."""
-    from models.train_default import forward_all_exits
+    from completiond.models.train_default import forward_all_exits
 
     with __import__("torch").no_grad():
         final, exits = forward_all_exits(model, ids, None, slice(None))
@@ -106,7 +106,7 @@ def exit_logits_all(model, ids):
 def heldout_loss(model, tok, files, seq_len: int, count: int):
     import torch.nn.functional as F
 
-    from models.train_default import heldout_windows
+    from completiond.models.train_default import heldout_windows
 
     x, y = heldout_windows(tok, files, seq_len, count)
     sums = None
@@ -353,7 +353,7 @@ def _stages_md(t: dict) -> str:
     for st in stages:
         how = "from scratch" if not st.get("init_from") else \
             f"continued from stage {st['stage'] - 1} with `--init-from`, fresh optimizer"
-        from models.train_default import DEFAULTS
+        from completiond.models.train_default import DEFAULTS
 
         batch = (st.get("args") or {}).get("batch_size", DEFAULTS["batch_size"])
         lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps of {batch} sequences, "
@@ -373,7 +373,7 @@ def _command(st: dict) -> str | None:
     if not a:
         # stages recorded before arguments were logged ran with every default
         return "completiond train-default" if not st.get("init_from") else None
-    from models import default_model_dir, train_default
+    from completiond.models import default_model_dir, train_default
 
     p = argparse.ArgumentParser()
     train_default.add_arguments(p)
@@ -449,8 +449,8 @@ custom code). It exists so that completiond works offline out of the box and so
 that tests and benchmarks have a real trained model; it is not a strong code
 model.
 
-Rebuild from scratch: `completiond train-default` (or `python -m models.train_default`),
-then `python -m models.model_card` for this card. Every number here comes from
+Rebuild from scratch: `completiond train-default` (or `python -m completiond.models.train_default`),
+then `python -m completiond.models.model_card` for this card. Every number here comes from
 `models/model_card.py` ({r['eval_seconds']:.0f} s to run).
 
 ## Data
@@ -459,7 +459,7 @@ then `python -m models.model_card` for this card. Every number here comes from
   `{data['stdlib_root']}`), all `*.py` files, `site-packages` excluded, files that are
   not valid UTF-8 skipped, sorted by relative path. License: PSF.
 * Held-out split by file: a file is held out when `int(sha1(relpath), 16) % 20 == 0`
-  (`models.corpus.is_heldout`). Training: {data['training_files']} files,
+  (`completiond.models.corpus.is_heldout`). Training: {data['training_files']} files,
   {data['training_bytes'] / 1e6:.1f} MB ({t['training_stream_tokens']:,} tokens). Held-out:
   {data['heldout_files']} files, {data['heldout_bytes'] / 1e6:.2f} MB. The tokenizer and the model
   never saw held-out files; every figure below is on held-out files only.
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models import corpus, default_model_dir
+    from completiond.models import corpus, default_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=default_model_dir())

@@ -51,7 +51,7 @@ DEFAULTS = dict(hidden=192, layers=10, heads=3, kv_heads=3, intermediate=512, vo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from models import default_model_dir
+    from completiond.models import default_model_dir
 
     d = DEFAULTS
     parser.add_argument("--out", type=Path, default=default_model_dir(), help="output model directory")
@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
     from tqdm import tqdm
 
-    from models import corpus, tokenizer_build
+    from completiond.models import corpus, tokenizer_build
 
     t_start = time.time()
     torch.set_num_threads(args.threads)

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from completiond.calibration import Calibration, load_calibration, save_calibration
-from completiond.engine import Engine, SamplingParams
+from completiond.engine.calibration import Calibration, load_calibration, save_calibration
+from completiond.engine.model_info import ModelInfo
+from completiond.engine.engine import Engine, SamplingParams
 from tests.conftest import ROOT, make_tiny_model
 
 REQUIRED = ["spec_vs_plain", "spec_vs_hf_early_exit", "greedy_identical", "alpha", "mean_accepted_per_round",
@@ -27,7 +28,7 @@ def peaked_dir(tmp_path_factory):
 
 def _prompt_files(tmp_path):
     # bench prompts come from files of at least 60 lines
-    src = (ROOT / "completiond" / "engine.py").read_text()
+    src = (ROOT / "completiond" / "engine" / "engine.py").read_text()
     f = tmp_path / "sample.py"
     f.write_text(src)
     return [str(f)]
@@ -79,12 +80,12 @@ def test_no_speculation_record_turns_drafting_off(peaked_dir, tmp_path, monkeypa
 def test_damaged_calibration_record_falls_back(peaked_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     engine = Engine.load(peaked_dir)
-    from completiond.calibration import record_path
+    from completiond.engine.calibration import record_path
 
     path = record_path(engine.model_id)
     path.parent.mkdir(parents=True)
     path.write_text('{"speculative": true, "exit_layer": 99, "draft_k": 4}')
-    cal = load_calibration(engine.model_id, peaked_dir, engine.num_layers)
+    cal = load_calibration(engine.model_id, ModelInfo.read(peaked_dir), engine.num_layers)
     assert cal.source == "heuristic"
 
 

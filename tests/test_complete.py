@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from completiond import completion, config, paths
-from completiond.complete import TargetError, cursor_offset, parse_target
+from completiond.completion.suggest import suggest
+from completiond import config
+from completiond.serving import paths
+from completiond.commands.complete import TargetError, cursor_offset, parse_target
 
 SOURCE = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(\n"
 
@@ -36,111 +38,37 @@ def test_cursor_offset_one_based_and_bounds():
         cursor_offset(text, 4, 1)
 
 
-# --- the self-contained pipeline (used for fakes) ------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def plan_at(tokenizer, text, offset, **settings):
-    cfg, errors = config.merge(config.Config(), settings)
-    assert not errors
-    return completion.build_prompt(tokenizer, text, offset, cfg, 4096)
-
-
-def test_build_prompt_uses_fim_tokens(tokenizer):
-    text = "x = 1\ny = \nz = 3\n"
-    plan = plan_at(tokenizer, text, 10)
-    vocab = tokenizer.get_vocab()
-    assert plan.fim == "completiond"
-    assert plan.ids[0] == vocab["<|fim_prefix|>"] and plan.ids[-1] == vocab["<|fim_middle|>"]
-    assert vocab["<|fim_suffix|>"] in plan.ids
-    assert not plan.multiline and plan.line_before == "y = "
-    plain = plan_at(tokenizer, text, 10, fimTemplate="none")
-    assert plain.fim is None and tokenizer.decode(plain.ids) == text[:10]
-
-
-def test_prefix_clip_is_stable_while_typing(tokenizer):
-    text = "".join(f"v{i} = {i}\n" for i in range(400))
-    a = plan_at(tokenizer, text, len(text), prefixTokens=200, fimTemplate="none")
-    b = plan_at(tokenizer, text + "w", len(text) + 1, prefixTokens=200, fimTemplate="none")
-    assert a.prefix_start == b.prefix_start > 0
-    assert b.ids[:len(a.ids) - 1] == a.ids[:-1]
-    assert len(a.ids) <= 200
-
-
-@pytest.mark.parametrize("line, rest, mode, expected", [
-    ("    x = ", "", "auto", False), ("def f():", "", "auto", True), ("    ", "", "auto", True),
-    ("foo(", ")", "auto", False), ("x", "", "always", True), ("def f():", "", "never", False),
-])
-def test_wants_multiline(line, rest, mode, expected):
-    assert completion.wants_multiline(line, rest, mode) is expected
-
-
-@pytest.mark.parametrize("before, rest, generated, expected", [
-    ("x = ", "", "compute(a)\nmore", ("compute(a)", 0)),          # single line: cut at the newline
-    ("x = ", "", "   \n", None),                                  # whitespace only: nothing
-    ("x = ", "", "abc\ufffd", ("abc", 0)),                        # cut multi-byte character dropped
-    ("foo(", ")", "a, b)", ("a, b)", 1)),                         # re-typed closer: overwrite it
-    ("print(", ")", "f(a)", ("f(a)", 0)),                         # closer needed inside: insert
-    ("d = {'k': ", "}", "1}", ("1}", 1)),
-    ("return ", "x + 1", "x + 1", None),                          # would not change the line
-])
-def test_postprocess(tokenizer, before, rest, generated, expected):
-    text = before + rest + "\n"
-    plan = plan_at(tokenizer, text, len(before))
-    out = completion.postprocess(plan, generated, 8)
-    if expected is None:
-        assert out is None
-    else:
-        assert out == (expected[0], len(before) + expected[1])
-
-
-def test_multiline_stops_at_dedent(tokenizer):
-    text = "def f():\n"
-    plan = plan_at(tokenizer, text, 8, multiline="always")
-    assert plan.multiline
-    out = completion.postprocess(plan, "\n    a = 1\n    return a\nprint(f())\n", 8)
-    assert out == ("\n    a = 1\n    return a", 8)
-
-
 # --- the real engine on the tiny model ---------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from completiond.engine import Engine
+    from completiond.engine.engine import Engine
 
     return Engine.load(str(tiny_model_dir), device="cpu")
 
 
-@pytest.mark.parametrize("simple", [False, True])
-def test_suggest_with_engine(engine, tiny_model_dir, simple):
-    from completiond.engine import CancelToken
+def test_suggest_with_engine(engine, tiny_model_dir):
+    from completiond.engine.engine import CancelToken
 
     cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 6})
     rounds = []
     offset = SOURCE.index("print(") + len("print(")
-    suggestion, gen = completion.suggest(engine, SOURCE, offset, cfg, cancel=CancelToken(), on_round=rounds.append,
-                                         simple=simple)
+    suggestion, gen = suggest(engine, SOURCE, offset, cfg, cancel=CancelToken(), on_round=rounds.append)
     assert gen is not None and gen.stats.to_dict()["prompt_tokens"] > 0
     assert len(gen.tokens) <= 6
     if suggestion is not None:
         assert suggestion.text.strip() and "\ufffd" not in suggestion.text
-        assert suggestion.start == offset and suggestion.end in (offset, offset + 1)
+        assert suggestion.start == suggestion.end == offset
 
 
 def test_suggest_cancelled_before_start(engine, tiny_model_dir):
-    from completiond.engine import CancelToken
+    from completiond.engine.engine import CancelToken
 
     cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 50})
     token = CancelToken()
     token.cancel()
-    suggestion, gen = completion.suggest(engine, SOURCE, 10, cfg, cancel=token)
+    suggestion, gen = suggest(engine, SOURCE, 10, cfg, cancel=token)
     assert suggestion is None and gen.finish_reason == "cancelled" and not gen.tokens
 
 
@@ -194,7 +122,7 @@ def test_complete_command_via_daemon_then_stop(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_typing_bench_small(tiny_model_dir, tmp_path):
-    from completiond.typing_bench import run_typing_bench
+    from completiond.commands.bench_typing import run_typing_bench
 
     src = tmp_path / "held_out.py"
     src.write_text("".join(f"def function_{i}(alpha, beta):\n    return alpha * {i} + beta\n\n" for i in range(20)))

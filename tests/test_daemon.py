@@ -18,10 +18,13 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from completiond import client as client_mod
-from completiond import config, paths, wire
-from completiond.daemon import DaemonServer, Service, serve
-from completiond.wire import Code, RemoteError
+from completiond.serving import client as client_mod
+from completiond import config
+from completiond.serving import paths
+from completiond.serving import wire
+from completiond.serving.server import DaemonServer, serve
+from completiond.serving.service import Service
+from completiond.serving.wire import Code, RemoteError
 from test_scheduler import FakeEngine
 
 
@@ -43,8 +46,8 @@ class Running:
 @pytest.fixture
 async def daemon(rundir):
     engine = FakeEngine(continuation="urn a + b\n", per_round=2, round_s=0.002)
-    cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
-    service = Service(cfg, loader=lambda _c: engine, simple_prompts=True)
+    cfg, _ = config.merge(config.Config(), {"maxTokens": 16, "tokenHealing": False})
+    service = Service(cfg, loader=lambda _c: engine)
     server = DaemonServer(service, rundir, idle_timeout=60)
     await server.start()
     service.start_loading()

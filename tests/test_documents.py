@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from completiond.documents import (UTF8, UTF16, UTF32, Document, EditError, apply_edits, offset_to_position,
+from completiond.completion.documents import (UTF8, UTF16, UTF32, Document, EditError, apply_edits, offset_to_position,
                                    position_to_offset)
 
 TEXT = "a😀b\r\nxé\n\nlast"

@@ -4,7 +4,7 @@ CRLF / lone CR line ends, edits spanning lines, several changes per didChange.
 
 The reference ("the client") keeps the text as a Python string and computes LSP positions
 with its own code (line ends \\n, \\r\\n, \\r as the spec says; UTF-16 code units, UTF-8
-bytes or code points), independent of completiond.documents. Checked at two levels:
+bytes or code points), independent of completiond.completion.documents. Checked at two levels:
 Document.apply_lsp_changes (plus the code-point edits it forwards to the daemon, applied
 to a mirror), and the real LSP process -> daemon path, comparing with the daemon's state.
 """
@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from completiond import stress
-from completiond.documents import UTF8, UTF16, UTF32, Document, line_starts
+from completiond.commands import stress
+from completiond.completion.documents import UTF8, UTF16, UTF32, Document, line_starts
 
 PIECES = ["a", "Z", " ", "\t", "é", "中文", "字", "😀", "👩\u200d💻", "𝔘", "e\u0301", "\n", "\r\n", "\r", "\r\n\r\n",
           "def f(x):\n    return x\r\n", "ß", "\u2028", "\ufeff"]

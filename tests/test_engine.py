@@ -15,9 +15,9 @@ import threading
 import pytest
 import torch
 
-from completiond import sampling
-from completiond.engine import CancelToken, Engine, EngineError, SamplingParams
-from completiond.kvcache import KVSequence, PrefixCache
+from completiond.engine.engine import sampling
+from completiond.engine.engine import CancelToken, Engine, EngineError, SamplingParams
+from completiond.engine.kvcache import KVSequence, PrefixCache
 from tests.conftest import make_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"

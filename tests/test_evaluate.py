@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from completiond import cli
-from completiond.evaluate import (Position, complete, edit_similarity, is_duplication, levenshtein, pick_positions,
+from completiond.commands.eval import (Position, complete, edit_similarity, is_duplication, levenshtein, pick_positions,
                                   summarize, Outcome)
-from completiond.prompt import Planner
+from completiond.completion.prompt import PromptBuilder
 from tests.conftest import build_tokenizer
 
 SOURCE = '''import os
@@ -135,14 +135,14 @@ def tok(tmp_path_factory):
 @pytest.mark.parametrize("midword", [False, True])
 def test_oracle_model_gets_exact_suggestions(tok, src_dir, midword):
     from completiond.config import Config
-    from completiond.engine import SamplingParams
+    from completiond.engine.engine import SamplingParams
 
     files = {p.name: p.read_text() for p in src_dir.rglob("*.py")}
     engine = OracleEngine(tok, files)
     cfg = Config()
-    planner = Planner.for_engine(engine, cfg)
+    builder = PromptBuilder.for_engine(engine, cfg)
     positions = pick_positions(src_dir, 24, seed=1, per_file=12, midword_only=midword)
-    outcomes = [complete(engine, planner, p, SamplingParams(max_tokens=200)) for p in positions]
+    outcomes = [complete(engine, builder, p, SamplingParams(max_tokens=200)) for p in positions]
     r = summarize(outcomes)
     assert r["positions"] == len(positions)
     assert r["suffix_duplication_rate"] == 0.0
@@ -185,7 +185,7 @@ def test_eval_rejects_a_missing_directory(tmp_path, capsys):
 
 
 def test_heldout_positions_come_from_heldout_files():
-    from models import corpus
+    from completiond.models import corpus
 
     files = [f.path for f in corpus.heldout_files()][:20]
     root = corpus.stdlib_root()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.fim import FimError, TEMPLATE_NAMES, detect, make_template
+from completiond.models.fim import FimError, TEMPLATE_NAMES, detect, make_template
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "class P:\n    x = 1\n", "print(add(1, 2))\n"] * 4
 
@@ -180,8 +180,15 @@ def test_override_by_name_and_missing_tokens(toks, tmp_path):
 
 
 def test_marker_file_means_bundled_model(toks, tmp_path):
+    from completiond.engine.model_info import ModelInfo
+
+    assert ModelInfo.read(tmp_path).fim_template is None
     (tmp_path / "completiond.json").write_text("{}")
-    assert detect(toks["qwen2.5-coder"], tmp_path) == "completiond"
+    info = ModelInfo.read(tmp_path)
+    assert detect(toks["qwen2.5-coder"], info.fim_template) == "completiond"
+    assert detect(toks["qwen2.5-coder"], None) == "qwen2.5-coder"
+    (tmp_path / "completiond.json").write_text("[not json")   # damaged: still the bundled family, no crash
+    assert ModelInfo.read(tmp_path).fim_template == "completiond"
 
 
 def test_document_text_spelling_a_special_token_stays_text(toks):

@@ -1,6 +1,6 @@
 """Protocol fuzzing of the daemon's socket (issue 7, item 1).
 
-Every hostile frame must get the answer the protocol promises (completiond/stress.py,
+Every hostile frame must get the answer the protocol promises (completiond/commands/stress.py,
 check_wire_frame): a request -> an error (or result) reply with its id and a message;
 a notification -> no reply, connection kept; an undecodable frame -> that connection
 closed and the reason logged. Never an exception escaping a handler, never a daemon
@@ -25,8 +25,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from completiond import config, paths, stress, wire
-from completiond.daemon import DaemonServer, Service
+from completiond import config
+from completiond.serving import paths
+from completiond.commands import stress
+from completiond.serving import wire
+from completiond.serving.server import DaemonServer
+from completiond.serving.service import Service
 from test_scheduler import FakeEngine
 
 
@@ -46,7 +50,9 @@ class InProcDaemon:
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._loader = loader or (lambda _c: self.engine)
-        self._service_kw = dict(simple_prompts=True, **service_kw)
+        self._service_kw = service_kw
+        # Fakes ignore the healing constraint: their scripted text is what the user sees.
+        self._settings = {"maxTokens": 16, **({} if loader else {"tokenHealing": False})}
         self.thread = threading.Thread(target=self._run, name="inproc-daemon", daemon=True)
         self.thread.start()
         assert self._ready.wait(30), "in-process daemon did not start"
@@ -59,7 +65,7 @@ class InProcDaemon:
         loop.set_exception_handler(lambda _l, ctx: self.errors.append(ctx))
 
         async def main() -> None:
-            cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
+            cfg, _ = config.merge(config.Config(), self._settings)
             self.service = Service(cfg, loader=self._loader, **self._service_kw)
             self.server = DaemonServer(self.service, self.rundir, idle_timeout=3600)
             await self.server.start()
@@ -199,7 +205,7 @@ def test_mutated_frames(inproc, sentinel, msg, data):
     (b"\xdd" + struct.pack(">I", 2**31) + b"\x01", "undecodable"),                   # array32 claiming 2^31 items
 ], ids=["depth-17", "depth-5000", "bad-utf8", "ext", "array32"])
 def test_named_hostile_frames_are_logged(inproc, sentinel, caplog, payload, why):
-    caplog.set_level(logging.WARNING, logger="completiond.daemon")
+    caplog.set_level(logging.WARNING, logger="completiond.serving")
     assert stress.check_wire_frame(inproc.socket_path, wire.HEADER.pack(len(payload)) + payload) == "closed"
     for _ in range(100):
         if why in caplog.text:

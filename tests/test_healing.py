@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from completiond.healing import Healing, TokenBytes, TokenHealer
+from completiond.completion.healing import Healing, TokenBytes, TokenHealer
 from tests.conftest import build_tokenizer
 
 
@@ -103,7 +103,7 @@ def test_constraint_lifts_after_the_removed_text(tok, healer):
 
 
 def test_healing_with_the_tiny_model_engine(tiny_model_dir):
-    from completiond.engine import Engine, SamplingParams
+    from completiond.engine.engine import Engine, SamplingParams
 
     engine = Engine.load(model=str(tiny_model_dir), device="cpu")
     vocab = engine.model.get_input_embeddings().weight.shape[0]
@@ -120,7 +120,7 @@ def test_healing_with_the_tiny_model_engine(tiny_model_dir):
 
 
 def test_sentencepiece_token_bytes_and_healing(tmp_path):
-    from models.fim import make_template
+    from completiond.models.fim import make_template
     from tests.test_fim import FAMILIES, make_tokenizer
 
     tok = make_tokenizer(tmp_path, **FAMILIES["codellama"])

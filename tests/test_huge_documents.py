@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from completiond import config, stress
-from completiond.prompt import CHARS_PER_TOKEN, Planner
+from completiond import config
+from completiond.commands import stress
+from completiond.completion.prompt import CHARS_PER_TOKEN, PromptBuilder
 
 LINE = "    value = compute(alpha, beta) + offset  # x\n"
 BIG = LINE * (50_000_000 // len(LINE))                           # 50 MB of ordinary code
@@ -30,20 +31,20 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def counted_planner(tokenizer, **settings_):
-    """A Planner whose tokenizer calls are recorded: (number of calls, characters)."""
+def counted_builder(tokenizer, **settings_):
+    """A PromptBuilder whose tokenizer calls are recorded: (number of calls, characters)."""
     cfg, errors = config.merge(config.Config(), settings_)
     assert not errors
-    planner = Planner(tokenizer, cfg, max_context=4096, vocab_size=len(tokenizer))
+    builder = PromptBuilder.for_model(tokenizer, cfg, max_context=4096, vocab_size=len(tokenizer))
     seen: list[int] = []
-    raw = planner.template._raw_encode
+    raw = builder.template._raw_encode
 
     def encode(text):
         seen.append(len(text))
         return raw(text)
 
-    planner.template._raw_encode = encode
-    return planner, seen
+    builder.template._raw_encode = encode
+    return builder, seen
 
 
 @pytest.mark.parametrize("name, text, cursor, reason", [
@@ -52,26 +53,26 @@ def counted_planner(tokenizer, **settings_):
     ("binary", BINARY, 3000, "binary"),
 ])
 def test_skipped_fast_without_tokenizing(tokenizer, name, text, cursor, reason):
-    planner, seen = counted_planner(tokenizer)
+    builder, seen = counted_builder(tokenizer)
     t0 = time.perf_counter()
-    plan = planner.plan(text, cursor, path=f"/w/{name}")
+    prompt = builder.build(text, cursor, path=f"/w/{name}")
     elapsed = time.perf_counter() - t0
-    assert plan.skip_reason is not None and reason in plan.skip_reason, plan.skip_reason
-    assert plan.ids == [] and seen == [], "skipped documents must not be tokenized"
+    assert prompt.skip_reason is not None and reason in prompt.skip_reason, prompt.skip_reason
+    assert prompt.ids == [] and seen == [], "skipped documents must not be tokenized"
     assert elapsed < 1.0, f"{name}: {elapsed:.3f} s"
-    print(f"{name}: skipped in {elapsed * 1000:.1f} ms ({plan.skip_reason})")
+    print(f"{name}: skipped in {elapsed * 1000:.1f} ms ({prompt.skip_reason})")
 
 
 def test_large_document_costs_no_more_than_a_small_one(tokenizer):
     """7.9 MB (just under the size limit): the prompt is cut to budget and the tokenizer sees a bounded window."""
     text = BIG[: 7_900_000]
-    planner, seen = counted_planner(tokenizer, prefixTokens=256, suffixTokens=64)
+    builder, seen = counted_builder(tokenizer, prefixTokens=256, suffixTokens=64)
     t0 = time.perf_counter()
-    plan = planner.plan(text, len(text) // 2 + 17, path="/w/big.py")
+    prompt = builder.build(text, len(text) // 2 + 17, path="/w/big.py")
     elapsed = time.perf_counter() - t0
-    assert plan.skip_reason is None
+    assert prompt.skip_reason is None
     assert sum(seen) <= 2 * CHARS_PER_TOKEN * (256 + 64) + 4 * 2000, sum(seen)
-    assert len(plan.prompt.prefix_ids) <= 256 and len(plan.prompt.suffix_ids) <= 64
+    assert len(prompt.prefix_ids) <= 256 and len(prompt.suffix_ids) <= 64
     assert elapsed < 1.0, elapsed
     print(f"7.9 MB document: planned in {elapsed * 1000:.1f} ms, {sum(seen)} characters tokenized")
 
@@ -84,32 +85,31 @@ def test_tokenizer_never_sees_more_than_the_budget(tokenizer, seed, lines, prefi
     words = ["x", "value", "(", ")", "é", "中", "😀", "    ", "\t", "return", "#", "'s'", "0x1f"]
     text = "".join(" ".join(rng.choice(words) for _ in range(rng.randrange(0, 30))) + "\n" for _ in range(lines))
     cursor = int(where * len(text))
-    planner, seen = counted_planner(tokenizer, prefixTokens=prefix, suffixTokens=suffix, maxTokens=max_tokens)
-    plan = planner.plan(text, cursor)
-    if plan.skip_reason is not None:
+    builder, seen = counted_builder(tokenizer, prefixTokens=prefix, suffixTokens=suffix, maxTokens=max_tokens)
+    prompt = builder.build(text, cursor)
+    if prompt.skip_reason is not None:
         assert seen == []
         return
-    opts = planner.options
+    opts = builder.options
     bound = 2 * CHARS_PER_TOKEN * (opts.prefix_tokens + opts.suffix_tokens) + 4 * opts.max_line_chars
     assert sum(seen) <= bound, (sum(seen), bound)
-    assert len(plan.prompt.prefix_ids) <= opts.prefix_tokens
-    assert len(plan.prompt.suffix_ids) <= opts.suffix_tokens
-    assert len(plan.ids) + max_tokens <= 4096
+    assert len(prompt.prefix_ids) <= opts.prefix_tokens
+    assert len(prompt.suffix_ids) <= opts.suffix_tokens
+    assert len(prompt.ids) + max_tokens <= 4096
 
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    from completiond.engine import Engine
+    from completiond.engine.engine import Engine
 
     return Engine.load(tiny_model_dir)
 
 
 def tiny_daemon(runtime, engine):
-    """The in-process daemon with the tiny engine and the real prompt pipeline."""
+    """The in-process daemon with the tiny engine."""
     from test_fuzz_wire import InProcDaemon
 
     daemon = InProcDaemon(runtime, loader=lambda _c: engine)
-    daemon.service.simple_prompts = False
     return daemon
 
 

@@ -17,7 +17,7 @@ from lsprotocol import types
 from pygls.exceptions import JsonRpcException
 from pytest_lsp import make_test_lsp_client
 
-from completiond import paths
+from completiond.serving import paths
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ async def start(runtime):
 @pytest.fixture(scope="session")
 def model_dir(tiny_model_dir) -> Path:
     """The bundled model when it is there (the real thing), else the tiny random one."""
-    from models import default_model_dir
+    from completiond.models import default_model_dir
 
     bundled = default_model_dir()
     return bundled if (bundled / "config.json").is_file() else tiny_model_dir
@@ -382,8 +382,8 @@ async def test_disabled_starts_no_daemon_until_enabled(start, model_dir, runtime
 
 
 def test_typed_through_only_on_exact_agreement():
-    from completiond.documents import Document
-    from lsp.server import CompletionServer
+    from completiond.completion.documents import Document
+    from completiond.lsp.server import CompletionServer
 
     server = CompletionServer(no_daemon=True)
     text = "x = \nrest\n"

@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch
 
-from completiond import stress
-from completiond.engine import Engine, EngineError, SamplingParams
-from completiond.kvcache import KVSequence
-from completiond.wire import Code
+from completiond.commands import stress
+from completiond.engine.engine import Engine, EngineError, SamplingParams
+from completiond.engine.kvcache import KVSequence
+from completiond.serving.wire import Code
 from test_fuzz_wire import InProcDaemon
 
 PY = "def f{i}(x, y):\n    total = x + y * {i}\n    return total  # {word}\n\n"
@@ -74,7 +74,7 @@ def test_over_context_refused_before_any_forward(engine, monkeypatch):
 
 @pytest.fixture
 def tiny_daemon(tiny_model_dir, tmp_path):
-    """The in-process daemon with the real tiny engine and the real prompt pipeline (Planner)."""
+    """The in-process daemon with the real tiny engine."""
     state = {}
 
     def loader(_cfg):
@@ -83,7 +83,6 @@ def tiny_daemon(tiny_model_dir, tmp_path):
         return e
 
     d = InProcDaemon(tmp_path, loader=loader)
-    d.service.simple_prompts = False
     probe = stress.WireProbe(d.socket_path)
     for _ in range(600):
         if probe.request("status", {})["r"]["state"] in ("ready", "busy"):
@@ -171,7 +170,7 @@ def test_over_context_request_refused_at_validation(tiny_daemon):
 
 
 FUTURES_PROBE = """
-import lsp.server as S
+import completiond.lsp.server as S
 _build = S.build_server
 def build_server(*a, **k):
     server = _build(*a, **k)

@@ -340,7 +340,7 @@ def test_fallback_renderer_and_keymaps_without_server(nvim, tmp_path):
 @pytest.fixture(scope="module")
 def editor_model_dir(tmp_path_factory) -> Path:
     """The bundled model when it is there, else a tiny random one that happens to emit ASCII."""
-    from models import default_model_dir
+    from completiond.models import default_model_dir
 
     bundled = default_model_dir()
     if (bundled / "config.json").is_file():

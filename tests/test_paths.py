@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from completiond import paths
+from completiond.serving import paths
 
 
 def test_runtime_dir_prefers_xdg(monkeypatch, tmp_path):

@@ -7,9 +7,10 @@ import os
 import pytest
 
 from completiond.config import Config
-from completiond.healing import TokenHealer
-from completiond.prompt import PromptBuilder, PromptOptions
-from models.fim import make_template
+from completiond.completion.healing import TokenHealer
+from completiond.completion.prompt import PromptBuilder, PromptOptions
+from completiond.engine.model_info import ModelInfo
+from completiond.models.fim import make_template
 from tests.conftest import build_tokenizer
 
 
@@ -165,7 +166,7 @@ def test_pieces_reassemble_the_document(tok, lines, frac, heal):
 
 
 def test_sentencepiece_family_prompt_reassembles(tmp_path):
-    from completiond.healing import TokenBytes
+    from completiond.completion.healing import TokenBytes
     from tests.test_fim import FAMILIES, make_tokenizer
 
     tok = make_tokenizer(tmp_path, **FAMILIES["codellama"])
@@ -184,33 +185,27 @@ def test_sentencepiece_family_prompt_reassembles(tmp_path):
     assert names[:3] == ["<s>", "▁<PRE>", "▁<SUF>"]
 
 
-def test_planner_falls_back_when_the_template_setting_does_not_fit(tok):
+def test_builder_falls_back_when_the_template_setting_does_not_fit(tok):
     from completiond.config import merge
-    from completiond.prompt import Planner
-
     cfg, _ = merge(Config(), {"fimTemplate": "starcoder"})
-    planner = Planner(tok, cfg, max_context=512)
-    assert planner.template.name == "completiond"
-    assert planner.warnings and "starcoder" in planner.warnings[0]
-    plan = planner.plan("def add(a, b):\n    return a", 26)
-    assert plan.skip_reason is None and plan.ids[-1] != tok.convert_tokens_to_ids("<|fim_middle|>")
+    builder = PromptBuilder.for_model(tok, cfg, max_context=512)
+    assert builder.template.name == "completiond"
+    assert builder.warnings and "starcoder" in builder.warnings[0]
+    prompt = builder.build("def add(a, b):\n    return a", 26)
+    assert prompt.skip_reason is None and prompt.ids[-1] != tok.convert_tokens_to_ids("<|fim_middle|>")
 
 
-def test_planner_keeps_prompts_within_the_trained_context(tok, tmp_path):
-    from completiond.prompt import Planner
-
+def test_builder_keeps_prompts_within_the_trained_context(tok, tmp_path):
     (tmp_path / "completiond.json").write_text('{"train_context": 256}')
-    planner = Planner(tok, Config(), max_context=4096, model_dir=tmp_path)
-    assert planner.options.max_prompt_tokens == 256 - Config().max_tokens
+    builder = PromptBuilder.for_model(tok, Config(), max_context=4096, info=ModelInfo.read(tmp_path))
+    assert builder.options.max_prompt_tokens == 256 - Config().max_tokens
     doc = document()
-    plan = planner.plan(doc, len(doc) // 2)
-    assert len(plan.ids) + Config().max_tokens <= 256
-    assert Planner(tok, Config(), max_context=4096).options.max_prompt_tokens == 4096 - Config().max_tokens
+    prompt = builder.build(doc, len(doc) // 2)
+    assert len(prompt.ids) + Config().max_tokens <= 256
+    assert PromptBuilder.for_model(tok, Config(), max_context=4096).options.max_prompt_tokens == 4096 - Config().max_tokens
 
 
 def test_context_room_is_reserved_only_with_context(tok):
-    from completiond.prompt import Planner
-
     b = PromptBuilder(make_template(tok), PromptOptions(prefix_tokens=1024, suffix_tokens=256, context_tokens=256,
                                                         max_prompt_tokens=480))
     assert b.budgets(False)[2] == 0 and b.budgets(False)[0] > b.budgets(True)[0]
@@ -220,8 +215,8 @@ def test_context_room_is_reserved_only_with_context(tok):
     p = b.build(doc, cur, context=big)
     assert 0 < len(p.context_ids) <= b.budgets(True)[2]   # shortened, not dropped
     assert len(p.ids) <= 480
-    planner = Planner(tok, Config(), max_context=512 + Config().max_tokens)
-    assert 0 < planner.context_tokens <= Config().context_tokens
+    builder = PromptBuilder.for_model(tok, Config(), max_context=512 + Config().max_tokens)
+    assert 0 < builder.context_tokens <= Config().context_tokens
 
 
 def test_psm_family_keeps_everything_before_the_cursor_line(tmp_path):

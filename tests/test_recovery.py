@@ -18,8 +18,9 @@ import time
 
 import pytest
 
-from completiond import stress, wire
-from completiond.wire import Code
+from completiond.commands import stress
+from completiond.serving import wire
+from completiond.serving.wire import Code
 from test_fuzz_wire import InProcDaemon
 from test_scheduler import FakeEngine
 
@@ -107,8 +108,8 @@ async def test_kill9_lsp_process_frees_its_state(tmp_path):
     daemon = InProcDaemon(tmp_path, engine=engine)
     a = b = None
     try:
-        a = await stress.RawLsp.start({"maxTokens": 1000}, tmp_path)
-        b = await stress.RawLsp.start({"maxTokens": 4}, tmp_path)
+        a = await stress.RawLsp.start({"maxTokens": 1000, "tokenHealing": False}, tmp_path)
+        b = await stress.RawLsp.start({"maxTokens": 4, "tokenHealing": False}, tmp_path)
         for i in range(3):
             a.notify("textDocument/didOpen", stress.did_open(f"file:///a{i}.py", TEXT))
         b.notify("textDocument/didOpen", stress.did_open("file:///b.py", TEXT))
@@ -175,7 +176,7 @@ PARAMS = {
 @pytest.mark.parametrize("target, method", [
     ("service.open", "open"), ("service.change", "change"), ("service.close", "close"),
     ("service.complete", "complete"), ("service.status", "status"), ("service.stats", "stats"),
-    ("server._request", "ping"), ("engine.generate", "complete"), ("service._run", "complete"),
+    ("service.request", "ping"), ("engine.generate", "complete"), ("service._run", "complete"),
     ("scheduler.submit", "complete"),
 ])
 @pytest.mark.parametrize("exc", [RuntimeError, AttributeError, MemoryError])
@@ -233,8 +234,8 @@ def test_exception_in_status_listener_or_handshake_is_contained(inproc):
 
 
 LSP_INJECT = """
-import lsp.server as S
-from completiond import client as C
+import completiond.lsp.server as S
+from completiond.serving import client as C
 _calls = {"suggest": 0, "notify": 0}
 _suggest = S.CompletionServer.suggest
 async def suggest(self, *a, **k):
@@ -257,7 +258,7 @@ C.DaemonSession.notify = notify
 @pytest.mark.slow
 async def test_exception_in_lsp_handlers_fails_only_that_request(tmp_path):
     daemon = InProcDaemon(tmp_path)
-    lsp = await stress.RawLsp.start({"maxTokens": 4}, tmp_path, pre=LSP_INJECT)
+    lsp = await stress.RawLsp.start({"maxTokens": 4, "tokenHealing": False}, tmp_path, pre=LSP_INJECT)
     try:
         uri = "file:///lspinj.py"
         lsp.notify("textDocument/didOpen", stress.did_open(uri, TEXT))

@@ -1,34 +1,36 @@
-"""Latest-wins scheduling, cancellation and fairness, with a fake engine (no torch)."""
+"""Latest-wins scheduling, cancellation and fairness, with a fake engine (no model)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from completiond import config
-from completiond.daemon import Service, ServiceError
-from completiond.scheduler import CANCELLED, OK, Job, Overloaded, Scheduler
-from completiond.wire import Code
+from completiond.models.tiny import build_tokenizer
+from completiond.serving.service import Service, ServiceError
+from completiond.serving.scheduler import CANCELLED, OK, Job, Overloaded, Scheduler
+from completiond.serving.wire import Code
 
 
-class CharTokenizer:
-    """One token per character; id 0 is EOS. Enough tokenizer for the completion glue."""
+@functools.lru_cache(maxsize=1)
+def fake_tokenizer():
+    """A real byte-level BPE (the tiny models' tokenizer, trained in a moment): the real prompt
+    pipeline accepts it, so fakes exercise the same path as real models. Its EOS is id 0."""
+    from transformers import AutoTokenizer
 
-    bos_token_id = None
-    all_special_ids = [0]
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, **_):
-        return "".join(chr(i) for i in ids if i)
-
-    def get_vocab(self):
-        return {}
+    directory = Path(tempfile.mkdtemp(prefix="completiond-fake-tokenizer-"))
+    build_tokenizer(directory)
+    tok = AutoTokenizer.from_pretrained(directory)
+    assert tok.eos_token_id == 0
+    return tok
 
 
 @dataclass
@@ -57,7 +59,7 @@ class FakeEngine:
     continuation: str = "x = 1\n"
     per_round: int = 2
     round_s: float = 0.0
-    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
+    tokenizer: Any = field(default_factory=fake_tokenizer)
     model_id: str = "fake"
     device: str = "cpu"
     eos_token_ids: set = field(default_factory=lambda: {0})
@@ -248,8 +250,9 @@ def test_stop_answers_queued_jobs():
 
 
 async def ready_service(engine: FakeEngine, **kw) -> Service:
-    cfg, _ = config.merge(config.Config(), {"maxTokens": 16})
-    service = Service(cfg, loader=lambda _cfg: engine, simple_prompts=True, **kw)
+    # The fake ignores the healing constraint, so its scripted text is what the user sees.
+    cfg, _ = config.merge(config.Config(), {"maxTokens": 16, "tokenHealing": False})
+    service = Service(cfg, loader=lambda _cfg: engine, **kw)
     service.start_loading()
     for _ in range(500):
         if service.state == "ready":

@@ -30,7 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from completiond import paths, stress, wire
+from completiond.serving import paths
+from completiond.commands import stress
+from completiond.serving import wire
 from test_fuzz_wire import InProcDaemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +85,8 @@ def test_daemon_refuses_loose_or_symlinked_directory(tmp_path):
 
 
 def _start_in(rundir: Path) -> None:
-    from completiond.daemon import DaemonServer, Service
+    from completiond.serving.server import DaemonServer
+    from completiond.serving.service import Service
     from completiond import config
 
     async def go():
@@ -160,7 +163,7 @@ def test_second_user_cannot_connect(other_user, caplog):
             assert f"refused connection from uid {other_user.pw_uid}" in caplog.text
         else:
             # Not root: forge the peer uid the kernel reports, to drive the same refusal.
-            import completiond.daemon as daemon_mod
+            import completiond.serving.service as daemon_mod
 
             real = daemon_mod.paths.peer_uid
             daemon_mod.paths.peer_uid = lambda _s: os.getuid() + 4242
@@ -190,7 +193,7 @@ class _Payload:
 
 
 def test_pickle_weights_refused_and_never_unpickled(tiny_model_dir, tmp_path):
-    from completiond.engine import Engine, EngineError
+    from completiond.engine.engine import Engine, EngineError
 
     marker = tmp_path / "UNPICKLED"
     payload = pickle.dumps({"model.embed_tokens.weight": _Payload(marker)})
@@ -211,7 +214,7 @@ def test_pickle_weights_refused_and_never_unpickled(tiny_model_dir, tmp_path):
     assert not marker.exists(), "a pickle was unpickled"
     # (c) through the daemon: the state is an error naming the reason; nothing unpickled.
     from completiond import config as config_mod
-    from completiond.daemon import load_engine
+    from completiond.serving.service import load_engine
 
     daemon = InProcDaemon(tmp_path / "rt", loader=lambda _c: load_engine(
         config_mod.merge(config_mod.Config(), {"model": str(only), "device": "cpu"})[0]))
@@ -326,12 +329,13 @@ try:
     jinja2.environment.Environment.from_string = spy
 except ImportError:
     pass
-from completiond import config, completion
-from completiond.engine import Engine, CancelToken
+from completiond import config
+from completiond.completion.suggest import suggest
+from completiond.engine.engine import Engine, CancelToken
 engine = Engine.load(model, device="cpu")
 cfg, _ = config.merge(config.Config(), {"model": model, "maxTokens": 4})
 text = "def add(a, b):\n    return "
-s, gen = completion.suggest(engine, text, len(text), cfg, cancel=CancelToken(), path="/w/a.py", language="python")
+s, gen = suggest(engine, text, len(text), cfg, cancel=CancelToken(), path="/w/a.py", language="python")
 print(json.dumps({"rendered": rendered, "marker": marker.exists(), "generated": gen is not None and len(gen.tokens)}))
 """
 

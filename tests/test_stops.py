@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from completiond.healing import TokenBytes
-from completiond.stops import StopRules, TextRules, postprocess, trim_suffix_overlap, wants_multiline
+from completiond.completion.healing import TokenBytes
+from completiond.completion.stops import StopRules, TextRules, postprocess, trim_suffix_overlap, wants_multiline
 from tests.conftest import build_tokenizer
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from models import corpus
+from completiond.models import corpus
 
 
 def test_corpus_split_is_deterministic_and_disjoint():
@@ -26,7 +26,7 @@ def test_corpus_split_is_deterministic_and_disjoint():
 
 
 def test_layer_weights_increase_with_depth_and_normalize():
-    from models.train_default import layer_weights
+    from completiond.models.train_default import layer_weights
 
     w = layer_weights(10, 0.1)
     assert len(w) == 10
@@ -37,8 +37,8 @@ def test_layer_weights_increase_with_depth_and_normalize():
 
 @pytest.fixture(scope="module")
 def small_data():
-    from models import tokenizer_build
-    from models.train_default import Data
+    from completiond.models import tokenizer_build
+    from completiond.models.train_default import Data
 
     files = corpus.training_files()[:20]
     tok = tokenizer_build.train_tokenizer((f.read_text() for f in files), vocab_size=400)
@@ -81,7 +81,7 @@ def test_custom_forward_matches_transformers(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from models.train_default import forward_all_exits
+    from completiond.models.train_default import forward_all_exits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     x = torch.randint(0, model.config.vocab_size, (2, 17))

@@ -8,7 +8,7 @@ import struct
 import msgpack
 import pytest
 
-from completiond import wire
+from completiond.serving import wire
 
 
 async def feed(data: bytes) -> asyncio.StreamReader:

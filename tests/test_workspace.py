@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from completiond.workspace import IgnoreRules, Workspace, language_of
+from completiond.completion.workspace import IgnoreRules, Workspace, language_of
 
 
 @pytest.fixture()

@@ -23,9 +23,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from completiond.cancel import CancelToken
+from completiond.engine.cancel import CancelToken
 
-log = logging.getLogger("completiond.scheduler")
+log = logging.getLogger(__name__)
 
 OK = "ok"
 CANCELLED = "cancelled"

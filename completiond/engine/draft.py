@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from completiond import sampling
+from completiond.engine import sampling
 
 if TYPE_CHECKING:
-    from completiond.engine import Engine
-    from completiond.kvcache import KVSequence
+    from completiond.engine.engine import Engine
+    from completiond.engine.kvcache import KVSequence
 
 
 @dataclass

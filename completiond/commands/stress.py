@@ -1,11 +1,11 @@
 """Fuzzing and load drivers for the daemon and the LSP server (tests/test_fuzz_*.py, test_load.py
 run bounded versions of the same code; docs/RELIABILITY.md has the figures of the long runs).
 
-    python -m completiond.stress fuzz --target wire --frames 20000 --model DIR
-    python -m completiond.stress fuzz --target lsp --frames 5000 --model DIR
-    python -m completiond.stress load --clients 4 --rate 20 --duration 60 --model DIR
+    completiond stress fuzz --target wire --frames 20000 --model DIR
+    completiond stress fuzz --target lsp --frames 5000 --model DIR
+    completiond stress load --clients 4 --rate 20 --duration 60 --model DIR
 
---tiny builds a tiny random model (tests/conftest.py) instead of --model. Every run
+--tiny builds a tiny random model (completiond.models.tiny) instead of --model. Every run
 gets its own XDG_RUNTIME_DIR, so it never touches the user's daemon, and kills what it
 started. Output: one JSON object with the figures (frames tried, replies, p99, ...).
 
@@ -32,9 +32,10 @@ from typing import Any, Callable
 
 import msgpack
 
-from completiond import paths, wire
+from completiond.serving import paths
+from completiond.serving import wire
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source tree, for daemons started from a checkout
 
 # --- small helpers ---------------------------------------------------------------------------------------
 
@@ -565,7 +566,7 @@ class RawLsp:
 
 def utf16_position(text: str, offset: int) -> dict[str, int]:
     """LSP position (UTF-16) of a code-point offset; lines end at \\n, \\r\\n or \\r. Written independently
-    of completiond.documents, as the client's reference."""
+    of completiond.completion.documents, as the client's reference."""
     line = 0
     start = 0
     i = 0
@@ -812,11 +813,10 @@ def _model(args: argparse.Namespace, tmp: Path) -> str:
     if args.model:
         return str(Path(args.model).resolve())
     if args.tiny:
-        sys.path.insert(0, str(ROOT / "tests"))
-        from conftest import make_tiny_model  # noqa: E402  (dev script: reuses the test fixture's builder)
+        from completiond.models.tiny import make_tiny_model
 
         return str(make_tiny_model(tmp / "tiny"))
-    from models import default_model_dir
+    from completiond.models import default_model_dir
 
     path = default_model_dir()
     if not (path / "config.json").is_file():
@@ -848,9 +848,8 @@ async def _fuzz_lsp_main(model: str, runtime: Path, messages: int, seed: int, se
         daemon.wait()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m completiond.stress", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="mode", required=True)
     f = sub.add_parser("fuzz", help="hostile frames (daemon socket) or messages (LSP stdio)")
     f.add_argument("--target", choices=("wire", "lsp"), default="wire")
     f.add_argument("--frames", type=int, default=20000, help="frames (wire) or messages (lsp) to send")
@@ -863,13 +862,15 @@ def main(argv: list[str] | None = None) -> int:
     for p in (f, load):
         p.add_argument("--model", help="model directory (default: the bundled model)")
         p.add_argument("--tiny", action="store_true", help="a tiny random model built on the spot")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="completiond-stress-"))
     runtime = tmp / "rt"
     runtime.mkdir(mode=0o700)
     try:
         model = _model(args, tmp)
-        if args.command == "load":
+        if args.mode == "load":
             report = asyncio.run(run_load(model, runtime, args.clients, args.rate, args.duration))
             ok = (report["responses"] == report["requests"] and report["max_queued"] <= report["documents"]
                   and report["errors"] == 0)
@@ -893,7 +894,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         kill_daemon_in(runtime)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from completiond.workspace import language_of
+from completiond.completion.workspace import language_of
 
 CLOSING_RUN = set(")]}:;,'\"")
 
@@ -208,7 +208,7 @@ def is_duplication(pos: Position, suggestion: str) -> bool:
     right = pos.text[pos.offset:le].strip()
     head = first_line(suggestion).rstrip()
     if right:
-        from completiond.stops import CLOSERS, bracket_scan
+        from completiond.completion.stops import CLOSERS, bracket_scan
 
         line_start = pos.text.rfind("\n", 0, pos.offset) + 1
         before = pos.text[line_start:pos.offset]
@@ -263,36 +263,36 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 
 # -- running ---------------------------------------------------------------
 
-def complete(engine: Any, planner: Any, pos: Position, params: Any, heal: bool | None = None,
+def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool | None = None,
              workspace: "EvalWorkspace | None" = None) -> Outcome:
     """One request through the daemon's path, timed end to end."""
     t0 = time.perf_counter()
     language = language_of(pos.path)
     context: list[tuple[str, str]] = []
     if workspace is not None:
-        count = lambda s: len(planner.template.encode(s))  # noqa: E731
-        context = workspace.store.context(workspace.root / pos.path, language, planner.context_tokens, count)
-    plan = planner.plan(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
-    if plan.skip_reason is not None:
-        return Outcome(pos, "", 0.0, skipped=plan.skip_reason)
-    gen = engine.generate(plan.ids, params, stop=plan.stop, constraint=plan.constraint)
-    suggestion = plan.suggestion(gen.tokens)
+        count = lambda s: len(builder.template.encode(s))  # noqa: E731
+        context = workspace.store.context(workspace.root / pos.path, language, builder.context_tokens, count)
+    prompt = builder.build(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
+    if prompt.skip_reason is not None:
+        return Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
+    gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
+    suggestion = prompt.suggestion(gen.tokens)
     ms = 1000 * (time.perf_counter() - t0)
     return Outcome(pos, suggestion, ms, gen.stats.to_dict())
 
 
 def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None, speculative: bool,
              show: int = 0, out=sys.stderr, workspace: Any = None) -> list[Outcome]:
-    from completiond.engine import SamplingParams
-    from completiond.prompt import Planner
+    from completiond.engine.engine import SamplingParams
+    from completiond.completion.prompt import PromptBuilder
 
-    planner = Planner.for_engine(engine, cfg)
+    builder = PromptBuilder.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
     if positions:
-        complete(engine, planner, positions[0], params, heal, workspace)   # warm-up: first-call costs are not latency
+        complete(engine, builder, positions[0], params, heal, workspace)   # warm-up: first-call costs are not latency
     outcomes = []
     for i, pos in enumerate(positions):
-        o = complete(engine, planner, pos, params, heal, workspace)
+        o = complete(engine, builder, pos, params, heal, workspace)
         outcomes.append(o)
         if i < show:
             print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
@@ -307,38 +307,38 @@ def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Any, max_
     prompt); every later keystroke should be served almost entirely from
     the cache with a suffix-first template.
     """
-    from completiond.engine import SamplingParams
-    from completiond.prompt import Planner
+    from completiond.engine.engine import SamplingParams
+    from completiond.completion.prompt import PromptBuilder
 
-    planner = Planner.for_engine(engine, cfg)
+    builder = PromptBuilder.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=min(8, cfg.max_tokens), temperature=0.0)
     reused = total = steps = 0
     for pos in positions:
         for j in range(0, min(max_chars, len(pos.target)) + 1):
             typed = pos.target[:j]
             text = pos.text[:pos.offset] + typed + pos.text[pos.offset:]
-            plan = planner.plan(text, pos.offset + j, path=pos.path, language=language_of(pos.path))
-            if plan.skip_reason is not None:
+            prompt = builder.build(text, pos.offset + j, path=pos.path, language=language_of(pos.path))
+            if prompt.skip_reason is not None:
                 break
-            gen = engine.generate(plan.ids, params, stop=plan.stop, constraint=plan.constraint)
+            gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
             if j:
                 st = gen.stats.to_dict()
                 reused += st.get("reused_tokens", 0)
                 total += st.get("prompt_tokens", 0)
                 steps += 1
     return {"typing_cache_fraction": reused / total if total else 0.0, "typing_keystrokes": steps,
-            "template": planner.template.name, "spm": planner.template.spm}
+            "template": builder.template.name, "spm": builder.template.spm}
 
 
 @dataclass
 class EvalWorkspace:
-    store: Any      # completiond.workspace.Workspace
+    store: Any      # completiond.completion.workspace.Workspace
     root: Path
 
 
 def _workspace(root: Path) -> EvalWorkspace:
     """A scanned, unwatched Workspace over DIR: the other files become context candidates."""
-    from completiond.workspace import Workspace
+    from completiond.completion.workspace import Workspace
 
     ws = Workspace([root], scan=False)
     ws.scan()
@@ -359,11 +359,11 @@ def _config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from completiond.engine import Engine, EngineError
+    from completiond.engine.engine import Engine, EngineError
 
     files = None
     if args.heldout:
-        from models import corpus
+        from completiond.models import corpus
 
         args.dir = corpus.stdlib_root()
         files = [f.path for f in corpus.heldout_files()]

@@ -38,7 +38,7 @@ URI_NAME = "typing_bench.py"
 
 def default_file() -> Path:
     """A held-out file of the bundled model's corpus, of moderate size (deterministic)."""
-    from models.corpus import heldout_files
+    from completiond.models.corpus import heldout_files
 
     files = [f for f in heldout_files() if 4_000 <= f.path.stat().st_size <= 40_000]
     if not files:
@@ -293,7 +293,7 @@ def _stop_daemon(xdg_dir: Path) -> None:
     """Stop the benchmark's daemon (started by our LSP subprocess in its private directory)."""
     import signal
 
-    from completiond import paths
+    from completiond.serving import paths
 
     directory = xdg_dir / "completiond"
     try:
@@ -317,12 +317,12 @@ def _stop_daemon(xdg_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m completiond.typing_bench [--model M] [--file F] [--keystrokes N]` (the lead's
+    """`python -m completiond.commands.bench_typing [--model M] [--file F] [--keystrokes N]` (the lead's
     `completiond bench --typing` is the documented entry point)."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="completiond.typing_bench")
+    parser = argparse.ArgumentParser(prog="completiond.commands.bench_typing")
     parser.add_argument("--model")
     parser.add_argument("--file", type=Path)
     parser.add_argument("--keystrokes", type=int, default=200)

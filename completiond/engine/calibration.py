@@ -2,16 +2,21 @@
 
 Records live in the user's cache directory keyed by the model's identity and
 are never written into the model. A model directory may ship a default in its
-`completiond.json` under "speculation" (the bundled model does); a user
-record wins over it.
+`completiond.json` under "speculation" (the bundled model does: see
+model_info.py); a user record wins over it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from completiond.engine.model_info import ModelInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,25 +61,21 @@ def record_path(model_id: str) -> Path:
     return cache_dir() / f"{model_id}.json"
 
 
-def load_calibration(model_id: str, model_dir: Path | None, num_layers: int) -> Calibration:
-    candidates = [(record_path(model_id), None, "user calibration")]
-    if model_dir is not None:
-        candidates.append((model_dir / "completiond.json", "speculation", "model default"))
-    for path, key, source in candidates:
+def load_calibration(model_id: str, info: ModelInfo | None, num_layers: int) -> Calibration:
+    """The user's record for this model, else the model's shipped defaults, else the heuristic."""
+    path = record_path(model_id)
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()), num_layers, f"user calibration ({path})")
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        # A damaged record must not stop the model from loading.
+        log.warning("ignoring calibration %s: %s", path, exc)
+    if info is not None and info.speculation is not None:
         try:
-            data = json.loads(path.read_text())
-            if key is not None:
-                if key not in data:
-                    continue  # a model file with other metadata but no speculation defaults
-                data = data[key]
-            return Calibration.from_dict(data, num_layers, f"{source} ({path})")
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            # A damaged record must not stop the model from loading.
-            import logging
-
-            logging.getLogger(__name__).warning("ignoring calibration %s: %s", path, exc)
+            return Calibration.from_dict(info.speculation, num_layers, f"model default ({info.path})")
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the speculation defaults in %s: %s", info.path, exc)
     return Calibration.heuristic(num_layers)
 
 

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from completiond import paths, wire
-from completiond.wire import Code, RemoteError
+from completiond.serving import paths
+from completiond.serving import wire
+from completiond.serving.wire import Code, RemoteError
 
-log = logging.getLogger("completiond.client")
+log = logging.getLogger(__name__)
 
 LOG_ROTATE_BYTES = 4 * 1024 * 1024
 CRASH_WINDOW = 10.0          # a daemon dying this soon after we connected counts as a failed start

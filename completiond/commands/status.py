@@ -1,4 +1,4 @@
-"""`completiond status` and `completiond stop`: talk to the running daemon (never start one)."""
+"""`completiond status`: what the running daemon serves and how it has done (never starts one)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
-from completiond import paths
-from completiond.client import DaemonClient, DaemonUnavailable
-from completiond.wire import RemoteError
+from completiond.serving import paths
+from completiond.serving.client import DaemonClient, DaemonUnavailable
+from completiond.serving.wire import RemoteError
 
 NOT_RUNNING = 1
 
@@ -22,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
 
 
-async def _connect(directory: Path) -> DaemonClient:
+async def connect(directory: Path) -> DaemonClient:
     paths.check_private_dir(directory)
     socket = paths.socket_path(directory)
     try:
@@ -32,7 +31,7 @@ async def _connect(directory: Path) -> DaemonClient:
 
 
 async def _status(directory: Path, as_json: bool, timeout: float) -> int:
-    client = await _connect(directory)
+    client = await connect(directory)
     try:
         stats = await client.request("stats", {}, timeout=timeout)
     finally:
@@ -56,29 +55,15 @@ async def _status(directory: Path, as_json: bool, timeout: float) -> int:
     return 0
 
 
-async def _stop(directory: Path, timeout: float) -> int:
-    client = await _connect(directory)
-    try:
-        reply = await client.request("stop", {}, timeout=timeout)
-    finally:
-        await client.close()
-    socket = paths.socket_path(directory)
-    deadline = time.monotonic() + timeout
-    while socket.exists() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if socket.exists():
-        print(f"daemon pid {reply.get('pid')} did not stop within {timeout:g} s", file=sys.stderr)
-        return 1
-    print(f"stopped daemon pid {reply.get('pid')}")
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
+    return with_running_daemon(args, lambda directory: _status(directory, args.json, args.timeout))
+
+
+def with_running_daemon(args: argparse.Namespace, action) -> int:
+    """Run `action(directory)` against the running daemon (never start one); its failures as exit codes."""
     directory = args.runtime_dir or paths.runtime_dir()
     try:
-        if args.command == "stop":
-            return asyncio.run(_stop(directory, args.timeout))
-        return asyncio.run(_status(directory, args.json, args.timeout))
+        return asyncio.run(action(directory))
     except paths.InsecureDirectoryError as exc:
         if "does not exist" in str(exc):
             print(f"no completiond daemon is running ({directory} does not exist)", file=sys.stderr)

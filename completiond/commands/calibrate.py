@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from completiond.calibration import Calibration
+from completiond.engine.calibration import Calibration
 
 # A candidate must beat plain decoding by this factor to switch speculation on:
 # below it, measurement noise could pick a setting that is slower in practice.
@@ -53,7 +53,7 @@ def frequent_ids(engine, texts: list[str]) -> list[int]:
 
 def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
               log=print, ranked_ids: list[int] | None = None) -> tuple["Calibration", list[dict]]:
-    from completiond.engine import SamplingParams
+    from completiond.engine.engine import SamplingParams
 
     def timed(params) -> tuple[float, int, int, int, float, float, int]:
         """Seconds, drafted, accepted, rejected, draft ms, verify ms and rounds over all prompts, cold cache."""
@@ -108,9 +108,9 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
 
 
 def run(args: argparse.Namespace) -> int:
-    from completiond.bench import prompt_texts
-    from completiond.calibration import save_calibration
-    from completiond.engine import Engine, EngineError
+    from completiond.commands.bench import prompt_texts
+    from completiond.engine.calibration import save_calibration
+    from completiond.engine.engine import Engine, EngineError
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if files is None:
         # token frequencies from training files: the held-out ones stay unseen
-        from models.corpus import training_files
+        from completiond.models.corpus import training_files
 
         freq_texts = [f.read_text() for f in training_files()[:: max(1, len(training_files()) // 200)]]
     else:

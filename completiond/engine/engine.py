@@ -15,7 +15,6 @@ last one, `pending`, which is the next model input.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,17 +24,19 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from completiond import sampling
-from completiond.calibration import Calibration, load_calibration
-from completiond.cancel import CancelToken  # noqa: F401  (part of the engine API)
-from completiond.draft import Draft, EarlyExitDraft
-from completiond.kvcache import KVSequence, PrefixCache
-from models.adapters import Adapter, UnsupportedModel, adapter_for
+from completiond.engine import sampling
+from completiond.errors import CompletionError
+from completiond.engine.calibration import Calibration, load_calibration
+from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
+from completiond.engine.draft import Draft, EarlyExitDraft
+from completiond.engine.kvcache import KVSequence, PrefixCache
+from completiond.engine.model_info import ModelInfo
+from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
 PREFILL_CHUNK = 256
 
 
-class EngineError(Exception):
+class EngineError(CompletionError):
     """A request or model the engine refuses, with a message meant for the user."""
 
 
@@ -160,8 +161,9 @@ def model_identity(path: Path | str) -> str:
 
 class Engine:
     def __init__(self, model, tokenizer, model_id: str, device: str, cache_bytes: int | None = None,
-                 calibration: Calibration | None = None, name: str = ""):
+                 calibration: Calibration | None = None, name: str = "", info: ModelInfo | None = None):
         self.model = model
+        self.info = info or ModelInfo()
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.name = name or model_id
@@ -176,7 +178,7 @@ class Engine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # Longest context the model was trained on, when it says (the bundled model's
         # completiond.json does); prompt builders budget against this, not max_context.
-        self.train_context = self.max_context
+        self.train_context = min(self.max_context, self.info.train_context or self.max_context)
         if cache_bytes is None:
             cache_bytes = (512 if device == "cpu" else 4096) << 20
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
@@ -195,7 +197,7 @@ class Engine:
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         if not model:
-            from models import default_model_dir
+            from completiond.models import default_model_dir
 
             model = default_model_dir()
         device = pick_device(device)
@@ -221,14 +223,13 @@ class Engine:
             raise EngineError(f"cannot load model {model!r}: {exc}") from exc
         hf.to(device).eval()
         model_id = model_identity(local if is_local else source)
+        info = ModelInfo.read(local if is_local else None)
         try:
             engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
-                       calibration=load_calibration(model_id, local if is_local else None, hf.config.num_hidden_layers),
-                       name=str(model))
+                         calibration=load_calibration(model_id, info, hf.config.num_hidden_layers),
+                         name=str(model), info=info)
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {model!r}: {exc}") from exc
-        if is_local:
-            engine.train_context = min(engine.max_context, _train_context(local) or engine.max_context)
         return engine
 
     def set_draft_vocab(self, ids: Sequence[int]) -> None:
@@ -493,14 +494,6 @@ def choose_k(alpha: float, cost: float, k_max: int) -> int:
     """
     a = min(max(alpha, 0.0), 0.999)
     return max(range(1, k_max + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * cost + 1))
-
-
-def _train_context(model_dir: Path) -> int | None:
-    try:
-        value = json.loads((model_dir / "completiond.json").read_text()).get("train_context")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

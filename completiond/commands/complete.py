@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from completiond import config as config_mod
-from completiond.documents import UTF32, line_starts, position_to_offset
+from completiond.completion.documents import UTF32, line_starts, position_to_offset
 
 
 class TargetError(ValueError):
@@ -74,15 +74,15 @@ def _config(args: argparse.Namespace) -> tuple[Any, list[str]]:
 
 
 def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
-    from completiond import completion
-    from completiond.daemon import load_engine
-    from completiond.engine import CancelToken
+    from completiond.completion.suggest import suggest
+    from completiond.serving.service import load_engine
+    from completiond.engine.engine import CancelToken
 
     t0 = time.perf_counter()
     engine = load_engine(cfg)
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
-    suggestion, gen = completion.suggest(engine, text, offset, cfg, cancel=CancelToken(), path=None)
+    suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=None)
     if gen is None:
         return {"suggestion": None, "finish_reason": "skipped", "stats": {}, "latency_ms": 0.0,
                 "load_ms": round(load_ms, 1), "model": engine.model_id, "device": engine.device}
@@ -96,8 +96,7 @@ def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
 
 
 async def complete_via_daemon(cfg: Any, path: Path, text: str, offset: int) -> dict[str, Any]:
-    from completiond.client import connect_or_spawn
-    from completiond.daemon import ENGINE_KEYS
+    from completiond.serving.client import connect_or_spawn
 
     settings = config_mod.to_settings(cfg)
     client = await connect_or_spawn(settings, client_name="completiond-complete")
@@ -109,7 +108,7 @@ async def complete_via_daemon(cfg: Any, path: Path, text: str, offset: int) -> d
         t0 = time.perf_counter()
         result = await client.request("complete", {
             "uri": uri, "version": 1, "offset": offset,
-            "settings": {k: v for k, v in settings.items() if k not in ENGINE_KEYS}})
+            "settings": {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS}})
         result["round_trip_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         status = client.welcome.get("status", {})
         result["model"], result["device"] = status.get("model"), status.get("device")

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from completiond.healing import TokenBytes
+from completiond.completion.healing import TokenBytes
 
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in OPENERS.items()}
@@ -348,7 +348,7 @@ class StopRules:
     @classmethod
     def for_prompt(cls, prompt, template, multiline: str = "auto", max_lines: int = 8,
                    token_bytes: TokenBytes | None = None) -> "StopRules":
-        """Rules for a completiond.prompt.Prompt and its models.fim template."""
+        """Rules for a completiond.completion.prompt.Prompt and its models.fim template."""
         table = token_bytes or TokenBytes.for_tokenizer(template.tokenizer)
         healed = prompt.healing.removed if prompt.healing is not None else ""
         return cls(table, prompt.line_prefix, prompt.line_suffix, prompt.following, multiline, max_lines,

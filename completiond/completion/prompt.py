@@ -26,9 +26,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from completiond.healing import Healing, TokenHealer
-from completiond.stops import StopRules
-from models.fim import FimError, FimTemplate, make_template
+from completiond.completion.healing import Healing, TokenHealer
+from completiond.completion.stops import StopRules
+from completiond.completion.workspace import comment_for
+from completiond.engine.model_info import ModelInfo
+from completiond.models.fim import FimError, FimTemplate, make_template
 
 # Upper bound on characters per token used to size the text windows before
 # tokenizing: code averages 3-4, indentation runs a bit more. Too large only
@@ -46,6 +48,8 @@ class PromptOptions:
     max_document_chars: int = 8 * 1024 * 1024
     max_line_chars: int = 2000     # longer lines mean minified/generated text: no suggestion there
     heal: bool = True
+    multiline: str = "auto"        # the stop rules' multi-line policy (the multiline setting)
+    max_lines: int = 8
 
     @classmethod
     def from_config(cls, cfg: Any, max_context: int | None = None, **overrides) -> "PromptOptions":
@@ -59,6 +63,8 @@ class PromptOptions:
             context_tokens=int(cfg.context_tokens) if getattr(cfg, "workspace_context", True) else 0,
             max_prompt_tokens=max_prompt,
             heal=bool(getattr(cfg, "token_healing", True)),
+            multiline=str(getattr(cfg, "multiline", "auto")),
+            max_lines=int(getattr(cfg, "max_lines", 8)),
         )
         kw.update(overrides)
         return cls(**kw)
@@ -66,7 +72,12 @@ class PromptOptions:
 
 @dataclass
 class Prompt:
-    """Result of `PromptBuilder.build`. If skip_reason is set, ids is empty: show nothing."""
+    """Everything one request needs around `engine.generate`: the ids, the healing constraint and
+    the stop rules. Made by `PromptBuilder.build`. If skip_reason is set, ids is empty: show nothing.
+
+        gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
+        text = prompt.suggestion(gen.tokens)
+    """
 
     ids: list[int]
     skip_reason: str | None = None
@@ -81,6 +92,7 @@ class Prompt:
     prefix_line: int = 0       # absolute number of the first line in the prefix window
     suffix_end: int = 0        # document offset where the suffix window ends
     cursor_line_tokens: int = 0
+    stop: StopRules | None = None   # when generation ends, and what of it the editor shows
 
     @property
     def skipped(self) -> bool:
@@ -89,6 +101,10 @@ class Prompt:
     @property
     def constraint(self):
         return self.healing.constraint if self.healing is not None else None
+
+    def suggestion(self, tokens: Sequence[int]) -> str:
+        """Text to show after the cursor ('' = show nothing)."""
+        return self.stop.suggestion(tokens) if self.stop is not None else ""
 
 
 def skip_reason(text: str, cursor: int, options: PromptOptions) -> str | None:
@@ -110,10 +126,14 @@ def skip_reason(text: str, cursor: int, options: PromptOptions) -> str | None:
 
 
 class PromptBuilder:
-    """Builds prompts for one template; keeps a small cache of tokenized pieces.
+    """Builds prompts for one model's FIM template; keeps a small cache of tokenized pieces.
 
-    One builder per loaded model. Not thread-safe: use it from the daemon's
-    worker thread (like the engine).
+        builder = PromptBuilder.for_engine(engine, cfg)
+        prompt = builder.build(text, offset, context=ws.context(...), path=rel_path, language="python")
+
+    One builder per loaded model and prompt settings (`for_engine` is cheap after the first
+    time: the token tables are cached per tokenizer). Not thread-safe: use it from the
+    daemon's worker thread (like the engine).
     """
 
     def __init__(self, template: FimTemplate, options: PromptOptions | None = None,
@@ -126,6 +146,45 @@ class PromptBuilder:
         self.tokenized_chars = 0   # characters actually sent to the tokenizer (tests check the bound)
         self._contexts: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self._shift = 1 if getattr(template, "split_before_newline", False) else 0
+        self.warnings: list[str] = []   # settings problems worked around (shown to the user)
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, cfg: Any = None, *, max_context: int | None = None,
+                  vocab_size: int | None = None, device: Any = "cpu", info: ModelInfo | None = None,
+                  options: PromptOptions | None = None) -> "PromptBuilder":
+        """Template, healer and options for one model and these settings (a Config)."""
+        from completiond.config import Config
+
+        cfg = cfg if cfg is not None else Config()
+        info = info or ModelInfo()
+        warnings = []
+        try:
+            template = make_template(tokenizer, cfg.fim_template, default=info.fim_template)
+        except FimError as exc:
+            # A fimTemplate setting that does not fit the loaded model is a
+            # settings problem: report it and use what the model says.
+            warnings.append(f"fimTemplate: {exc}; using auto-detection")
+            template = make_template(tokenizer, "auto", default=info.fim_template)
+        healer = TokenHealer.for_tokenizer(tokenizer, vocab_size, device=device)
+        if info.train_context:
+            # Positions past the training length work mechanically but degrade
+            # quality: keep prompt + generation within what the model saw.
+            max_context = min(max_context or info.train_context, info.train_context)
+        builder = cls(template, options or PromptOptions.from_config(cfg, max_context), healer)
+        builder.warnings = warnings
+        return builder
+
+    @classmethod
+    def for_engine(cls, engine: Any, cfg: Any = None, **kw) -> "PromptBuilder":
+        # The healing mask must match the model's logits, which can be wider than the tokenizer.
+        vocab = getattr(engine, "vocab_size", None)
+        return cls.for_model(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
+                             device=getattr(engine, "device", "cpu"), info=getattr(engine, "info", None), **kw)
+
+    @property
+    def context_tokens(self) -> int:
+        """Token budget the context block really gets (ask the workspace for this much)."""
+        return self.budgets(True)[2]
 
     # -- pieces ----------------------------------------------------------
     def _encode(self, text: str, first: bool = False) -> list[int]:
@@ -143,15 +202,14 @@ class PromptBuilder:
 
     # -- public ----------------------------------------------------------
     def build(self, text: str, cursor: int, context: Sequence[tuple[str, str]] = (), path: str | None = None,
-              context_comment: str | None = None, heal: bool | None = None) -> Prompt:
+              language: str | None = None, heal: bool | None = None) -> Prompt:
         """Prompt ids for a completion at `cursor` in `text`.
 
         context: (path, text) snippets, already chosen and ordered by the
         workspace (stable order keeps their KV cached). Families with a file
         separator get them in their repository format; others get them as
-        plain text at the start of the prefix, each file under a
-        `context_comment` path line (e.g. "#"), or not at all if no comment
-        marker is given.
+        plain text at the start of the prefix, each file under a path line
+        in `language`'s comment syntax, or not at all if it has none.
         heal: override PromptOptions.heal for this request.
         """
         opt = self.options
@@ -172,8 +230,8 @@ class PromptBuilder:
         if context and context_budget > 0:
             if tpl.supports_file_context:
                 context_ids = self._file_context(list(context), path, context_budget)
-            elif context_comment:
-                context_text = self._text_context(list(context), context_comment, context_budget)
+            elif (comment := comment_for(language)):
+                context_text = self._text_context(list(context), comment, context_budget)
 
         # The cursor line's piece starts at the newline before it when the
         # tokenizer merges a newline with the next line's indentation.
@@ -204,10 +262,13 @@ class PromptBuilder:
         following = text[le + 1:following_end] if le < len(text) else ""
 
         ids = tpl.build(prefix_ids, suffix_ids, context_ids)
-        return Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=context_ids,
-                      healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
-                      prefix_start=prefix_start, prefix_line=prefix_line, suffix_end=suffix_end,
-                      cursor_line_tokens=len(cursor_ids))
+        prompt = Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=context_ids,
+                        healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
+                        prefix_start=prefix_start, prefix_line=prefix_line, suffix_end=suffix_end,
+                        cursor_line_tokens=len(cursor_ids))
+        prompt.stop = StopRules.for_prompt(prompt, tpl, opt.multiline, opt.max_lines,
+                                           token_bytes=self.healer.bytes if self.healer is not None else None)
+        return prompt
 
     def budgets(self, with_context: bool = True) -> tuple[int, int, int]:
         """(prefix, suffix, context) token budgets after fitting them into max_prompt_tokens.
@@ -388,114 +449,3 @@ def _line_start(text: str, end: int, lines: int) -> int:
         if nl < 0:
             return 0
     return pos
-
-
-@dataclass
-class Plan:
-    """Everything one request needs around `engine.generate`."""
-
-    prompt: Prompt
-    stop: StopRules | None
-
-    @property
-    def skip_reason(self) -> str | None:
-        return self.prompt.skip_reason
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt.ids
-
-    @property
-    def constraint(self):
-        return self.prompt.constraint
-
-    def suggestion(self, tokens: Sequence[int]) -> str:
-        """Text to show after the cursor ('' = show nothing)."""
-        return self.stop.suggestion(tokens) if self.stop is not None else ""
-
-
-class Planner:
-    """Template, healer and prompt builder for one loaded model.
-
-        planner = Planner.for_engine(engine, cfg)
-        plan = planner.plan(text, offset, context=ws.context(...), path=rel_path)
-        if plan.skip_reason is None:
-            gen = engine.generate(plan.ids, params, cancel=..., stop=plan.stop, constraint=plan.constraint)
-            text = plan.suggestion(gen.tokens)
-
-    Rebuild it (cheap after the first time: the token tables are cached per
-    tokenizer) when the model or the prompt-related settings change.
-    """
-
-    def __init__(self, tokenizer: Any, cfg: Any = None, *, max_context: int | None = None,
-                 vocab_size: int | None = None, device: Any = "cpu", model_dir: Any = None,
-                 options: PromptOptions | None = None):
-        from completiond.config import Config
-
-        self.cfg = cfg if cfg is not None else Config()
-        self.warnings: list[str] = []
-        try:
-            self.template = make_template(tokenizer, self.cfg.fim_template, model_dir)
-        except FimError as exc:
-            # A fimTemplate setting that does not fit the loaded model is a
-            # settings problem: report it and use what the vocabulary says.
-            self.warnings.append(f"fimTemplate: {exc}; using auto-detection")
-            self.template = make_template(tokenizer, "auto", model_dir)
-        self.healer = TokenHealer.for_tokenizer(tokenizer, vocab_size, device=device)
-        trained = _trained_context(model_dir)
-        if trained:
-            # Positions past the training length work mechanically but degrade
-            # quality: keep prompt + generation within what the model saw.
-            max_context = min(max_context or trained, trained)
-        self.options = options or PromptOptions.from_config(self.cfg, max_context)
-        self.builder = PromptBuilder(self.template, self.options, self.healer)
-
-    @classmethod
-    def for_engine(cls, engine: Any, cfg: Any = None, model_dir: Any = None, **kw) -> "Planner":
-        # The mask must match the model's logits, which can be wider than the tokenizer.
-        vocab = getattr(engine, "vocab_size", None) or getattr(engine, "_vocab", None)
-        if model_dir is None:
-            # The engine remembers what it loaded; a local directory may carry the marker file.
-            from pathlib import Path
-
-            name = getattr(engine, "name", None)
-            if isinstance(name, str) and name and Path(name).is_dir():
-                model_dir = name
-        return cls(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
-                   device=getattr(engine, "device", "cpu"), model_dir=model_dir, **kw)
-
-    @property
-    def context_tokens(self) -> int:
-        """Token budget the context block really gets (ask the workspace for this much)."""
-        return self.builder.budgets(True)[2]
-
-    def plan(self, text: str, offset: int, *, context: Sequence[tuple[str, str]] = (), path: str | None = None,
-             language: str | None = None, heal: bool | None = None) -> Plan:
-        from completiond.workspace import comment_for
-
-        prompt = self.builder.build(text, offset, context=context, path=path, context_comment=comment_for(language),
-                                    heal=heal)
-        if prompt.skipped:
-            return Plan(prompt, None)
-        stop = StopRules.for_prompt(prompt, self.template, self.cfg.multiline, self.cfg.max_lines,
-                                    token_bytes=self.healer.bytes)
-        return Plan(prompt, stop)
-
-
-def _trained_context(model_dir: Any) -> int | None:
-    """`train_context` from the bundled model's marker file, if there is one."""
-    if not model_dir:
-        return None
-    import json
-    from pathlib import Path
-
-    from models.fim import MODEL_MARKER
-
-    path = Path(model_dir) / MODEL_MARKER
-    try:
-        value = json.loads(path.read_text()).get("train_context")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, AttributeError):
-        return None  # a damaged marker must not stop completions; detection falls back to the vocabulary
-    return int(value) if isinstance(value, (int, float)) and value > 0 else None

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from completiond.engine import Engine, EngineError, SamplingParams
+    from completiond.engine.engine import Engine, EngineError, SamplingParams
 
     if args.prompt is not None:
         prompt = args.prompt

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def prompt_texts(files: list[Path] | None, count: int, chars: int = 1500) -> list[str]:
     """Deterministic prompts: the text before a line a third of the way into each file."""
     if files is None:
-        from models.corpus import heldout_files
+        from completiond.models.corpus import heldout_files
 
         files = [f.path for f in heldout_files()]
     out = []
@@ -124,7 +124,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
             skip_hf: bool, log=print) -> dict:
     import torch
 
-    from completiond.engine import CancelToken, SamplingParams
+    from completiond.engine.engine import CancelToken, SamplingParams
 
     texts = prompt_texts(files, n_prompts)
     prompts = [engine.tokenizer(t).input_ids for t in texts]
@@ -253,12 +253,12 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.typing:
-        from completiond.typing_bench import run_typing_bench
+        from completiond.commands.bench_typing import run_typing_bench
 
         result = run_typing_bench(model=args.model, file=Path(args.file) if args.file else None,
                                   keystrokes=args.keystrokes, log=log)
     else:
-        from completiond.engine import Engine, EngineError
+        from completiond.engine.engine import Engine, EngineError
 
         try:
             engine = Engine.load(args.model, device=args.device, dtype=args.dtype)

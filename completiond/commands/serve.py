@@ -1,0 +1,48 @@
+"""`completiond serve`: run the per-user daemon in the foreground (editors start it on demand)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from completiond import config as config_mod
+from completiond.serving.server import serve
+from completiond.serving.service import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--trust-remote-code", action="store_true", default=None)
+    parser.add_argument("--cache-mb", type=int, help="prefix KV cache budget in MiB")
+    parser.add_argument("--idle-timeout", type=float, help="seconds to stay up with no client connected")
+    parser.add_argument("--runtime-dir", type=Path, help="directory for the socket (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument("--config", type=Path, help="config.toml to read (default: ~/.config/completiond/config.toml)")
+    parser.add_argument("--log-level", choices=("error", "warning", "info", "debug"))
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
+    cfg, errors = config_mod.load_file(getattr(args, "config", None))
+    overrides = {"model": resolve_model(args.model) if args.model else None, "device": args.device,
+                 "dtype": args.dtype, "trustRemoteCode": args.trust_remote_code, "cacheMegabytes": args.cache_mb,
+                 "idleTimeout": int(args.idle_timeout) if args.idle_timeout is not None and args.idle_timeout >= 5 else None,
+                 "logLevel": args.log_level}
+    cfg, more = config_mod.merge(cfg, overrides)
+    return cfg, errors + more
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, errors = config_from_args(args)
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s completiond[%(process)d] %(levelname)s %(name)s: %(message)s")
+    for error in errors:
+        log.warning("%s", error)
+    idle = args.idle_timeout if args.idle_timeout is not None else None
+    return asyncio.run(serve(cfg, args.runtime_dir, idle))

@@ -1,0 +1,53 @@
+"""What a model directory's `completiond.json` says about the model, read once when it loads.
+
+The file is written by the bundled model's training command; other models have
+none. Its presence marks the bundled FIM family (whose vocabulary looks like
+Qwen's, so the vocabulary alone cannot tell them apart). The engine reads it in
+`Engine.load` and passes the record down: the prompt builder budgets against
+`train_context` and takes `fim_template`, calibration falls back to `speculation`.
+
+Torch-free. The file is data only: nothing in it is ever evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INFO_FILE = "completiond.json"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: Path | None = None            # the file it was read from; None: the model has none
+    train_context: int | None = None    # longest context seen in training (prompts stay within it)
+    fim_template: str | None = None     # the FIM family the file marks ("completiond"), else None
+    speculation: dict[str, Any] | None = None  # shipped speculation defaults (a Calibration record)
+
+    @classmethod
+    def read(cls, model_dir: str | Path | None) -> "ModelInfo":
+        if model_dir is None:
+            return cls()
+        path = Path(model_dir) / INFO_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as exc:
+            # A damaged file must not stop the model from loading; it still marks the family.
+            log.warning("ignoring the contents of %s: %s", path, exc)
+            data = {}
+        if not isinstance(data, dict):
+            log.warning("ignoring the contents of %s: not a JSON object", path)
+            data = {}
+        context = data.get("train_context")
+        speculation = data.get("speculation")
+        return cls(path=path,
+                   train_context=context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None,
+                   fim_template="completiond",
+                   speculation=speculation if isinstance(speculation, dict) else None)

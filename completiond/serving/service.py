@@ -1,0 +1,486 @@
+"""The service: documents, the scheduler and the engine, behind one dispatch.
+
+`Service` knows nothing about sockets. Every front end goes through the same
+two entry points, `notify(client, method, params)` and `request(client, method,
+params)`: the daemon's socket server (server.py) for each connection, and
+`completiond lsp --no-daemon` in-process. So a method is parsed and validated
+in one place, and both paths behave the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+from completiond import config as config_mod
+from completiond.completion.documents import Document, EditError
+from completiond.errors import CompletionError
+from completiond.serving.scheduler import CANCELLED, ERROR, OK, Job, Outcome, Overloaded, Scheduler, ShuttingDown
+from completiond.serving.wire import Code
+
+log = logging.getLogger(__name__)
+
+MAX_FOLDERS = 16  # workspace folders watched per editor
+
+
+class ServiceError(CompletionError):
+    """A request the service refuses; `code` is the wire error code the client sees."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class OutOfMemory(CompletionError):
+    """The device ran out of memory during one request (its KV cache has been freed)."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
+
+
+def load_engine(cfg: Any):
+    """Engine.load with the settings of `cfg` (imports torch: call off the event loop)."""
+    from completiond.engine.engine import Engine
+
+    cache = cfg.cache_megabytes * 1024 * 1024 if cfg.cache_megabytes else None
+    return Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
+                       trust_remote_code=cfg.trust_remote_code, cache_bytes=cache)
+
+
+def resolve_model(value: str) -> str:
+    """Local directories by absolute path, so a daemon started elsewhere finds them."""
+    if value and os.path.isdir(value):
+        return os.path.abspath(value)
+    return value
+
+
+class Service:
+    """Documents + scheduler + engine. All public methods run on the event loop thread."""
+
+    def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending: int = 64,
+                 max_pending_per_client: int = 16):
+        self.cfg = cfg
+        self._loader = loader
+        self.scheduler = Scheduler(max_pending=max_pending, max_pending_per_client=max_pending_per_client)
+        self.engine: Any = None
+        self.state = "idle"            # idle | loading | ready | busy | error
+        self.error = ""
+        self.model_id = ""
+        self.documents: dict[tuple[Hashable, str], Document] = {}
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = time.time()
+        self._stats_lock = threading.Lock()
+        self.stats_counts: dict[str, float] = dict(
+            requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0,
+            wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
+        self.last: dict[str, Any] = {}
+        self.workspace: Any = None     # completiond.completion.workspace.Workspace, created on first use
+
+    # --- engine lifecycle ---------------------------------------------------
+
+    def start_loading(self) -> None:
+        """Load the engine on the worker thread (queued jobs wait behind it)."""
+        self.loop = self.loop or asyncio.get_running_loop()
+        self._set_state("loading")
+
+        def load():
+            engine = self._loader(self.cfg)
+            try:
+                from completiond.engine.engine import CancelToken
+                self.scheduler.set_token_factory(CancelToken)
+            except ImportError:
+                pass  # fake engines in tests accept the scheduler's own token
+            # Set here, on the worker, not in _loaded: jobs queued behind the load run before the loop gets to it.
+            self.engine = engine
+            return engine
+
+        def done(outcome: Outcome) -> None:
+            self._call_soon(self._loaded, outcome)
+
+        self.scheduler.call(load, done)
+
+    def _loaded(self, outcome: Outcome) -> None:
+        if outcome.status == OK:
+            self.engine = outcome.value
+            self.model_id = getattr(self.engine, "model_id", "") or str(self.cfg.model)
+            self.stats_counts["loads"] += 1
+            self.error = ""
+            log.info("model %s ready on %s", self.model_id, getattr(self.engine, "device", "?"))
+            self._set_state("ready")
+        else:
+            self.error = f"cannot load model {self.cfg.model or '(bundled default)'}: {outcome.value}"
+            log.error("%s", self.error)
+            self._set_state("error")
+
+    def _call_soon(self, fn: Callable, *args: Any) -> None:
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed while shutting down
+            pass
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        status = self.status()
+        for listener in list(self.listeners):
+            try:
+                listener(status)
+            except Exception:
+                log.exception("status listener failed")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "error": self.error,
+            "model": self.model_id or (self.cfg.model or "(bundled default)"),
+            "device": getattr(self.engine, "device", self.cfg.device),
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "queued": self.scheduler.queued(),
+            "last_latency_ms": self.last.get("latency_ms"),
+            "alpha": self.last.get("alpha"),
+            "tokens_per_s": self.last.get("tokens_per_s"),
+            "engine_settings": config_mod.engine_settings(self.cfg),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            counts = dict(self.stats_counts)
+        prompt = counts["prompt_tokens"]
+        superseded = counts["superseded"] + counts["cancelled"]
+        return {
+            **counts,
+            "cache_served_fraction": (counts["reused_tokens"] / prompt) if prompt else None,
+            "wasted_rounds_per_superseded": (counts["wasted_rounds"] / superseded) if superseded else 0.0,
+            "rounds_after_cancel_per_superseded": (counts["rounds_after_cancel"] / superseded) if superseded else 0.0,
+            "scheduler": self.scheduler.snapshot(),
+            "status": self.status(),
+            "documents": len(self.documents),
+            "workspace_files": len(self.workspace.paths()) if self.workspace is not None else 0,
+        }
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        if self.workspace is not None:
+            self.workspace.stop()
+
+    # --- workspace context ------------------------------------------------------
+
+    def _ws(self) -> Any:
+        if self.workspace is None:
+            from completiond.completion.workspace import Workspace
+
+            self.workspace = Workspace()
+        return self.workspace
+
+    def add_folders(self, folders: list[str]) -> None:
+        """Workspace folders of an editor: watched for the context block of prompts."""
+        ws = self._ws()
+        for folder in folders[:MAX_FOLDERS]:
+            try:
+                ws.add_folder(folder)
+            except (OSError, ValueError) as exc:
+                log.warning("workspace folder %s ignored: %s", folder, exc)
+        if folders:
+            ws.start()
+
+    def _ws_update(self, uri: str, doc: Document | None, edit_start: int | None = None) -> None:
+        path = _uri_path(uri)
+        if path is None:
+            return
+        try:
+            if doc is None:
+                self._ws().did_close(path)
+            elif edit_start is None:
+                self._ws().did_open(path, doc.text, doc.language_id or None)
+            else:
+                self._ws().did_change(path, doc.text, edit_line=doc.text.count("\n", 0, edit_start),
+                                      language=doc.language_id or None)
+        except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
+            log.debug("workspace update for %s failed: %s", uri, exc)
+
+    def _context(self, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
+        if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
+            return []
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+        try:
+            return self.workspace.context(path, language, cfg.context_tokens, count)
+        except (OSError, ValueError) as exc:
+            log.debug("workspace context for %s failed: %s", path, exc)
+            return []
+
+    # --- documents -----------------------------------------------------------
+
+    def open(self, client: Hashable, uri: str, version: int, text: str, language_id: str = "") -> None:
+        doc = Document(uri=uri, text=text, version=version, language_id=language_id)
+        self.documents[(client, uri)] = doc
+        self._ws_update(uri, doc)
+
+    def change(self, client: Hashable, uri: str, version: int, edits: list) -> None:
+        doc = self.documents.get((client, uri))
+        if doc is None:
+            raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri} is not open")
+        try:
+            doc.apply_edits([tuple(e) if isinstance(e, list) else e for e in edits], version)
+        except EditError as exc:
+            # Out of sync: forget it, so the next completion asks the client to resend it whole.
+            del self.documents[(client, uri)]
+            raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri}: {exc}; resend the document") from None
+        if edits:
+            first = edits[0]
+            self._ws_update(uri, doc, first[0] if isinstance(first[0], int) else 0)
+
+    def close(self, client: Hashable, uri: str) -> None:
+        if self.documents.pop((client, uri), None) is not None:
+            self._ws_update(uri, None)
+
+    def drop_client(self, client: Hashable) -> None:
+        self.scheduler.cancel_client(client)
+        for key in [k for k in self.documents if k[0] == client]:
+            del self.documents[key]
+            self._ws_update(key[1], None)
+
+    # --- the one dispatch every front end uses --------------------------------------
+
+    def notify(self, client: Hashable, method: str, params: dict[str, Any]) -> None:
+        """A notification (nobody to answer). Raises ServiceError for a bad method or bad params."""
+        try:
+            if method == "cancel":
+                self.cancel(client, _int(params, "id"))
+            elif method == "open":
+                language = params.get("languageId") or ""
+                if not isinstance(language, str):
+                    raise TypeError("languageId must be a string")
+                self.open(client, _str(params, "uri"), _int(params, "version"), _str(params, "text"), language)
+            elif method == "change":
+                edits = params.get("edits")
+                if not isinstance(edits, list):
+                    raise TypeError("edits must be a list")
+                self.change(client, _str(params, "uri"), _int(params, "version"), edits)
+            elif method == "close":
+                self.close(client, _str(params, "uri"))
+            elif method == "workspace":
+                folders = params.get("folders")
+                if not isinstance(folders, list) or not all(isinstance(f, str) for f in folders):
+                    raise TypeError("folders must be a list of paths")
+                self.add_folders(folders)
+            else:
+                raise ServiceError(Code.UNKNOWN_METHOD, f"unknown notification {method!r}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ServiceError(Code.BAD_REQUEST, f"{method}: bad params: {_reason(exc)}") from None
+
+    async def request(self, client: Hashable, request_id: Hashable, method: str, params: dict[str, Any]) -> Any:
+        """A request; its answer, or ServiceError (bad params included) with the code the client sees."""
+        if method == "complete":
+            try:
+                uri, version, offset = _str(params, "uri"), _int(params, "version"), _int(params, "offset")
+            except (KeyError, TypeError) as exc:
+                raise ServiceError(Code.BAD_REQUEST, f"complete: bad params: {_reason(exc)}") from None
+            settings = params.get("settings")
+            return await self.complete(client, request_id, uri, version, offset,
+                                       settings if isinstance(settings, dict) else None)
+        if method == "ping":
+            return "pong"
+        if method == "status":
+            return self.status()
+        if method == "stats":
+            return self.stats()
+        if method in ("open", "change", "close", "cancel", "workspace"):
+            self.notify(client, method, params)
+            return None
+        raise ServiceError(Code.UNKNOWN_METHOD, f"unknown method {method!r}")
+
+    # --- completion ---------------------------------------------------------
+
+    def cancel(self, client: Hashable, request_id: Hashable) -> None:
+        self.scheduler.cancel((client, request_id))
+
+    async def complete(self, client: Hashable, request_id: Hashable, uri: str, version: int, offset: int,
+                       settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.loop = self.loop or asyncio.get_running_loop()
+        with self._stats_lock:
+            self.stats_counts["requests"] += 1
+        doc = self.documents.get((client, uri))
+        if doc is None or doc.version != version:
+            have = "not open" if doc is None else f"at version {doc.version}"
+            raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri} version {version} requested but the daemon has it {have}")
+        if not 0 <= offset <= len(doc.text):
+            raise ServiceError(Code.BAD_REQUEST, f"offset {offset} outside {uri} ({len(doc.text)} characters)")
+        if self.state == "error":
+            raise ServiceError(Code.NOT_READY, self.error)
+        cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
+        text, path, language = doc.text, _uri_path(uri), doc.language_id or None
+        future: asyncio.Future = self.loop.create_future()
+        loop = self.loop
+
+        def deliver(outcome: Outcome) -> None:
+            self._account(outcome)
+            self._call_soon(self._after_job)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
+
+        job = Job(key=(client, uri), client=client, request_id=(client, request_id),
+                  run=lambda token: self._run(text, offset, cfg, token, path, language), done=deliver)
+        try:
+            self.scheduler.submit(job)
+        except Overloaded as exc:
+            with self._stats_lock:
+                self.stats_counts["rejected"] += 1
+            raise ServiceError(Code.OVERLOADED, str(exc)) from None
+        except ShuttingDown as exc:
+            raise ServiceError(Code.SHUTTING_DOWN, str(exc)) from None
+        try:
+            outcome: Outcome = await future
+        except asyncio.CancelledError:
+            self.scheduler.cancel((client, request_id))
+            raise
+        if outcome.status == CANCELLED:
+            reason = {"superseded": "superseded by a newer request for this document",
+                      "shutdown": "the daemon is shutting down"}.get(outcome.reason, "cancelled")
+            raise ServiceError(Code.CANCELLED, reason)
+        if outcome.status == ERROR:
+            exc = outcome.value
+            if isinstance(exc, CompletionError):
+                raise ServiceError(Code.ENGINE_ERROR, str(exc))
+            if self.engine is None:
+                raise ServiceError(Code.NOT_READY, self.error or f"model not loaded: {exc}")
+            raise ServiceError(Code.INTERNAL, f"completion failed: {type(exc).__name__}: {exc}")
+        result = dict(outcome.value)
+        result["version"] = version
+        return result
+
+    def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
+             language: str | None = None) -> dict[str, Any]:
+        """On the worker thread."""
+        from completiond.completion.suggest import prompt_warnings, suggest
+
+        if self.engine is None:
+            raise RuntimeError(self.error or "model not loaded")
+        start = time.perf_counter()
+        rounds = 0
+        after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
+
+        def on_round(_tokens: list[int]) -> None:
+            nonlocal rounds, after_cancel
+            rounds += 1
+            if token.cancelled:
+                after_cancel += 1
+
+        self._call_soon(self._set_state, "busy")
+        context = self._context(cfg, path, language)
+        try:
+            suggestion, gen = suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
+                                                 path=path, language=language, context=context)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            # Fail this request only: drop every cached sequence (the failed one was released into
+            # the cache on the way out) and hand the memory back, so the next request can run.
+            self._free_memory()
+            log.error("out of memory during a completion; KV cache cleared: %s", exc)
+            raise OutOfMemory(f"out of memory on {getattr(self.engine, 'device', '?')}; the KV cache was cleared, "
+                              "try again (or lower cacheMegabytes / prefixTokens)") from None
+        if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
+            return {"suggestion": None, "finish_reason": "skipped", "stats": {},
+                    "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
+        stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
+        stats.setdefault("rounds", rounds)
+        stats["rounds_after_cancel"] = after_cancel
+        latency = (time.perf_counter() - start) * 1000
+        warnings = prompt_warnings(self.engine, cfg)
+        return {
+            "warnings": warnings,
+            "suggestion": None if suggestion is None else {
+                "text": suggestion.text, "start": suggestion.start, "end": suggestion.end,
+                "multiline": suggestion.multiline},
+            "finish_reason": gen.finish_reason,
+            "stats": stats,
+            "latency_ms": round(latency, 2),
+        }
+
+    def _free_memory(self) -> None:
+        """Worker thread: empty the engine's prefix KV cache and return freed GPU memory."""
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None:
+            cache.clear()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _after_job(self) -> None:
+        if self.state in ("busy", "ready"):
+            # Broadcast even when still busy: the last latency / alpha changed.
+            self.state = "busy" if self.scheduler.busy else "ready"
+            self._broadcast()
+
+    def _account(self, outcome: Outcome) -> None:
+        """Worker thread or loop: fold one finished job into the counters."""
+        value = outcome.value if isinstance(outcome.value, dict) else None
+        stats = (value or {}).get("stats") or {}
+        with self._stats_lock:
+            c = self.stats_counts
+            if value is not None:
+                c["rounds"] += stats.get("rounds", 0) or 0
+                c["prompt_tokens"] += stats.get("prompt_tokens", 0) or 0
+                c["reused_tokens"] += stats.get("reused_tokens", 0) or 0
+                c["generated_tokens"] += stats.get("generated_tokens", 0) or 0
+            if outcome.status == OK:
+                c["completed"] += 1
+                c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
+                if value and value.get("suggestion") is None:
+                    c["empty"] += 1
+                self.last = {"latency_ms": value.get("latency_ms") if value else None,
+                             "alpha": stats.get("alpha"), "tokens_per_s": stats.get("tokens_per_s")}
+            elif outcome.status == CANCELLED:
+                # Rounds run for a request nobody will see: superseded by a newer one, or
+                # cancelled by the editor (which, while typing, is the same thing).
+                c["wasted_rounds"] += stats.get("rounds", 0) or 0
+                c["rounds_after_cancel"] += stats.get("rounds_after_cancel", 0) or 0
+                c["superseded" if outcome.reason == "superseded" else "cancelled"] += 1
+            else:
+                c["errors"] += 1
+
+
+def _uri_path(uri: str) -> str | None:
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(uri).path)
+    return None
+
+
+def _int(params: dict[str, Any], key: str) -> int:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{key} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def _str(params: dict[str, Any], key: str) -> str:
+    value = params[key]
+    if not isinstance(value, str):
+        raise TypeError(f"{key} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _reason(exc: BaseException) -> str:
+    return f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
