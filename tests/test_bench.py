@@ -18,7 +18,8 @@ from completiond.engine.engine import Engine, SamplingParams
 from tests.conftest import ROOT, make_tiny_model
 
 REQUIRED = ["spec_vs_plain", "spec_vs_hf_early_exit", "greedy_identical", "alpha", "mean_accepted_per_round",
-            "predicted_speedup", "warm_cold_ttft_ratio", "cancel_ms", "model", "device"]
+            "predicted_speedup", "warm_cold_ttft_ratio", "cancel_ms", "model", "device", "plain_ms_per_token",
+            "verify_cost_ratio", "spread", "draft_gain", "decode_tokens_per_s", "hf_early_exit_settings", "plain_vs_hf"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def _prompt_files(tmp_path):
 def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "completiond.cli", "bench", "--json", "--model", str(peaked_dir), "--prompts", "1",
-         "--max-tokens", "12", "--exit-layer", "1", "--draft-k", "3", "--files", *_prompt_files(tmp_path)],
+         "--max-tokens", "12", "--exit-layer", "1", "--draft-k", "3", "--repeats", "2", "--files", *_prompt_files(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
@@ -47,6 +48,16 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert 0.0 <= result["alpha"] <= 1.0
     assert result["ttft_prompt_tokens"] > 100 and result["warm_reused_tokens"] > 0
     assert result["tokens_per_s"]["plain"] > 0 and result["tokens_per_s"]["hf_early_exit"] > 0
+    assert result["repeats"] == 2
+    for method in ("plain", "spec", "hf", "hf_early_exit"):
+        d = result["decode_ms_per_token"][method]
+        assert 0 < d["min"] <= d["median"] <= d["max"] and result["spread"][method] >= 0
+    # transformers' early exit ran with our settings, and says so
+    assert result["hf_early_exit_settings"]["assistant_early_exit"] == result["exit_layer"] == 1
+    assert result["hf_early_exit_settings"]["num_assistant_tokens"] == result["draft_k"] == 3
+    assert result["draft_gain"] == pytest.approx(result["decode_ms_per_token"]["plain"]["median"]
+                                                 / result["decode_ms_per_token"]["spec"]["median"])
+    assert result["verify_cost"]["k"] == 3 and result["verify_cost_ratio"] > 0
 
 
 def test_calibrate_stores_a_record_the_engine_uses(peaked_dir, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import inspect
 import json
 import platform
 import sys
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-k", type=int, default=None, help="default: calibrated")
     p.add_argument("--files", nargs="*", default=None, help="source files for prompts (default: held-out stdlib files)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
     p.add_argument("--keystrokes", type=int, default=120, help="with --typing")
@@ -98,14 +100,13 @@ def _patch_hf_early_exit() -> None:
     cls.get_candidates = get_candidates
 
 
-def _hf_generate(engine, ids: list[int], max_tokens: int, exit_layer: int | None) -> tuple[list[int], float]:
+def _hf_generate(engine, ids: list[int], max_tokens: int, early_exit: dict | None = None) -> tuple[list[int], float]:
     import torch
 
     x = torch.tensor([ids], device=engine.device)
     kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
                   eos_token_id=None)
-    if exit_layer is not None:
-        kwargs["assistant_early_exit"] = exit_layer
+    kwargs.update(early_exit or {})
     t = time.perf_counter()
     with torch.inference_mode():
         out = engine.model.generate(x, **kwargs)
@@ -120,8 +121,46 @@ def _timed(engine, ids, params, cold: bool = True):
     return gen, time.perf_counter() - t
 
 
+def _spread(values: list[float]) -> dict:
+    """Median, min, max and (max - min) / median of repeated measurements."""
+    med = statistics.median(values)
+    return {"median": med, "min": min(values), "max": max(values), "spread": (max(values) - min(values)) / med if med else None}
+
+
+def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
+    """One forward pass over k+1 positions ÷ one single-token step, both through every layer and
+    the LM head, at the same context, interleaved; medians of `repeats`."""
+    import torch
+
+    seq = engine.new_sequence(len(prompt) + k + 2)
+    one, many = [], []
+    with torch.inference_mode():
+        engine.prefill(seq, prompt, None)
+        x1, xk = engine.embed(prompt[-1:]), engine.embed(prompt[-(k + 1):])
+        for _ in range(3):  # warm-up
+            engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))
+            engine.head(engine.run_layers(x1, 0, engine.num_layers, seq.length, seq))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.head(engine.run_layers(x1, 0, engine.num_layers, seq.length, seq))
+            t1 = time.perf_counter()
+            engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))
+            t2 = time.perf_counter()
+            one.append(t1 - t0)
+            many.append(t2 - t1)
+    return {"k": k, "ratio": statistics.median(many) / statistics.median(one),
+            "step_ms": 1000 * statistics.median(one), "pass_ms": 1000 * statistics.median(many)}
+
+
 def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | None, draft_k: int | None,
-            skip_hf: bool, log=print) -> dict:
+            skip_hf: bool, log=print, repeats: int = 5) -> dict:
+    """Every method warmed up, then timed `repeats` times in rotating order over the same prompts.
+
+    Per repeat and method: decode milliseconds per token over all prompts (ours: the engine's own
+    decode clock, after prefill; transformers: generate(N) minus generate(1), i.e. N-1 decode
+    steps) and end-to-end tokens/s. Reported: medians with min, max and spread; every ratio is
+    of decode-only medians.
+    """
     import torch
 
     from completiond.engine.engine import CancelToken, SamplingParams
@@ -131,62 +170,87 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     cal = engine.calibration
     E = exit_layer or cal.exit_layer
     K = draft_k or cal.draft_k
+    threshold = cal.threshold
     plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True)
+    # transformers' own self-speculation with our E, K and threshold (a constant K, as ours at most drafts K)
+    hf_ee = {"assistant_early_exit": E, "num_assistant_tokens": K, "num_assistant_tokens_schedule": "constant",
+             "assistant_confidence_threshold": threshold}
     if not skip_hf:
         _patch_hf_early_exit()
-    # warm-up: first calls pay for allocator and kernel selection
-    _timed(engine, prompts[0][:64], SamplingParams(max_tokens=8, exit_layer=E, draft_k=K))
-    _timed(engine, prompts[0][:64], SamplingParams(max_tokens=8, speculative=False))
 
-    times = {"plain": 0.0, "spec": 0.0, "hf": 0.0, "hf_early_exit": 0.0}
-    identical = True
-    drafted = accepted = rejected = rounds = generated = 0
-    draft_ms = verify_ms = plain_decode_ms = spec_decode_ms = 0.0
-    for i, ids in enumerate(prompts):
-        plain, t_plain = _timed(engine, ids, plain_p)
-        spec, t_spec = _timed(engine, ids, spec_p)
-        times["plain"] += t_plain
-        times["spec"] += t_spec
-        same = spec.tokens == plain.tokens
-        if not skip_hf:
-            hf, t_hf = _hf_generate(engine, ids, max_tokens, None)
-            hfe, t_hfe = _hf_generate(engine, ids, max_tokens, E)
-            times["hf"] += t_hf
-            times["hf_early_exit"] += t_hfe
-            same = same and hf == plain.tokens and hfe == plain.tokens
-        identical = identical and same
-        s = spec.stats
-        drafted += s.drafted
-        accepted += s.accepted
-        rejected += s.rejected
-        rounds += s.rounds
-        generated += s.generated_tokens
-        draft_ms += s.draft_ms
-        verify_ms += s.verify_ms
-        plain_decode_ms += plain.stats.decode_ms
-        spec_decode_ms += s.decode_ms
-        log(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens, plain {max_tokens / t_plain:.1f} tok/s, "
-            f"spec {max_tokens / t_spec:.1f} tok/s, alpha {s.alpha:.2f}, identical {same}")
+    def ours(params):
+        def go(ids):
+            gen, total = _timed(engine, ids, params)
+            return gen.tokens, gen.stats.decode_ms / 1000, total, gen.stats
+        return go
 
-    n_tokens = max_tokens * len(prompts)
-    tps = {k: (n_tokens / v if v > 0 else None) for k, v in times.items()}
+    def hf(early_exit):
+        def go(ids):
+            tokens, total = _hf_generate(engine, ids, max_tokens, early_exit)
+            _, first = _hf_generate(engine, ids, 1, early_exit)
+            # decode time of the N-1 tokens after the first, scaled to N so per-token figures compare
+            return tokens, max(total - first, 1e-9) * max_tokens / max(max_tokens - 1, 1), total, None
+        return go
+
+    methods = {"plain": ours(plain_p), "spec": ours(spec_p)}
+    if not skip_hf:
+        methods.update(hf=hf(None), hf_early_exit=hf(hf_ee))
+    names = list(methods)
+    for name in names:  # warm-up: first calls pay for allocator and kernel selection
+        methods[name](prompts[0][:64])
+
+    decode_ms: dict[str, list[float]] = {n: [] for n in names}   # per repeat: ms per generated token
+    e2e_tps: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list] = {n: [None] * len(prompts) for n in names}
+    spec_stats = []
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
+        dec = {n: 0.0 for n in names}
+        tot = {n: 0.0 for n in names}
+        for i, ids in enumerate(prompts):
+            for name in order:
+                tokens, d, total, stats = methods[name](ids)
+                dec[name] += d
+                tot[name] += total
+                outputs[name][i] = tokens
+                if name == "spec" and r == 0:
+                    spec_stats.append(stats)
+        n_tokens = max_tokens * len(prompts)
+        for name in names:
+            decode_ms[name].append(1000 * dec[name] / n_tokens)
+            e2e_tps[name].append(n_tokens / tot[name])
+        log(f"repeat {r + 1}/{repeats}: " + ", ".join(f"{n} {decode_ms[n][-1]:.2f} ms/token" for n in names))
+    identical = all(outputs[n] == outputs["plain"] for n in names)
+
+    drafted = sum(s.drafted for s in spec_stats)
+    accepted = sum(s.accepted for s in spec_stats)
+    rejected = sum(s.rejected for s in spec_stats)
+    rounds = sum(s.rounds for s in spec_stats)
+    generated = sum(s.generated_tokens for s in spec_stats)
     alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0  # per token, as Stats.alpha
     mean_k = drafted / rounds if rounds else 0.0
-    plain_token_ms = plain_decode_ms / n_tokens
-    draft_step_ms = draft_ms / drafted if drafted else 0.0
-    verify_pass_ms = verify_ms / rounds if rounds else 0.0
+    med = {n: statistics.median(v) for n, v in decode_ms.items()}
+    plain_token_ms = med["plain"]
+    draft_step_ms = sum(s.draft_ms for s in spec_stats) / drafted if drafted else 0.0
+    verify_pass_ms = sum(s.verify_ms for s in spec_stats) / rounds if rounds else 0.0
     c = draft_step_ms / plain_token_ms if plain_token_ms else 0.0
     expected = (1 - alpha ** (mean_k + 1)) / (1 - alpha) if alpha < 1 else mean_k + 1
     predicted = expected / (1 + mean_k * c)
+    vc = verify_cost(engine, prompts[0], 3)
 
-    # time to first token: cold 2,000-token prompt, then the same text plus one character
+    # time to first token: cold 2,000-token prompt, then the same text plus one character (medians)
     text = long_text(files, engine.tokenizer, 2000)
     cold_ids = engine.tokenizer(text).input_ids
     warm_ids = engine.tokenizer(text + "x").input_ids
     one = SamplingParams(max_tokens=1, exit_layer=E, draft_k=K)
-    cold, t_cold = _timed(engine, cold_ids, one, cold=True)
-    warm, t_warm = _timed(engine, warm_ids, one, cold=False)
+    colds, warms = [], []
+    for _ in range(max(3, repeats // 2)):
+        cold, t_cold = _timed(engine, cold_ids, one, cold=True)
+        warm, t_warm = _timed(engine, warm_ids, one, cold=False)
+        colds.append(t_cold)
+        warms.append(t_warm)
+    t_cold, t_warm = statistics.median(colds), statistics.median(warms)
 
     # cancel latency: cancel a long generation mid-flight, time until it returns
     cancel = CancelToken()
@@ -210,7 +274,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     round_ms = g.stats.decode_ms / g.stats.rounds if g.stats.rounds else 0.0
 
     def ratio(a, b):
-        return a / b if a and b else None
+        """How much faster a is than b, from decode ms per token medians."""
+        return med[b] / med[a] if a in med and b in med and med[a] else None
 
     return {
         "model": engine.name,
@@ -221,14 +286,23 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "cpu": platform.processor() or platform.machine(),
         "prompts": len(prompts),
         "max_tokens": max_tokens,
+        "repeats": repeats,
         "exit_layer": E,
         "draft_k": K,
+        "draft_threshold": threshold,
         "layers": engine.num_layers,
-        "tokens_per_s": tps,
-        "spec_vs_plain": ratio(tps["spec"], tps["plain"]),
-        "spec_vs_hf": ratio(tps["spec"], tps["hf"]),
-        "spec_vs_hf_early_exit": ratio(tps["spec"], tps["hf_early_exit"]),
-        "plain_vs_hf": ratio(tps["plain"], tps["hf"]),
+        "method": "decode-only ms/token per repeat (ours: after prefill; transformers: generate(N) - generate(1)); "
+                  "medians of interleaved repeats; ratios of medians",
+        "hf_early_exit_settings": hf_ee if not skip_hf else None,
+        "tokens_per_s": {n: statistics.median(v) for n, v in e2e_tps.items()},   # end to end, prefill included
+        "decode_tokens_per_s": {n: 1000 / m for n, m in med.items()},
+        "decode_ms_per_token": {n: _spread(v) for n, v in decode_ms.items()},
+        "spread": {n: _spread(v)["spread"] for n, v in decode_ms.items()},
+        "draft_gain": ratio("spec", "plain"),
+        "spec_vs_plain": ratio("spec", "plain"),
+        "spec_vs_hf": ratio("spec", "hf"),
+        "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),
+        "plain_vs_hf": ratio("plain", "hf"),
         "greedy_identical": identical,
         "alpha": alpha,
         "mean_drafted_per_round": mean_k,
@@ -238,6 +312,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "plain_ms_per_token": plain_token_ms,
         "draft_ms_per_step": draft_step_ms,
         "verify_ms_per_pass": verify_pass_ms,
+        "verify_cost_ratio": vc["ratio"],
+        "verify_cost": vc,
         "ttft_cold_ms": 1000 * t_cold,
         "ttft_warm_ms": 1000 * t_warm,
         "ttft_prompt_tokens": len(cold_ids),
@@ -267,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
             return 1
         files = [Path(f) for f in args.files] if args.files else None
         log(f"model {engine.name} on {engine.device}, {engine.num_layers} layers, calibration: {engine.calibration.source}")
-        result = measure(engine, files, args.prompts, args.max_tokens, args.exit_layer, args.draft_k, args.skip_hf, log)
+        result = measure(engine, files, args.prompts, args.max_tokens, args.exit_layer, args.draft_k, args.skip_hf, log,
+                         repeats=args.repeats)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -276,9 +353,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(r: dict) -> None:
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        if isinstance(v, dict):
+            return ", ".join(f"{k} {fmt(x)}" for k, x in v.items())
+        return str(v)
+
     for key, value in r.items():
-        if isinstance(value, float):
-            value = f"{value:.3f}"
-        elif isinstance(value, dict):
-            value = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items())
-        print(f"{key:>26}: {value}")
+        print(f"{key:>26}: {fmt(value)}")

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from completiond.engine import sampling
 from completiond.errors import CompletionError
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
 from completiond.engine.draft import Draft, EarlyExitDraft
+from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.model_info import ModelInfo
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
@@ -182,15 +182,16 @@ class Engine:
         if cache_bytes is None:
             cache_bytes = (512 if device == "cpu" else 4096) << 20
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
-        self._rope_cos: torch.Tensor | None = None
-        self._rope_sin: torch.Tensor | None = None
+        self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
         self.vocab_size = self.adapter.lm_head.weight.shape[0]
         self.set_draft_vocab(self.calibration.draft_vocab)
 
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-             trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None) -> "Engine":
+             trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None,
+             progress: Callable[[str], None] | None = None) -> "Engine":
+        """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine."""
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -213,7 +214,11 @@ class Engine:
         if is_local:
             check_weights(local)
         try:
+            if progress is not None:
+                progress("tokenizer")
             tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            if progress is not None:
+                progress("weights")
             hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
                                                       trust_remote_code=trust_remote_code)
         except OSError as exc:
@@ -221,9 +226,13 @@ class Engine:
             raise EngineError(f"cannot load model {model!r} as a {where}: {exc}") from exc
         except ValueError as exc:
             raise EngineError(f"cannot load model {model!r}: {exc}") from exc
+        if progress is not None:
+            progress("device")
         hf.to(device).eval()
         model_id = model_identity(local if is_local else source)
         info = ModelInfo.read(local if is_local else None)
+        if progress is not None:
+            progress("engine")
         try:
             engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
                          calibration=load_calibration(model_id, info, hf.config.num_hidden_layers),
@@ -242,75 +251,39 @@ class Engine:
         ids = sorted({int(t) for t in ids if 0 <= int(t) < self.vocab_size})
         if not ids or len(ids) >= self.vocab_size:
             self.draft_ids = None
-            self.draft_head_weight = None
+            self.draft_head_weight = self.draft_head_t = None
             return
         self.draft_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [Vd]
-        self.draft_head_weight = self.adapter.lm_head.weight[self.draft_ids].detach().clone()  # [Vd, d]
+        self.draft_head_weight = self.fwd.head_w[self.draft_ids].clone()  # [Vd, d]
+        self.draft_head_t = self.draft_head_weight.t().contiguous() if self.fwd.transposed else None  # [d, Vd]
 
     def draft_head(self, h: torch.Tensor) -> torch.Tensor:
         """Draft logits [Vd] for the last position of h [1, t, d], over draft_ids (or everything)."""
         if self.draft_head_weight is None:
             return self.head(h[:, -1:])[-1]
-        return F.linear(self.adapter.norm(h[:, -1:]), self.draft_head_weight)[0, -1].float()
+        return self.fwd.head_rows(h[:, -1:], self.draft_head_weight, self.draft_head_t)[-1]
 
     def _on_evict(self, seq: KVSequence) -> None:
+        # Dropping the tensors returns their blocks to torch's caching allocator, where the next
+        # sequence reuses them; handing them back to the driver (empty_cache) on every eviction
+        # would only make the next allocation slow. The service empties the cache after an OOM.
         del seq.k, seq.v
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------- forward
-    def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions [start, start+length), each [1, 1, length, head_dim]."""
-        end = start + length
-        if self._rope_cos is None or self._rope_cos.shape[2] < end:
-            size = max(1024, 1 << (end - 1).bit_length())
-            pos = torch.arange(size, device=self.device)[None]  # [1, size]
-            dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.adapter.rotary(dummy, pos)  # each [1, size, head_dim]
-            self._rope_cos, self._rope_sin = cos[:, None].to(self.dtype), sin[:, None].to(self.dtype)
-        return self._rope_cos[:, :, start:end], self._rope_sin[:, :, start:end]
-
     def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence) -> torch.Tensor:
         """Layers [first, last) on hidden states h [1, t, d] at positions [pos, pos+t).
 
         Writes those positions' K/V into seq for these layers and attends over [0, pos+t).
         """
-        a = self.adapter
-        t = h.shape[1]
-        cos, sin = self._rope(pos, t)
-        mask = None
-        if t > 1:
-            # Query i sits at absolute position pos+i and sees keys 0..pos+i.
-            mask = torch.ones(t, pos + t, dtype=torch.bool, device=h.device).tril(diagonal=pos)  # [t, pos+t]
-        for li in range(first, last):
-            layer = a.layers[li]
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, t, a.num_heads, a.head_dim).transpose(1, 2)  # [1, H, t, hd]
-            k = attn.k_proj(x).view(1, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [1, KV, t, hd]
-            v = attn.v_proj(x).view(1, t, a.num_kv_heads, a.head_dim).transpose(1, 2)  # [1, KV, t, hd]
-            if a.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            seq.k[li, :, pos : pos + t] = k[0]
-            seq.v[li, :, pos : pos + t] = v[0]
-            keys = seq.k[li : li + 1, :, : pos + t]  # [1, KV, pos+t, hd]
-            values = seq.v[li : li + 1, :, : pos + t]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
-                                               enable_gqa=a.num_heads != a.num_kv_heads)  # [1, H, t, hd]
-            o = o.transpose(1, 2).reshape(1, t, a.num_heads * a.head_dim)  # [1, t, H*hd]
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+        return self.fwd.layers_range(h, first, last, pos, seq)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
-        return self.adapter.lm_head(self.adapter.norm(h))[0].float()
+        return self.fwd.head(h)
 
-    def embed(self, tokens: Sequence[int], ) -> torch.Tensor:
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, t]
-        return self.adapter.embed(ids)  # [1, t, d]
+        return self.fwd.embed(ids)  # [1, t, d]
 
     def new_sequence(self, capacity: int) -> KVSequence:
         a = self.adapter
@@ -398,7 +371,8 @@ class Engine:
         self._validate(prompt, params)
         stats = Stats(prompt_tokens=len(prompt))
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
-        rng = torch.Generator(device="cpu").manual_seed(int(params.seed))
+        # On the logits' device: torch.multinomial refuses a generator of another device.
+        rng = torch.Generator(device=self.device).manual_seed(int(params.seed))
         spec, exit_layer, k_max, threshold = self._speculation(params)
         stats.exit_layer = exit_layer if spec else self.num_layers
         draft = EarlyExitDraft(self, exit_layer) if spec else None
@@ -494,11 +468,6 @@ def choose_k(alpha: float, cost: float, k_max: int) -> int:
     """
     a = min(max(alpha, 0.0), 0.999)
     return max(range(1, k_max + 1), key=lambda k: (1 - a ** (k + 1)) / (1 - a) / (k * cost + 1))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _mask(constraint: ConstraintFn | None, tokens: list[int]) -> torch.Tensor | None:

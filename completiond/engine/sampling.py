@@ -77,7 +77,7 @@ def accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torc
     If all k pass, the bonus token is drawn from p[k].
     """
     for i, x in enumerate(draft):
-        u = float(torch.rand((), generator=gen))
+        u = float(torch.rand((), generator=gen, device=gen.device))
         if u < acceptance_probability(p[i], q[i], x):
             continue
         return i, sample(residual(p[i], q[i]), gen)
