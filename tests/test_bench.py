@@ -19,7 +19,7 @@ from tests.conftest import ROOT, make_tiny_model
 
 REQUIRED = ["spec_vs_plain", "spec_vs_hf_early_exit", "greedy_identical", "alpha", "mean_accepted_per_round",
             "predicted_speedup", "warm_cold_ttft_ratio", "cancel_ms", "model", "device", "plain_ms_per_token",
-            "verify_cost_ratio", "spread", "draft_gain", "decode_tokens_per_s", "hf_early_exit_settings", "plain_vs_hf"]
+            "verify_cost_ratio", "spread", "draft_gain", "drafts", "best_draft_gain", "decode_tokens_per_s", "hf_early_exit_settings", "plain_vs_hf"]
 
 
 @pytest.fixture(scope="module")

@@ -359,3 +359,75 @@ def test_float32_speculative_greedy_equals_plain_and_transformers(bundled, k):
             ref = bundled.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
                                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert plain.tokens == ref
+
+
+# ---------------------------------------------------------------- prompt lookup
+
+
+def _brute_ends(tokens, sizes):
+    ends = {}
+    for p in range(len(tokens)):
+        for n in sizes:
+            if p - n + 1 >= 0:
+                ends.setdefault(tuple(tokens[p - n + 1:p + 1]), []).append(p)
+    return ends
+
+
+def test_ngram_index_follows_growth_and_crops():
+    import numpy as np
+
+    from completiond.engine.lookup import NGRAM_SIZES, NgramIndex
+
+    rng = np.random.default_rng(0)
+    index = NgramIndex()
+    buf = np.zeros(4096, dtype=np.int64)
+    length = 0
+    for step in range(300):
+        if rng.random() < 0.25 and length:
+            length = int(rng.integers(0, length))  # the prefix cache crops to a shared prefix
+        add = rng.integers(0, 6, size=int(rng.integers(1, 12)))  # a small alphabet: many repeats
+        buf[length:length + len(add)] = add
+        length += len(add)
+        index.sync(buf, length)
+        assert index.ends == _brute_ends(buf[:length].tolist(), NGRAM_SIZES), step
+    # a proposal continues the most recent earlier occurrence of the longest matching n-gram
+    stream = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 7, 8, 5, 1, 2, 3]
+    index = NgramIndex()
+    arr = np.array(stream[:-1], dtype=np.int64)
+    index.sync(arr, len(arr))
+    assert index.propose(stream[-4:], 3) == [4, 7, 8]      # "1 2 3" last followed by "4 7 8"
+    assert index.propose([42, 43], 3) == []                 # nothing to continue
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_prompt_lookup_greedy_equals_plain_greedy(engine, early_exit):
+    import dataclasses
+
+    prompt = ids(engine, PROMPT * 4)  # repeated text: the index has matches to propose
+    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False, ignore_eos=True))
+    saved = engine.calibration
+    try:
+        engine.calibration = dataclasses.replace(saved, speculative=early_exit)
+        spec = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=True, ignore_eos=True,
+                                                      exit_layer=2 if early_exit else None))
+    finally:
+        engine.calibration = saved
+    assert spec.tokens == plain.tokens
+    s = spec.stats
+    assert s.lookup_rounds > 0 and s.lookup_drafted > 0
+    if not early_exit:
+        assert s.drafted == s.lookup_drafted  # every draft came from the index
+    # continuing from the cached sequence (its index is cropped and extended) stays exact
+    follow = prompt + spec.tokens[:20]
+    warm = engine.generate(follow, SamplingParams(max_tokens=20, prompt_lookup=True, ignore_eos=True))
+    engine.cache.clear()
+    cold = engine.generate(follow, SamplingParams(max_tokens=20, speculative=False, ignore_eos=True))
+    assert warm.tokens == cold.tokens
+
+
+def test_prompt_lookup_sampling_is_reproducible_and_on_support(engine):
+    prompt = ids(engine, PROMPT * 4)
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, prompt_lookup=True, exit_layer=2)
+    a = engine.generate(prompt, params)
+    b = engine.generate(prompt, params)
+    assert a.tokens == b.tokens and a.stats.lookup_rounds > 0

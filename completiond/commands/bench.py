@@ -172,7 +172,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     K = draft_k or cal.draft_k
     threshold = cal.threshold
     plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
-    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True)
+    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False)
+    lookup_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True)
     # transformers' own self-speculation with our E, K and threshold (a constant K, as ours at most drafts K)
     hf_ee = {"assistant_early_exit": E, "num_assistant_tokens": K, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": threshold}
@@ -193,7 +194,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
             return tokens, max(total - first, 1e-9) * max_tokens / max(max_tokens - 1, 1), total, None
         return go
 
-    methods = {"plain": ours(plain_p), "spec": ours(spec_p)}
+    methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
     if not skip_hf:
         methods.update(hf=hf(None), hf_early_exit=hf(hf_ee))
     names = list(methods)
@@ -204,6 +205,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     e2e_tps: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list] = {n: [None] * len(prompts) for n in names}
     spec_stats = []
+    draft_stats: dict[str, list] = {"spec": [], "spec_lookup": []}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
         dec = {n: 0.0 for n in names}
@@ -216,6 +218,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                 outputs[name][i] = tokens
                 if name == "spec" and r == 0:
                     spec_stats.append(stats)
+                if name in draft_stats and r == 0:
+                    draft_stats[name].append(stats)
         n_tokens = max_tokens * len(prompts)
         for name in names:
             decode_ms[name].append(1000 * dec[name] / n_tokens)
@@ -273,6 +277,20 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     g = result["gen"]
     round_ms = g.stats.decode_ms / g.stats.rounds if g.stats.rounds else 0.0
 
+    def draft_row(name: str, label: str) -> dict:
+        ss = draft_stats[name]
+        acc, rej = sum(s.accepted for s in ss), sum(s.rejected for s in ss)
+        rounds_ = sum(s.rounds for s in ss)
+        dr = sum(s.drafted for s in ss)
+        return {"draft": label, "alpha": acc / (acc + rej) if acc + rej else 0.0,
+                "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
+                "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
+                "lookup_rounds": sum(s.lookup_rounds for s in ss), "rounds": rounds_,
+                "lookup_alpha": (sum(s.lookup_accepted for s in ss) /
+                                 max(1, sum(s.lookup_accepted for s in ss) + sum(s.lookup_rejected for s in ss))),
+                "draft_gain": med["plain"] / med[name] if med[name] else None,
+                "greedy_identical": outputs[name] == outputs["plain"]}
+
     def ratio(a, b):
         """How much faster a is than b, from decode ms per token medians."""
         return med[b] / med[a] if a in med and b in med and med[a] else None
@@ -299,6 +317,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "decode_ms_per_token": {n: _spread(v) for n, v in decode_ms.items()},
         "spread": {n: _spread(v)["spread"] for n, v in decode_ms.items()},
         "draft_gain": ratio("spec", "plain"),
+        "drafts": [draft_row("spec", f"early exit E={E} K<={K}"),
+                   draft_row("spec_lookup", f"prompt lookup, else early exit E={E} K<={K}")],
+        "best_draft_gain": max(ratio("spec", "plain") or 0, ratio("spec_lookup", "plain") or 0),
         "spec_vs_plain": ratio("spec", "plain"),
         "spec_vs_hf": ratio("spec", "hf"),
         "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),

@@ -75,10 +75,11 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     plain_params = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     plain_runs: list[float] = []
 
-    def candidate(e: int, k: int, draft_vocab: int = 0) -> dict:
+    def candidate(e: int, k: int, draft_vocab: int = 0, lookup: bool = False) -> dict:
         """Timed `repeats` times, each right after a plain run: a speedup per repeat, so that a
         drift in machine load moves both sides of each ratio alike."""
-        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
+                                prompt_lookup=lookup)
         speedups, secs_runs = [], []
         for _ in range(repeats):
             plain_s = timed(plain_params)[0]
@@ -87,7 +88,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
             secs_runs.append(secs)
             speedups.append(plain_s / secs)
         speedup = statistics.median(speedups)
-        row = {"exit_layer": e, "draft_k": k, "draft_vocab": draft_vocab,
+        row = {"exit_layer": e, "draft_k": k, "draft_vocab": draft_vocab, "prompt_lookup": lookup,
                # per-token acceptance, as in Stats.alpha
                "alpha": accepted / max(1, accepted + rejected),
                "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
@@ -95,7 +96,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
                "tokens_per_s": n_tokens / statistics.median(secs_runs),
                # one draft step relative to one verify pass: what choose_k weighs K against
                "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        log(f"E={e:2d} K={k}" + (f" draft vocab {draft_vocab}" if draft_vocab else "")
+        log(f"E={e:2d} K={k}" + (f" draft vocab {draft_vocab}" if draft_vocab else "") + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
               f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
         return row
@@ -114,6 +115,12 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
         rows.append(candidate(best["exit_layer"], best["draft_k"], size))
         if rows[-1]["speedup"] > best["speedup"]:
             best, vocab = rows[-1], ranked_ids[:size]
+    # Then prompt lookup in front of the best early-exit draft.
+    engine.set_draft_vocab(vocab)
+    rows.append(candidate(best["exit_layer"], best["draft_k"], len(vocab), lookup=True))
+    lookup = rows[-1]["speedup"] > best["speedup"]
+    if lookup:
+        best = rows[-1]
     engine.set_draft_vocab(loaded_vocab)
     plain_s = statistics.median(plain_runs)
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
@@ -123,7 +130,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     # repeat was faster than plain decoding.
     on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
     cal = Calibration(speculative=on, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                      source="calibrate", measured=measured, draft_vocab=list(vocab))
+                      source="calibrate", measured=measured, draft_vocab=list(vocab), prompt_lookup=lookup)
     return cal, rows
 
 
@@ -159,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                if cal.speculative else f"no speculation: best candidate only {cal.measured['speedup']:.2f}x")
     if args.json:
         print(json.dumps({"speculative": cal.speculative, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
-                          "draft_vocab": len(cal.draft_vocab), "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
+                          "draft_vocab": len(cal.draft_vocab), "prompt_lookup": cal.prompt_lookup, "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
     else:
         log(verdict + (f"; saved to {where}" if where else " (dry run)"))
     return 0

@@ -29,6 +29,8 @@ class Calibration:
     measured: dict = field(default_factory=dict)
     # The draft scores only these ids (the most frequent ones); empty means the whole vocabulary.
     draft_vocab: list = field(default_factory=list)
+    # Prompt-lookup (n-gram) drafts before the early-exit draft.
+    prompt_lookup: bool = False
 
     @classmethod
     def heuristic(cls, num_layers: int) -> "Calibration":
@@ -46,6 +48,7 @@ class Calibration:
             source=source,
             measured=dict(data.get("measured", {})),
             draft_vocab=[int(t) for t in data.get("draft_vocab", [])],
+            prompt_lookup=bool(data.get("prompt_lookup", False)),
         )
         if not 1 <= cal.exit_layer < num_layers or not 1 <= cal.draft_k <= 32 or not 0 <= cal.threshold <= 1:
             raise ValueError(f"calibration out of range for a {num_layers}-layer model: {data}")

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from completiond.engine import sampling
+from completiond.engine.lookup import NGRAM_SIZES, NgramIndex
+
+# Most tokens a lookup proposes: free to draft, so bounded only by what a wider verify pass costs.
+LOOKUP_K = 6
 
 if TYPE_CHECKING:
     from completiond.engine.engine import Engine
@@ -28,13 +32,15 @@ class Proposal:
     probs: torch.Tensor | None  # [k, V] warped draft distributions q (None when greedy)
     masks: list  # the constraint mask used at each of the k positions (or None)
     exit_states: torch.Tensor  # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1
+    exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
+    kind: str = "early_exit"   # "early_exit" | "lookup" | "none" (for stats)
 
 
 class Draft(Protocol):
     exit_layer: int
 
     def propose(self, seq: "KVSequence", pending: int, generated: list[int], k_max: int, threshold: float,
-                warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None) -> Proposal: ...
+                warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None, limit: int) -> Proposal: ...
 
 
 class EarlyExitDraft:
@@ -44,7 +50,7 @@ class EarlyExitDraft:
         self.engine = engine
         self.exit_layer = exit_layer
 
-    def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint) -> Proposal:
+    def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -79,4 +85,47 @@ class EarlyExitDraft:
             if tok in eng.eos_token_ids:
                 break
             x = tok
-        return Proposal(tokens, torch.stack(probs) if probs else None, masks, torch.cat(states, dim=1))
+        return Proposal(tokens, torch.stack(probs) if probs else None, masks, torch.cat(states, dim=1),
+                        exit_layer=self.exit_layer)
+
+
+class LookupDraft:
+    """Prompt lookup first; where the n-gram index has nothing, the fallback draft (early exit),
+    or no draft at all (the round is then a plain step).
+
+    A lookup costs no model work: its tokens enter the verifier at layer 0 (their embeddings),
+    and the verifier runs every layer on them in one pass.
+    """
+
+    def __init__(self, engine: "Engine", fallback: "Draft | None", k: int = LOOKUP_K):
+        self.engine = engine
+        self.fallback = fallback
+        self.k = k
+
+    def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
+        eng = self.engine
+        if seq.lookup is None:
+            seq.lookup = NgramIndex()
+        seq.lookup.sync(seq.tokens, seq.length)
+        tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1):seq.length].tolist() + [pending]
+        found = seq.lookup.propose(tail, min(self.k, limit if limit is not None else self.k))
+        tokens: list[int] = []
+        masks: list = []
+        for tok in found:
+            mask = None if constraint is None else constraint(generated + tokens)
+            if mask is not None and not bool(mask[tok]):
+                break  # the target can never take it: stop proposing here
+            tokens.append(tok)
+            masks.append(mask)
+            if tok in eng.eos_token_ids:
+                break
+        if tokens:
+            probs = None
+            if not warp.greedy:
+                # deterministic proposal: q is one-hot
+                probs = torch.zeros(len(tokens), eng.vocab_size, device=eng.device)
+                probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            return Proposal(tokens, probs, masks, eng.embed([pending] + tokens), exit_layer=0, kind="lookup")
+        if self.fallback is not None:
+            return self.fallback.propose(seq, pending, generated, k_max, threshold, warp, rng, constraint, limit)
+        return Proposal([], None, [], eng.embed([pending]), exit_layer=0, kind="none")

@@ -27,7 +27,7 @@ from completiond.engine import sampling
 from completiond.errors import CompletionError
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
-from completiond.engine.draft import Draft, EarlyExitDraft
+from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.model_info import ModelInfo
@@ -51,6 +51,7 @@ class SamplingParams:
     exit_layer: int | None = None  # None: calibrated
     draft_k: int | None = None  # None: calibrated; the most drafted per round
     draft_threshold: float | None = None  # None: calibrated
+    prompt_lookup: bool | None = None  # n-gram drafts from the prompt and output; None: calibrated
     adaptive_k: bool = True
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
@@ -69,6 +70,10 @@ class Stats:
     exit_layer: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    lookup_rounds: int = 0      # rounds whose draft came from prompt lookup
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    lookup_rejected: int = 0
 
     @property
     def alpha(self) -> float:
@@ -329,11 +334,12 @@ class Engine:
 
     def speculative_round(self, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, k_max: int,
                           threshold: float, warp: sampling.Warp, rng: torch.Generator,
-                          constraint: ConstraintFn | None, stats: Stats, cancel: CancelToken | None = None) -> list[int] | None:
+                          constraint: ConstraintFn | None, stats: Stats, cancel: CancelToken | None = None,
+                          limit: int | None = None) -> list[int] | None:
         """One draft + verify + accept round. Returns the tokens it commits (accepted drafts + one more),
         or None when cancelled between draft and verify (the draft's scratch KV is simply not committed)."""
         t0 = time.perf_counter()
-        proposal = draft.propose(seq, pending, gen_tokens, k_max, threshold, warp, rng, constraint)
+        proposal = draft.propose(seq, pending, gen_tokens, k_max, threshold, warp, rng, constraint, limit)
         if cancel is not None and cancel.cancelled:
             return None
         t1 = time.perf_counter()
@@ -341,9 +347,9 @@ class Engine:
         exit_states = proposal.exit_states  # [1, k+1, d]: pending and each draft token at layer E
         if exit_states.shape[1] < k + 1:
             # The last draft token was never fed to the draft: its layers < E run here, once.
-            h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, draft.exit_layer, seq.length + k, seq)
+            h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, proposal.exit_layer, seq.length + k, seq)
             exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
-        h = self.run_layers(exit_states, draft.exit_layer, self.num_layers, seq.length, seq)
+        h = self.run_layers(exit_states, proposal.exit_layer, self.num_layers, seq.length, seq)
         logits = self.head(h)  # [k+1, V]
         masks = proposal.masks + [_mask(constraint, gen_tokens + proposal.tokens)]
         if any(m is not None for m in masks):
@@ -358,6 +364,11 @@ class Engine:
         stats.drafted += k
         stats.accepted += m
         stats.rejected += int(m < k)
+        if proposal.kind == "lookup":
+            stats.lookup_rounds += 1
+            stats.lookup_drafted += k
+            stats.lookup_accepted += m
+            stats.lookup_rejected += int(m < k)
         stats.draft_ms += 1000 * (t1 - t0)
         stats.verify_ms += 1000 * (t2 - t1)
         return proposal.tokens[:m] + [nxt]
@@ -373,9 +384,13 @@ class Engine:
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
         # On the logits' device: torch.multinomial refuses a generator of another device.
         rng = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        spec, exit_layer, k_max, threshold = self._speculation(params)
+        spec, exit_layer, k_max, threshold, lookup = self._speculation(params)
         stats.exit_layer = exit_layer if spec else self.num_layers
-        draft = EarlyExitDraft(self, exit_layer) if spec else None
+        draft: Draft | None = EarlyExitDraft(self, exit_layer) if spec else None
+        room = k_max  # most tokens a round may write ahead of the committed ones
+        if lookup:
+            draft = LookupDraft(self, draft)
+            room = max(k_max, draft.k)
 
         t0 = time.perf_counter()
         seq, reused = self.cache.acquire(prompt, self.new_sequence)
@@ -383,7 +398,7 @@ class Engine:
         out: list[int] = []
         finish = "length"
         try:
-            seq.ensure_capacity(len(prompt) + params.max_tokens + k_max + 2)
+            seq.ensure_capacity(len(prompt) + params.max_tokens + room + 2)
             if not self.prefill(seq, prompt[reused:-1], cancel):
                 finish = "cancelled"
             t1 = time.perf_counter()
@@ -399,14 +414,17 @@ class Engine:
                 if cancel is not None and cancel.cancelled:
                     finish = "cancelled"
                     break
-                if spec:
-                    # 8 pseudo-tests of the calibrated α, then this request's own tests
-                    alpha = (8 * alpha0 + stats.accepted) / (8 + stats.accepted + stats.rejected)
+                remaining = params.max_tokens - len(out) - 1
+                if draft is not None:
+                    # 8 pseudo-tests of the calibrated α, then this request's own early-exit tests
+                    accepted = stats.accepted - stats.lookup_accepted
+                    rejected = stats.rejected - stats.lookup_rejected
+                    alpha = (8 * alpha0 + accepted) / (8 + accepted + rejected)
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
-                    k = min(k, params.max_tokens - len(out) - 1)
-                if spec and k > 0:
-                    new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint, stats,
-                                                 cancel)
+                    k = min(k, remaining)
+                if draft is not None and remaining > 0:
+                    new = self.speculative_round(seq, pending, out, draft, max(k, 1), threshold, warp, rng, constraint,
+                                                 stats, cancel, limit=remaining)
                     if new is None:
                         finish = "cancelled"
                         break
@@ -457,7 +475,8 @@ class Engine:
                               f"got {exit_layer}")
         k_max = params.draft_k or cal.draft_k
         threshold = cal.threshold if params.draft_threshold is None else params.draft_threshold
-        return spec, exit_layer, max(1, k_max), threshold
+        lookup = params.speculative and (cal.prompt_lookup if params.prompt_lookup is None else params.prompt_lookup)
+        return spec, exit_layer, max(1, k_max), threshold, lookup
 
 
 def choose_k(alpha: float, cost: float, k_max: int) -> int:

@@ -30,6 +30,7 @@ class KVSequence:
         self.v = torch.empty_like(self.k)
         self.tokens = np.empty(capacity, dtype=np.int64)
         self.length = 0  # tokens whose KV is valid in every layer
+        self.lookup = None  # the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
     def capacity(self) -> int:
