@@ -31,7 +31,12 @@ Metrics:
   followed by its first token;
 * FIM function bodies: held-out functions with the body removed, SPM and PSM
   prompts; how often generation ends with <|endoftext|> within 128 tokens, and
-  exact match of the body.
+  exact match of the body;
+* held-out packages: the same per-exit loss on the stream of the packages held out
+  whole (models/data_prep.py), read from the prepared data (--data, default
+  runs/data/) when it was tokenised with this model's tokenizer;
+* draft cost per exit: FLOPs of the first l layers plus the LM head over a full
+  step (`completiond calibrate` measures the real ratio per machine).
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_fn=None,
 
 def exit_logits_all(model, ids):
     """Logits at every exit layer for a (1, T) tensor: list of (T, V) tensors, last = full model."""
-    from completiond.models.train_default import forward_all_exits
+    from .train_default import forward_all_exits
 
     with __import__("torch").no_grad():
         final, exits = forward_all_exits(model, ids, None, slice(None))
@@ -106,7 +111,7 @@ def exit_logits_all(model, ids):
 def heldout_loss(model, tok, files, seq_len: int, count: int):
     import torch.nn.functional as F
 
-    from completiond.models.train_default import heldout_windows
+    from .train_default import heldout_windows
 
     x, y = heldout_windows(tok, files, seq_len, count)
     sums = None
@@ -320,17 +325,21 @@ def plot(log_path: Path, png: Path, n_layers: int) -> None:
     for l in show:
         c = cmap(l / max(1, n_layers - 1))
         if train:
-            xs = [r["tokens"] / 1e6 for r in train]
-            ys = [r["exit_losses"][l] for r in train]
+            pts = [(r["tokens"] / 1e6, r["exit_losses"][l]) for r in train if r["exit_losses"][l] is not None]
+            xs = [x for x, _ in pts]
             # light smoothing of the noisy per-interval means
             sm, acc = [], None
-            for v in ys:
+            for _, v in pts:
                 acc = v if acc is None else 0.9 * acc + 0.1 * v
                 sm.append(acc)
             axes[0].plot(xs, sm, color=c, label=f"exit {l + 1}" + (" (full)" if l == n_layers - 1 else ""))
         if held:
             axes[1].plot([r["tokens"] / 1e6 for r in held], [r["heldout_exit_losses"][l] for r in held], "o-",
                          color=c, label=f"exit {l + 1}" + (" (full)" if l == n_layers - 1 else ""))
+    pk = [r for r in recs if "heldout_packages_exit_losses" in r]
+    if pk:
+        axes[1].plot([r["tokens"] / 1e6 for r in pk], [r["heldout_packages_exit_losses"][-1] for r in pk], "s--",
+                     color="tab:red", label="full, held-out packages")
     axes[0].set_title("training loss per exit layer (EMA)")
     axes[1].set_title("held-out loss per exit layer")
     for ax in axes:
@@ -353,7 +362,7 @@ def _stages_md(t: dict) -> str:
     for st in stages:
         how = "from scratch" if not st.get("init_from") else \
             f"continued from stage {st['stage'] - 1} with `--init-from`, fresh optimizer"
-        from completiond.models.train_default import DEFAULTS
+        from .train_default import DEFAULTS
 
         batch = (st.get("args") or {}).get("batch_size", DEFAULTS["batch_size"])
         lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps of {batch} sequences, "
@@ -373,7 +382,7 @@ def _command(st: dict) -> str | None:
     if not a:
         # stages recorded before arguments were logged ran with every default
         return "completiond train-default" if not st.get("init_from") else None
-    from completiond.models import default_model_dir, train_default
+    from . import default_model_dir, train_default
 
     p = argparse.ArgumentParser()
     train_default.add_arguments(p)
@@ -396,6 +405,39 @@ def _command(st: dict) -> str | None:
     return " ".join(parts)
 
 
+def _targets_md(model_dir: Path, r: dict) -> str:
+    """The model's figures against the targets of the bundled model's issue (v2)."""
+    t = r["training"]
+    L = t["layers"]
+    nl, fb = r["next_line"], r["fim_bodies"]
+    cheap = [(r["alpha"][l], l + 1) for l in range(L - 1) if draft_cost(t, l + 1, r.get("draft_vocab_size", 0)) <= 0.35]
+    best = max(cheap) if cheap else None
+    hp = r.get("heldout_packages_loss")
+    mb = (model_dir / "model.safetensors").stat().st_size / 2**20
+    ratio = nl["left_to_right"]["char_similarity"] / max(1e-9, nl["baseline"]["char_similarity"])
+    stop = min(fb["spm"]["stops_at_eot"], fb["psm"]["stops_at_eot"])
+    rows = [
+        ("last-layer held-out loss (stdlib, nats/token)", f"{r['heldout_loss'][-1]:.3f}", "<= 3.0",
+         r["heldout_loss"][-1] <= 3.0),
+        ("held-out loss on the held-out packages", f"{hp[-1]:.3f}" if hp else "not measured", "<= 3.4",
+         bool(hp) and hp[-1] <= 3.4),
+        ("next-line exact match (left to right)", f"{nl['left_to_right']['exact_match']:.1%}", ">= 10%",
+         nl["left_to_right"]["exact_match"] >= 0.10),
+        ("next-line char similarity / trivial baseline", f"{ratio:.2f}x", ">= 1.3x", ratio >= 1.3),
+        ("FIM function bodies ending with `<|endoftext|>` (worse of SPM, PSM)", f"{stop:.1%}", ">= 80%", stop >= 0.8),
+        ("greedy agreement of the best exit at draft cost <= 0.35",
+         f"{best[0]:.3f} (exit {best[1]})" if best else "no exit that cheap", ">= 0.85", bool(best) and best[0] >= 0.85),
+        ("weights (safetensors)", f"{mb:.1f} MB", "<= 30 MB", mb <= 30),
+        ("tokens seen", f"{t['tokens_seen'] / 1e6:.1f}M", ">= 40M", t["tokens_seen"] >= 40e6),
+    ]
+    return ("| figure | this model | target | met |\n|---|---|---|---|\n"
+            + "\n".join(f"| {a} | {b} | {c} | {'yes' if ok else 'no'} |" for a, b, c, ok in rows))
+
+
+def _fmt(v, l: int) -> str:
+    return f"{v[l]:.3f}" if v else "not measured"
+
+
 def _cell(s: str) -> str:
     """Code in a markdown table cell: pipes escaped, empty shown as (empty)."""
     s = s.strip()
@@ -410,79 +452,132 @@ def _fence(s: str) -> str:
     return "```python\n" + s.replace("```", "`\u200b``") + "\n```"
 
 
-def write_card(model_dir: Path, r: dict) -> None:
-    t = r["training"]
-    data = r["data"]
-    L = t["layers"]
+def draft_cost(t: dict, exit_layer: int, draft_vocab: int = 0) -> float:
+    """Compute of an exit-layer draft step relative to a full step (FLOPs per token: the first
+    exit_layer decoder layers plus the draft head, over all layers plus the full LM head). The
+    engine's draft head scores only the draft_vocab most frequent ids (0: all). `completiond
+    calibrate` measures the real ratio on a machine; on CPU it is close to this."""
+    h, ff, L, v = t["hidden"], t["intermediate"], t["layers"], t["vocab"]
+    kv = h * t["kv_heads"] // t["heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * ff
+    return (exit_layer * layer + h * (draft_vocab or v)) / (L * layer + h * v)
+
+
+def _data_md(data: dict, t: dict, manifest: dict | None) -> str:
+    stdlib = (f"* CPython {data['python']} standard library sources (`sysconfig.get_paths()[\"stdlib\"]` =\n"
+              f"  `{data['stdlib_root']}`), all `*.py` files, `site-packages` excluded, files that are\n"
+              f"  not valid UTF-8 skipped, sorted by relative path. License: PSF.\n"
+              f"* Held-out split by file: a file is held out when `int(sha1(relpath), 16) % 20 == 0`\n"
+              f"  (`completiond.models.corpus.is_heldout`): {data['heldout_files']} files, "
+              f"{data['heldout_bytes'] / 1e6:.2f} MB.")
+    if not manifest:
+        return (stdlib + f" Training: {data['training_files']} files, {data['training_bytes'] / 1e6:.1f} MB "
+                f"({t['training_stream_tokens']:,} tokens). The tokenizer and the model never saw held-out files; "
+                f"every figure below is on held-out files only.")
+    sp = manifest["splits"]
+    kept = [p for p in manifest["packages"] if p["split"] in ("train", "heldout_packages")]
+    dropped = [p for p in manifest["packages"] if p["split"] not in ("train", "heldout_packages")]
     rows = "\n".join(
-        f"| {l + 1}{' (full)' if l == L - 1 else ''} | {r['heldout_loss'][l]:.3f} | {r['alpha'][l]:.3f} | "
-        f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
-        for l in range(L))
-    nl = r["next_line"]
-    fb = r["fim_bodies"]
-    first_07 = next((l + 1 for l in range(L - 1) if r["alpha"][l] >= 0.7), None)
+        f"| {p['name']} | {p['version']} | {p['licence']} | {'**held out**' if p['split'] == 'heldout_packages' else 'train'} "
+        f"| {p['files']:,} | {p['tokens']:,} | {', '.join(f'{k} {v}' for k, v in sorted(p['dropped'].items())) or '-'} |"
+        for p in sorted(kept, key=lambda p: p["name"].lower()))
+    dropped_md = "".join(f"\n* Dropped whole: {p['name']} {p['version']} (licence metadata `{p['licence']}` "
+                         f"is not in the allowed list)." for p in dropped)
+    return f"""{stdlib}
+* Third-party Python: the {len(manifest['packages'])} distributions of `models/train_packages.txt` (the project's
+  list of permissively licensed packages), fetched with `pip download --no-deps` at the versions pinned in
+  `models/train_packages.lock`. A distribution is kept only if its metadata (License-Expression, License or
+  the trove classifiers) names MIT, BSD, Apache-2.0, PSF, ISC, HPND, Unlicense or 0BSD. Inside it only `.py`
+  files are taken; dropped: vendored copies (`_vendor/`, `vendor/`, `vendored/`, `third_party/`, `externals/`),
+  generated files (a "generated by" / "DO NOT EDIT" marker near the top, or mostly lines over 400
+  characters), files over {manifest['rules']['max_file_bytes'] // 1000} kB (data tables), empty files and files that
+  are not UTF-8.{dropped_md}
+* De-duplicated by content across every source (held-out files claim their content first, so no copy of a
+  held-out file is trained on). Held out whole: {', '.join(manifest['heldout_packages'])}.
+* Pre-tokenised once with the model's tokenizer into flat uint16 streams (files joined by `<|file_sep|>`),
+  memory-mapped by the trainer: training {sp['train']['files']:,} files, {sp['train']['bytes'] / 1e6:.1f} MB,
+  **{sp['train']['tokens']:,} tokens**; held-out stdlib {sp['heldout_stdlib']['files']} files,
+  {sp['heldout_stdlib']['tokens']:,} tokens; held-out packages {sp['heldout_packages']['files']} files,
+  {sp['heldout_packages']['tokens']:,} tokens. The manifest is `data_manifest.json` in this directory.
+  The tokenizer and the model never saw held-out files or packages.
+
+| package | version | licence (metadata) | split | files | tokens | dropped files |
+|---|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def _training_md(t: dict) -> str:
+    """The training section for a model trained by the resumable trainer (summary has "cfg")."""
+    c = t["cfg"]
+    stages = "\n".join(
+        f"  * stage {i + 1} ({'resumed from the checkpoint' if st.get('resume') else 'from scratch'}): steps "
+        f"{st['start_step']:,} to {st.get('end_step', st['start_step']):,}, tokens {st['start_tokens']:,} to "
+        f"{st.get('end_tokens', st['start_tokens']):,}, {st.get('started', '?')} to {st.get('ended', '?')}, "
+        f"{st.get('precision')} on {st.get('device')} ({st.get('threads')} threads), stopped: "
+        f"{st.get('stop_reason', 'checkpoint')}"
+        for i, st in enumerate(t["stages"]))
+    probe_md = ""
+    if t.get("scaling_probe"):
+        rows = "\n".join(
+            f"| {p['size']} | {p['parameters'] / 1e6:.2f}M | {p['bf16_mb']} MB | {p['tokens_per_s']:.0f} | {p['tokens']:,} | "
+            f"{p['heldout_stdlib'][-1]:.3f} | {(p.get('heldout_packages') or [float('nan')])[-1]:.3f} |"
+            for p in t["scaling_probe"])
+        minutes = t["scaling_probe"][0]["seconds"] / 60
+        probe_md = f"""
+* Scaling probe (`completiond train-default --probe`): each size trained {minutes:.1f} minutes on the same data
+  (batch {t["scaling_probe"][0].get("batch_size", "?")}, {t["scaling_probe"][0].get("warmup", "?")} warmup steps, then a cosine over its
+  minutes), then the held-out loss of its last layer:
+
+  | size (hidden x layers x MLP) | parameters | bf16 weights | tokens/s | tokens | held-out stdlib | held-out packages |
+  |---|---|---|---|---|---|---|
+  {rows.replace(chr(10), chr(10) + "  ")}
+"""
+    defaults = {"hidden": 192, "layers": 10, "intermediate": 512}
+    arch = c["arch"]
+    opts = " ".join(f"--{k} {arch[k]}" for k in ("hidden", "layers", "intermediate") if arch[k] != defaults[k])
+    if arch["heads"] != 3:
+        opts += f" --heads {arch['heads']} --kv-heads {arch['kv_heads']}"
     drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
     weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
-    sample_md = "\n\n".join(
-        f"**{s['file']}**, cursor at the end of line {s['line'] - 1}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
-        f"Model (greedy, up to 64 tokens, shown up to 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
-        for s in r["samples"])
-    fe = r.get("fim_example")
-    fim_md = ""
-    if fe:
-        fim_md = (f"\n### FIM (SPM) example: function body removed\n\n**{fe['file']}**. Prefix (last lines):\n\n"
-                  f"{_fence(fe['prefix_tail'])}\n\nSuffix (first lines):\n\n{_fence(fe['suffix_head'])}\n\n"
-                  f"Model middle (stopped at `<|endoftext|>`):\n\n{_fence(fe['completion'])}\n\nActual body:\n\n"
-                  f"{_fence(fe['truth'])}\n")
-    nl_ex = "\n".join(
-        f"| {_cell(e['file'] + ':' + str(e['line']))} | {_cell(e['truth'])} | {_cell(e['left_to_right'])} | "
-        f"{_cell(e['fim_spm'])} | {_cell(e['baseline'])} |"
-        for e in r["next_line_examples"])
-    card = f"""# completiond-py-mini
+    probe = t.get("precision_info") or {}
+    timing = probe.get("step_seconds")
+    prec = (f"{t['precision']} (start-up probe, one training step of 256 tokens: "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items() if v is not None) + ")") if timing else t["precision"]
+    return f"""* {t['steps']:,} optimizer steps of {t['batch_size']} sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,}
+  tokens seen** (loss-bearing tokens; planned total of the run {t['planned_tokens']:,}, step {t['steps']:,} of
+  {t['planned_steps']:,}; ~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in
+  **{t['train_seconds'] / 60:.1f} minutes** of training; precision {prec}; torch {t['torch']}.
+* One run, resumable: `completiond train-default{(' ' + opts) if opts else ''} --total-tokens {t['planned_tokens']}`, then
+  `completiond train-default --resume` for each later stage. A checkpoint holds weights, AdamW state, the data
+  position (epoch, index into a per-epoch permutation of {t['seq_len'] + 1}-token chunks, the sampler's RNG), the
+  schedule position and torch's RNG state, so a resumed run continues exactly as an uninterrupted one.
+  Stages:
+{stages}{probe_md}
+* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), {t['warmup']} warmup steps to peak LR
+  {t['lr']}, then **one cosine over the planned total** to {t['min_lr_ratio']} x peak, gradient clip 1.0.
+* **LayerSkip** (Elhoushi et al., 2024): layer dropout rising linearly with depth, per sample,
+  training only (no rescaling; off at inference): p = [{drop}].
+  Early-exit loss through the shared final norm and LM head, weights `e_scale * sum(i for i <= l)` for l < L-1
+  and `L-1` for the last layer, e_scale = {t['exit_scale']}, normalized: [{weights}]. Each step scores the
+  exits the engine drafts from ({', '.join(str(e) for e in t['draft_exits'])}) and {t['rotating_exits']} other exits
+  chosen at random (rotational curriculum), on a random {t['exit_frac']:.3g} of the positions (CPU budget); the last
+  layer on all.
+* **Self-distillation**: each scored exit is also trained toward the final layer's detached distribution,
+  KL(p_final || p_exit), weight 1 for the draft exits and {t['distill_other']} for the others, times {t['distill']}.
+* **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), inside one file's
+  window. Every middle ends at a boundary an editor completion should stop at: before a newline (the rest of
+  the cursor's line plus 0-3 lines, or the indented block after a line: a function or loop body), or where the
+  rest of the cursor's line begins (in-line middles); {t['empty_middle']:.0%} of middles are empty. Every middle is
+  closed with `<|endoftext|>` (the suffix and then the prefix are trimmed so it always fits). Other samples are
+  chunks of the training stream."""
 
-The bundled default model of completiond: a small Python code model trained by
-this project from scratch on the CPython standard library, with the LayerSkip
-recipe (layer dropout + early-exit loss) so that its own early layers make a
-good self-speculative draft, and with fill-in-the-middle. It is a plain
-`LlamaForCausalLM` (`AutoModelForCausalLM.from_pretrained(dir)` loads it, no
-custom code). It exists so that completiond works offline out of the box and so
-that tests and benchmarks have a real trained model; it is not a strong code
-model.
 
-Rebuild from scratch: `completiond train-default` (or `python -m completiond.models.train_default`),
-then `python -m completiond.models.model_card` for this card. Every number here comes from
-`models/model_card.py` ({r['eval_seconds']:.0f} s to run).
-
-## Data
-
-* CPython {data['python']} standard library sources (`sysconfig.get_paths()["stdlib"]` =
-  `{data['stdlib_root']}`), all `*.py` files, `site-packages` excluded, files that are
-  not valid UTF-8 skipped, sorted by relative path. License: PSF.
-* Held-out split by file: a file is held out when `int(sha1(relpath), 16) % 20 == 0`
-  (`completiond.models.corpus.is_heldout`). Training: {data['training_files']} files,
-  {data['training_bytes'] / 1e6:.1f} MB ({t['training_stream_tokens']:,} tokens). Held-out:
-  {data['heldout_files']} files, {data['heldout_bytes'] / 1e6:.2f} MB. The tokenizer and the model
-  never saw held-out files; every figure below is on held-out files only.
-
-## Tokenizer
-
-Byte-level BPE (`tokenizers`), vocabulary {t['vocab']}, trained on the training split. No
-normalizer, ByteLevel pre-tokenizer with `add_prefix_space=False`, no clean-up of spaces on
-decode: the round trip is lossless byte for byte. Special tokens: `<|endoftext|>` (id 0, eos),
-`<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
-`<|fim_pad|>` (5, padding). No BOS token is added.
-
-## Architecture
-
-`LlamaForCausalLM`: {t['layers']} layers, hidden {t['hidden']}, {t['heads']} attention heads of
-{t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm,
-RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (trained at
-{t['seq_len']} tokens: `completiond.json` has `train_context: {t['seq_len']}`).
-**{t['parameters']:,} parameters**; weights stored as bfloat16 safetensors.
-
-## Training
-
-* {t['steps']:,} optimizer steps on sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
+def _legacy_training_md(t: dict) -> str:
+    """The training section of a model trained before the resumable trainer (stages via --init-from)."""
+    drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
+    weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
+    return f"""* {t['steps']:,} optimizer steps on sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
   (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in **{t['train_seconds'] / 60:.1f} minutes**
   of training ({t['total_seconds'] / 60:.1f} min wall in all) on {t['threads']} CPU threads ({t['device']}),
   shared with other work, bf16 autocast, torch {t['torch']}.
@@ -498,7 +593,78 @@ RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (
 * **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), split at
   character level inside a window of one file: the cursor uniform; the middle either runs to the
   end of the cursor's line plus 0-3 lines (half the time) or has uniform length. Other samples are
-  windows of the training stream, where files are joined with `<|file_sep|>`.
+  windows of the training stream, where files are joined with `<|file_sep|>`."""
+
+
+def write_card(model_dir: Path, r: dict) -> None:
+    t = r["training"]
+    data = r["data"]
+    L = t["layers"]
+    rows = "\n".join(
+        f"| {l + 1}{' (full)' if l == L - 1 else ''} | {r['heldout_loss'][l]:.3f} | "
+        f"{_fmt(r.get('heldout_packages_loss'), l)} | {r['alpha'][l]:.3f} | "
+        f"{draft_cost(t, l + 1, r.get('draft_vocab_size', 0)):.2f} | "
+        f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
+        for l in range(L))
+    nl = r["next_line"]
+    fb = r["fim_bodies"]
+    first_07 = next((l + 1 for l in range(L - 1) if r["alpha"][l] >= 0.7), None)
+    sample_md = "\n\n".join(
+        f"**{s['file']}**, cursor at the end of line {s['line'] - 1}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
+        f"Model (greedy, up to 64 tokens, shown up to 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
+        for s in r["samples"])
+    fe = r.get("fim_example")
+    fim_md = ""
+    if fe:
+        fim_md = (f"\n### FIM (SPM) example: function body removed\n\n**{fe['file']}**. Prefix (last lines):\n\n"
+                  f"{_fence(fe['prefix_tail'])}\n\nSuffix (first lines):\n\n{_fence(fe['suffix_head'])}\n\n"
+                  f"Model middle (stopped at `<|endoftext|>`):\n\n{_fence(fe['completion'])}\n\nActual body:\n\n"
+                  f"{_fence(fe['truth'])}\n")
+    nl_ex = "\n".join(
+        f"| {_cell(e['file'] + ':' + str(e['line']))} | {_cell(e['truth'])} | {_cell(e['left_to_right'])} | "
+        f"{_cell(e['fim_spm'])} | {_cell(e['baseline'])} |"
+        for e in r["next_line_examples"])
+    training_md = _training_md(t) if "cfg" in t else _legacy_training_md(t)
+    targets_md = _targets_md(model_dir, r)
+    card = f"""# completiond-py-mini
+
+The bundled default model of completiond: a small Python code model trained by
+this project from scratch on {"the CPython standard library and permissively licensed third-party packages" if r.get("data_manifest") else "the CPython standard library"},
+with the LayerSkip recipe (layer dropout + early-exit loss{" + self-distillation of the early exits" if "cfg" in t else ""}) so that its own
+early layers make a good self-speculative draft, and with fill-in-the-middle. It is a plain
+`LlamaForCausalLM` (`AutoModelForCausalLM.from_pretrained(dir)` loads it, no
+custom code). It exists so that completiond works offline out of the box and so
+that tests and benchmarks have a real trained model; it is not a strong code
+model.
+
+Rebuild from scratch: `completiond train-default` (or `python -m completiond.models.train_default`),
+then `python -m completiond.models.model_card` for this card. Every number here comes from
+`models/model_card.py` ({r['eval_seconds']:.0f} s to run).
+
+## Data
+
+{_data_md(data, t, r.get('data_manifest'))}
+
+## Tokenizer
+
+Byte-level BPE (`tokenizers`), vocabulary {t['vocab']}, trained on the standard library's training split (kept from
+the first bundled model: the engine's FIM and stop handling depend on its special tokens). No
+normalizer, ByteLevel pre-tokenizer with `add_prefix_space=False`, no clean-up of spaces on
+decode: the round trip is lossless byte for byte. Special tokens: `<|endoftext|>` (id 0, eos),
+`<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
+`<|fim_pad|>` (5, padding). No BOS token is added.
+
+## Architecture
+
+`LlamaForCausalLM`: {t['layers']} layers, hidden {t['hidden']}, {t['heads']} attention heads of
+{t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm,
+RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (trained at
+{t['seq_len']} tokens: `completiond.json` has `train_context: {t['seq_len']}`).
+**{t['parameters']:,} parameters**; weights stored as bfloat16 safetensors.
+
+## Training
+
+{training_md}
 
 ### FIM layouts (the engine's template must match exactly)
 
@@ -524,8 +690,8 @@ model's greedy continuation of {r['alpha_prompts']} held-out prompts ({r['alpha_
 exit layer's argmax equals the full model's. K=4 rounds simulated exactly (greedy self-speculation:
 accept the longest matching draft prefix, then one token from the full model).
 
-| exit layer | held-out loss | alpha (greedy) | accepted / round (K=4) | tokens / round |
-|---|---|---|---|---|
+| exit layer | held-out loss (stdlib) | held-out loss (packages) | alpha (greedy agreement) | draft cost (FLOPs, {r.get('draft_vocab_size') or t['vocab']}-id draft head) | accepted / round (K=4) | tokens / round |
+|---|---|---|---|---|---|---|
 {rows}
 
 {"First exit layer with alpha >= 0.7: **" + str(first_07) + f"** of {L}." if first_07 else "**No early exit layer reaches alpha >= 0.7.**"}
@@ -558,17 +724,58 @@ greedy up to 128 tokens.
 | SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} |
 | PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} |
 
+## Targets
+
+{targets_md}
+
 ## Samples (held-out code, greedy)
 
 {sample_md}
 {fim_md}
 ## Limitations
 
-Trained for well under an hour on two CPU cores on one codebase: it knows stdlib idioms and Python
-syntax, not third-party libraries, and it repeats and invents names freely. Use a real code model
-for real work; completiond loads any Llama-family model the same way.
+Trained for {t['train_seconds'] / 3600:.1f} hours on two CPU cores: it knows common Python idioms and the
+APIs of its training packages, repeats and invents names freely, and sees {t['seq_len']} tokens of context.
+Use a real code model for real work; completiond loads any Llama-family model the same way.
 """
     (model_dir / "MODEL_CARD.md").write_text(card)
+
+
+def draft_vocab_size(model_dir: Path) -> int:
+    """Ids the engine's draft head scores by default (the model's completiond.json), 0 for all."""
+    f = model_dir / "completiond.json"
+    if not f.is_file():
+        return 0
+    spec = json.loads(f.read_text()).get("speculation") or {}
+    return len(spec.get("draft_vocab") or [])
+
+
+def heldout_packages_loss(model, data_dir: Path, model_dir: Path, seq_len: int, count: int):
+    """(per-exit loss on the held-out packages' stream, the data manifest), or (None, manifest or None)
+    when the prepared data is not here or was tokenised with another tokenizer."""
+    import torch.nn.functional as F
+
+    from .data_prep import DataError, TokenData
+    from .train_default import stream_windows
+
+    mf = model_dir / "data_manifest.json"
+    manifest = json.loads(mf.read_text()) if mf.is_file() else None
+    try:
+        data = TokenData(data_dir)
+        data.check_tokenizer(model_dir)
+    except (DataError, FileNotFoundError) as e:
+        print(f"held-out packages loss not measured: {e}", flush=True)
+        return None, manifest
+    stream = data.streams["heldout_packages"]
+    if len(stream) <= seq_len + 1:
+        return None, manifest or data.manifest
+    x, y = stream_windows(stream, seq_len, count)
+    sums = None
+    for i in range(x.shape[0]):
+        lg = exit_logits_all(model, x[i:i + 1])
+        v = [F.cross_entropy(l.float(), y[i]).item() for l in lg]
+        sums = v if sums is None else [a + b for a, b in zip(sums, v)]
+    return [v / x.shape[0] for v in sums], manifest or data.manifest
 
 
 def main(argv=None) -> int:
@@ -577,12 +784,14 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from completiond.models import corpus, default_model_dir
+    from . import corpus, default_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=default_model_dir())
     p.add_argument("--quick", action="store_true", help="fewer samples (smoke test)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data", type=Path, default=Path("runs/data"),
+                   help="prepared data (train-default --prepare) for the held-out packages loss")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     import transformers
@@ -602,6 +811,9 @@ def main(argv=None) -> int:
     print("held-out loss ...", flush=True)
     hl = heldout_loss(model, tok, files, seq_len, n_windows)
     print([round(v, 3) for v in hl], flush=True)
+    hp, manifest = heldout_packages_loss(model, a.data, d, seq_len, n_windows)
+    if hp:
+        print("held-out packages:", [round(v, 3) for v in hp], flush=True)
     print("acceptance ...", flush=True)
     alpha, per_round, n_pos = acceptance(model, tok, files, 6 if q else 40, 256, 32 if q else 64)
     print([round(v, 3) for v in alpha], [round(v, 2) for v in per_round], flush=True)
@@ -617,7 +829,9 @@ def main(argv=None) -> int:
         "model": str(d), "training": summary,
         "data": {**summ, "python": sys.version.split()[0]},
         "uniform_loss": float(torch.log(torch.tensor(float(len(tok))))),
-        "heldout_windows": n_windows, "heldout_loss": hl,
+        "heldout_windows": n_windows, "heldout_loss": hl, "heldout_packages_loss": hp,
+        "draft_vocab_size": draft_vocab_size(d),
+        "data_manifest": manifest,
         "alpha": alpha, "accepted_per_round": per_round, "K": 4, "alpha_positions": n_pos,
         "alpha_prompts": 6 if q else 40,
         "next_line": nl, "next_line_positions": n_nl, "next_line_examples": nl_examples,
