@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,36 @@ def test_generate_cli_reports_bad_model(tmp_path):
                           "--prompt", "x"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1
     assert "does not exist" in out.stderr
+
+
+def test_bench_edit_workload(peaked_dir, tmp_path):
+    """FIM prompts at each of the 8 line starts of the region being typed, with the file's real suffix."""
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "bench", "--json", "--workload", "edit", "--model", str(peaked_dir),
+         "--prompts", "1", "--max-tokens", "8", "--exit-layer", "1", "--draft-k", "2", "--repeats", "1", "--skip-hf",
+         "--files", *_prompt_files(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["workload"] == "edit" and result["prompts"] == 8
+    assert result["greedy_identical"] is True
+    assert [d["greedy_identical"] for d in result["drafts"]] == [True, True]
+
+
+def test_edit_prompts_hold_the_real_suffix(peaked_dir, tmp_path):
+    from completiond.commands.bench import edit_prompts
+    from completiond.engine.engine import Engine
+
+    engine = Engine.load(peaked_dir, device="cpu")
+    path = Path(_prompt_files(tmp_path)[0])
+    prompts = edit_prompts(engine, [path], 1, lines=3)
+    assert len(prompts) == 3
+    lines = path.read_text().splitlines(keepends=True)
+    tail = "".join(lines[int(len(lines) * 0.4) + 3:])
+    tok = engine.tokenizer
+    # each prompt carries (the start of) the text after the region as its suffix
+    suffix_start = tok.decode(tok(tail[:200]).input_ids[:8])
+    for ids in prompts:
+        assert suffix_start in tok.decode(ids)
+    # one line more of prefix each time: the prompts grow
+    assert len(prompts[0]) < len(prompts[1]) < len(prompts[2])

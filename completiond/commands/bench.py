@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
+    p.add_argument("--workload", choices=("prompts", "edit"), default="prompts",
+                   help="prompts: the text before a line a third into each file; edit: FIM prompts at each line "
+                        "start of a region being typed, with the real suffix (see edit_prompts)")
     p.add_argument("--keystrokes", type=int, default=120, help="with --typing")
     p.add_argument("--file", default=None, help="with --typing: the file to type into (default: a held-out file)")
 
@@ -59,6 +62,44 @@ def prompt_texts(files: list[Path] | None, count: int, chars: int = 1500) -> lis
             break
     if not out:
         raise SystemExit("completiond bench: no usable prompt files")
+    return out
+
+
+def edit_prompts(engine, files: list[Path] | None, n_files: int, lines: int = 8) -> list[list[int]]:
+    """Prompts as an editor sends them while a region is typed: in each held-out file, the `lines`
+    lines starting 40% into the file are the region; for each of its line starts, the document
+    holds everything before that line (what was typed so far) and, after the cursor, the rest of
+    the file past the region (the real suffix). The prompt is built by the real PromptBuilder
+    (FIM template, suffix, chunked prefix) with default settings. Files under 60 lines are skipped."""
+    from completiond import config
+    from completiond.completion.prompt import PromptBuilder
+
+    if files is None:
+        from completiond.models.corpus import heldout_files
+
+        files = [f.path for f in heldout_files()]
+    builder = PromptBuilder.for_engine(engine, config.Config())
+    out, used = [], 0
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        all_lines = text.splitlines(keepends=True)
+        if len(all_lines) < 60:
+            continue
+        start = int(len(all_lines) * 0.4)
+        suffix = "".join(all_lines[start + lines:])
+        for j in range(start, start + lines):
+            before = "".join(all_lines[:j])
+            prompt = builder.build(before + suffix, len(before))
+            if prompt.skip_reason is None:
+                out.append(prompt.ids)
+        used += 1
+        if used == n_files:
+            break
+    if not out:
+        raise SystemExit("completiond bench: no usable files for the edit workload")
     return out
 
 
@@ -153,7 +194,7 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
 
 
 def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | None, draft_k: int | None,
-            skip_hf: bool, log=print, repeats: int = 5) -> dict:
+            skip_hf: bool, log=print, repeats: int = 5, workload: str = "prompts") -> dict:
     """Every method warmed up, then timed `repeats` times in rotating order over the same prompts.
 
     Per repeat and method: decode milliseconds per token over all prompts (ours: the engine's own
@@ -165,8 +206,10 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
     from completiond.engine.engine import CancelToken, SamplingParams
 
-    texts = prompt_texts(files, n_prompts)
-    prompts = [engine.tokenizer(t).input_ids for t in texts]
+    if workload == "edit":
+        prompts = edit_prompts(engine, files, n_prompts)
+    else:
+        prompts = [engine.tokenizer(t).input_ids for t in prompt_texts(files, n_prompts)]
     cal = engine.calibration
     E = exit_layer or cal.exit_layer
     K = draft_k or cal.draft_k
@@ -302,6 +345,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "dtype": str(engine.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "workload": workload,
         "prompts": len(prompts),
         "max_tokens": max_tokens,
         "repeats": repeats,
@@ -365,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         files = [Path(f) for f in args.files] if args.files else None
         log(f"model {engine.name} on {engine.device}, {engine.num_layers} layers, calibration: {engine.calibration.source}")
         result = measure(engine, files, args.prompts, args.max_tokens, args.exit_layer, args.draft_k, args.skip_hf, log,
-                         repeats=args.repeats)
+                         repeats=args.repeats, workload=args.workload)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
