@@ -41,23 +41,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", default=None, help="with --typing: the file to type into (default: a held-out file)")
 
 
-def prompt_texts(files: list[Path] | None, count: int, chars: int = 1500) -> list[str]:
-    """Deterministic prompts: the text before a line a third of the way into each file."""
+def source_lines(files: list[Path] | None):
+    """The lines of each readable file of at least 60 lines (default: the held-out stdlib files), in order."""
     if files is None:
         from completiond.models.corpus import heldout_files
 
         files = [f.path for f in heldout_files()]
-    out = []
     for path in files:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            lines = Path(path).read_text(encoding="utf-8").splitlines(keepends=True)
         except (OSError, UnicodeDecodeError):
             continue
-        lines = text.splitlines(keepends=True)
-        if len(lines) < 60:
-            continue
-        cut = len(lines) // 3
-        out.append("".join(lines[:cut])[-chars:])
+        if len(lines) >= 60:
+            yield lines
+
+
+def prompt_texts(files: list[Path] | None, count: int, chars: int = 1500) -> list[str]:
+    """Deterministic prompts: the text before a line a third of the way into each file."""
+    out = []
+    for lines in source_lines(files):
+        out.append("".join(lines[:len(lines) // 3])[-chars:])
         if len(out) == count:
             break
     if not out:
@@ -74,20 +77,9 @@ def edit_prompts(engine, files: list[Path] | None, n_files: int, lines: int = 8)
     from completiond import config
     from completiond.completion.prompt import PromptBuilder
 
-    if files is None:
-        from completiond.models.corpus import heldout_files
-
-        files = [f.path for f in heldout_files()]
     builder = PromptBuilder.for_engine(engine, config.Config())
     out, used = [], 0
-    for path in files:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        all_lines = text.splitlines(keepends=True)
-        if len(all_lines) < 60:
-            continue
+    for all_lines in source_lines(files):
         start = int(len(all_lines) * 0.4)
         suffix = "".join(all_lines[start + lines:])
         for j in range(start, start + lines):
