@@ -154,3 +154,45 @@ def test_edit_prompts_hold_the_real_suffix(peaked_dir, tmp_path):
         assert suffix_start in tok.decode(ids)
     # one line more of prefix each time: the prompts grow
     assert len(prompts[0]) < len(prompts[1]) < len(prompts[2])
+
+
+class _ScriptedEngine:
+    """Decode times scripted per call: plain runs take 10 ms; speculative runs take 10 / gain ms,
+    the gains taken in turn from `gains`."""
+
+    def __init__(self, gains):
+        from completiond.engine.engine import Stats
+
+        self._stats = Stats
+        self.gains = list(gains)
+        self.calls = 0
+        self.draft_ids = None
+        self.vocab_size = 100
+        self.cache = type("C", (), {"clear": lambda self: None})()
+
+    def set_draft_vocab(self, ids):
+        pass
+
+    def generate(self, ids, params):
+        from completiond.engine.engine import Generation
+
+        s = self._stats(drafted=4, accepted=3, rejected=1, rounds=2, draft_ms=1.0, verify_ms=4.0)
+        if params.speculative and params.max_tokens > 8:
+            s.decode_ms = 10.0 / self.gains[self.calls % len(self.gains)]
+            self.calls += 1
+        else:
+            s.decode_ms = 10.0
+        return Generation([], "length", s)
+
+
+@pytest.mark.parametrize("gains, on", [([1.10, 1.12, 1.11], True),      # clears the margin every time
+                                       ([1.30, 0.95, 1.12], False),     # median 1.12, but one repeat lost
+                                       ([1.03, 1.04, 1.02], False)])    # always faster, never by the margin
+def test_calibrate_switches_on_only_where_the_gain_clears_the_noise(gains, on):
+    from completiond.commands.calibrate import calibrate
+
+    cal, rows = calibrate(_ScriptedEngine(gains), [[1, 2, 3]], 16, [1], [2], log=lambda *a: None, repeats=3)
+    row = rows[0]
+    assert row["speedup"] == pytest.approx(sorted(gains)[1])
+    assert row["speedup_min"] == pytest.approx(min(gains)) and row["spread"] > 0
+    assert cal.speculative is on
