@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,14 +22,41 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lsp": ("completiond.lsp.server", "LSP server over stdio (what editors run)"),
     "status": ("completiond.commands.status", "show the running daemon's status"),
     "stop": ("completiond.commands.stop", "stop the running daemon"),
-    "settings": ("completiond.commands.settings", "print the settings schema as JSON"),
+    "settings": ("completiond.commands.settings", "print the settings in effect and where each comes from (--schema: as JSON)"),
     "train-default": ("completiond.models.train_default", "retrain the bundled default model"),
     "stress": ("completiond.commands.stress", "fuzz and load drivers for the daemon and the LSP server (development)"),
 }
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("completiond")
+    except PackageNotFoundError:
+        return "(not installed: run from a source checkout)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _main(argv)
+        # Flush here, not at interpreter exit, so a reader that went away is noticed below (the LSP
+        # server closes stdout itself when the editor leaves).
+        if not sys.stdout.closed:
+            sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # `completiond settings | head`: the reader has all it wanted. Point stdout at /dev/null so the
+        # interpreter's own final flush does not fail again, and end like a program killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="completiond", description="Local code completion with self-speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"completiond {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     argv = sys.argv[1:] if argv is None else argv

@@ -16,10 +16,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tomllib
+import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (still supported): the same parser, published as tomli
+    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Setting:
     enum: tuple[str, ...] | None = None
     minimum: float | None = None
     maximum: float | None = None
+    check: Any = None  # optional: check(value) raises ValueError with the reason (beyond type, enum and range)
 
     @property
     def attr(self) -> str:
@@ -48,6 +55,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("topP", float, 1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0),
     Setting("topK", int, 0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000),
     Setting("seed", int, 0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1),
+    Setting("alternatives", int, 1, "Most different suggestions offered at once, to cycle through with the editor's next/previous "
+            "keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best "
+            "first token, sampling a run with its own seed.", minimum=1, maximum=8),
     Setting("speculation", bool, True, "Self-speculative decoding (lossless: same output distribution, faster)."),
     Setting("exitLayer", int, 0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024),
     Setting("draftTokens", int, 0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32),
@@ -61,6 +71,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768),
     Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language."),
     Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768),
+    Setting("contextExclude", str, "", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
+            "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
+            ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",
+            check=lambda value: _check_exclude(value)),
     Setting("cacheMegabytes", int, 0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20),
     Setting("idleTimeout", int, 900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600),
     Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug")),
@@ -103,7 +117,20 @@ def _coerce(setting: Setting, value: Any) -> Any:
         raise ValueError(f"must be >= {setting.minimum}, got {value!r}")
     if setting.maximum is not None and value > setting.maximum:
         raise ValueError(f"must be <= {setting.maximum}, got {value!r}")
+    if setting.check is not None:
+        setting.check(value)
     return value
+
+
+def _check_exclude(value: str) -> None:
+    """contextExclude only adds patterns: a negation would quietly re-include secret files."""
+    patterns = [p.strip() for p in value.split(",") if p.strip()]
+    if len(value) > 4096 or len(patterns) > 64:
+        raise ValueError("at most 64 patterns and 4096 characters")
+    negated = [p for p in patterns if p.startswith("!")]
+    if negated:
+        raise ValueError(f"{', '.join(negated)}: patterns can only add to the built-in deny-list of secret files, "
+                         "not re-include files ('!' is not accepted)")
 
 
 def merge(base: Any, overrides: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
@@ -150,19 +177,57 @@ def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str
     path = path or config_file_path()
     base = base if base is not None else Config()
     try:
-        raw = path.read_bytes()
+        raw = _read_config(path)
     except FileNotFoundError:
         return base, []
     except OSError as exc:
-        return base, [f"{path}: cannot read config file: {exc}"]
+        return base, [f"{path}: cannot read config file: {exc.strerror or exc}"]
+    except ValueError as exc:
+        return base, [f"{path}: cannot read config file: {exc}; using the defaults"]
     try:
         data = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
         return base, [f"{path}: invalid TOML: {exc}"]
+    except RecursionError:
+        return base, [f"{path}: invalid TOML: nested too deeply to parse"]
     if isinstance(data.get("completiond"), dict):
         data = data["completiond"]
     cfg, errors = merge(base, data)
     return cfg, [f"{path}: {e}" for e in errors]
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a real config.toml is a few hundred bytes
+
+
+def _read_config(path: Path) -> bytes:
+    """The file's bytes; ValueError (with the reason) unless it is a regular file under MAX_CONFIG_BYTES.
+
+    Symlinks are followed (dotfile managers link config files), but the target must be a
+    regular file: a FIFO or /dev/zero would otherwise block or fill memory. The type is checked
+    before opening, the open is non-blocking, and the opened file is checked again.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode):
+            raise ValueError("not a regular file")
+        if fst.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{fst.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"over the {MAX_CONFIG_BYTES}-byte limit")
+    return b"".join(chunks)
 
 
 def to_settings(cfg: Any) -> dict[str, Any]:
@@ -217,7 +282,25 @@ def _default(v: Any) -> str:
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
 ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes")
 
+# What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP
+# restarts it by itself only when the user changes them; a daemon another editor started is left alone).
+RESTART_HINT = ('restart the daemon to load yours: "completiond: Restart Daemon" in the VS Code command palette, '
+                "`:CompletiondRestart` in Neovim, or `completiond stop` in a terminal")
+
 
 def engine_settings(cfg: Any) -> dict[str, Any]:
     full = to_settings(cfg)
     return {k: full[k] for k in ENGINE_KEYS}
+
+
+def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
+    """The ENGINE_KEYS where `have` (what a daemon serves) differs from `want` (what an editor asked for),
+    each as `key=wanted (daemon: actual)`. Local model directories compare by absolute path, as the
+    daemon stores them."""
+    def norm(key: str, value: Any) -> Any:
+        if key == "model" and isinstance(value, str) and value and os.path.isdir(value):
+            return os.path.abspath(value)
+        return value
+
+    return [f"{k}={want.get(k)!r} (daemon: {have.get(k)!r})" for k in ENGINE_KEYS
+            if norm(k, want.get(k)) != norm(k, have.get(k))]

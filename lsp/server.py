@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
 from completiond import config as config_mod
+from completiond.serving import paths
 from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.completion.documents import UTF8, UTF16, UTF32, Document
 from completiond.serving.wire import MAX_FRAME, Code, RemoteError
@@ -33,6 +36,15 @@ SECTION = "completiond"
 STATUS_METHOD = "completiond/status"
 CMD_STATS = "completiond.stats"
 CMD_RESTART = "completiond.restartDaemon"
+# Editors report what became of a suggestion: accepted (full / word / line) or dismissed. Items carry it
+# as their `command` (run by the editor after a full accept); partial accepts and dismissals are sent
+# by the plugins themselves. Counted here only: nothing leaves the machine.
+CMD_SUGGESTION_EVENT = "completiond.suggestionEvent"
+SUGGESTION_EVENTS = {("accepted", "full"), ("accepted", "word"), ("accepted", "line"), ("dismissed", None)}
+# Copilot's rule for a suggestion in the middle of a line: only when what follows the cursor is
+# closing brackets, quotes and a final `:` `{` `;` `,` (and blanks); anything else is text the
+# insertion would split, which editors cannot preview faithfully and users rarely want.
+MIDLINE_REST = re.compile(r"\s*[)>}\]\"'`]*\s*[:{;,]?\s*")
 STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
 
 
@@ -181,15 +193,22 @@ class CompletionServer(LanguageServer):
         self.init_options: Any = None
         self.workspace_options: Any = None
         self.cfg = self.file_cfg
+        # Where no daemon can run (Windows), the engine runs here: said once, at start-up (see `initialized`).
+        self.platform_note = "" if no_daemon else paths.daemon_unsupported()
+        no_daemon = no_daemon or bool(self.platform_note)
         self.no_daemon = no_daemon
         self.status: dict[str, Any] = {"state": "starting"}
         self._progress_wanted = False          # a loading progress is open or being created
         self._progress_token: str | None = None  # its token, once created
         self._progress_seq = 0
+        self._progress_sent: int | None = None  # the last percentage reported on the open progress
+        self._restarting: asyncio.Future | None = None
         self._status_sent = 0.0
         self._told: set[str] = set()  # error messages already shown
         self._last: dict[str, tuple[str, int, str]] = {}  # uri -> (text, cursor, suggestion) last shown
         self.typed_through_count = 0
+        self.suggestion_counts = {"shown": 0, "accepted_full": 0, "accepted_word": 0, "accepted_line": 0,
+                                  "dismissed": 0}
         self.backend_started = False
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
@@ -205,12 +224,22 @@ class CompletionServer(LanguageServer):
     # --- settings ---------------------------------------------------------------
 
     def apply_settings(self) -> None:
-        """Recompute the config from its layers; invalid values are shown to the user and replaced by defaults."""
+        """Recompute the config from its layers; invalid values are shown to the user and replaced by defaults.
+        A change of the engine settings (model, device...) restarts the engine with them."""
         cfg, errors = self.file_cfg, list(self.file_errors)
         for layer in (self.init_options, self.workspace_options):
             cfg, more = config_mod.merge(cfg, _section(layer))
             errors += more
+        before = config_mod.engine_settings(self.cfg)
         self.cfg = cfg
+        want = config_mod.engine_settings(cfg)
+        changed = config_mod.engine_differences(want, before)
+        if changed and self.backend_started:
+            served = self.status.get("engine_settings")
+            if isinstance(served, dict) and not config_mod.engine_differences(want, served):
+                self.send_status()  # what the daemon already serves: nothing to reload, no mismatch left
+            else:
+                self.restart_backend("model settings changed: " + ", ".join(d.split(" (")[0] for d in changed))
         new_errors = [e for e in errors if e not in self._setting_errors]
         self._setting_errors = set(errors)
         if new_errors:  # each layer is re-merged on every change: report only what is newly wrong
@@ -219,29 +248,69 @@ class CompletionServer(LanguageServer):
             log.warning("%s", message)
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
 
+    def restart_backend(self, reason: str) -> asyncio.Future:
+        """Restart the engine (the shared daemon, or the in-process one) with the current settings.
+
+        The user changed them, so they want them now; other editors on the daemon reconnect by themselves
+        (and are told if they asked for other settings). Restarts run one after another.
+        """
+        previous = self._restarting
+        where = "the engine" if self.no_daemon else "the shared daemon"
+        self.window_show_message(types.ShowMessageParams(type=types.MessageType.Info,
+                                                         message=f"completiond: {reason}; restarting {where}"))
+
+        async def run() -> None:
+            if previous is not None and not previous.done():
+                await asyncio.gather(previous, return_exceptions=True)
+            log.info("%s; restarting %s", reason, where)
+            try:
+                await self.backend.restart(self.cfg, self.document_snapshot())
+            except (DaemonUnavailable, ConnectionError, OSError) as exc:
+                self.backend_failed(exc)
+
+        self._restarting = asyncio.ensure_future(run())
+        return self._restarting
+
     def request_settings(self) -> dict[str, Any]:
         return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in config_mod.ENGINE_KEYS}
 
-    async def watch_config_file(self, interval: float = 2.0) -> None:
-        """Re-read config.toml when it changes, so edits apply without restarting the editor."""
-        path = self.config_file or config_mod.config_file_path()
+    async def watch_config_file(self, settle: float = 0.1) -> None:
+        """Re-read config.toml when it changes, so edits apply without restarting the editor.
 
-        def stamp() -> tuple[float, int] | None:
+        A watchdog observer reports changes (no polling); the file is read and parsed on a worker
+        thread, never on this event loop, and a broken file is reported, never fatal to the watch.
+        """
+        from completiond.lsp.config_watch import ConfigWatcher
+
+        path = Path(self.config_file or config_mod.config_file_path())
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def on_change() -> None:  # observer thread
             try:
-                st = path.stat()
-            except OSError:
-                return None
-            return st.st_mtime, st.st_size
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # the loop closed while shutting down
+                pass
 
-        last = stamp()
-        while True:
-            await asyncio.sleep(interval)
-            now = stamp()
-            if now != last:
-                last = now
+        watcher = ConfigWatcher(path, on_change)
+        try:
+            await asyncio.to_thread(watcher.start)
+        except OSError as exc:
+            log.warning("cannot watch %s (%s): edits to it apply after restarting the editor", path, exc)
+            return
+        try:
+            while True:
+                await changed.wait()
+                await asyncio.sleep(settle)  # one save is several events: read once, after them
+                changed.clear()
+                file_cfg, file_errors = await asyncio.to_thread(config_mod.load_file, path)
+                if (file_cfg, file_errors) == (self.file_cfg, self.file_errors):
+                    continue
                 log.info("%s changed: reloading settings", path)
-                self.file_cfg, self.file_errors = config_mod.load_file(path)
+                self.file_cfg, self.file_errors = file_cfg, file_errors
                 self.apply_settings()
+        finally:
+            threading.Thread(target=watcher.stop, daemon=True, name="config-watch-stop").start()
 
     async def pull_configuration(self) -> None:
         caps = self.client_capabilities.workspace
@@ -310,16 +379,62 @@ class CompletionServer(LanguageServer):
                                                              message=f"completiond: {params['error']}"))
         if state == "loading":
             self._begin_progress(f"loading {params.get('model') or 'model'}")
+            self._report_progress()
         elif self._progress_wanted:
-            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}")
+            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}", loaded=state != "error")
         now = time.monotonic()
         if state == previous and now - self._status_sent < STATUS_MIN_INTERVAL:
             return  # metrics-only updates arrive per keystroke; status bars need far fewer
         self._status_sent = now
+        self.send_status()
+
+    def model_mismatch(self) -> str:
+        """What the daemon serves differently from this editor's engine settings ('' when nothing)."""
+        have = self.status.get("engine_settings")
+        if not isinstance(have, dict) or self.status.get("state") in ("starting", "error"):
+            return ""
+        diff = config_mod.engine_differences(config_mod.engine_settings(self.cfg), have)
+        return ("the daemon serves other settings than yours: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT
+                if diff else "")
+
+    def send_status(self) -> None:
+        """The `completiond/status` notification editors show (status bar, :checkhealth, status commands)."""
+        params = self.status
+        progress = params.get("progress") if params.get("state") == "loading" else None
+        counts = self.suggestion_counts
         self.protocol.notify(STATUS_METHOD, {
-            "state": state, "message": params.get("error") or "", "model": params.get("model"),
+            "state": params.get("state"), "message": params.get("error") or "", "model": params.get("model"),
             "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
-            "alpha": params.get("alpha"), "tokensPerSecond": params.get("tokens_per_s")})
+            # Of the last completion; null when not measured (nothing drafted / nothing generated), never 0.
+            "draftAcceptance": params.get("draft_acceptance"), "tokensPerSecond": params.get("tokens_per_s"),
+            # While loading: {"phase", "percentage", "message"}.
+            "progress": progress if isinstance(progress, dict) else None,
+            # Non-empty while the daemon serves another model/device/... than this editor's settings ask for:
+            # then the editor is not "ready" for its model, whatever `state` says.
+            "modelMismatch": self.model_mismatch(),
+            # This editor session's suggestions (`completiond status` shows every editor's, since the daemon started).
+            "suggestions": {"shown": counts["shown"], "acceptedFull": counts["accepted_full"],
+                            "acceptedWord": counts["accepted_word"], "acceptedLine": counts["accepted_line"],
+                            "dismissed": counts["dismissed"]}})
+
+    def count_suggestion(self, event: str, kind: str | None = None) -> None:
+        """One suggestion shown, accepted (kind: full / word / line) or dismissed: counted here for this
+        editor, and in the daemon for `completiond status`. Nothing leaves the machine."""
+        self.suggestion_counts["dismissed" if event == "dismissed" else
+                               "shown" if event == "shown" else f"accepted_{kind}"] += 1
+        self.backend.notify("suggestion", {"event": event, "kind": kind} if kind else {"event": event})
+
+    def _report_progress(self) -> None:
+        """The load's percentage on the open `$/progress` (once its token exists)."""
+        progress = self.status.get("progress")
+        token = self._progress_token
+        if token is None or not isinstance(progress, dict) or not isinstance(progress.get("percentage"), int):
+            return
+        if progress["percentage"] == self._progress_sent:
+            return
+        self._progress_sent = progress["percentage"]
+        self.work_done_progress.report(token, types.WorkDoneProgressReport(
+            message=str(progress.get("message") or progress.get("phase") or ""), percentage=progress["percentage"]))
 
     def _begin_progress(self, message: str) -> None:
         window = self.client_capabilities.window
@@ -336,23 +451,32 @@ class CompletionServer(LanguageServer):
                 log.info("work done progress refused: %s", exc)
                 self._progress_wanted = False
                 return
+            # A percentage in begin tells the client that reports will carry one (else it may show a spinner).
             self.work_done_progress.begin(token, types.WorkDoneProgressBegin(
-                title="completiond", message=message, cancellable=False))
+                title="completiond", message=message, cancellable=False, percentage=0))
             self._progress_token = token
+            self._progress_sent = 0
             if not self._progress_wanted or self.status.get("state") != "loading":
-                self._end_progress("ready")  # loading finished while the token was being created
+                failed = self.status.get("state") == "error"  # loading ended while the token was being created
+                self._end_progress(f"failed: {self.status.get('error')}" if failed else "ready", loaded=not failed)
+            else:
+                self._report_progress()  # phases that went by while the token was being created
 
         asyncio.ensure_future(begin())
 
-    def _end_progress(self, message: str) -> None:
+    def _end_progress(self, message: str, loaded: bool = False) -> None:
         self._progress_wanted = False
         token, self._progress_token = self._progress_token, None
         if token is not None:
+            if loaded and self._progress_sent != 100:
+                # The bar ends full even when the last phases went by before the client could be told.
+                self.work_done_progress.report(token, types.WorkDoneProgressReport(message="ready", percentage=100))
             self.work_done_progress.end(token, types.WorkDoneProgressEnd(message=message))
 
     # --- completion -------------------------------------------------------------------
 
-    async def suggest(self, uri: str, position: types.Position) -> tuple[Document, dict[str, Any]] | None:
+    async def suggest(self, uri: str, position: types.Position) -> tuple[Document, list[dict[str, Any]]] | None:
+        """The document and its suggestions at the position, best first (several with `alternatives` > 1)."""
         doc = self.docs.get(uri)
         if doc is None or not self.cfg.enable:
             return None
@@ -366,7 +490,7 @@ class CompletionServer(LanguageServer):
         offset = doc.offset(position.line, position.character, self.encoding)
         typed_through = self._typed_through(doc, offset)
         if typed_through is not None:
-            return doc, typed_through
+            return doc, [typed_through]
         if self._started is not None and not self._started.done():
             await asyncio.shield(self._started)
         try:
@@ -384,12 +508,16 @@ class CompletionServer(LanguageServer):
             return None
         for warning in (result.get("warnings") or []) if isinstance(result, dict) else []:
             self.tell_once(str(warning), types.MessageType.Warning)
-        suggestion = result.get("suggestion") if isinstance(result, dict) else None
-        if suggestion is None or self.docs.get(uri) is not doc or doc.version != version:
+        suggestions = result.get("suggestions") if isinstance(result, dict) else None
+        if not isinstance(suggestions, list):  # a daemon from before alternatives
+            one = result.get("suggestion") if isinstance(result, dict) else None
+            suggestions = [one] if one is not None else []
+        if not suggestions or self.docs.get(uri) is not doc or doc.version != version:
             return None  # nothing to show, or the document moved on: never show a stale result as fresh
+        suggestion = suggestions[0]
         if suggestion["start"] == suggestion["end"] == offset:
             self._last[uri] = (doc.text, offset, suggestion["text"])
-        return doc, suggestion
+        return doc, suggestions
 
     def _typed_through(self, doc: Document, offset: int) -> dict[str, Any] | None:
         """The rest of the last suggestion, if the user has since typed its beginning (and nothing else).
@@ -421,10 +549,50 @@ class CompletionServer(LanguageServer):
         self._told.add(message)
         self.window_show_message(types.ShowMessageParams(type=kind, message=f"completiond: {message}"))
 
+    def midline_allowed(self, doc: Document, offset: int) -> bool:
+        """Whether a suggestion at this offset is worth showing (MIDLINE_REST), before asking the model."""
+        return MIDLINE_REST.fullmatch(_rest_of_line(doc, offset)[0]) is not None
+
+    def inline_item(self, doc: Document, s: dict[str, Any]) -> types.InlineCompletionItem | None:
+        """The item for one suggestion, in a form that editors preview exactly as they insert it.
+
+        At the end of a line: the (empty) range of the insertion, which every renderer draws after the
+        cursor. In the middle of one, the range runs to the end of the line and insertText repeats what
+        it covers: Neovim 0.12 draws a ranged item as an overlay from the range start (so an empty range
+        hid the rest of the line that accepting kept), and an item without a range inline after skipping
+        whatever the text has in common with the rest of the line (so the preview lost those characters).
+        A multi-line suggestion there is offered only if its first line covers the rest of the line (the
+        overlay would leave part of it visible), else just its first line.
+        """
+        text, start, end = s["text"], s["start"], s["end"]
+        rest, eol = _rest_of_line(doc, end)
+        accepted = types.Command(title="completiond: suggestion accepted", command=CMD_SUGGESTION_EVENT,
+                                 arguments=[{"event": "accepted", "kind": "full"}])
+        if not rest:
+            return types.InlineCompletionItem(insert_text=text, range=self.lsp_range(doc, start, end),
+                                              command=accepted)
+        if MIDLINE_REST.fullmatch(rest) is None:
+            return None
+        first = text.split("\n", 1)[0]
+        if "\n" in text and len(first) < len(rest):
+            text = first
+        if not text.strip():
+            return None
+        return types.InlineCompletionItem(insert_text=text + rest, range=self.lsp_range(doc, start, eol),
+                                          command=accepted)
+
     def lsp_range(self, doc: Document, start: int, end: int) -> types.Range:
         s = doc.position(start, self.encoding)
         e = doc.position(end, self.encoding)
         return types.Range(start=types.Position(*s), end=types.Position(*e))
+
+
+def _rest_of_line(doc: Document, offset: int) -> tuple[str, int]:
+    """The text from offset to the end of its line (LSP lines: \n, \r\n or \r), and where it ends."""
+    line, _ = doc.position(offset, UTF32)
+    eol = doc.starts[line + 1] if line + 1 < len(doc.starts) else len(doc.text)
+    rest = doc.text[offset:eol].rstrip("\r\n")
+    return rest, offset + len(rest)
 
 
 def _section(options: Any) -> Any:
@@ -452,6 +620,11 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CompletionServer, params: types.InitializedParams) -> None:
+        if ls.platform_note:
+            ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
+                f"completiond: {ls.platform_note}; the model runs inside this editor's language server instead "
+                "(as with `completiond lsp --no-daemon`), one copy per editor window")))
+
         async def start() -> None:
             await ls.pull_configuration()
             if ls.workspace_options is not None:
@@ -465,34 +638,26 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.WORKSPACE_DID_CHANGE_CONFIGURATION)
     async def did_change_configuration(ls: CompletionServer, params: types.DidChangeConfigurationParams) -> None:
-        before = config_mod.engine_settings(ls.cfg)
         settings = params.settings
         if isinstance(settings, dict) and SECTION in settings:
             ls.workspace_options = settings[SECTION]
         else:
             await ls.pull_configuration()  # the "pull" model: settings is null, ask for them
-        ls.apply_settings()
+        ls.apply_settings()  # restarts the engine when its settings changed
         if ls.cfg.enable and not ls.backend_started and (ls._started is None or ls._started.done()):
             ls.backend_started = True
             ls._started = asyncio.ensure_future(ls.start_backend())
-            return
-        if config_mod.engine_settings(ls.cfg) == before or not ls.backend_started:
-            return
-        if ls.no_daemon:
-            await ls.backend.restart(ls.cfg, ls.document_snapshot())
-        else:
-            # The daemon is shared with other editors: restarting it is the user's call.
-            ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
-                "completiond: model settings changed; run the command completiond.restartDaemon to load them")))
 
     @server.feature(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS)
     def did_change_folders(ls: CompletionServer, params: types.DidChangeWorkspaceFoldersParams) -> None:
-        # Added folders feed the prompt context; removed ones age out of the daemon's bounded store.
+        # Added folders feed this editor's prompt context; removed ones leave it, and their watches go
+        # once no other editor has them.
         from urllib.parse import unquote, urlparse
 
         added = [unquote(urlparse(f.uri).path) for f in params.event.added if f.uri.startswith("file://")]
-        if added:
-            ls.backend.notify("workspace", {"folders": added})
+        removed = [unquote(urlparse(f.uri).path) for f in params.event.removed if f.uri.startswith("file://")]
+        if added or removed:
+            ls.backend.notify("workspace", {"folders": added, "removed": removed})
 
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: CompletionServer, params: types.DidOpenTextDocumentParams) -> None:
@@ -517,19 +682,36 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+        doc = ls.docs.get(params.text_document.uri)
+        # Not worth the model's time where nothing would show. (A request still in flight while the user
+        # typed on also lands here: its position is inside the newer text, and its answer is stale anyway.)
+        # A document too large for completions is left to suggest(), which tells the user once.
+        if doc is not None and len(doc.text) <= MAX_FRAME and not ls.midline_allowed(
+                doc, doc.offset(params.position.line, params.position.character, ls.encoding)):
+            return types.InlineCompletionList(items=[])
+        typed_through = ls.typed_through_count
         found = await ls.suggest(params.text_document.uri, params.position)
         if found is None:
             return types.InlineCompletionList(items=[])
-        doc, s = found
-        return types.InlineCompletionList(items=[types.InlineCompletionItem(
-            insert_text=s["text"], range=ls.lsp_range(doc, s["start"], s["end"]))])
+        doc, suggestions = found
+        items: list[types.InlineCompletionItem] = []
+        for s in suggestions:  # alternatives, best first; the editor's next/previous keys cycle through them
+            item = ls.inline_item(doc, s)
+            if item is not None and all(item.insert_text != i.insert_text for i in items):
+                items.append(item)
+        if not items:
+            return types.InlineCompletionList(items=[])
+        if ls.typed_through_count == typed_through:  # the rest of one already shown is not a new one
+            ls.count_suggestion("shown")
+        return types.InlineCompletionList(items=items)
 
     @server.feature(types.TEXT_DOCUMENT_COMPLETION, types.CompletionOptions())
     async def completion(ls: CompletionServer, params: types.CompletionParams) -> types.CompletionList:
         found = await ls.suggest(params.text_document.uri, params.position)
         if found is None:
             return types.CompletionList(is_incomplete=True, items=[])
-        doc, s = found
+        doc, suggestions = found
+        s = suggestions[0]
         first = s["text"].split("\n", 1)[0].strip() or s["text"].strip()
         label = first if len(first) <= 60 else first[:57] + "..."
         item = types.CompletionItem(
@@ -544,8 +726,18 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             stats = await ls.backend.request("stats", {}, timeout=10)
         except (RemoteError, DaemonUnavailable, ConnectionLost, asyncio.TimeoutError) as exc:
             stats = {"error": str(exc)}
-        stats["lsp"] = {"typed_through": ls.typed_through_count}
+        stats["lsp"] = {"typed_through": ls.typed_through_count, "suggestions": dict(ls.suggestion_counts)}
         return stats
+
+    @server.command(CMD_SUGGESTION_EVENT)
+    def suggestion_event(ls: CompletionServer, *args: Any) -> dict[str, int]:
+        """args: [{"event": "accepted", "kind": "full"|"word"|"line"}] or [{"event": "dismissed"}]."""
+        event = args[0] if args and isinstance(args[0], dict) else {}
+        key = (event.get("event"), event.get("kind"))
+        if key not in SUGGESTION_EVENTS:
+            raise ValueError(f"{CMD_SUGGESTION_EVENT}: unknown event {event!r}")
+        ls.count_suggestion(*key)
+        return dict(ls.suggestion_counts)
 
     @server.command(CMD_RESTART)
     async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:

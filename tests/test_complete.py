@@ -72,6 +72,50 @@ def test_suggest_cancelled_before_start(engine, tiny_model_dir):
     assert suggestion is None and gen.finish_reason == "cancelled" and not gen.tokens
 
 
+def test_alternatives_greedy_are_the_next_best_first_tokens(engine, tiny_model_dir):
+    from completiond.completion.suggest import suggest_alternatives
+    from completiond.engine.engine import CancelToken
+
+    cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 6, "alternatives": 3})
+    found, gen = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    texts = [f.text for f in found]
+    assert len(texts) == 3 and len(set(texts)) == 3, texts
+    one, _ = suggest(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    assert one is not None and texts[0] == one.text  # the first is the plain greedy suggestion
+    again, _ = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    assert [f.text for f in again] == texts  # greedy: the same branches every time
+    assert gen is not None and gen.stats.prompt_tokens > 0
+
+
+def test_alternatives_sampled_each_with_its_own_seed(engine, tiny_model_dir):
+    from completiond.completion.suggest import suggest_alternatives
+    from completiond.engine.engine import CancelToken
+
+    cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 6, "alternatives": 4,
+                                            "temperature": 0.8, "seed": 7})
+    found, _ = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    texts = [f.text for f in found]
+    assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
+    again, _ = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    assert [f.text for f in again] == texts  # seeded: reproducible
+
+
+def test_engine_load_reports_its_phases(tiny_model_dir):
+    from completiond.engine.engine import Engine
+    from completiond.serving.service import load_engine
+
+    phases: list[str] = []
+    Engine.load(str(tiny_model_dir), device="cpu", progress=phases.append)
+    assert phases == ["tokenizer", "weights", "device", "engine"]
+    cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "device": "cpu"})
+    reports: list[tuple[str, int]] = []
+    engine = load_engine(cfg, progress=lambda phase, pct: reports.append((phase, pct)))
+    assert [p for p, _ in reports] == ["tokenizer", "weights", "device", "engine", "warm-up", "ready"]
+    percentages = [pct for _, pct in reports]
+    assert percentages == sorted(percentages) and percentages[-1] == 100
+    assert len(engine.cache) == 0  # the warm-up leaves nothing behind in the prefix cache
+
+
 # --- the commands -----------------------------------------------------------------------------
 
 
@@ -91,6 +135,9 @@ def test_complete_command_in_process(tiny_model_dir, tmp_path):
     result = json.loads(out.stdout)
     assert result["stats"]["prompt_tokens"] > 0 and result["device"] == "cpu"
     assert set(result) >= {"suggestion", "latency_ms", "finish_reason", "model"}
+    # The load is not silent: each phase on stderr, ending at 100%.
+    for phase in ("loading the tokenizer", "loading the weights", "warming up", "ready (100%"):
+        assert phase in out.stderr, out.stderr
     out = cli("complete", f"{src}:99:1", "--model", str(tiny_model_dir))
     assert out.returncode == 2 and "past the end" in out.stderr
     out = cli("complete", f"{tmp_path / 'missing.py'}:1:1")

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from completiond import config
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.torch_free  # also run on the lowest supported Python, without torch (.ci/run)
 
 
 def test_defaults_are_complete_and_valid():
@@ -60,3 +64,44 @@ def test_readme_settings_table_matches_settings():
     m = re.search(r"<!-- settings-table:[^>]*-->\n(.*?)<!-- /settings-table -->", readme, re.S)
     assert m, "README.md lost its settings table markers"
     assert m.group(1) == config.markdown_table(), "README settings table is stale: regenerate it from config.markdown_table()"
+
+
+def test_config_file_reading_is_guarded(tmp_path):
+    """Issue 16 item 7: a config nested 100,000 deep crashed with RecursionError, a symlink to
+    /dev/zero read gigabytes, a FIFO blocked start-up. Each is now reported and the defaults kept."""
+    import os
+    import threading
+
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    zero = tmp_path / "zero.toml"
+    zero.symlink_to("/dev/zero")
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 200_000)          # 2 MB: over the cap
+    linked = tmp_path / "linked.toml"                 # a symlink to a regular file is fine (dotfile managers)
+    (tmp_path / "real.toml").write_text("maxTokens = 7\n")
+    linked.symlink_to(tmp_path / "real.toml")
+    results = {}
+
+    def load_all():
+        for path in (deep, zero, fifo, big, linked):
+            results[path.name] = config.load_file(path)
+
+    reader = threading.Thread(target=load_all, daemon=True)  # a FIFO would block it forever before the fix
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), f"load_file blocked; done so far: {sorted(results)}"
+    for name, why in (("deep.toml", "nested too deeply"), ("zero.toml", "not a regular file"),
+                      ("fifo.toml", "not a regular file"), ("big.toml", "limit")):
+        cfg, errors = results[name]
+        assert cfg == config.defaults() and len(errors) == 1 and why in errors[0] and name in errors[0], (name, errors)
+    assert results["linked.toml"] == (config.merge(config.defaults(), {"maxTokens": 7})[0], [])
+
+
+def test_context_exclude_extends_but_cannot_weaken_the_deny_list():
+    cfg, errors = config.merge(config.defaults(), {"contextExclude": "*.sql, fixtures/*"})
+    assert errors == [] and cfg.context_exclude == "*.sql, fixtures/*"
+    cfg, errors = config.merge(config.defaults(), {"contextExclude": "*.sql,!.env"})
+    assert cfg.context_exclude == "" and "!.env" in errors[0] and "not re-include" in errors[0]

@@ -178,6 +178,75 @@ async def test_malformed_message_keeps_connection(daemon):
     writer.close()
 
 
+@pytest.mark.parametrize("rid", ["abc", 1.5, [1, 2], None, {"k": 1}])
+async def test_non_integer_request_id_is_echoed_as_sent(daemon, rid):
+    """Issue 16 item 9: the error for a request with a non-integer id carried id null."""
+    reader, writer = await raw_connection(daemon.server.socket_path)
+    writer.write(wire.encode({"id": rid, "m": "ping", "p": {}}))
+    reply = await read_reply(reader)
+    assert reply["id"] == rid and reply["e"]["code"] == Code.BAD_REQUEST
+    writer.close()
+
+
+async def test_stalled_partial_frame_is_dropped_idle_connection_is_not(daemon, caplog):
+    """Issue 16 item 6: a peer that sent part of a frame and stalled was held forever."""
+    daemon.server.frame_timeout = 0.3
+    idle_reader, idle_writer = await raw_connection(daemon.server.socket_path)
+    reader, writer = await raw_connection(daemon.server.socket_path)
+    frame = wire.encode({"id": 1, "m": "ping", "p": {}})
+    writer.write(frame[:6])                       # header and two bytes of the body, then nothing
+    await writer.drain()
+    await asyncio.wait_for(reader.read(), 10)     # status broadcasts may precede the close
+    assert reader.at_eof()
+    assert "frame not completed within 0.3 s" in caplog.text
+    # A connection that is merely idle between frames (an editor nobody types in) stays.
+    idle_writer.write(wire.encode({"id": 2, "m": "ping", "p": {}}))
+    assert (await read_reply(idle_reader))["r"] == "pong"
+    writer.close()
+    idle_writer.close()
+
+
+async def test_connection_cap_refuses_with_a_clear_error(daemon):
+    """Issue 16 item 6: ~20,000 stalled connections reached the fd limit and new clients hung."""
+    daemon.server.max_connections = 2
+    a, b = await daemon.connect(), await daemon.connect()
+    try:
+        with pytest.raises(RemoteError) as err:
+            await daemon.connect()
+        assert err.value.code == Code.OVERLOADED and "too many connections" in err.value.message
+        await b.close()
+        for _ in range(500):
+            if len(daemon.server._handlers) < 2:
+                break
+            await asyncio.sleep(0.01)
+        c = await daemon.connect()                 # room again
+        assert await c.request("ping", {}, timeout=5) == "pong"
+        await c.close()
+    finally:
+        await a.close()
+
+
+def test_log_flood_is_rate_limited():
+    """Issue 16 item 6: EMFILE tracebacks filled the runtime directory at ~0.5 MB/s."""
+    import logging
+
+    from completiond.serving.server import RateLimitFilter
+
+    now = [0.0]
+    limiter = RateLimitFilter(burst=5, window=60.0, clock=lambda: now[0])
+
+    def record(msg, *args, level=logging.ERROR, name="asyncio"):
+        return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+    flood = [record("socket.accept() out of system resource\nsocket: %r", i) for i in range(1000)]
+    assert sum(limiter.filter(r) for r in flood) == 5
+    assert limiter.filter(record("%s: connected", "client#9", level=logging.INFO, name="x"))  # another kind
+    assert all(limiter.filter(record("context for %s", i, level=logging.DEBUG)) for i in range(100))
+    now[0] = 61.0
+    after = record("socket.accept() out of system resource\nsocket: %r", 1000)
+    assert limiter.filter(after) and "995 more like this in the last 60 s not logged" in after.getMessage()
+
+
 async def test_cancel_message_stops_running_request(daemon):
     daemon.engine.continuation = "a" * 2000
     daemon.engine.per_round = 1
@@ -270,8 +339,94 @@ async def test_foreign_owned_dir_refused(tmp_path, caplog):
 
 async def test_engine_settings_mismatch_warns(daemon):
     c = await client_mod.DaemonClient.connect(daemon.server.socket_path, "t", {"model": "/some/other/model"})
-    assert "different settings" in c.welcome.get("warning", "")
+    warning = c.welcome.get("warning", "")
+    assert "different settings" in warning and "model='/some/other/model'" in warning
+    # What a user can do, in words they can type: not the server's internal command id.
+    assert "completiond.restartDaemon" not in warning
+    assert config.RESTART_HINT in warning and ":CompletiondRestart" in warning and "completiond stop" in warning
     await c.close()
+
+
+async def test_status_counts_editors_apart_from_command_line_clients(daemon, capsys):
+    from completiond.commands.status import _status
+
+    editor = await client_mod.DaemonClient.connect(daemon.server.socket_path, wire.EDITOR_CLIENT, {})
+    cli_complete = await client_mod.DaemonClient.connect(daemon.server.socket_path, "completiond-complete", {})
+    try:
+        stats = await editor.request("stats", {}, timeout=5)
+        assert (stats["clients"], stats["editors"]) == (2, 1)
+        assert await _status(daemon.server.directory, False, 5) == 0
+        out = capsys.readouterr().out
+        assert "clients  1 editor connection(s), 1 other (command line)" in out, out
+    finally:
+        await editor.close()
+        await cli_complete.close()
+
+
+async def test_suggestion_events_are_counted_and_shown_by_status(daemon, capsys):
+    from completiond.commands.status import _status
+
+    c = await daemon.connect()
+    try:
+        for event in ({"event": "shown"}, {"event": "shown"}, {"event": "shown"}, {"event": "accepted", "kind": "full"},
+                      {"event": "accepted", "kind": "word"}, {"event": "dismissed"}):
+            c.notify("suggestion", event)
+        c.notify("suggestion", {"event": "accepted", "kind": "sideways"})  # refused, connection kept
+        with pytest.raises(RemoteError) as err:
+            await c.request("suggestion", {"event": "liked"}, timeout=5)
+        assert err.value.code == Code.BAD_REQUEST and "unknown suggestion event" in err.value.message
+        status = await c.request("status", {}, timeout=5)
+        assert status["suggestions"] == {"shown": 3, "accepted_full": 1, "accepted_word": 1, "accepted_line": 0,
+                                         "dismissed": 1}
+        assert await _status(daemon.server.directory, False, 5) == 0
+        out = capsys.readouterr().out
+        assert "3 suggestions shown, 2 accepted (1 whole, 1 by word, 0 by line), 1 dismissed" in out, out
+    finally:
+        await c.close()
+
+
+def test_draft_acceptance_and_speed_only_when_measured():
+    from completiond.serving.scheduler import OK, Outcome
+
+    service = Service(config.Config(), loader=lambda _c: FakeEngine())
+    # Plain decoding that produced nothing: neither figure was measured, so neither is 0.
+    service._account(Outcome(OK, {"latency_ms": 3.0, "suggestion": None, "stats": {
+        "drafted": 0, "accepted": 0, "rejected": 0, "alpha": 0.0, "generated_tokens": 0, "decode_ms": 0.0,
+        "tokens_per_s": 0.0}}))
+    status = service.status()
+    assert "alpha" not in status
+    assert status["draft_acceptance"] is None and status["tokens_per_s"] is None and status["last_latency_ms"] == 3.0
+    assert service.stats()["draft_acceptance"] is None
+    service._account(Outcome(OK, {"latency_ms": 9.0, "suggestion": None, "stats": {
+        "drafted": 4, "accepted": 3, "rejected": 1, "alpha": 0.75, "generated_tokens": 5, "decode_ms": 50.0,
+        "tokens_per_s": 100.0}}))
+    status = service.status()
+    assert status["draft_acceptance"] == 0.75 and status["tokens_per_s"] == 100.0
+    assert service.stats()["draft_acceptance"] == 0.75
+
+
+async def test_loading_reports_phases_with_percentages():
+    from completiond.serving.service import LOAD_PHASES
+
+    def loader(_cfg, progress):
+        for phase in ("tokenizer", "weights", "device", "engine", "warm-up", "ready"):
+            progress(phase, LOAD_PHASES[phase][0])
+        return FakeEngine()
+
+    service = Service(config.Config(), loader=loader)
+    seen: list[dict] = []
+    service.listeners.append(seen.append)
+    service.start_loading()
+    for _ in range(200):
+        if service.state == "ready":
+            break
+        await asyncio.sleep(0.02)
+    assert service.state == "ready"
+    progress = [s["progress"] for s in seen if s["state"] == "loading"]
+    assert [p["percentage"] for p in progress] == [0, 2, 10, 70, 80, 90, 100]
+    assert [p["message"] for p in progress][1:3] == ["loading the tokenizer", "loading the weights"]
+    assert seen[-1]["state"] == "ready" and seen[-1]["progress"] is None
+    service.shutdown()
 
 
 # --- real daemon processes -------------------------------------------------------------------

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from completiond.completion.documents import (UTF8, UTF16, UTF32, Document, EditError, apply_edits, offset_to_position,
                                    position_to_offset)
 
+pytestmark = pytest.mark.torch_free  # also run on the lowest supported Python, without torch (.ci/run)
+
 TEXT = "a😀b\r\nxé\n\nlast"
 
 

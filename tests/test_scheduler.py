@@ -200,26 +200,98 @@ def test_round_robin_across_clients():
         sched.stop()
 
 
-def test_bounded_queue_fails_fast():
-    sched = Scheduler(max_pending=3, max_pending_per_client=2)
+def test_overloaded_only_when_the_editors_own_share_is_full():
+    """Issue 16 item 8: one local process with many connections used to fill the global 64-job queue,
+    and every request of the editor was then refused. Now each client has its own share."""
+    sched = Scheduler(max_pending_per_client=2)
     gate = threading.Event()
     results = {}
     try:
         sched.submit(make_job(results, "block", "z", 0, lambda tok: gate.wait(5)))
         wait_for(lambda: sched.snapshot()["running"])
-        sched.submit(make_job(results, "d1", "A", 1, lambda tok: None))
+        rid = 100
+        for hog in range(40):                          # 80 queued jobs from 40 other clients
+            for doc in range(2):
+                rid += 1
+                sched.submit(make_job(results, ("hog", hog, doc), ("hog", hog), rid, lambda tok: None))
+        with pytest.raises(Overloaded, match="this editor's completion queue is full"):
+            sched.submit(make_job(results, ("hog", 0, 9), ("hog", 0), 999, lambda tok: None))
+        sched.submit(make_job(results, "d1", "A", 1, lambda tok: None))     # the editor: still accepted
         sched.submit(make_job(results, "d2", "A", 2, lambda tok: None))
         with pytest.raises(Overloaded):
             sched.submit(make_job(results, "d3", "A", 3, lambda tok: None))
         # Superseding an already-queued document is always allowed: it does not grow the queue.
         sched.submit(make_job(results, "d2", "A", 4, lambda tok: None))
-        sched.submit(make_job(results, "e1", "B", 5, lambda tok: None))
-        with pytest.raises(Overloaded):
-            sched.submit(make_job(results, "e2", "B", 6, lambda tok: None))
         gate.set()
-        wait_for(lambda: all(k in results for k in (0, 1, 2, 4, 5)))
+        wait_for(lambda: all(k in results for k in (0, 1, 2, 4)) and len(results) == 84)
+        assert results[2].reason == "superseded" and results[1].status == results[4].status == OK
     finally:
         sched.stop()
+
+
+def test_queued_work_has_a_deadline():
+    """Issue 16 item 8: a request queued behind long work waited 70 s. Past the deadline it is
+    answered ("expired") instead of run, by the timer while the worker is busy, or by the worker."""
+    now = [0.0]
+    sched = Scheduler(queue_deadline=10.0, clock=lambda: now[0])
+    gate = threading.Event()
+    results, ran = {}, []
+    try:
+        sched.submit(make_job(results, "long", "z", 0, lambda tok: gate.wait(5)))
+        wait_for(lambda: sched.snapshot()["running"])
+        sched.submit(make_job(results, "a", "A", 1, lambda tok: ran.append("a")))
+        now[0] = 9.0
+        assert sched.expire() == 0 and 1 not in results
+        now[0] = 10.5
+        assert sched.expire() == 1                                      # the timer's path
+        assert results[1].status == CANCELLED and results[1].reason == "expired"
+        sched.submit(make_job(results, "b", "B", 2, lambda tok: ran.append("b")))
+        sched.submit(make_job(results, "c", "C", 3, lambda tok: ran.append("c")))
+        now[0] = 30.0
+        sched.submit(make_job(results, "d", "D", 4, lambda tok: ran.append("d")))   # fresh: queued at 30
+        gate.set()                                                      # the worker's path
+        wait_for(lambda: all(k in results for k in (0, 2, 3, 4)))
+        assert [results[k].reason for k in (2, 3)] == ["expired", "expired"]
+        assert results[4].status == OK and ran == ["d"]
+        assert sched.snapshot()["expired_queued"] == 3
+    finally:
+        sched.stop()
+
+
+def test_waiting_for_the_model_load_does_not_count_against_the_deadline():
+    now = [0.0]
+    sched = Scheduler(queue_deadline=10.0, clock=lambda: now[0])
+    loading, loaded = threading.Event(), threading.Event()
+    results, ran = {}, []
+    try:
+        sched.call(lambda: (loading.set(), loaded.wait(5)), lambda outcome: None)
+        assert loading.wait(5)
+        sched.submit(make_job(results, "a", "A", 1, lambda tok: ran.append("a")))
+        now[0] = 100.0                                  # a slow model load
+        assert sched.expire() == 0
+        loaded.set()
+        wait_for(lambda: 1 in results)
+        assert results[1].status == OK and ran == ["a"]
+    finally:
+        sched.stop()
+
+
+async def test_service_answers_expired_requests_overloaded():
+    engine = FakeEngine(continuation="x = 1\n", per_round=1, round_s=0.05)
+    service = await ready_service(engine)
+    try:
+        service.open(1, "file:///w/a.py", 1, "x = ", "python")
+        service.open(2, "file:///w/b.py", 1, "y = ", "python")
+        first = asyncio.ensure_future(service.complete(1, 1, "file:///w/a.py", 1, 4))
+        assert await asyncio.to_thread(engine.started.wait, 10)      # the worker is busy with it
+        service.scheduler.queue_deadline = 0.0                         # so the next one is overdue at once
+        with pytest.raises(ServiceError) as err:
+            await service.complete(2, 1, "file:///w/b.py", 1, 4)
+        assert err.value.code == Code.OVERLOADED and "waited" in err.value.message
+        assert service.stats()["expired"] >= 1
+        await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), 30)
+    finally:
+        service.shutdown()
 
 
 def test_job_exception_does_not_kill_worker():
@@ -369,8 +441,8 @@ async def test_service_feeds_workspace_context(tmp_path):
     seen = []
     real_context = service._context
 
-    def spy(cfg, path, language):
-        ctx = real_context(cfg, path, language)
+    def spy(client, cfg, path, language):
+        ctx = real_context(client, cfg, path, language)
         seen.append(ctx)
         return ctx
 
@@ -399,7 +471,7 @@ from hypothesis import strategies as st  # noqa: E402
                 min_size=1, max_size=40))
 def test_every_job_answered_exactly_once(ops):
     """Whatever the interleaving of submits and cancels, each accepted job gets one answer."""
-    sched = Scheduler(max_pending=6, max_pending_per_client=3)
+    sched = Scheduler(max_pending_per_client=3)
     answers: dict[int, list] = {}
     accepted = []
     cancelled_ids = set()

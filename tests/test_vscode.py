@@ -1,6 +1,6 @@
 """The VS Code extension (editors/vscode): install, build, unit + protocol tests, package.
 
-Runs in CI: `npm ci` (from package-lock.json), `npm run build` (tsc), `npm test`
+Runs in CI: `npm ci` (from package-lock.json), `npm run build` (tsc), `npm test` (bundles first)
 (node's test runner: the extension's logic against a fake VS Code API, and an
 LSP session through vscode-jsonrpc with the real `completiond lsp --no-daemon`),
 and `vsce package`. No VS Code binary is needed.
@@ -97,12 +97,18 @@ def test_npm_test_unit_and_protocol(built, protocol_model_dir):
 
 @pytest.mark.slow
 def test_vsce_package(built, tmp_path):
+    """`vsce package` alone builds what it packs (vscode:prepublish: tsc, then the esbuild bundle), and packs
+    one bundled file instead of node_modules."""
+    shutil.rmtree(EXT / "dist", ignore_errors=True)
     vsix = tmp_path / "completiond.vsix"
     run([NPX, "--no-install", "vsce", "package", "--allow-missing-repository", "--out", str(vsix)], timeout=300)
     assert vsix.is_file()
     names = set(zipfile.ZipFile(vsix).namelist())
-    for needed in ("extension/package.json", "extension/out/extension.js", "extension/out/controller.js",
-                   "extension/node_modules/vscode-languageclient/package.json"):
+    main = json.loads((EXT / "package.json").read_text())["main"]
+    assert "extension/" + main.removeprefix("./") in names
+    for needed in ("extension/package.json", "extension/dist/extension.js", "extension/readme.md"):
         assert needed in names, needed
-    assert not any(n.startswith("extension/src/") or n.startswith("extension/out/test/") for n in names)
-    assert not any(n.startswith("extension/node_modules/typescript/") for n in names)
+    assert not any(n.startswith(("extension/src/", "extension/out/", "extension/node_modules/")) for n in names), names
+    assert len(names) < 12, names
+    # vsce renames the README: the extension must open the name that is in the package (extension.ts readmePath).
+    assert [n for n in names if n.lower() == "extension/readme.md"] == ["extension/readme.md"]

@@ -10,6 +10,8 @@ import pytest
 
 from completiond.serving import wire
 
+pytestmark = pytest.mark.torch_free  # also run on the lowest supported Python, without torch (.ci/run)
+
 
 async def feed(data: bytes) -> asyncio.StreamReader:
     reader = asyncio.StreamReader(limit=wire.MAX_FRAME + 64)

@@ -258,7 +258,7 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "wasted_rounds": delta("wasted_rounds"),
         "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,
         "rounds": delta("rounds"),
-        "last_alpha": (after.get("status") or {}).get("alpha"),
+        "last_alpha": (after.get("status") or {}).get("draft_acceptance"),
         "messages": messages,
     }
 

@@ -38,6 +38,19 @@ def parse_target(target: str) -> tuple[Path, int, int]:
     return Path(path), line_no, col_no
 
 
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text; TargetError saying plainly why not, for binary or other-encoded files."""
+    data = path.read_bytes()
+    if b"\0" in data[:1 << 16]:
+        raise TargetError(f"{path} is a binary file (it contains NUL bytes); completiond completes text files only")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise TargetError(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line} cannot be "
+                          "decoded); completiond reads source files as UTF-8") from None
+
+
 def cursor_offset(text: str, line_no: int, col_no: int) -> int:
     """Offset of 1-based LINE:COL in `text`; COL may be one past the end of the line."""
     starts = line_starts(text)
@@ -73,13 +86,38 @@ def _config(args: argparse.Namespace) -> tuple[Any, list[str]]:
     return cfg, errors + more
 
 
+class LoadReporter:
+    """Load phases on stderr while the model loads: on a terminal one line rewritten in place, else
+    one line per phase."""
+
+    def __init__(self, model: str, stream=sys.stderr):
+        self.model = model or "the bundled model"
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+        self.last = ""
+
+    def __call__(self, message: str, percentage: int) -> None:
+        if message == self.last:
+            return
+        self.last = message
+        line = f"completiond: loading {self.model}: {message} ({percentage}%, {time.perf_counter() - self.t0:.1f} s)"
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line + ("\n" if percentage >= 100 else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
 def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
     from completiond.completion.suggest import suggest
-    from completiond.serving.service import load_engine
+    from completiond.serving.service import LOAD_PHASES, load_engine
     from completiond.engine.engine import CancelToken
 
+    report = LoadReporter(cfg.model)
+    report("starting", 0)  # before torch is imported, which alone takes seconds
     t0 = time.perf_counter()
-    engine = load_engine(cfg)
+    engine = load_engine(cfg, progress=lambda phase, pct: report(LOAD_PHASES[phase][1], pct))
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
     suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=None)
@@ -99,7 +137,16 @@ async def complete_via_daemon(cfg: Any, path: Path, text: str, offset: int) -> d
     from completiond.serving.client import connect_or_spawn
 
     settings = config_mod.to_settings(cfg)
-    client = await connect_or_spawn(settings, client_name="completiond-complete")
+    report = LoadReporter(cfg.model)
+
+    def on_notification(method: str, params: dict[str, Any]) -> None:
+        progress = params.get("progress") if method == "status" and params.get("state") == "loading" else None
+        if isinstance(progress, dict):
+            report(str(progress.get("message")), int(progress.get("percentage") or 0))
+        elif method == "status" and params.get("state") == "ready" and report.last:
+            report("ready", 100)
+
+    client = await connect_or_spawn(settings, client_name="completiond-complete", on_notification=on_notification)
     try:
         if client.welcome.get("warning"):
             print(f"completiond: {client.welcome['warning']}", file=sys.stderr)
@@ -121,9 +168,9 @@ def _summary(result: dict[str, Any]) -> str:
     st = result.get("stats") or {}
     parts = [f"latency {result['latency_ms']:.0f} ms"]
     if st.get("alpha") is not None and st.get("drafted"):
-        parts.append(f"α {st['alpha']:.2f}")
+        parts.append(f"draft acceptance {st['alpha']:.2f} per token")
     parts.append(f"{st.get('generated_tokens', 0)} tokens")
-    if st.get("tokens_per_s"):
+    if st.get("tokens_per_s") and st.get("generated_tokens"):
         parts.append(f"{st['tokens_per_s']:.0f} tokens/s")
     if st.get("prompt_tokens"):
         parts.append(f"prompt {st['prompt_tokens']} ({st.get('reused_tokens', 0)} cached)")
@@ -134,17 +181,27 @@ def _summary(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         path, line_no, col_no = parse_target(args.target)
-        text = path.read_bytes().decode("utf-8")
+        text = read_text(path)
         offset = cursor_offset(text, line_no, col_no)
     except TargetError as exc:
         print(f"completiond complete: {exc}", file=sys.stderr)
         return 2
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         print(f"completiond complete: cannot read {args.target.rsplit(':', 2)[0]}: {exc}", file=sys.stderr)
         return 2
     cfg, errors = _config(args)
     for error in errors:
         print(f"completiond: {error}", file=sys.stderr)
+    from completiond.serving.paths import daemon_unsupported
+    from completiond.serving.service import missing_model
+
+    # Both checks need no torch, which takes seconds to import: fail fast.
+    problem = missing_model(cfg.model)
+    if not problem and args.daemon and daemon_unsupported():
+        problem = f"{daemon_unsupported()}; leave out --daemon to load the model in this process"
+    if problem:
+        print(f"completiond complete: {problem}", file=sys.stderr)
+        return 2
     try:
         if args.daemon:
             result = asyncio.run(complete_via_daemon(cfg, path, text, offset))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from completiond import config as config_mod
-from completiond.serving.server import serve
+from completiond.serving.paths import daemon_unsupported
 from completiond.serving.service import resolve_model
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,27 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    unsupported = daemon_unsupported()
+    if unsupported:
+        print(f"completiond serve: {unsupported}. Editors run the model in their language server here "
+              "(`completiond lsp --no-daemon`, chosen automatically).", file=sys.stderr)
+        return 2
+    # The socket server needs fcntl and AF_UNIX: imported only where they exist.
+    from completiond.serving.server import install_log_rate_limit, serve
+
     cfg, errors = config_from_args(args)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s completiond[%(process)d] %(levelname)s %(name)s: %(message)s")
+    install_log_rate_limit()  # daemon.log lives in the runtime directory: a flood must not fill it
     for error in errors:
         log.warning("%s", error)
     idle = args.idle_timeout if args.idle_timeout is not None else None
-    return asyncio.run(serve(cfg, args.runtime_dir, idle))
+    code = asyncio.run(serve(cfg, args.runtime_dir, idle))
+    # The socket, pid file and lock are cleaned up by now. The engine's worker thread may still be
+    # inside torch or transformers (a model load cannot be interrupted); letting the interpreter
+    # finalise around it aborted the process ("terminate called without an active exception",
+    # exit -6) in about one stop in ten. Leave without finalising instead.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from completiond.serving import paths
 from completiond.serving.client import DaemonClient, DaemonUnavailable
@@ -39,20 +40,41 @@ async def _status(directory: Path, as_json: bool, timeout: float) -> int:
     if as_json:
         print(json.dumps(stats, indent=2, default=str))
         return 0
-    st = stats["status"]
-    print(f"completiond daemon pid {st['pid']}: {st['state']}{' - ' + st['error'] if st.get('error') else ''}")
-    print(f"  model    {st['model']} on {st['device']}")
-    print(f"  clients  {stats.get('clients', 0) - 1} editor connection(s)")  # minus this command's own
-    print(f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
-          f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors")
-    if st.get("last_latency_ms") is not None:
-        alpha = st.get("alpha")
-        print(f"  last     {st['last_latency_ms']:.0f} ms" + (f", alpha {alpha:.2f}" if alpha is not None else "") +
-              (f", {st['tokens_per_s']:.0f} tokens/s" if st.get("tokens_per_s") else ""))
-    if stats.get("cache_served_fraction") is not None:
-        print(f"  cache    {stats['cache_served_fraction']:.2f} of prompt tokens served from the KV cache")
-    print(f"  socket   {paths.socket_path(directory)}")
+    print("\n".join(describe(stats, directory)))
     return 0
+
+
+def describe(stats: dict[str, Any], directory: Path) -> list[str]:
+    """The human-readable status: what the daemon serves, for whom, and how its suggestions fared."""
+    st = stats["status"]
+    lines = [f"completiond daemon pid {st['pid']}: {st['state']}{' - ' + st['error'] if st.get('error') else ''}"]
+    progress = st.get("progress")
+    if st["state"] == "loading" and isinstance(progress, dict):
+        lines.append(f"  loading  {progress.get('message')} ({progress.get('percentage')}%)")
+    lines.append(f"  model    {st['model']} on {st['device']}")
+    editors = stats.get("editors", 0)
+    others = stats.get("clients", 0) - editors - 1  # minus this command's own connection
+    lines.append(f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else ""))
+    lines.append(f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
+                 f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors")
+    counts = st.get("suggestions") or {}
+    accepted = sum(counts.get(k, 0) for k in ("accepted_full", "accepted_word", "accepted_line"))
+    lines.append(f"  editors  {counts.get('shown', 0)} suggestions shown, {accepted} accepted "
+                 f"({counts.get('accepted_full', 0)} whole, {counts.get('accepted_word', 0)} by word, "
+                 f"{counts.get('accepted_line', 0)} by line), {counts.get('dismissed', 0)} dismissed")
+    if st.get("last_latency_ms") is not None:
+        last = [f"{st['last_latency_ms']:.0f} ms"]
+        if st.get("draft_acceptance") is not None:
+            last.append(f"draft acceptance {st['draft_acceptance']:.2f} per token")
+        if st.get("tokens_per_s") is not None:
+            last.append(f"{st['tokens_per_s']:.0f} tokens/s while decoding")
+        lines.append("  last     " + ", ".join(last))
+    if stats.get("draft_acceptance") is not None:
+        lines.append(f"  drafts   {stats['draft_acceptance']:.2f} of draft tokens accepted (per token, all requests)")
+    if stats.get("cache_served_fraction") is not None:
+        lines.append(f"  cache    {stats['cache_served_fraction']:.2f} of prompt tokens served from the KV cache")
+    lines.append(f"  socket   {paths.socket_path(directory)}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
 
 def with_running_daemon(args: argparse.Namespace, action) -> int:
     """Run `action(directory)` against the running daemon (never start one); its failures as exit codes."""
+    unsupported = paths.daemon_unsupported()
+    if unsupported:
+        print(f"no completiond daemon on this platform: {unsupported}; editors run the model in their language "
+              "server (`completiond lsp --no-daemon`)", file=sys.stderr)
+        return NOT_RUNNING
     directory = args.runtime_dir or paths.runtime_dir()
     try:
         return asyncio.run(action(directory))

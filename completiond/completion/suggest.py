@@ -11,6 +11,7 @@ All offsets are Python string (code point) offsets into the document text.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -88,19 +89,79 @@ def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
 
     Raises PromptError / the engine's EngineError for input it cannot serve.
     """
+    found, gen = suggest_alternatives(engine, text, offset, cfg, cancel=cancel, on_round=on_round, path=path,
+                                      language=language, context=context, count=1)
+    return (found[0] if found else None), gen
+
+
+def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
+                         on_round: Callable[[list[int]], None] | None = None, path: str | None = None,
+                         language: str | None = None,
+                         context: Sequence[tuple[str, str]] = (),
+                         count: int | None = None) -> tuple[list[Suggestion], Any]:
+    """Up to `count` (default: `cfg.alternatives`) different suggestions, the first being what `suggest` returns; with the
+    Generation of that first one (None if skipped).
+
+    Each alternative is one more generation on the same prompt (its KV is reused from the cache). Sampling
+    (temperature > 0) gives alternative i the seed `seed + i`; greedy decoding is deterministic, so
+    alternative i is the greedy continuation of the best first token that none of the earlier ones began
+    with: the model's own next-best branches, in its order. Empty and repeated texts are dropped and
+    another attempt made in their place (at most twice as many generations as alternatives wanted).
+    """
     if not 0 <= offset <= len(text):
         raise PromptError(f"cursor offset {offset} outside a document of {len(text)} characters")
-    prompt = builder_for(engine, cfg).build(text, offset, context=context, path=path, language=language)
-    if prompt.skip_reason is not None:
-        return None, None
-    gen = engine.generate(prompt.ids, sampling_params(cfg), cancel=cancel, on_round=on_round, stop=prompt.stop,
-                          constraint=prompt.constraint)
-    if gen.finish_reason == "cancelled":
-        return None, gen
-    insert = prompt.suggestion(gen.tokens)
-    if not insert or not insert.strip():
-        return None, gen
-    # The stop rules already dropped text repeating the rest of the line, so the
-    # suggestion is a pure insertion at the cursor.
-    return Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
-                      finish_reason=gen.finish_reason, stats=gen.stats.to_dict()), gen
+    builder = builder_for(engine, cfg)
+    params = sampling_params(cfg)
+    found: list[Suggestion] = []
+    first: Any = None
+    banned: list[int] = []  # first tokens of the attempts so far (greedy)
+    wanted = max(1, count if count is not None else cfg.alternatives)
+    for i in range(2 * wanted - 1):
+        if len(found) == wanted:
+            break
+        # A fresh prompt each time: its stop rules follow one generation's tokens.
+        prompt = builder.build(text, offset, context=context, path=path, language=language)
+        if prompt.skip_reason is not None:
+            return [], None
+        constraint = prompt.constraint
+        run_params = params
+        if i and params.temperature > 0:
+            run_params = dataclasses.replace(params, seed=(params.seed + i) % 2**31)
+        elif i:
+            constraint = _first_token_not(engine, constraint, banned)
+            if constraint is None:
+                break  # every first token the prompt allows has had its turn
+        gen = engine.generate(prompt.ids, run_params, cancel=cancel, on_round=on_round, stop=prompt.stop,
+                              constraint=constraint)
+        first = first if first is not None else gen
+        if gen.finish_reason == "cancelled":
+            return ([] if i == 0 else found), first
+        # Greedy: the next attempt starts with another token; one that ended at once began with the end.
+        banned.extend(gen.tokens[:1] or sorted(getattr(engine, "eos_token_ids", ())))
+        insert = prompt.suggestion(gen.tokens)
+        if not insert or not insert.strip() or any(insert == s.text for s in found):
+            continue
+        # The stop rules already dropped text repeating the rest of the line, so the
+        # suggestion is a pure insertion at the cursor.
+        found.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
+                                finish_reason=gen.finish_reason, stats=gen.stats.to_dict()))
+    return found, first
+
+
+def _first_token_not(engine, constraint, banned: list[int]):
+    """`constraint` with the first generated token also kept out of `banned`; None when nothing is left."""
+    import torch
+
+    allowed = torch.ones(engine.vocab_size, dtype=torch.bool, device=engine.device)
+    allowed[torch.tensor(banned, dtype=torch.long, device=engine.device)] = False
+    base = constraint([]) if constraint is not None else None
+    first = allowed if base is None else base.to(allowed.device) & allowed
+    if not bool(first.any()):
+        return None
+
+    def combined(tokens):
+        if not tokens:
+            return first
+        return constraint(tokens) if constraint is not None else None
+
+    return combined

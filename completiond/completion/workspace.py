@@ -1,11 +1,22 @@
 """Workspace context: watched folders, open documents, and the context block.
 
-The daemon keeps one `Workspace`. A watchdog observer follows the workspace
-folders (respecting .gitignore files, skipping binary and huge files); the
-editor's open/change/close events add the documents the user is working in.
-Everything lives in one LRU store with a byte budget.
+The daemon keeps one `Workspace` for every editor. An entry is either a file read
+from disk (owner DISK), kept current by a watchdog observer over the workspace
+folders, or a document open in one editor (owner: that editor). An editor's
+context is drawn from its own open documents and the disk files under its own
+folders only; a document leaves when its editor closes it, everything of an
+editor when it disconnects, a folder's files when no editor has the folder.
 
-`context(current_path, language, budget_tokens, count_tokens)` returns
+What may be read from disk: regular files (checked before opening, opened
+non-blocking, never through a symlink whose target leaves the folder, checked
+at every read) under a workspace folder, not .gitignored, not in a hidden or
+vendored directory, with a source extension, under the size cap, and not on the
+deny-list of secret-bearing names (SECRET_NAMES, SECRET_DIRS; the
+contextExclude setting adds to it). What may enter a prompt: snippets of those
+and of the editor's own open documents, minus the deny-list again. Each file
+read and each file sent as context is logged at debug level.
+
+`context(current_path, language, budget_tokens, count_tokens, owner=...)` returns
 (path, snippet) pairs of recently edited and open files of the same language
 for the prompt builder. The result is ordered by path, not by recency, and
 depends only on other files: typing in the current file never changes it, so
@@ -14,14 +25,17 @@ the context block's KV stays cached across keystrokes.
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import logging
 import os
+import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import pathspec
 
@@ -54,25 +68,144 @@ def comment_for(language: str | None) -> str | None:
     return COMMENTS.get(language or "")
 
 
+DISK = None   # owner of the entries read from disk: visible to every editor whose folders contain them
+LOCAL = 0     # the owner when one editor uses the workspace alone (in-process LSP, eval, tests)
+
+# Never context, whoever asks and whatever the settings say (contextExclude can only add to these).
+# Matched case-insensitively against every path component below the workspace folder.
+SECRET_NAMES: tuple[str, ...] = (
+    ".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kdbx",
+    "*.gpg", "*.asc", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "*credential*", "*secret*", ".netrc",
+    "_netrc", ".npmrc", ".pypirc", ".pgpass", ".git-credentials", ".htpasswd", ".vault-token", "*.tfvars",
+    "*.tfstate", "*.tfstate.*",
+)
+# Folders of credentials (SSH, GnuPG, cloud and container CLIs), matched anywhere in the absolute path,
+# so opening one of them (or a file inside) as a workspace still keeps its files out.
+SECRET_DIRS = frozenset({".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store",
+                         ".terraform.d", ".oci", ".gcloud"})
+CONFIG_SECRET_DIRS = frozenset({"gh", "gcloud", "hub", "op", "doctl", "rclone", "sops", "gcloud-sdk"})  # ~/.config/*
+
+MAX_IGNORE_FILE_BYTES = 1 << 20
+
+
+def secret_match(path: str, root: str | None = None, extra: Iterable[str] = (), builtin: bool = True) -> str | None:
+    """The deny-list entry (built-in, or from `extra`) that keeps `path` out of every prompt, or None."""
+    found = _builtin_secret(path, root) if builtin else None
+    return found if found is not None else _pattern_match(path, root, tuple(extra))
+
+
+@functools.lru_cache(maxsize=4096)  # checked on every keystroke of an open document
+def _builtin_secret(path: str, root: str | None) -> str | None:
+    parts = path.split(os.sep)
+    for i, part in enumerate(parts[:-1]):
+        if part in SECRET_DIRS:
+            return f"{part}/"
+        if part == ".config" and i + 1 < len(parts) - 1 and parts[i + 1] in CONFIG_SECRET_DIRS:
+            return f".config/{parts[i + 1]}/"
+    return _pattern_match(path, root, SECRET_NAMES)
+
+
+def _pattern_match(path: str, root: str | None, patterns: tuple[str, ...]) -> str | None:
+    if not patterns:
+        return None
+    rel = os.path.relpath(path, root) if root and _inside(path, root) else os.path.basename(path)
+    rel_posix = rel.replace(os.sep, "/").lower()
+    names = rel_posix.split("/")
+    for pattern in patterns:
+        p = pattern.strip().lower()
+        if not p:
+            continue
+        if "/" in p.strip("/"):
+            if fnmatch.fnmatchcase(rel_posix, p.strip("/")):
+                return pattern
+        elif any(fnmatch.fnmatchcase(name, p.strip("/")) for name in names):
+            return pattern
+    return None
+
+
+class Unreadable(Exception):
+    """A file the workspace will not read; the message says why."""
+
+
+def read_regular(path: str, limit: int, inside: str | None = None) -> tuple[bytes, os.stat_result]:
+    """Contents of a regular file of at most `limit` bytes.
+
+    Raises Unreadable for anything else: missing, too big, a FIFO, socket or device (checked
+    before opening, and opened non-blocking, so nothing here can wait on a writer), or a
+    symlink whose target is not inside `inside` (a real path). The file opened is the one
+    checked: the final component is opened without following symlinks and its inode compared.
+    """
+    real = os.path.realpath(path)
+    if inside is not None and not _inside(real, inside):
+        raise Unreadable(f"it leads to {real}, outside the workspace folder {inside}")
+    try:
+        st = os.lstat(real)
+    except OSError as exc:
+        raise Unreadable(exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise Unreadable("not a regular file")
+    if st.st_size > limit:
+        raise Unreadable(f"{st.st_size} bytes, over the {limit}-byte limit")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unreadable(exc.strerror or str(exc)) from None
+    try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+            raise Unreadable("replaced while being opened")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise Unreadable(exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise Unreadable(f"grew over the {limit}-byte limit")
+    return b"".join(chunks), fst
+
+
+def default_watch_budget() -> int:
+    """Directories all folders together may watch: a quarter of the user's inotify watches
+    (editors and other tools need theirs), at most 16,384."""
+    try:
+        with open("/proc/sys/fs/inotify/max_user_watches", "rb") as f:
+            limit = int(f.read(32).strip())
+    except (OSError, ValueError):
+        return 8192
+    return max(256, min(16384, limit // 4))
+
+
 @dataclass
 class _Entry:
+    owner: Hashable         # DISK, or the editor that has the document open
     path: str
     language: str
     text: str
     nbytes: int
     touched: float          # last edit (editor) or modification (disk), for recency
     edit_line: int | None   # line of the last edit in the editor, if known
-    open: bool = False
+
+    @property
+    def open(self) -> bool:
+        return self.owner is not DISK
 
 
 class IgnoreRules:
-    """.gitignore semantics for one workspace folder (nested .gitignore files included).
+    """.gitignore semantics for one workspace folder (nested .gitignore files included),
+    plus hidden directories, which are never scanned.
 
     Specs are read lazily per directory and dropped when a .gitignore changes.
     """
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
+        self.real_root = os.path.realpath(self.root)
         self._specs: dict[str, pathspec.GitIgnoreSpec | None] = {}
         self._lock = threading.Lock()
 
@@ -90,12 +223,11 @@ class IgnoreRules:
         spec = None
         path = os.path.join(directory, ".gitignore")
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                spec = pathspec.GitIgnoreSpec.from_lines(f.read().splitlines())
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("cannot read %s: %s (not applying it)", path, exc)
+            data, _ = read_regular(path, MAX_IGNORE_FILE_BYTES)
+            spec = pathspec.GitIgnoreSpec.from_lines(data.decode("utf-8", errors="replace").splitlines())
+        except Unreadable as exc:
+            if os.path.lexists(path):
+                log.warning("cannot read %s: %s (not applying it)", path, exc)
         with self._lock:
             self._specs[directory] = spec
         return spec
@@ -107,7 +239,8 @@ class IgnoreRules:
         if rel.startswith(".."):
             return True
         parts = rel.split(os.sep)
-        if any(p in ALWAYS_SKIPPED_DIRS for p in parts[:-1]) or (is_dir and parts[-1] in ALWAYS_SKIPPED_DIRS):
+        if any(p in ALWAYS_SKIPPED_DIRS or p.startswith(".") for p in parts[:-1]) or (
+                is_dir and (parts[-1] in ALWAYS_SKIPPED_DIRS or parts[-1].startswith("."))):
             return True
         # Check every ancestor directory, then the path itself; at each level
         # the deepest .gitignore with a matching pattern decides.
@@ -129,7 +262,12 @@ class IgnoreRules:
 
 
 class _Handler:
-    """watchdog event sink; methods named as FileSystemEventHandler expects."""
+    """watchdog event sink; methods named as FileSystemEventHandler expects.
+
+    The observer holds its lock while this runs, and stopping the observer waits for that
+    lock: so nothing here may block. Single files are read here (regular files only, opened
+    non-blocking); whole directories are scanned on the workspace's I/O thread.
+    """
 
     def __init__(self, ws: "Workspace"):
         self.ws = ws
@@ -141,7 +279,7 @@ class _Handler:
             if kind in ("created", "modified", "closed"):
                 if event.is_directory:
                     if kind == "created":
-                        self.ws._scan_dir(src)
+                        self.ws._submit(self.ws._scan_dir, src)
                 else:
                     self.ws._disk_changed(src)
             elif kind == "deleted":
@@ -150,7 +288,7 @@ class _Handler:
                 self.ws._disk_removed(src, event.is_directory)
                 dest = os.fsdecode(event.dest_path)
                 if event.is_directory:
-                    self.ws._scan_dir(dest)
+                    self.ws._submit(self.ws._scan_dir, dest)
                 else:
                     self.ws._disk_changed(dest)
         except Exception:  # a watcher thread that dies silently stops all context updates
@@ -160,55 +298,85 @@ class _Handler:
 class Workspace:
     """Bounded store of workspace files and open documents, kept current by watchdog.
 
-    max_bytes: total UTF-8 bytes of text kept (least recently touched files
-    go first; open documents last). max_file_bytes: larger files are skipped.
+    Entries belong to an owner: DISK for files read from the folders, else the editor that has
+    the document open. `context(..., owner=X)` sees X's open documents and the disk files
+    under X's folders only.
+
+    max_bytes: total UTF-8 bytes of text kept (least recently touched disk files go first;
+    open documents last). max_file_bytes: larger files are skipped. max_watched_dirs: the
+    directories all watched folders may hold together (each is an inotify watch); a folder
+    past it is scanned but not watched. Disk I/O (folder set-up, scans, re-reads after a
+    close) runs on one background thread, never on the caller's.
     """
 
     def __init__(self, folders: Iterable[str | os.PathLike] = (), max_bytes: int = 8 << 20,
                  max_file_bytes: int = 256 << 10, scan: bool = True, max_scan_files: int = 5000,
-                 snippet_lines: int = 60, max_files: int = 4):
+                 snippet_lines: int = 60, max_files: int = 4, max_watched_dirs: int | None = None,
+                 max_watched_folders: int = 32, max_scan_dirs: int = 20000):
         self.max_bytes = int(max_bytes)
         self.max_file_bytes = int(max_file_bytes)
         self.scan_on_start = scan
         self.max_scan_files = max_scan_files
+        self.max_scan_dirs = max_scan_dirs
         self.snippet_lines = snippet_lines
         self.max_files = max_files
+        self.max_watched_dirs = default_watch_budget() if max_watched_dirs is None else max_watched_dirs
+        self.max_watched_folders = max_watched_folders
         self._folders: dict[str, IgnoreRules] = {}
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()   # LRU: least recently touched first
+        self._owners: dict[str, set] = {}                                # folder -> editors that added it
+        self._entries: OrderedDict[tuple[Hashable, str], _Entry] = OrderedDict()  # LRU: least recently touched first
         self._bytes = 0
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self.version = 0
         self._observer = None
-        self._watches: dict[str, object] = {}
+        self._watches: dict[str, tuple[object, int]] = {}                # folder -> (watch, directories)
+        self._unwatched: set[str] = set()                                # folders refused a watch (logged once)
         self._token_counts: OrderedDict[str, int] = OrderedDict()
+        self._io: queue.SimpleQueue = queue.SimpleQueue()
+        self._io_thread: threading.Thread | None = None
+        self._closed = False
         for f in folders:
             self.add_folder(f)
 
     # -- lifecycle -------------------------------------------------------
-    def start(self) -> "Workspace":
+    def start(self, wait: bool = True) -> "Workspace":
+        """Start watching the folders (set up on the I/O thread; `wait` blocks until it is done)."""
         from watchdog.observers import Observer
 
         with self._lock:
-            if self._observer is not None:
+            if self._observer is not None or self._closed:
                 return self
             self._observer = Observer()
             self._observer.daemon = True
-            for root in list(self._folders):
-                self._watch(root)
             self._observer.start()
+            roots = list(self._folders)
+        done = self._submit(self._rewatch)
         if self.scan_on_start:
-            for root in list(self._folders):
-                threading.Thread(target=self._scan_dir, args=(root,), daemon=True, name="workspace-scan").start()
+            for root in roots:
+                self._submit(self._scan_dir, root)
+        if wait:
+            done.wait(30)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop watching; returns within about `timeout` seconds even if a watcher thread is stuck
+        (the threads are daemons: a stuck one cannot hold the process up)."""
         with self._lock:
             obs, self._observer = self._observer, None
             self._watches.clear()
+            self._closed = True
+            io_thread = self._io_thread
+        self._io.put(None)
         if obs is not None:
-            obs.stop()
-            obs.join(timeout=5)
+            stopper = threading.Thread(target=lambda: (obs.stop(), obs.join(timeout)), daemon=True,
+                                       name="workspace-stop")
+            stopper.start()
+            stopper.join(timeout)
+            if stopper.is_alive():
+                log.warning("workspace watcher did not stop within %g s; leaving it behind", timeout)
+        if io_thread is not None and io_thread is not threading.current_thread():
+            io_thread.join(timeout)
 
     def __enter__(self) -> "Workspace":
         return self.start()
@@ -216,69 +384,191 @@ class Workspace:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def add_folder(self, folder: str | os.PathLike) -> None:
+    def add_folder(self, folder: str | os.PathLike, owner: Hashable = LOCAL, wait: bool = True) -> None:
+        """Add a workspace folder of `owner`. The checks, the watch and the scan run on the I/O
+        thread; with wait=False this returns at once (an invalid folder is logged there)."""
         root = os.path.abspath(os.fspath(folder))
-        if not os.path.isdir(root):
-            raise NotADirectoryError(f"workspace folder {root} is not a directory")
+        if not wait:
+            self._submit(self._add_folder, root, owner)
+            return
+        error: list[BaseException] = []
+        self._submit(self._add_folder, root, owner, error).wait(30)
+        if error:
+            raise error[0]
+
+    def remove_folder(self, folder: str | os.PathLike, owner: Hashable = LOCAL, wait: bool = True) -> None:
+        """`owner` no longer has this folder; once nobody has it, its watch and disk files go."""
+        root = os.path.abspath(os.fspath(folder))
         with self._lock:
-            if root in self._folders:
+            owners = self._owners.get(root)
+            if owners is None:
                 return
-            self._folders[root] = IgnoreRules(root)
-            started = self._observer is not None
-            if started:
-                self._watch(root)
-        if started and self.scan_on_start:
-            threading.Thread(target=self._scan_dir, args=(root,), daemon=True, name="workspace-scan").start()
+            owners.discard(owner)
+            if owners:
+                return
+            del self._owners[root]
+            self._folders.pop(root, None)
+            self._unwatched.discard(root)
+            for key in [k for k, e in self._entries.items() if e.owner is DISK and _inside(e.path, root)
+                        and self._rules_for(e.path) is None]:
+                self._drop(key)
+            self._bump()
+        done = self._submit(self._rewatch)
+        if wait:
+            done.wait(30)
+
+    def drop_owner(self, owner: Hashable) -> None:
+        """An editor went away: its open documents leave at once, its folders once nobody else has them."""
+        with self._lock:
+            for key in [k for k in self._entries if k[0] == owner]:
+                self._drop(key)
+            folders = [root for root, owners in self._owners.items() if owner in owners]
+            self._bump()
+        for root in folders:
+            self.remove_folder(root, owner, wait=False)
+
+    def folders(self, owner: Hashable = LOCAL) -> list[str]:
+        with self._lock:
+            return [root for root, owners in self._owners.items() if owner in owners]
 
     def scan(self) -> None:
         """Load the folders' most recent source files now, in this thread (no watcher needed)."""
         for root in list(self._folders):
             self._scan_dir(root)
 
-    def remove_folder(self, folder: str | os.PathLike) -> None:
-        root = os.path.abspath(os.fspath(folder))
-        with self._lock:
-            self._folders.pop(root, None)
-            watch = self._watches.pop(root, None)
-            if watch is not None and self._observer is not None:
-                self._observer.unschedule(watch)
-            for path in [p for p, e in self._entries.items() if _inside(p, root) and not e.open]:
-                self._drop(path)
-            self._bump()
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until the I/O thread has done everything queued so far."""
+        return self._submit(lambda: None).wait(timeout)
 
-    def _watch(self, root: str) -> None:
-        try:
-            self._watches[root] = self._observer.schedule(_Handler(self), root, recursive=True)
-        except OSError as exc:
-            # e.g. inotify watch limit reached: keep open documents working.
-            log.warning("cannot watch workspace folder %s: %s", root, exc)
+    # -- the I/O thread --------------------------------------------------
+    def _submit(self, fn: Callable, *args: Any) -> threading.Event:
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                done.set()
+                return done
+            if self._io_thread is None:
+                self._io_thread = threading.Thread(target=self._io_loop, daemon=True, name="workspace-io")
+                self._io_thread.start()
+        self._io.put((fn, args, done))
+        return done
+
+    def _io_loop(self) -> None:
+        while True:
+            item = self._io.get()
+            if item is None:
+                return
+            fn, args, done = item
+            try:
+                fn(*args)
+            except Exception:  # one failed task (a vanished folder, a bug) must not stop the others
+                log.exception("workspace task %s failed", getattr(fn, "__name__", fn))
+            finally:
+                done.set()
+
+    def _add_folder(self, root: str, owner: Hashable, error: list | None = None) -> None:
+        if not os.path.isdir(root):
+            exc = NotADirectoryError(f"workspace folder {root} is not a directory")
+            if error is not None:
+                error.append(exc)
+            else:
+                log.warning("%s; ignored", exc)
+            return
+        with self._lock:
+            if self._closed:
+                return
+            owners = self._owners.setdefault(root, set())
+            new = not owners
+            owners.add(owner)
+            if new:
+                self._folders[root] = IgnoreRules(root)
+            started = self._observer is not None
+        if new and started:
+            self._rewatch()
+            if self.scan_on_start:
+                self._scan_dir(root)
+
+    def _rewatch(self) -> None:
+        """Watch the outermost folders within the budgets; unwatch folders that are gone.
+        Runs on the I/O thread: walking and registering a big tree takes a while."""
+        with self._lock:
+            obs = self._observer
+            roots = sorted(self._folders)
+        if obs is None:
+            return
+        wanted: list[str] = []
+        for root in roots:
+            if not any(_inside(root, w) for w in wanted):  # an enclosing folder's watch covers it
+                wanted.append(root)
+        for root in [r for r in list(self._watches) if r not in wanted]:
+            watch, _ = self._watches.pop(root, (None, 0))
+            if watch is None:
+                continue
+            try:
+                obs.unschedule(watch)
+            except (KeyError, OSError) as exc:
+                log.debug("unwatching %s: %s", root, exc)
+        for root in wanted:
+            if root in self._watches:
+                continue
+            used = sum(n for _, n in list(self._watches.values()))
+            budget = self.max_watched_dirs - used
+            if len(self._watches) >= self.max_watched_folders:
+                self._not_watched(root, f"{self.max_watched_folders} folders are watched already")
+                continue
+            dirs = _count_dirs(root, budget + 1)
+            if dirs > budget:
+                self._not_watched(root, f"it holds over {budget} directories, the watch budget left "
+                                        f"({self.max_watched_dirs} in all)")
+                continue
+            try:
+                self._watches[root] = (obs.schedule(_Handler(self), root, recursive=True), dirs)
+                self._unwatched.discard(root)
+            except OSError as exc:
+                # e.g. the user's inotify watches are used up: keep open documents working.
+                self._not_watched(root, str(exc))
+
+    def _not_watched(self, root: str, why: str) -> None:
+        if root not in self._unwatched:
+            self._unwatched.add(root)
+            log.warning("not watching workspace folder %s: %s; its context comes from the start-up scan and "
+                        "open documents only", root, why)
 
     # -- editor events ------------------------------------------------------
-    def did_open(self, path: str | os.PathLike, text: str, language: str | None = None) -> None:
-        self._put(os.path.abspath(os.fspath(path)), text, language, open_=True, edit_line=None)
+    def did_open(self, path: str | os.PathLike, text: str, language: str | None = None,
+                 owner: Hashable = LOCAL) -> None:
+        self._put(owner, os.path.abspath(os.fspath(path)), text, language, edit_line=None)
 
     def did_change(self, path: str | os.PathLike, text: str, edit_line: int | None = None,
-                   language: str | None = None) -> None:
-        self._put(os.path.abspath(os.fspath(path)), text, language, open_=True, edit_line=edit_line)
+                   language: str | None = None, owner: Hashable = LOCAL) -> None:
+        self._put(owner, os.path.abspath(os.fspath(path)), text, language, edit_line=edit_line)
 
-    def did_close(self, path: str | os.PathLike) -> None:
+    def did_close(self, path: str | os.PathLike, owner: Hashable = LOCAL) -> None:
+        """The editor's copy leaves at once; the disk copy is re-read (on the I/O thread) only
+        where a folder's rules allow it, so a closed ignored or outside file is gone for good."""
         path = os.path.abspath(os.fspath(path))
         with self._lock:
-            entry = self._entries.get(path)
-            if entry is not None:
-                entry.open = False
-        # The disk copy is what the file is now (unsaved edits were discarded or saved).
-        self._disk_changed(path)
+            if (owner, path) in self._entries:
+                self._drop((owner, path))
+                self._bump()
+            inside = self._rules_for(path) is not None
+        if inside:
+            self._submit(self._disk_changed, path)
 
     # -- queries ---------------------------------------------------------
-    def get(self, path: str | os.PathLike) -> str | None:
+    def get(self, path: str | os.PathLike, owner: Hashable = LOCAL) -> str | None:
+        """`owner`'s open copy of the file, else the disk copy."""
+        path = os.path.abspath(os.fspath(path))
         with self._lock:
-            e = self._entries.get(os.path.abspath(os.fspath(path)))
+            e = self._entries.get((owner, path)) or self._entries.get((DISK, path))
             return e.text if e else None
 
     def paths(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return list(dict.fromkeys(e.path for e in self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @property
     def memory_bytes(self) -> int:
@@ -296,13 +586,16 @@ class Workspace:
             return True
 
     def context(self, current_path: str | os.PathLike | None, language: str | None, budget_tokens: int,
-                count_tokens: Callable[[str], int] | None = None) -> list[tuple[str, str]]:
+                count_tokens: Callable[[str], int] | None = None, owner: Hashable = LOCAL,
+                exclude: Iterable[str] = ()) -> list[tuple[str, str]]:
         """(relative path, snippet) pairs for the prompt's context block, ordered by path.
 
-        Picks the most recently touched files of `language` other than the
-        current one (open documents first), takes a snippet of each (around
-        the last edit, else the file's head), and fits them into
-        budget_tokens as counted by count_tokens (default: chars / 4).
+        Picks, among `owner`'s open documents and the disk files under `owner`'s folders, the
+        most recently touched files of `language` other than the current one (open documents
+        first), minus the deny-list (built in, plus the glob patterns `exclude`), takes a
+        snippet of each (around the last edit, else the file's head), and fits them into
+        budget_tokens as counted by count_tokens (default: chars / 4). Each file chosen is
+        logged at debug level: that log is the record of what left the editor for the model.
         """
         if budget_tokens <= 0:
             return []
@@ -310,14 +603,30 @@ class Workspace:
         current = os.path.abspath(os.fspath(current_path)) if current_path else None
         if language is None and current is not None:
             language = language_of(current)
+        exclude = tuple(exclude)
         with self._lock:
-            candidates = [e for e in self._entries.values() if e.path != current and (language is None or e.language == language)]
-            candidates.sort(key=lambda e: (not e.open, -e.touched, e.path))
-            picked = [(e.path, self._snippet(e)) for e in candidates[: self.max_files]]
+            mine = [root for root, owners in self._owners.items() if owner in owners]
+            visible: dict[str, _Entry] = {}
+            for (who, path), e in self._entries.items():
+                if path == current or (language is not None and e.language != language):
+                    continue
+                if who == owner and who is not DISK:
+                    visible[path] = e                       # the editor's own copy wins over the disk's
+                elif who is DISK and path not in visible and any(_inside(path, root) for root in mine):
+                    visible[path] = e
+            candidates = sorted(visible.values(), key=lambda e: (not e.open, -e.touched, e.path))
+            picked = []
+            for e in candidates:
+                if len(picked) >= self.max_files:
+                    break
+                # The built-in deny-list was applied when the entry was stored; the setting's patterns here.
+                if exclude and secret_match(e.path, self._root_of(e.path), exclude, builtin=False) is not None:
+                    continue
+                picked.append((e, self._snippet(e)))
         chosen: list[tuple[str, str]] = []
         used = 0
-        for path, snippet in picked:
-            rel = self._relpath(path)
+        for e, snippet in picked:
+            rel = self._relpath(e.path)
             cost = count(f"{rel}\n{snippet}") + 2
             if used + cost > budget_tokens:
                 snippet = self._fit(rel, snippet, budget_tokens - used - 2, count)
@@ -326,6 +635,8 @@ class Workspace:
                 cost = count(f"{rel}\n{snippet}") + 2
             chosen.append((rel, snippet))
             used += cost
+            log.debug("context for %s (editor %s): %s, %s copy, %d characters", current, owner, e.path,
+                      "editor's" if e.open else "disk", len(snippet))
         chosen.sort()
         return chosen
 
@@ -370,52 +681,57 @@ class Workspace:
         return self._relpath(os.path.abspath(os.fspath(path)))
 
     def _relpath(self, path: str) -> str:
-        for root in self._folders:
+        for root in list(self._folders):
             if _inside(path, root):
                 return os.path.relpath(path, root).replace(os.sep, "/")
         return os.path.basename(path)
 
     def _rules_for(self, path: str) -> IgnoreRules | None:
         best = None
-        for root, rules in self._folders.items():
+        for root, rules in list(self._folders.items()):
             if _inside(path, root) and (best is None or len(root) > len(best.root)):
                 best = rules
         return best
+
+    def _root_of(self, path: str) -> str | None:
+        rules = self._rules_for(path)
+        return rules.root if rules is not None else None
 
     def _bump(self) -> None:
         self.version += 1
         self._changed.notify_all()
 
-    def _drop(self, path: str) -> None:
-        e = self._entries.pop(path, None)
+    def _drop(self, key: tuple[Hashable, str]) -> None:
+        e = self._entries.pop(key, None)
         if e is not None:
             self._bytes -= e.nbytes
 
-    def _put(self, path: str, text: str, language: str | None, open_: bool, edit_line: int | None,
+    def _put(self, owner: Hashable, path: str, text: str, language: str | None, edit_line: int | None,
              touched: float | None = None) -> None:
         language = language or language_of(path)
         nbytes = len(text.encode("utf-8", errors="replace"))
+        key = (owner, path)
         with self._lock:
-            old = self._entries.get(path)
-            if language is None or nbytes > self.max_file_bytes or nbytes > self.max_bytes:
-                if old is not None and not old.open:
-                    self._drop(path)
+            old = self._entries.get(key)
+            if (language is None or nbytes > self.max_file_bytes or nbytes > self.max_bytes
+                    or secret_match(path, self._root_of(path)) is not None):
+                if old is not None:
+                    self._drop(key)
                     self._bump()
                 return
             if old is not None:
-                open_ = open_ or old.open
                 if edit_line is None and old.text == text:
                     edit_line = old.edit_line
-                self._drop(path)
-            self._entries[path] = _Entry(path, language, text, nbytes, touched if touched is not None else time.time(),
-                                         edit_line, open_)
+                self._drop(key)
+            self._entries[key] = _Entry(owner, path, language, text, nbytes,
+                                        touched if touched is not None else time.time(), edit_line)
             self._bytes += nbytes
             self._evict()
             self._bump()
 
     def _evict(self) -> None:
         while self._bytes > self.max_bytes and self._entries:
-            victim = next((p for p, e in self._entries.items() if not e.open), None)
+            victim = next((k for k, e in self._entries.items() if not e.open), None)
             if victim is None:
                 victim = next(iter(self._entries))
             self._drop(victim)
@@ -429,20 +745,18 @@ class Workspace:
                 self._recheck_ignored(rules)
             return
         with self._lock:
-            entry = self._entries.get(path)
-            if entry is not None and entry.open:
-                return  # the editor's text is newer than the disk's
             rules = self._rules_for(path)
-        if rules is None or language_of(path) is None or rules.ignored(path):
+        if rules is None or language_of(path) is None or rules.ignored(path) \
+                or secret_match(path, rules.root) is not None:
             return
-        text, mtime = self._read(path)
+        text, mtime = self._read(path, rules)
         if text is None:
             with self._lock:
-                if path in self._entries and not self._entries[path].open:
-                    self._drop(path)
+                if (DISK, path) in self._entries:
+                    self._drop((DISK, path))
                     self._bump()
             return
-        self._put(path, text, None, open_=False, edit_line=None, touched=mtime)
+        self._put(DISK, path, text, None, edit_line=None, touched=mtime)
 
     def _disk_removed(self, path: str, is_dir: bool) -> None:
         path = os.path.abspath(path)
@@ -452,39 +766,38 @@ class Workspace:
                 rules.invalidate(os.path.dirname(path))
             return
         with self._lock:
-            doomed = [p for p, e in self._entries.items() if not e.open and (p == path or (is_dir and _inside(p, path)))]
-            for p in doomed:
-                self._drop(p)
+            doomed = [k for k, e in self._entries.items()
+                      if not e.open and (e.path == path or (is_dir and _inside(e.path, path)))]
+            for k in doomed:
+                self._drop(k)
             if doomed:
                 self._bump()
 
     def _recheck_ignored(self, rules: IgnoreRules) -> None:
         with self._lock:
-            doomed = [p for p, e in self._entries.items() if not e.open and _inside(p, rules.root) and rules.ignored(p)]
-            for p in doomed:
-                self._drop(p)
+            doomed = [k for k, e in self._entries.items()
+                      if not e.open and _inside(e.path, rules.root) and rules.ignored(e.path)]
+            for k in doomed:
+                self._drop(k)
             if doomed:
                 self._bump()
 
-    def _read(self, path: str) -> tuple[str | None, float]:
-        """File text, or None if missing, huge, binary or not UTF-8."""
+    def _read(self, path: str, rules: IgnoreRules) -> tuple[str | None, float]:
+        """File text, or None if missing, huge, binary, not UTF-8, not a regular file, or a
+        symlink leading out of its workspace folder."""
         try:
-            st = os.stat(path)
-            if st.st_size > self.max_file_bytes:
-                return None, 0.0
-            with open(path, "rb") as f:
-                data = f.read(self.max_file_bytes + 1)
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            data, st = read_regular(path, self.max_file_bytes, inside=rules.real_root)
+        except Unreadable as exc:
+            log.debug("not reading %s: %s", path, exc)
             return None, 0.0
-        except OSError as exc:
-            log.debug("cannot read %s: %s", path, exc)
-            return None, 0.0
-        if len(data) > self.max_file_bytes or b"\x00" in data[:8192]:
+        if b"\x00" in data[:8192]:
             return None, 0.0
         try:
-            return data.decode("utf-8"), st.st_mtime
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             return None, 0.0
+        log.debug("read %s for the workspace context (%d bytes)", path, len(data))
+        return text, st.st_mtime
 
     def _scan_dir(self, top: str) -> None:
         """Load the most recently modified source files under `top`, up to the budget."""
@@ -494,8 +807,10 @@ class Workspace:
             return
         found: list[tuple[float, str]] = []
         stack = [top]
-        while stack and len(found) < self.max_scan_files:
+        visited = 0
+        while stack and len(found) < self.max_scan_files and visited < self.max_scan_dirs:
             d = stack.pop()
+            visited += 1
             try:
                 with os.scandir(d) as it:
                     for de in it:
@@ -505,12 +820,15 @@ class Workspace:
                                     stack.append(de.path)
                             elif de.is_file(follow_symlinks=False) and language_of(de.name) is not None:
                                 st = de.stat(follow_symlinks=False)
-                                if st.st_size <= self.max_file_bytes and not rules.ignored(de.path):
+                                if (st.st_size <= self.max_file_bytes and not rules.ignored(de.path)
+                                        and secret_match(de.path, rules.root) is None):
                                     found.append((st.st_mtime, de.path))
                         except OSError:
                             continue  # vanished or unreadable entry: skip it, keep scanning
             except OSError as exc:
                 log.debug("cannot scan %s: %s", d, exc)
+        if stack:
+            log.info("scan of %s stopped after %d directories and %d files (the limits)", top, visited, len(found))
         found.sort(reverse=True)
         loaded = 0
         texts: list[tuple[str, str, float]] = []
@@ -518,18 +836,36 @@ class Workspace:
             if loaded >= self.max_bytes:
                 break
             with self._lock:
-                if path in self._entries:
+                if (DISK, path) in self._entries:
                     continue
-            text, mtime = self._read(path)
+            text, mtime = self._read(path, rules)
             if text is not None:
                 texts.append((path, text, mtime))
                 loaded += len(text)
         # Oldest first, so the LRU order matches modification times.
         for path, text, mtime in reversed(texts):
             with self._lock:
-                if path in self._entries:
+                if (DISK, path) in self._entries:
                     continue  # a watcher event got there first with newer text
-            self._put(path, text, None, open_=False, edit_line=None, touched=mtime)
+                if self._rules_for(path) is None:
+                    continue  # the folder was removed meanwhile
+            self._put(DISK, path, text, None, edit_line=None, touched=mtime)
+
+
+def _count_dirs(root: str, limit: int) -> int:
+    """Directories under `root` (itself included) as a recursive inotify watch would add them
+    (symlinks not followed), counting no further than `limit`."""
+    n = 0
+    stack = [root]
+    while stack and n < limit:
+        d = stack.pop()
+        n += 1
+        try:
+            with os.scandir(d) as it:
+                stack.extend(de.path for de in it if de.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    return n
 
 
 def _inside(path: str, root: str) -> bool:

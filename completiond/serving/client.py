@@ -7,7 +7,6 @@ daemon dies or restarts.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import itertools
 import logging
 import os
@@ -210,6 +209,8 @@ def _log_tail(path: Path, lines: int = 2) -> str:
 
 
 def _try_lock(path: Path) -> int | None:
+    import fcntl  # POSIX only, like the daemon: importing this module (the LSP does) must work everywhere
+
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -286,7 +287,7 @@ class DaemonSession:
 
     def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
                  directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
-                 on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = "completiond-lsp",
+                 on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = wire.EDITOR_CLIENT,
                  connect_timeout: float = 60.0):
         self._settings = settings
         self._documents = documents

@@ -28,6 +28,19 @@ class InsecureDirectoryError(RuntimeError):
     """The runtime directory exists but is not safe to use."""
 
 
+def daemon_unsupported() -> str:
+    """Why this platform cannot run the shared daemon, or '' where it can.
+
+    The daemon's privacy rests on a Unix domain socket in a directory only our user id can enter (and on
+    the peer's uid where the OS tells it). Windows has neither user ids in `os` nor AF_UNIX in Python's
+    socket module; there the LSP server runs the model in its own process instead (`--no-daemon`).
+    """
+    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "getuid"):
+        return (f"the shared daemon needs Unix domain sockets and user ids, which this platform ({sys.platform}) "
+                "does not offer")
+    return ""
+
+
 def runtime_dir() -> Path:
     """The per-user directory for the socket, lock and log (not created here)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")

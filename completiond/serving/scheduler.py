@@ -9,8 +9,14 @@ newest request for a document matters. So:
   at the next round (the verified tokens stay in the KV cache for the next one);
 * the worker serves clients round-robin and, within a client, documents in
   arrival order, so one busy editor cannot starve another;
-* the queue is bounded: past the bound `submit` raises Overloaded at once
-  rather than letting latency pile up.
+* each client (editor connection) has its own bounded queue: `submit` raises
+  Overloaded at once when that client's own share is full, never because other
+  clients filled theirs (how many clients there are is the server's cap);
+* queued work has a deadline: a job still waiting `queue_deadline` seconds after
+  it was queued is answered "cancelled" with reason "expired" instead of run
+  (`expire()`, called by the worker before each job and by the service's timer).
+  Time spent behind a control call (the model load) does not count: the first
+  requests of a session wait for the model, as they must.
 
 Every job's `done` callback is called exactly once, outside the lock.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -57,15 +64,18 @@ class Job:
     token: Any = None
     state: str = "new"                     # new | queued | running | finished
     cancel_reason: str = ""
+    queued_at: float = 0.0                 # scheduler clock when it entered the queue
     _finished: bool = field(default=False, repr=False)
 
 
 class Scheduler:
-    def __init__(self, token_factory: Callable[[], Any] = CancelToken, max_pending: int = 64,
-                 max_pending_per_client: int = 16, name: str = "completiond-engine"):
+    def __init__(self, token_factory: Callable[[], Any] = CancelToken, max_pending_per_client: int = 16,
+                 queue_deadline: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 name: str = "completiond-engine"):
         self._token_factory = token_factory
-        self.max_pending = max_pending
         self.max_pending_per_client = max_pending_per_client
+        self.queue_deadline = queue_deadline
+        self._clock = clock
         self._lock = threading.Condition()
         self._pending: dict[Hashable, Job] = {}                         # key -> queued job
         self._by_id: dict[Hashable, Job] = {}                           # request id -> queued/running job
@@ -73,6 +83,7 @@ class Scheduler:
         self._ring: collections.deque = collections.deque()              # clients with queued work
         self._control: collections.deque = collections.deque()           # (fn, done) run before any job
         self._running: Job | None = None
+        self._in_call = False                                            # a control call (model load) runs
         self._stopping = False
         self.counts = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -92,11 +103,11 @@ class Scheduler:
             old = self._pending.get(job.key)
             if old is None:
                 client_pending = len(self._order.get(job.client, ()))
-                if len(self._pending) >= self.max_pending or client_pending >= self.max_pending_per_client:
+                if client_pending >= self.max_pending_per_client:
                     self.counts["rejected"] += 1
                     raise Overloaded(
-                        f"completion queue full ({len(self._pending)} documents waiting, "
-                        f"{client_pending} from this client); try again")
+                        f"this editor's completion queue is full ({client_pending} of its documents waiting, "
+                        f"at most {self.max_pending_per_client}); try again")
             else:
                 # Take the old job's place in the queue: it was waiting longer.
                 self._by_id.pop(old.request_id, None)
@@ -109,6 +120,7 @@ class Scheduler:
                 running.token.cancel()
             job.token = self._token_factory()
             job.state = "queued"
+            job.queued_at = self._clock()
             self._pending[job.key] = job
             self._by_id[job.request_id] = job
             self.counts["submitted"] += 1
@@ -136,6 +148,20 @@ class Scheduler:
                 job.token.cancel()
         self._finish_all(finished)
         return True
+
+    def expire(self) -> int:
+        """Answer every job queued longer than queue_deadline with CANCELLED/"expired"; how many."""
+        finished: list[tuple[Job, Outcome]] = []
+        with self._lock:
+            if self._in_call:
+                return 0
+            now = self._clock()
+            for job in [j for j in self._pending.values() if now - j.queued_at >= self.queue_deadline]:
+                self._unqueue(job)
+                self.counts["expired_queued"] += 1
+                finished.append((job, Outcome(CANCELLED, reason="expired")))
+        self._finish_all(finished)
+        return len(finished)
 
     def cancel_client(self, client: Hashable, reason: str = "cancelled") -> None:
         with self._lock:
@@ -206,6 +232,7 @@ class Scheduler:
         """Under the lock: the next control call or job, or None when stopping and idle."""
         while True:
             if self._control:
+                self._in_call = True
                 return "call", self._control.popleft()
             if self._ring:
                 client = self._ring.popleft()
@@ -225,6 +252,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            self.expire()
             with self._lock:
                 item = self._next()
             if item is None:
@@ -237,6 +265,12 @@ class Scheduler:
                 except Exception as exc:  # the worker must survive anything a call raises
                     log.exception("worker call failed")
                     outcome = Outcome(ERROR, exc)
+                with self._lock:
+                    # The jobs that waited for this call (the model load) start their deadline now.
+                    self._in_call = False
+                    now = self._clock()
+                    for job in self._pending.values():
+                        job.queued_at = max(job.queued_at, now)
                 self._safe_done(done, outcome)
                 continue
             job: Job = payload

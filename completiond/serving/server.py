@@ -14,18 +14,21 @@ import itertools
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from completiond import config as config_mod
 from completiond.serving import paths, wire
-from completiond.serving.service import Service, ServiceError, load_engine, resolve_model
+from completiond.serving.service import Service, ServiceError, load_engine
 from completiond.serving.wire import Code
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+FRAME_TIMEOUT = 10.0     # seconds for the rest of a frame once its first byte arrived (a local peer needs milliseconds)
+MAX_CONNECTIONS = 64     # editors are a handful; far below the fd limit, where accept() starts failing
 
 
 
@@ -41,6 +44,7 @@ class _Conn:
         self.reader = reader
         self.writer = writer
         self.name = f"client#{self.id}"
+        self.client = ""  # the name it gave in its hello
         self.tasks: dict[Any, asyncio.Task] = {}
         self.closed = False
 
@@ -52,14 +56,20 @@ class _Conn:
         except wire.ProtocolError as exc:
             log.error("%s: cannot send reply: %s", self.name, exc)
             if "id" in message:
-                self.writer.write(wire.encode({"id": message["id"], "e": wire.error_body(Code.INTERNAL, str(exc))}))
+                try:
+                    self.writer.write(wire.encode({"id": message["id"], "e": wire.error_body(Code.INTERNAL, str(exc))}))
+                except wire.ProtocolError:  # the id itself (echoed as sent) is too big to answer
+                    log.error("%s: reply to an oversized request id dropped", self.name)
 
 
 class DaemonServer:
-    def __init__(self, service: Service, directory: Path | None = None, idle_timeout: float = 900.0):
+    def __init__(self, service: Service, directory: Path | None = None, idle_timeout: float = 900.0,
+                 max_connections: int = MAX_CONNECTIONS, frame_timeout: float = FRAME_TIMEOUT):
         self.service = service
         self.directory = Path(directory) if directory else paths.runtime_dir()
         self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.frame_timeout = frame_timeout
         self.conns: dict[int, _Conn] = {}
         # Every connection handler with its writer, including those still in their handshake (not
         # in conns yet): close() closes them all and waits, so none is left pending when the loop goes away.
@@ -167,12 +177,16 @@ class DaemonServer:
             log.warning("%s: refused connection from uid %d (daemon runs as uid %d)", conn.name, uid, os.getuid())
             writer.close()
             return
+        if len(self._handlers) > self.max_connections:
+            await self._refuse(conn, f"too many connections to the completiond daemon ({self.max_connections} open); "
+                                     "close unused editors, or run `completiond stop` to restart it")
+            return
         try:
             if not await self._handshake(conn):
                 return
             self.conns[conn.id] = conn
             while True:
-                message = await wire.read_message(reader)
+                message = await wire.read_message(reader, frame_timeout=self.frame_timeout)
                 if message is None:
                     break
                 await self._dispatch(conn, message)
@@ -192,6 +206,16 @@ class DaemonServer:
             writer.close()
             log.debug("%s: disconnected", conn.name)
 
+    async def _refuse(self, conn: _Conn, reason: str) -> None:
+        """Answer a connection we will not serve with an error the client shows, then close it."""
+        log.warning("%s: refused: %s", conn.name, reason)
+        conn.send({"t": "error", "e": wire.error_body(Code.OVERLOADED, reason)})
+        try:
+            await asyncio.wait_for(conn.writer.drain(), 1.0)
+        except (ConnectionError, OSError, asyncio.TimeoutError):
+            pass
+        conn.writer.close()
+
     async def _handshake(self, conn: _Conn) -> bool:
         hello = await asyncio.wait_for(wire.read_message(conn.reader), HANDSHAKE_TIMEOUT)
         if hello is None:
@@ -209,6 +233,7 @@ class DaemonServer:
             return False
         client = hello.get("client")
         conn.name = f"client#{conn.id} ({client if isinstance(client, str) else '?'}, pid {hello.get('pid')})"
+        conn.client = client if isinstance(client, str) else ""
         welcome: dict[str, Any] = {"t": "welcome", "v": wire.VERSION, "pid": os.getpid(), "status": self.service.status()}
         wanted = hello.get("settings")
         if isinstance(wanted, dict):
@@ -221,14 +246,10 @@ class DaemonServer:
 
     def _engine_mismatch(self, wanted: dict[str, Any]) -> str:
         cfg, _ = config_mod.merge(config_mod.Config(), {k: wanted.get(k) for k in config_mod.ENGINE_KEYS})
-        want = config_mod.engine_settings(cfg)
-        want["model"] = resolve_model(want["model"])
-        have = config_mod.engine_settings(self.service.cfg)
-        diff = [f"{k}={want[k]!r} (daemon: {have[k]!r})" for k in config_mod.ENGINE_KEYS if want[k] != have[k]]
+        diff = config_mod.engine_differences(config_mod.engine_settings(cfg), config_mod.engine_settings(self.service.cfg))
         if not diff:
             return ""
-        return ("the shared daemon runs with different settings: " + ", ".join(diff) +
-                "; run the command completiond.restartDaemon (or `completiond stop`) to apply yours")
+        return "the shared daemon runs with different settings: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT
 
     async def _dispatch(self, conn: _Conn, message: dict[str, Any]) -> None:
         method = message.get("m")
@@ -237,9 +258,8 @@ class DaemonServer:
         has_id = "id" in message
         if not isinstance(method, str) or not isinstance(params, dict) or (has_id and not isinstance(rid, int)):
             log.warning("%s: malformed message %s", conn.name, _describe(message))
-            if has_id:
-                conn.send({"id": rid if isinstance(rid, int) else None,
-                           "e": wire.error_body(Code.BAD_REQUEST, f"malformed message {_describe(message)}")})
+            if has_id:  # echo the id as sent, whatever its type, so the client can match the error to its request
+                conn.send({"id": rid, "e": wire.error_body(Code.BAD_REQUEST, f"malformed message {_describe(message)}")})
             return
         if not has_id:
             try:
@@ -267,7 +287,8 @@ class DaemonServer:
         try:
             result = await self.service.request(conn.id, rid, method, params)
             if method == "stats":
-                result = {**result, "clients": len(self.conns)}
+                editors = sum(c.client == wire.EDITOR_CLIENT for c in self.conns.values())
+                result = {**result, "clients": len(self.conns), "editors": editors}
         except ServiceError as exc:
             conn.send({"id": rid, "e": wire.error_body(exc.code, exc.message)})
         except asyncio.CancelledError:
@@ -278,6 +299,52 @@ class DaemonServer:
         else:
             conn.send({"id": rid, "r": result})
         await _drain(conn)
+
+
+class RateLimitFilter(logging.Filter):
+    """At most `burst` records of one kind (logger, level, first line of the message template) per
+    `window` seconds; the first one let through after a quiet spell says how many were dropped.
+
+    A flood (a client reconnecting in a loop, accept() failing with EMFILE every second, ...)
+    would otherwise fill the runtime directory with the same lines. DEBUG records always pass:
+    they were asked for, and the per-file context lines are the prompt's audit trail.
+    """
+
+    def __init__(self, burst: int = 20, window: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.burst = burst
+        self.window = window
+        self._clock = clock
+        self._kinds: dict[tuple, list] = {}   # kind -> [window start, records let through, records dropped]
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.INFO:
+            return True
+        kind = (record.name, record.levelno, str(record.msg).split("\n", 1)[0][:120])
+        with self._lock:
+            now = self._clock()
+            state = self._kinds.get(kind)
+            if state is None or now - state[0] >= self.window:
+                dropped = state[2] if state is not None else 0
+                if len(self._kinds) > 1000:
+                    self._kinds = {k: v for k, v in self._kinds.items() if now - v[0] < self.window}
+                self._kinds[kind] = [now, 1, 0]
+                if dropped:
+                    record.msg = f"{record.msg} [{dropped} more like this in the last {self.window:g} s not logged]"
+                return True
+            if state[1] < self.burst:
+                state[1] += 1
+                return True
+            state[2] += 1
+            return False
+
+
+def install_log_rate_limit(burst: int = 20, window: float = 60.0) -> None:
+    """Rate-limit what the root logger's handlers write (idempotent)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RateLimitFilter) for f in handler.filters):
+            handler.addFilter(RateLimitFilter(burst, window))
 
 
 def _describe(message: Any) -> str:

@@ -10,6 +10,7 @@ in one place, and both paths behave the same.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from completiond.serving.wire import Code
 log = logging.getLogger(__name__)
 
 MAX_FOLDERS = 16  # workspace folders watched per editor
+QUEUE_DEADLINE = 10.0  # seconds a completion may wait in the queue: the editor has long moved on by then
 
 
 class ServiceError(CompletionError):
@@ -49,13 +51,48 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
 
 
-def load_engine(cfg: Any):
-    """Engine.load with the settings of `cfg` (imports torch: call off the event loop)."""
-    from completiond.engine.engine import Engine
+# Load phases: the share of the load done when each starts (about, for the bundled model on a CPU) and
+# what users read. Engine.load reports up to "engine"; the warm-up is ours. Editors show them as
+# `$/progress` percentages, `completiond complete` as lines.
+LOAD_PHASES = {"starting": (0, "starting"), "tokenizer": (2, "loading the tokenizer"),
+               "weights": (10, "loading the weights"), "device": (70, "moving the weights to the device"),
+               "engine": (80, "preparing the engine"), "warm-up": (90, "warming up"), "ready": (100, "ready")}
+
+ProgressFn = Callable[[str, int], None]  # (phase, percentage)
+
+
+def progress_report(phase: str, percentage: int) -> dict[str, Any]:
+    """How status() shows a load phase."""
+    return {"phase": phase, "percentage": percentage, "message": LOAD_PHASES.get(phase, (0, phase))[1]}
+
+
+def load_engine(cfg: Any, progress: ProgressFn | None = None):
+    """Engine.load with the settings of `cfg`, then one tiny generation so that the first real request
+    does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop."""
+    from completiond.engine.engine import Engine, SamplingParams
 
     cache = cfg.cache_megabytes * 1024 * 1024 if cfg.cache_megabytes else None
-    return Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
-                       trust_remote_code=cfg.trust_remote_code, cache_bytes=cache)
+
+    def phase(name: str) -> None:
+        if progress is not None:
+            progress(name, LOAD_PHASES[name][0])
+
+    engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
+                         trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
+                         progress=phase if progress is not None else None)
+    phase("warm-up")
+    engine.generate([0], SamplingParams(max_tokens=2, speculative=True))
+    engine.cache.clear()  # the warm-up's sequence is no prefix of anything real
+    phase("ready")
+    return engine
+
+
+def missing_model(value: str) -> str:
+    """Why `value` cannot be a model, when that is plain without importing torch: a path (it starts with
+    `.`, `/` or `~`, as Engine.load reads it) to nothing. Empty when it may be fine."""
+    if value and value.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(value)):
+        return f"model directory {value} does not exist"
+    return ""
 
 
 def resolve_model(value: str) -> str:
@@ -68,11 +105,11 @@ def resolve_model(value: str) -> str:
 class Service:
     """Documents + scheduler + engine. All public methods run on the event loop thread."""
 
-    def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending: int = 64,
-                 max_pending_per_client: int = 16):
+    def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending_per_client: int = 16,
+                 queue_deadline: float = QUEUE_DEADLINE):
         self.cfg = cfg
         self._loader = loader
-        self.scheduler = Scheduler(max_pending=max_pending, max_pending_per_client=max_pending_per_client)
+        self.scheduler = Scheduler(max_pending_per_client=max_pending_per_client, queue_deadline=queue_deadline)
         self.engine: Any = None
         self.state = "idle"            # idle | loading | ready | busy | error
         self.error = ""
@@ -83,20 +120,32 @@ class Service:
         self.started = time.time()
         self._stats_lock = threading.Lock()
         self.stats_counts: dict[str, float] = dict(
-            requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0,
-            wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0)
+            requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0, expired=0,
+            wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0,
+            draft_accepted=0, draft_rejected=0)
         self.last: dict[str, Any] = {}
+        # What users did with the suggestions they saw, as their editors report it (never sent anywhere).
+        self.suggestion_counts: dict[str, int] = dict(shown=0, accepted_full=0, accepted_word=0, accepted_line=0,
+                                                      dismissed=0)
+        self.load_progress: dict[str, Any] | None = None  # progress_report() while loading
         self.workspace: Any = None     # completiond.completion.workspace.Workspace, created on first use
+        self._client_folders: dict[Hashable, set[str]] = {}   # workspace folders each editor added
 
     # --- engine lifecycle ---------------------------------------------------
 
     def start_loading(self) -> None:
         """Load the engine on the worker thread (queued jobs wait behind it)."""
         self.loop = self.loop or asyncio.get_running_loop()
+        self.load_progress = progress_report("starting", 0)
         self._set_state("loading")
+        # Loaders written before progress existed (tests' fakes) take the settings only.
+        takes_progress = "progress" in inspect.signature(self._loader).parameters
+
+        def progress(phase: str, percentage: int) -> None:
+            self._call_soon(self._set_progress, phase, percentage)
 
         def load():
-            engine = self._loader(self.cfg)
+            engine = self._loader(self.cfg, progress=progress) if takes_progress else self._loader(self.cfg)
             try:
                 from completiond.engine.engine import CancelToken
                 self.scheduler.set_token_factory(CancelToken)
@@ -111,7 +160,13 @@ class Service:
 
         self.scheduler.call(load, done)
 
+    def _set_progress(self, phase: str, percentage: int) -> None:
+        if self.state == "loading":
+            self.load_progress = progress_report(phase, percentage)
+            self._broadcast()
+
     def _loaded(self, outcome: Outcome) -> None:
+        self.load_progress = None
         if outcome.status == OK:
             self.engine = outcome.value
             self.model_id = getattr(self.engine, "model_id", "") or str(self.cfg.model)
@@ -155,9 +210,12 @@ class Service:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "queued": self.scheduler.queued(),
+            "progress": self.load_progress,
             "last_latency_ms": self.last.get("latency_ms"),
-            "alpha": self.last.get("alpha"),
+            # Of the last request: None when it drafted nothing / generated nothing (not measured, not 0).
+            "draft_acceptance": self.last.get("draft_acceptance"),
             "tokens_per_s": self.last.get("tokens_per_s"),
+            "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
 
@@ -165,10 +223,13 @@ class Service:
         with self._stats_lock:
             counts = dict(self.stats_counts)
         prompt = counts["prompt_tokens"]
+        tested = counts["draft_accepted"] + counts["draft_rejected"]
         superseded = counts["superseded"] + counts["cancelled"]
         return {
             **counts,
             "cache_served_fraction": (counts["reused_tokens"] / prompt) if prompt else None,
+            # Per-token acceptance of draft tokens over every request so far (the engine's α).
+            "draft_acceptance": (counts["draft_accepted"] / tested) if tested else None,
             "wasted_rounds_per_superseded": (counts["wasted_rounds"] / superseded) if superseded else 0.0,
             "rounds_after_cancel_per_superseded": (counts["rounds_after_cancel"] / superseded) if superseded else 0.0,
             "scheduler": self.scheduler.snapshot(),
@@ -191,39 +252,50 @@ class Service:
             self.workspace = Workspace()
         return self.workspace
 
-    def add_folders(self, folders: list[str]) -> None:
-        """Workspace folders of an editor: watched for the context block of prompts."""
+    def add_folders(self, client: Hashable, folders: list[str], removed: list[str] = ()) -> None:
+        """Workspace folders of one editor: watched for the context block of that editor's prompts only.
+        Set-up (checks, watches, scans) runs on the workspace's I/O thread, not here on the event loop."""
         ws = self._ws()
-        for folder in folders[:MAX_FOLDERS]:
-            try:
-                ws.add_folder(folder)
-            except (OSError, ValueError) as exc:
-                log.warning("workspace folder %s ignored: %s", folder, exc)
+        # Counted here, synchronously: the workspace registers folders later, on its I/O thread.
+        mine = self._client_folders.setdefault(client, set())
+        for folder in removed:
+            mine.discard(os.path.abspath(folder))
+            ws.remove_folder(folder, owner=client, wait=False)
+        for folder in folders:
+            folder = os.path.abspath(folder)
+            if folder in mine:
+                continue
+            if len(mine) >= MAX_FOLDERS:
+                log.warning("workspace folder %s ignored: an editor may add at most %d", folder, MAX_FOLDERS)
+                continue
+            mine.add(folder)
+            ws.add_folder(folder, owner=client, wait=False)
         if folders:
-            ws.start()
+            ws.start(wait=False)
 
-    def _ws_update(self, uri: str, doc: Document | None, edit_start: int | None = None) -> None:
+    def _ws_update(self, client: Hashable, uri: str, doc: Document | None, edit_start: int | None = None) -> None:
         path = _uri_path(uri)
         if path is None:
             return
         try:
             if doc is None:
-                self._ws().did_close(path)
+                self._ws().did_close(path, owner=client)
             elif edit_start is None:
-                self._ws().did_open(path, doc.text, doc.language_id or None)
+                self._ws().did_open(path, doc.text, doc.language_id or None, owner=client)
             else:
                 self._ws().did_change(path, doc.text, edit_line=doc.text.count("\n", 0, edit_start),
-                                      language=doc.language_id or None)
+                                      language=doc.language_id or None, owner=client)
         except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
             log.debug("workspace update for %s failed: %s", uri, exc)
 
-    def _context(self, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
+    def _context(self, client: Hashable, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
         if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
             return []
         tokenizer = getattr(self.engine, "tokenizer", None)
         count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+        exclude = [p for p in str(getattr(cfg, "context_exclude", "") or "").split(",") if p.strip()]
         try:
-            return self.workspace.context(path, language, cfg.context_tokens, count)
+            return self.workspace.context(path, language, cfg.context_tokens, count, owner=client, exclude=exclude)
         except (OSError, ValueError) as exc:
             log.debug("workspace context for %s failed: %s", path, exc)
             return []
@@ -233,7 +305,7 @@ class Service:
     def open(self, client: Hashable, uri: str, version: int, text: str, language_id: str = "") -> None:
         doc = Document(uri=uri, text=text, version=version, language_id=language_id)
         self.documents[(client, uri)] = doc
-        self._ws_update(uri, doc)
+        self._ws_update(client, uri, doc)
 
     def change(self, client: Hashable, uri: str, version: int, edits: list) -> None:
         doc = self.documents.get((client, uri))
@@ -247,17 +319,19 @@ class Service:
             raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri}: {exc}; resend the document") from None
         if edits:
             first = edits[0]
-            self._ws_update(uri, doc, first[0] if isinstance(first[0], int) else 0)
+            self._ws_update(client, uri, doc, first[0] if isinstance(first[0], int) else 0)
 
     def close(self, client: Hashable, uri: str) -> None:
         if self.documents.pop((client, uri), None) is not None:
-            self._ws_update(uri, None)
+            self._ws_update(client, uri, None)
 
     def drop_client(self, client: Hashable) -> None:
         self.scheduler.cancel_client(client)
         for key in [k for k in self.documents if k[0] == client]:
             del self.documents[key]
-            self._ws_update(key[1], None)
+        self._client_folders.pop(client, None)
+        if self.workspace is not None:
+            self.workspace.drop_owner(client)  # its open documents, and its folders unless another editor has them
 
     # --- the one dispatch every front end uses --------------------------------------
 
@@ -278,11 +352,14 @@ class Service:
                 self.change(client, _str(params, "uri"), _int(params, "version"), edits)
             elif method == "close":
                 self.close(client, _str(params, "uri"))
+            elif method == "suggestion":
+                self.count_suggestion(_str(params, "event"), params.get("kind"))
             elif method == "workspace":
-                folders = params.get("folders")
-                if not isinstance(folders, list) or not all(isinstance(f, str) for f in folders):
-                    raise TypeError("folders must be a list of paths")
-                self.add_folders(folders)
+                folders = params.get("folders") or []
+                removed = params.get("removed") or []
+                if not all(isinstance(x, list) and all(isinstance(f, str) for f in x) for x in (folders, removed)):
+                    raise TypeError("folders and removed must be lists of paths")
+                self.add_folders(client, folders, removed)
             else:
                 raise ServiceError(Code.UNKNOWN_METHOD, f"unknown notification {method!r}")
         except (KeyError, TypeError, ValueError) as exc:
@@ -304,10 +381,21 @@ class Service:
             return self.status()
         if method == "stats":
             return self.stats()
-        if method in ("open", "change", "close", "cancel", "workspace"):
+        if method in ("open", "change", "close", "cancel", "workspace", "suggestion"):
             self.notify(client, method, params)
             return None
         raise ServiceError(Code.UNKNOWN_METHOD, f"unknown method {method!r}")
+
+    def count_suggestion(self, event: str, kind: Any = None) -> None:
+        """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion."""
+        key = {("shown", None): "shown", ("dismissed", None): "dismissed", ("accepted", "full"): "accepted_full",
+               ("accepted", "word"): "accepted_word", ("accepted", "line"): "accepted_line"}.get((event, kind))
+        if key is None:
+            raise ValueError(f"unknown suggestion event {event!r} (kind {kind!r}); expected shown, dismissed, "
+                             "or accepted with kind full, word or line")
+        self.suggestion_counts[key] += 1
+        if key != "shown":  # shown arrives with every suggestion, right after the status that carried it
+            self._broadcast()
 
     # --- completion ---------------------------------------------------------
 
@@ -339,7 +427,7 @@ class Service:
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
 
         job = Job(key=(client, uri), client=client, request_id=(client, request_id),
-                  run=lambda token: self._run(text, offset, cfg, token, path, language), done=deliver)
+                  run=lambda token: self._run(text, offset, cfg, token, path, language, client), done=deliver)
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -348,11 +436,18 @@ class Service:
             raise ServiceError(Code.OVERLOADED, str(exc)) from None
         except ShuttingDown as exc:
             raise ServiceError(Code.SHUTTING_DOWN, str(exc)) from None
+        # The worker also expires queued jobs before each one it runs, but not while it is busy with a long one.
+        expiry = loop.call_later(self.scheduler.queue_deadline, self.scheduler.expire)
         try:
             outcome: Outcome = await future
         except asyncio.CancelledError:
             self.scheduler.cancel((client, request_id))
             raise
+        finally:
+            expiry.cancel()
+        if outcome.status == CANCELLED and outcome.reason == "expired":
+            raise ServiceError(Code.OVERLOADED, f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
+                                                "behind other requests and was dropped; the daemon is busy, try again")
         if outcome.status == CANCELLED:
             reason = {"superseded": "superseded by a newer request for this document",
                       "shutdown": "the daemon is shutting down"}.get(outcome.reason, "cancelled")
@@ -369,9 +464,9 @@ class Service:
         return result
 
     def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
-             language: str | None = None) -> dict[str, Any]:
+             language: str | None = None, client: Hashable = None) -> dict[str, Any]:
         """On the worker thread."""
-        from completiond.completion.suggest import prompt_warnings, suggest
+        from completiond.completion.suggest import prompt_warnings, suggest_alternatives
 
         if self.engine is None:
             raise RuntimeError(self.error or "model not loaded")
@@ -386,10 +481,10 @@ class Service:
                 after_cancel += 1
 
         self._call_soon(self._set_state, "busy")
-        context = self._context(cfg, path, language)
+        context = self._context(client, cfg, path, language)
         try:
-            suggestion, gen = suggest(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
-                                                 path=path, language=language, context=context)
+            found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
+                                              path=path, language=language, context=context)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -400,18 +495,18 @@ class Service:
             raise OutOfMemory(f"out of memory on {getattr(self.engine, 'device', '?')}; the KV cache was cleared, "
                               "try again (or lower cacheMegabytes / prefixTokens)") from None
         if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
-            return {"suggestion": None, "finish_reason": "skipped", "stats": {},
+            return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
                     "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
         stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
         stats.setdefault("rounds", rounds)
         stats["rounds_after_cancel"] = after_cancel
         latency = (time.perf_counter() - start) * 1000
         warnings = prompt_warnings(self.engine, cfg)
+        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in found]
         return {
             "warnings": warnings,
-            "suggestion": None if suggestion is None else {
-                "text": suggestion.text, "start": suggestion.start, "end": suggestion.end,
-                "multiline": suggestion.multiline},
+            "suggestion": suggestions[0] if suggestions else None,  # the best; older clients read only this
+            "suggestions": suggestions,  # up to cfg.alternatives, best first, all different
             "finish_reason": gen.finish_reason,
             "stats": stats,
             "latency_ms": round(latency, 2),
@@ -443,19 +538,23 @@ class Service:
                 c["prompt_tokens"] += stats.get("prompt_tokens", 0) or 0
                 c["reused_tokens"] += stats.get("reused_tokens", 0) or 0
                 c["generated_tokens"] += stats.get("generated_tokens", 0) or 0
+                c["draft_accepted"] += stats.get("accepted", 0) or 0
+                c["draft_rejected"] += stats.get("rejected", 0) or 0
             if outcome.status == OK:
                 c["completed"] += 1
                 c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
                 if value and value.get("suggestion") is None:
                     c["empty"] += 1
+                measured = stats.get("generated_tokens") and stats.get("decode_ms")
                 self.last = {"latency_ms": value.get("latency_ms") if value else None,
-                             "alpha": stats.get("alpha"), "tokens_per_s": stats.get("tokens_per_s")}
+                             "draft_acceptance": stats.get("alpha") if stats.get("drafted") else None,
+                             "tokens_per_s": stats.get("tokens_per_s") if measured else None}
             elif outcome.status == CANCELLED:
                 # Rounds run for a request nobody will see: superseded by a newer one, or
                 # cancelled by the editor (which, while typing, is the same thing).
                 c["wasted_rounds"] += stats.get("rounds", 0) or 0
                 c["rounds_after_cancel"] += stats.get("rounds_after_cancel", 0) or 0
-                c["superseded" if outcome.reason == "superseded" else "cancelled"] += 1
+                c[outcome.reason if outcome.reason in ("superseded", "expired") else "cancelled"] += 1
             else:
                 c["errors"] += 1
 

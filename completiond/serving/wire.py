@@ -12,6 +12,7 @@ Messages (all maps with short string keys):
                        or {"t": "error", "e": {"code": int, "message": str}} and close
     request     {"id": int, "m": method, "p": params}
     response    {"id": int, "r": result}  or  {"id": int, "e": {"code": int, "message": str}}
+                (a request whose id is not an integer is answered BAD_REQUEST, its id echoed as sent)
     notification{"m": method, "p": params}          (no id; "cancel" carries {"id": int})
 """
 
@@ -24,6 +25,9 @@ from typing import Any
 import msgpack
 
 VERSION = 1
+# The hello's "client" name of LSP servers, i.e. of editors (`completiond status` counts these; the
+# CLI's own connections have other names).
+EDITOR_CLIENT = "completiond-lsp"
 HEADER = struct.Struct(">I")
 MAX_FRAME = 4 * 1024 * 1024
 MAX_DEPTH = 16
@@ -41,7 +45,7 @@ class Code:
     BAD_REQUEST = 1        # malformed params
     UNKNOWN_METHOD = 2
     CANCELLED = 3          # cancelled by the client, or superseded by a newer request for the document
-    OVERLOADED = 4         # queue full: retry later
+    OVERLOADED = 4         # this editor's queue is full, a request waited past the deadline, or too many connections
     ENGINE_ERROR = 5       # the engine refused the input (message is for the user)
     NOT_READY = 6          # model failed to load
     VERSION_MISMATCH = 7
@@ -105,14 +109,31 @@ def check_length(length: int, limit: int = MAX_FRAME) -> None:
         raise FrameError(f"frame of {length} bytes exceeds the {limit}-byte limit")
 
 
-async def read_message(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict[str, Any] | None:
-    """Next message, or None on a clean EOF between frames. Raises FrameError on bad input."""
+async def read_message(reader: asyncio.StreamReader, limit: int = MAX_FRAME,
+                       frame_timeout: float | None = None) -> dict[str, Any] | None:
+    """Next message, or None on a clean EOF between frames. Raises FrameError on bad input.
+
+    The wait for a frame's first byte is unbounded (an idle editor is fine); with
+    frame_timeout, the rest of the frame must follow within that many seconds, so a peer
+    that sends part of a frame and stalls cannot hold its buffer (up to `limit`) forever.
+    """
     try:
-        header = await reader.readexactly(HEADER.size)
+        first = await reader.readexactly(1)
+    except asyncio.IncompleteReadError:
+        return None
+    if frame_timeout is None:
+        return await _read_rest(reader, first, limit)
+    try:
+        return await asyncio.wait_for(_read_rest(reader, first, limit), frame_timeout)
+    except asyncio.TimeoutError:
+        raise FrameError(f"frame not completed within {frame_timeout:g} s") from None
+
+
+async def _read_rest(reader: asyncio.StreamReader, first: bytes, limit: int) -> dict[str, Any]:
+    try:
+        header = first + await reader.readexactly(HEADER.size - 1)
     except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise FrameError(f"connection closed inside a frame header ({len(exc.partial)} of 4 bytes)") from None
+        raise FrameError(f"connection closed inside a frame header ({1 + len(exc.partial)} of 4 bytes)") from None
     (length,) = HEADER.unpack(header)
     check_length(length, limit)
     try:

@@ -4,11 +4,16 @@
  */
 import { ClientFactory, Disposable, Host, LspClient } from './host';
 import { resolveServer, ResolveOptions } from './resolve';
-import { ClientState, formatStats, StatusParams, statusView } from './status';
+import { ClientState, formatStats, StatusParams, statusView, suggestionCounts, suggestionSummary } from './status';
 
 export const SECTION = 'completiond';
 export const STATUS_NOTIFICATION = 'completiond/status';
-export const SERVER_COMMANDS = { stats: 'completiond.stats', restartDaemon: 'completiond.restartDaemon' };
+export const SERVER_COMMANDS = {
+  stats: 'completiond.stats',
+  restartDaemon: 'completiond.restartDaemon',
+  /** what became of a suggestion (the server counts them; nothing leaves the machine) */
+  suggestionEvent: 'completiond.suggestionEvent',
+};
 /** Our commands: distinct from the server's, which vscode-languageclient registers itself. */
 export const COMMANDS = {
   toggle: 'completiond.toggle',
@@ -52,8 +57,10 @@ export class Controller implements Disposable {
       host.registerCommand(COMMANDS.restart, () => this.restart()),
       host.registerCommand(COMMANDS.showStats, () => this.showStats()),
       host.registerCommand(COMMANDS.showLog, () => host.log.show()),
-      host.registerCommand(COMMANDS.acceptWord, () => host.executeCommand(BUILTIN_ACCEPT_WORD)),
-      host.registerCommand(COMMANDS.acceptLine, () => host.executeCommand(BUILTIN_ACCEPT_LINE)),
+      // VS Code's own partial accepts, reported to the server: its stable API tells extensions about
+      // full accepts only (through the item's command, which the server sets).
+      host.registerCommand(COMMANDS.acceptWord, () => this.acceptPart(BUILTIN_ACCEPT_WORD, 'word')),
+      host.registerCommand(COMMANDS.acceptLine, () => this.acceptPart(BUILTIN_ACCEPT_LINE, 'line')),
       host.onDidChangeSettings((affects) => void this.settingsChanged(affects)),
     );
     this.render();
@@ -203,6 +210,19 @@ export class Controller implements Disposable {
     await this.start();
   }
 
+  async acceptPart(builtin: string, kind: 'word' | 'line'): Promise<void> {
+    await this.host.executeCommand(builtin);
+    if (!this.client?.isRunning()) return;
+    try {
+      await this.client.sendRequest('workspace/executeCommand', {
+        command: SERVER_COMMANDS.suggestionEvent,
+        arguments: [{ event: 'accepted', kind }],
+      });
+    } catch (err) {
+      this.host.log.appendLine(`${SERVER_COMMANDS.suggestionEvent} failed: ${errorText(err)}`);
+    }
+  }
+
   async showStats(): Promise<void> {
     if (!this.client?.isRunning()) {
       const choice = await this.host.showError('completiond: the language server is not running.', SHOW_LOG);
@@ -218,6 +238,8 @@ export class Controller implements Disposable {
       return;
     }
     this.host.log.appendLine('--- completiond stats ---');
+    const summary = suggestionSummary(suggestionCounts(stats));
+    if (summary) this.host.log.appendLine(summary);
     this.host.log.appendLine(formatStats(stats));
     this.host.log.show();
   }

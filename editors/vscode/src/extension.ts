@@ -1,6 +1,7 @@
 /** VS Code entry point: wires the real `vscode` API and vscode-languageclient into the Controller. */
 import * as fs from 'fs';
 import * as os from 'os';
+import * as path from 'path';
 import * as vscode from 'vscode';
 import { LanguageClient, LanguageClientOptions, ServerOptions, TransportKind } from 'vscode-languageclient/node';
 import { Controller, SECTION } from './controller';
@@ -23,6 +24,23 @@ function isDir(p: string): boolean {
     return false;
   }
 }
+
+/**
+ * The README shipped in the extension: vsce packs README.md as `readme.md`, and a case-sensitive
+ * file system finds only the name that is there.
+ */
+export function readmePath(extensionDir: string): string {
+  let names: string[] = [];
+  try {
+    names = fs.readdirSync(extensionDir);
+  } catch {
+    // fall through to the name in the source tree
+  }
+  return path.join(extensionDir, names.find((n) => n.toLowerCase() === 'readme.md') ?? 'README.md');
+}
+
+/** Documents completions are offered in: files, unsaved buffers and notebook cells. */
+export const DOCUMENT_SELECTOR = [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-notebook-cell' }];
 
 function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChannel): Host {
   const config = () => vscode.workspace.getConfiguration(SECTION);
@@ -54,7 +72,7 @@ function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChann
     executeCommand: (id, ...args) => vscode.commands.executeCommand(id, ...args),
     showError: (message, ...actions) => vscode.window.showErrorMessage(message, ...actions),
     showInfo: (message, ...actions) => vscode.window.showInformationMessage(message, ...actions),
-    openReadme: () => vscode.commands.executeCommand('markdown.showPreview', vscode.Uri.joinPath(context.extensionUri, 'README.md')),
+    openReadme: () => vscode.commands.executeCommand('markdown.showPreview', vscode.Uri.file(readmePath(context.extensionPath))),
     openSettings: (query) => vscode.commands.executeCommand('workbench.action.openSettings', query),
     createStatusBar: (command): StatusBar => {
       const item = vscode.window.createStatusBarItem('completiond.status', vscode.StatusBarAlignment.Right, 100);
@@ -78,7 +96,7 @@ function clientFactory(log: vscode.LogOutputChannel): ClientFactory {
   return (server, options): LspClient => {
     const serverOptions: ServerOptions = { command: server.command, args: server.args, transport: TransportKind.stdio };
     const clientOptions: LanguageClientOptions = {
-      documentSelector: [{ scheme: 'file' }, { scheme: 'untitled' }],
+      documentSelector: DOCUMENT_SELECTOR,
       outputChannel: log,
       initializationOptions: options.initializationOptions,
       middleware: {

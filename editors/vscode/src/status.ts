@@ -6,6 +6,8 @@ export type ServerState = 'loading' | 'ready' | 'busy' | 'error';
 export interface StatusParams {
   state: ServerState | string;
   latencyMs?: number | null;
+  /** share of the speculative draft's tokens the model kept (older servers: `alpha`) */
+  draftAcceptance?: number | null;
   alpha?: number | null;
   tokensPerSecond?: number | null;
   message?: string | null;
@@ -13,6 +15,40 @@ export interface StatusParams {
   progress?: number | null;
   model?: string | null;
   device?: string | null;
+  /** what users did with the suggestions (counted on this machine only) */
+  suggestions?: SuggestionCounts | null;
+  /** non-empty while the daemon serves other engine settings (model, device...) than this editor's */
+  modelMismatch?: string | null;
+}
+
+/** As in `completiond.stats` (snake_case) or in the status notification (camelCase). */
+export interface SuggestionCounts {
+  shown?: number;
+  accepted_full?: number;
+  accepted_word?: number;
+  accepted_line?: number;
+  acceptedFull?: number;
+  acceptedWord?: number;
+  acceptedLine?: number;
+  dismissed?: number;
+}
+
+/** The counts in the `completiond.stats` answer (the daemon's, else the language server's). */
+export function suggestionCounts(stats: unknown): SuggestionCounts | undefined {
+  if (!stats || typeof stats !== 'object') return undefined;
+  const s = stats as { suggestions?: unknown; lsp?: { suggestions?: unknown } };
+  const counts = s.suggestions ?? s.lsp?.suggestions;
+  return counts && typeof counts === 'object' ? (counts as SuggestionCounts) : undefined;
+}
+
+/** "suggestions: 12 shown, 5 accepted (3 full, 1 word, 1 line), 4 dismissed", or '' without counts. */
+export function suggestionSummary(c: SuggestionCounts | null | undefined): string {
+  if (!c) return '';
+  const n = (x: unknown) => (num(x) ? x : 0);
+  const full = n(c.accepted_full ?? c.acceptedFull);
+  const word = n(c.accepted_word ?? c.acceptedWord);
+  const line = n(c.accepted_line ?? c.acceptedLine);
+  return `suggestions: ${n(c.shown)} shown, ${full + word + line} accepted (${full} full, ${word} word, ${line} line), ${n(c.dismissed)} dismissed`;
 }
 
 /** Client-side states that the server does not send. */
@@ -32,13 +68,22 @@ export function formatLatency(ms: number): string {
   return ms >= 1000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms)} ms`;
 }
 
-/** Metrics of the last completion ("123 ms · α 0.72 · 45 tok/s"), or '' when none. */
+/** Metrics of the last completion ("123 ms · 45 tok/s"), or '' when none; a speed only once measured. */
 export function metrics(p: Partial<StatusParams>): string {
   const parts: string[] = [];
   if (num(p.latencyMs)) parts.push(formatLatency(p.latencyMs));
-  if (num(p.alpha)) parts.push(`α ${p.alpha.toFixed(2)}`);
-  if (num(p.tokensPerSecond)) parts.push(`${p.tokensPerSecond.toFixed(0)} tok/s`);
+  if (num(p.tokensPerSecond) && p.tokensPerSecond > 0) parts.push(`${p.tokensPerSecond.toFixed(0)} tok/s`);
   return parts.join(' · ');
+}
+
+/** Tooltip lines: the draft acceptance called what it is (not how often suggestions are accepted), counts. */
+export function details(p: Partial<StatusParams>): string {
+  const lines: string[] = [];
+  const draft = num(p.draftAcceptance) ? p.draftAcceptance : num(p.alpha) ? p.alpha : undefined;
+  if (draft !== undefined) lines.push(`draft tokens kept (speculative decoding): ${Math.round(draft * 100)}%`);
+  const summary = suggestionSummary(p.suggestions);
+  if (summary) lines.push(summary);
+  return lines.map((l) => `\n${l}`).join('');
 }
 
 export function statusView(last: StatusParams | undefined, client: ClientState | undefined, enabled: boolean): StatusView {
@@ -70,9 +115,16 @@ export function statusView(last: StatusParams | undefined, client: ClientState |
       return { text: '$(error) completiond', tooltip: `completiond: error${message || '\n(no details; see the log)'}\n${click}`, error: true };
     case 'ready':
     default:
+      if (last?.modelMismatch) {
+        return {
+          text: '$(warning) completiond',
+          tooltip: `completiond: ${last.modelMismatch}${message}\n${click}`,
+          error: false,
+        };
+      }
       return {
         text: `$(sparkle) completiond${m ? ' ' + m : ''}`,
-        tooltip: `completiond: ready${m ? `\nlast completion: ${m}` : ''}${message}\n${click}`,
+        tooltip: `completiond: ready${m ? `\nlast completion: ${m}` : ''}${last ? details(last) : ''}${message}\n${click}`,
         error: false,
       };
   }

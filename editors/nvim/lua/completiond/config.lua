@@ -16,26 +16,34 @@ M.defaults = {
   python = nil,
   -- Extra arguments after `completiond lsp`, e.g. { "--no-daemon" }.
   args = {},
-  -- Filetypes to complete in; { "*" } is every filetype not in `exclude_filetypes`.
-  filetypes = { "*" },
-  exclude_filetypes = { "help", "gitcommit", "gitrebase", "qf", "netrw", "TelescopePrompt", "oil" },
+  -- Filetypes to complete in: filetype -> true/false, "*" for every other one (like Copilot's
+  -- `filetypes`). Your table is merged into this one: { markdown = true } turns markdown on.
+  -- Prose gets no code completions by default.
+  filetypes = {
+    ["*"] = true,
+    markdown = false, text = false, help = false, gitcommit = false, gitrebase = false,
+    qf = false, netrw = false, TelescopePrompt = false, oil = false,
+  },
   -- Files that mark the workspace root (sent to the server as the root folder).
   root_markers = { ".git", "pyproject.toml", "setup.py", "package.json", "Cargo.toml", "go.mod" },
-  -- Ghost text renderer: "auto" uses Neovim's built-in vim.lsp.inline_completion
-  -- on Neovim >= 0.12 and completiond's own on 0.10/0.11; "builtin" or "fallback"
-  -- force one.
+  -- Ghost text renderer: "auto" and "fallback" are completiond's own (every Neovim version: it
+  -- honours debounce_ms, the trigger key, next/previous and dismiss); "builtin" is Neovim's
+  -- vim.lsp.inline_completion (>= 0.12), which requests on its own after 200 ms.
   renderer = "auto",
-  -- Fallback renderer: milliseconds after the last keystroke before asking the server.
+  -- Milliseconds after the last keystroke before asking the server (completiond's renderer).
   debounce_ms = 75,
   -- Fallback renderer: highlight group of the ghost text (linked to Comment by default).
   hl_group = "CompletiondGhost",
-  -- Insert-mode keys. They act only while a suggestion shows; otherwise the key
-  -- does what it did before. Set one to false to leave that key alone.
+  -- Insert-mode keys. They act only while a suggestion shows (trigger: always); otherwise
+  -- the key does what it did before. Set one to false to leave that key alone.
   keymaps = {
     accept = "<Tab>",
     accept_word = "<C-Right>",
     accept_line = "<C-Down>",
     dismiss = "<C-]>",
+    trigger = "<M-\\>",
+    next = "<M-]>",
+    prev = "<M-[>",
   },
   -- Server settings, sent to the server as `settings.completiond` (through
   -- initializationOptions and workspace/configuration, again on every change).
@@ -63,6 +71,8 @@ M.defaults = {
     topK = 0,
     -- Sampling seed; each request derives its own from it, so results are reproducible. (integer; range 0..2147483647)
     seed = 0,
+    -- Most different suggestions offered at once, to cycle through with the editor's next/previous keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best first token, sampling a run with its own seed. (integer; range 1..8)
+    alternatives = 1,
     -- Self-speculative decoding (lossless: same output distribution, faster). (boolean)
     speculation = true,
     -- Draft exit layer E; 0 uses the calibrated value for the model. (integer; range 0..1024)
@@ -87,6 +97,8 @@ M.defaults = {
     workspaceContext = true,
     -- Token budget for the workspace context block. (integer; range 0..32768)
     contextTokens = 256,
+    -- Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, .npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken. (string)
+    contextExclude = "",
     -- Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU). (integer; range 0..1048576)
     cacheMegabytes = 0,
     -- Seconds the shared daemon stays up with no editor connected. (integer; range 5..604800)
@@ -118,8 +130,21 @@ local checks = {
     return v == nil or type(v) == "string"
   end,
   args = is_list_of_strings,
-  filetypes = is_list_of_strings,
-  exclude_filetypes = is_list_of_strings,
+  filetypes = function(v)
+    if type(v) ~= "table" then
+      return false
+    end
+    if vim.islist(v) and #v > 0 then -- the older list form: complete in exactly these ("*": all)
+      return is_list_of_strings(v)
+    end
+    for k, on in pairs(v) do
+      if type(k) ~= "string" or type(on) ~= "boolean" then
+        return false
+      end
+    end
+    return true
+  end,
+  exclude_filetypes = is_list_of_strings, -- older option: these filetypes off
   root_markers = is_list_of_strings,
   renderer = function(v)
     return v == "auto" or v == "builtin" or v == "fallback"
@@ -172,8 +197,24 @@ function M.resolve(opts)
           cfg.keymaps[name] = lhs
         end
       end
-    elseif key ~= "settings" then
+    elseif key == "filetypes" then
+      if vim.islist(value) and #value > 0 then
+        cfg.filetypes = { ["*"] = vim.tbl_contains(value, "*") }
+        for _, ft in ipairs(value) do
+          if ft ~= "*" then
+            cfg.filetypes[ft] = true
+          end
+        end
+      else
+        cfg.filetypes = vim.tbl_extend("force", cfg.filetypes, value)
+      end
+    elseif key ~= "settings" and key ~= "exclude_filetypes" then
       cfg[key] = vim.deepcopy(value)
+    end
+  end
+  if checks.exclude_filetypes(opts.exclude_filetypes) then -- after filetypes, whatever the order
+    for _, ft in ipairs(opts.exclude_filetypes or {}) do
+      cfg.filetypes[ft] = false
     end
   end
   local user_settings = {}
@@ -191,6 +232,18 @@ function M.resolve(opts)
     end
   end
   return cfg, user_settings, errors
+end
+
+--- Whether buffers of filetype `ft` get completions under `cfg.filetypes`.
+function M.filetype_enabled(cfg, ft)
+  if ft == nil or ft == "" then
+    return false
+  end
+  local on = cfg.filetypes[ft]
+  if on == nil then
+    on = cfg.filetypes["*"]
+  end
+  return on ~= false
 end
 
 --- The `completiond` settings section as sent to the server: every key, null

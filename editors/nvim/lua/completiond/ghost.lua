@@ -6,7 +6,8 @@
 --- others are virt_lines below. Requests are debounced; a response is dropped
 --- when the buffer's version (changedtick, what Neovim sends as the LSP document
 --- version) or the cursor changed since it was asked for. Moving the cursor
---- clears the suggestion, except typing the characters it shows.
+--- clears the suggestion, except typing the characters it shows. When the server
+--- sends several items, next/prev cycle through them.
 local util = require("completiond.util")
 
 local M = {}
@@ -19,7 +20,7 @@ M.ns = vim.api.nvim_create_namespace("completiond")
 ---@field timer uv.uv_timer_t|nil
 ---@field pending integer|nil id of the request in flight
 ---@field seq integer
----@field ghost table|nil { text, row, col, line_before, suffix_len, extmark }
+---@field ghost table|nil { text, row, col, line_before, suffix_len, extmark, items, index, command }
 
 ---@type table<integer, completiond.GhostState>
 local states = {}
@@ -66,9 +67,17 @@ local function render(bufnr, g)
   local hl = (core().config or {}).hl_group or "CompletiondGhost"
   local lines = vim.split(g.text, "\n", { plain = true })
   local line = vim.api.nvim_buf_get_lines(bufnr, g.row, g.row + 1, false)[1] or ""
+  local first = expand_tabs(lines[1])
+  local suffix = g.suffix_len or 0
+  if suffix > #first then
+    -- The replaced rest of the line moves down with the last line: blank it where the first is shorter.
+    first = first .. string.rep(" ", suffix - #first)
+  end
   local opts = {
-    virt_text = { { expand_tabs(lines[1]), hl } },
-    virt_text_pos = g.col < #line and "inline" or "overlay",
+    virt_text = { { first, hl } },
+    -- A replacement of the rest of the line (util.as_insertion left it one: multi-line) is drawn over
+    -- it; an insertion before text pushes that text right, as accepting it will.
+    virt_text_pos = (g.col < #line and suffix == 0) and "inline" or "overlay",
     hl_mode = "combine",
   }
   if #lines > 1 then
@@ -78,14 +87,26 @@ local function render(bufnr, g)
     end
     opts.virt_lines = virt_lines
   end
+  if g.items and #g.items > 1 then
+    -- Like Neovim's own renderer: which of the server's alternatives shows.
+    local last = opts.virt_lines and opts.virt_lines[#opts.virt_lines] or opts.virt_text
+    table.insert(last, { (" (%d/%d)"):format(g.index, #g.items), "Comment" })
+  end
   g.extmark = vim.api.nvim_buf_set_extmark(bufnr, M.ns, g.row, math.min(g.col, #line), opts)
 end
 
---- Hide the suggestion in a buffer.
-function M.clear(bufnr)
+--- Hide the suggestion in a buffer. `dismissed`: the user turned it down (a key, typing something
+--- else, leaving insert mode), which the server counts.
+function M.clear(bufnr, dismissed)
   bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if s then
+    if dismissed and s.ghost and s.ghost.text ~= "" then
+      local client = vim.lsp.get_client_by_id(s.client_id)
+      if client then
+        util.suggestion_event(client, "dismissed")
+      end
+    end
     s.ghost = nil
   end
   if vim.api.nvim_buf_is_valid(bufnr) then
@@ -107,17 +128,34 @@ end
 
 --- Show `text` as the suggestion at the cursor (also used by the tests).
 ---@param suffix_len integer|nil bytes after the cursor that accepting it overwrites
-function M.show(bufnr, text, suffix_len)
+---@param extra table|nil { items = {...} (the alternatives, each {text, suffix_len, command}), index, command }
+function M.show(bufnr, text, suffix_len, extra)
   bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if not s or text == nil or text == "" then
     M.clear(bufnr)
     return
   end
+  extra = extra or {}
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
   local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ""
-  s.ghost = { text = text, row = row - 1, col = col, line_before = line:sub(1, col), suffix_len = suffix_len or 0 }
+  s.ghost = { text = text, row = row - 1, col = col, line_before = line:sub(1, col), suffix_len = suffix_len or 0,
+              items = extra.items, index = extra.index or 1, command = extra.command }
   render(bufnr, s.ghost)
+end
+
+--- Show the next (`step` 1) or previous (-1) of the server's alternatives; false when there is one.
+function M.cycle(bufnr, step)
+  bufnr = resolve_buf(bufnr)
+  local s = states[bufnr]
+  local g = s and s.ghost
+  if not g or not g.items or #g.items < 2 then
+    return false
+  end
+  local index = (g.index - 1 + step) % #g.items + 1
+  local item = g.items[index]
+  M.show(bufnr, item.text, item.suffix_len, { items = g.items, index = index, command = item.command })
+  return true
 end
 
 local function handle(bufnr, s, seq, tick, cursor, client, err, result)
@@ -141,8 +179,8 @@ local function handle(bufnr, s, seq, tick, cursor, client, err, result)
   if now[1] ~= cursor[1] or now[2] ~= cursor[2] or not vim.api.nvim_get_mode().mode:match("^i") then
     return
   end
-  local items = result and (result.items or result) or {}
-  for _, item in ipairs(items) do
+  local shown = {}
+  for _, item in ipairs(result and (result.items or result) or {}) do
     local text = type(item.insertText) == "string" and item.insertText or (item.insertText or {}).value
     if text then
       local ghost, replace = util.ghost_text(bufnr, text, item.range, client.offset_encoding, cursor)
@@ -151,16 +189,22 @@ local function handle(bufnr, s, seq, tick, cursor, client, err, result)
         if replace and replace[3] == cursor[1] - 1 then
           suffix = math.max(0, replace[4] - cursor[2])
         end
-        M.show(bufnr, ghost, suffix)
-        return
+        ghost, suffix = util.as_insertion(bufnr, ghost, suffix, cursor)
+        if ghost ~= "" then
+          table.insert(shown, { text = ghost, suffix_len = suffix, command = item.command })
+        end
       end
     end
   end
-  M.clear(bufnr)
+  if #shown == 0 then
+    M.clear(bufnr)
+    return
+  end
+  M.show(bufnr, shown[1].text, shown[1].suffix_len, { items = shown, index = 1, command = shown[1].command })
 end
 
---- Ask the server now for a suggestion at the cursor.
-function M.request(bufnr)
+--- Ask the server now for a suggestion at the cursor (`invoked`: the user asked, by the trigger key).
+function M.request(bufnr, invoked)
   bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   if not s or not core().enabled() then
@@ -179,7 +223,7 @@ function M.request(bufnr)
   local tick = vim.api.nvim_buf_get_changedtick(bufnr)
   local cursor = vim.api.nvim_win_get_cursor(0)
   local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
-  params.context = { triggerKind = 2 } -- Automatic
+  params.context = { triggerKind = invoked and 1 or 2 } -- Invoked / Automatic
   local ok, id = util.request(client, "textDocument/inlineCompletion", params, function(err, result)
     handle(bufnr, s, seq, tick, cursor, client, err, result)
   end, bufnr)
@@ -222,11 +266,12 @@ local function cursor_moved(bufnr)
       g.text = g.text:sub(#typed + 1)
       g.col = col
       g.line_before = line:sub(1, col)
+      g.items = nil -- the alternatives no longer start at the cursor
       render(bufnr, g)
       return
     end
   end
-  M.clear(bufnr)
+  M.clear(bufnr, true)
 end
 
 --- Insert the whole suggestion, or its next word / line.
@@ -241,19 +286,35 @@ function M.accept(bufnr, kind)
   end
   stop_timer(s)
   cancel_pending(s)
-  local part = util.next_part(g.text, kind or "full")
+  kind = kind or "full"
+  local part = util.next_part(g.text, kind)
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
+  local client = vim.lsp.get_client_by_id(s.client_id)
   if part == g.text then
     M.clear(bufnr)
     local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ""
     util.replace(bufnr, { row - 1, col, row - 1, math.min(#line, col + g.suffix_len) }, g.text)
+    if client and kind == "full" and g.command then
+      util.exec_command(client, g.command) -- the server's own "accepted" report, as Neovim's renderer runs it
+    elseif client then
+      util.suggestion_event(client, "accepted", kind)
+    end
     return true
   end
   util.insert_at_cursor(bufnr, part)
+  -- The rest still shows and is still the server's answer: no new request for this change of ours.
+  s.own_tick = vim.api.nvim_buf_get_changedtick(bufnr)
+  if client then
+    util.suggestion_event(client, "accepted", kind)
+  end
   local nrow, ncol = unpack(vim.api.nvim_win_get_cursor(0))
   local line = vim.api.nvim_buf_get_lines(bufnr, nrow - 1, nrow, false)[1] or ""
-  g.text = g.text:sub(#part + 1)
-  g.row, g.col, g.line_before = nrow - 1, ncol, line:sub(1, ncol)
+  g.text, g.suffix_len = util.as_insertion(bufnr, g.text:sub(#part + 1), g.suffix_len, { nrow, ncol })
+  g.row, g.col, g.line_before, g.items = nrow - 1, ncol, line:sub(1, ncol), nil
+  if g.text == "" then
+    M.clear(bufnr)
+    return true
+  end
   render(bufnr, g)
   return true
 end
@@ -271,7 +332,10 @@ function M.attach(bufnr, client_id)
   vim.api.nvim_create_autocmd({ "InsertEnter", "TextChangedI", "TextChangedP" }, {
     group = group,
     buffer = bufnr,
-    callback = function()
+    callback = function(ev)
+      if ev.event ~= "InsertEnter" and s.ghost and s.own_tick == vim.api.nvim_buf_get_changedtick(bufnr) then
+        return
+      end
       M.schedule(bufnr)
     end,
   })
@@ -288,7 +352,7 @@ function M.attach(bufnr, client_id)
     callback = function()
       stop_timer(s)
       cancel_pending(s)
-      M.clear(bufnr)
+      M.clear(bufnr, true)
     end,
   })
   vim.api.nvim_create_autocmd({ "BufUnload", "LspDetach" }, {

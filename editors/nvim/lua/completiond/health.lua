@@ -12,9 +12,9 @@ function M.check()
     return
   end
   if vim.lsp.inline_completion then
-    health.ok("Neovim " .. version .. ": built-in vim.lsp.inline_completion available")
+    health.ok("Neovim " .. version .. ": built-in vim.lsp.inline_completion available (renderer = \"builtin\")")
   else
-    health.ok("Neovim " .. version .. ": completiond's own ghost text is used (vim.lsp.inline_completion needs 0.12)")
+    health.ok("Neovim " .. version .. ": completiond's own ghost text (vim.lsp.inline_completion needs 0.12)")
   end
 
   local core = require("completiond")
@@ -24,6 +24,18 @@ function M.check()
     return
   end
   health.ok(("renderer: %s (option: %s)"):format(core.renderer, core.config.renderer))
+  if core.renderer == "builtin" then
+    health.info("Neovim's renderer asks the server 200 ms after a change: debounce_ms and the trigger key do not apply")
+  end
+  local off = {}
+  for ft, on in pairs(core.config.filetypes) do
+    if ft ~= "*" and not on then
+      table.insert(off, ft)
+    end
+  end
+  table.sort(off)
+  health.info(("filetypes: %s; off for %s"):format(core.config.filetypes["*"] == false and "only those turned on" or "all",
+    #off > 0 and table.concat(off, ", ") or "none"))
   health.ok("completions: " .. (core.enabled() and "on" or "off (:CompletiondToggle)"))
   for _, e in ipairs(core.errors or {}) do
     health.warn("setup(): " .. e)
@@ -35,7 +47,7 @@ function M.check()
     end
   end
   table.sort(km)
-  health.info("keymaps (active only while a suggestion shows): " .. (#km > 0 and table.concat(km, ", ") or "none"))
+  health.info("keymaps (active while a suggestion shows; trigger always): " .. (#km > 0 and table.concat(km, ", ") or "none"))
   local set = vim.tbl_keys(core.user_settings)
   table.sort(set)
   health.info("server settings you set: " .. (#set > 0 and table.concat(set, ", ") or "none (server defaults / config.toml)"))
@@ -43,7 +55,7 @@ function M.check()
   health.start("completiond: server")
   local cmd, err = core.server_cmd(core.config)
   if not cmd then
-    health.error(err, { core.NOT_FOUND_HINT })
+    health.error(err, core.NOT_FOUND_ADVICE)
     return
   end
   health.ok("server command: " .. table.concat(cmd, " "))
@@ -56,7 +68,7 @@ function M.check()
   if probe then
     local ok, out = pcall(vim.fn.system, probe)
     if not ok or vim.v.shell_error ~= 0 then
-      health.error("`" .. table.concat(probe, " ") .. "` failed: " .. tostring(out), { core.NOT_FOUND_HINT })
+      health.error("`" .. table.concat(probe, " ") .. "` failed: " .. tostring(out), core.NOT_FOUND_ADVICE)
     else
       health.ok("`" .. table.concat(probe, " ") .. "` works")
     end
@@ -69,8 +81,12 @@ function M.check()
     local s = core.status[client.id]
     local state = s and s.state or "starting"
     local line = ("client %d: %s%s"):format(client.id, state, s and s.message and s.message ~= "" and (" — " .. s.message) or "")
+    local stale = core.restart_needed(s)
     if state == "error" then
       health.error(line)
+    elseif stale then
+      health.warn(("client %d: %s, but not with your settings: %s"):format(client.id, state, stale),
+        { "Run :CompletiondRestart to load the model your settings ask for" })
     elseif state == "ready" or state == "busy" then
       health.ok(line)
     else

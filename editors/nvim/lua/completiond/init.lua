@@ -12,6 +12,7 @@ M.NAME = "completiond"
 M.STATUS_METHOD = "completiond/status"
 M.CMD_STATS = "completiond.stats"
 M.CMD_RESTART = "completiond.restartDaemon"
+M.CMD_SUGGESTION_EVENT = "completiond.suggestionEvent"
 
 --- The merged configuration (nil until setup()).
 M.config = nil
@@ -31,16 +32,15 @@ local warned_not_found = false
 ---@return string|nil why a note when "builtin" was asked for but is not available
 function M.pick_renderer(opt)
   local has_builtin = vim.lsp.inline_completion ~= nil and vim.lsp.inline_completion.get ~= nil
-  if opt == "fallback" then
+  -- "auto" is completiond's own renderer on every version: Neovim's requests after its own fixed
+  -- 200 ms (no debounce_ms), offers no manual trigger and no public way to dismiss.
+  if opt ~= "builtin" then
     return "fallback"
   end
   if has_builtin then
     return "builtin"
   end
-  if opt == "builtin" then
-    return "fallback", "vim.lsp.inline_completion needs Neovim >= 0.12: using completiond's own ghost text"
-  end
-  return "fallback"
+  return "fallback", "vim.lsp.inline_completion needs Neovim >= 0.12: using completiond's own ghost text"
 end
 
 --- The command that starts the language server.
@@ -87,8 +87,23 @@ function M.server_cmd(cfg)
   return nil, "the `completiond` executable was not found on $PATH"
 end
 
-M.NOT_FOUND_HINT = "Install it (in a completiond checkout: `pip install -e .`; see `:help completiond-install`), "
-  .. "or pass `cmd` or `python` to require('completiond').setup()."
+-- One plain sentence each: :checkhealth turns ":help tag" into a link up to the next blank, so the
+-- tag must end its line.
+M.NOT_FOUND_ADVICE = {
+  "Install it: in a completiond checkout, pip install -e .",
+  "Or pass cmd or python to require('completiond').setup()",
+  "Details: :help completiond-install",
+}
+M.NOT_FOUND_HINT = table.concat(M.NOT_FOUND_ADVICE, ". ")
+
+--- How the daemon's model (device, dtype...) differs from what this editor's settings ask for, or
+--- nil: the server's status says so (`modelMismatch`), e.g. while another editor's settings hold.
+function M.restart_needed(s)
+  if type(s) ~= "table" or type(s.modelMismatch) ~= "string" or s.modelMismatch == "" then
+    return nil
+  end
+  return s.modelMismatch
+end
 
 --- The `completiond` settings section sent to the server.
 function M.server_section()
@@ -113,11 +128,13 @@ local function wants_buffer(bufnr)
   if not vim.api.nvim_buf_is_valid(bufnr) or vim.bo[bufnr].buftype ~= "" then
     return false
   end
-  local ft = vim.bo[bufnr].filetype
-  if ft == "" or vim.tbl_contains(M.config.exclude_filetypes, ft) then
-    return false
-  end
-  return vim.tbl_contains(M.config.filetypes, "*") or vim.tbl_contains(M.config.filetypes, ft)
+  return config.filetype_enabled(M.config, vim.bo[bufnr].filetype)
+end
+
+--- Whether completions are on for a buffer's filetype (the `filetypes` map).
+function M.filetype_enabled(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  return M.config ~= nil and config.filetype_enabled(M.config, vim.bo[bufnr].filetype)
 end
 
 local function on_status(_, params, ctx)
@@ -279,9 +296,15 @@ function M.suggestion_text(bufnr)
       return nil
     end
     local d = marks[1][4]
-    local lines = { util.chunks_text(d.virt_text) }
+    -- Neovim appends " (2/3)" (highlight ComplHintMore) when cycling: not part of the suggestion.
+    local function text(chunks)
+      return util.chunks_text(vim.tbl_filter(function(c)
+        return c[2] ~= "ComplHintMore"
+      end, chunks or {}))
+    end
+    local lines = { text(d.virt_text) }
     for _, l in ipairs(d.virt_lines or {}) do
-      table.insert(lines, util.chunks_text(l))
+      table.insert(lines, text(l))
     end
     return table.concat(lines, "\n")
   end
@@ -300,6 +323,7 @@ function M.accept(kind)
   end
   if M.renderer == "builtin" then
     if kind == "full" then
+      -- Neovim inserts the item and runs its command, which reports the acceptance to the server.
       return vim.lsp.inline_completion.get({ bufnr = bufnr })
     end
     return vim.lsp.inline_completion.get({
@@ -314,10 +338,20 @@ function M.accept(kind)
             ["end"] = { line = item.range.end_.row, character = item.range.end_.col },
           }
         end
-        local ghost = util.ghost_text(bufnr, text, lsp_range, "utf-8")
-        if ghost and client then
-          util.insert_at_cursor(bufnr, util.next_part(ghost, kind))
+        local cursor = vim.api.nvim_win_get_cursor(0)
+        local ghost, replace = util.ghost_text(bufnr, text, lsp_range, "utf-8", cursor)
+        if not ghost or not client then
+          return
         end
+        local suffix = (replace and replace[3] == cursor[1] - 1) and math.max(0, replace[4] - cursor[2]) or 0
+        ghost, suffix = util.as_insertion(bufnr, ghost, suffix, cursor)
+        local part = util.next_part(ghost, kind)
+        if part == ghost and suffix > 0 then
+          util.replace(bufnr, { cursor[1] - 1, cursor[2], cursor[1] - 1, cursor[2] + suffix }, ghost)
+        else
+          util.insert_at_cursor(bufnr, part)
+        end
+        util.suggestion_event(client, "accepted", kind)
       end,
     })
   end
@@ -331,21 +365,50 @@ function M.dismiss(bufnr)
     return false
   end
   if M.renderer == "builtin" then
-    local completor = vim.lsp._capability and vim.lsp._capability.all.inline_completion
-    local active = completor and completor.active and completor.active[bufnr]
-    if active then
-      active:abort()
-    else
-      local ns = vim.api.nvim_get_namespaces()["nvim.lsp.inline_completion"]
-      vim.api.nvim_buf_clear_namespace(bufnr, ns, 0, -1)
+    -- Neovim offers no call for this: hide its ghost text (public extmark API). Our accept keys act
+    -- only on a visible suggestion, and Neovim replaces it with the next answer as you type.
+    local ns = vim.api.nvim_get_namespaces()["nvim.lsp.inline_completion"]
+    vim.api.nvim_buf_clear_namespace(bufnr, ns, 0, -1)
+    for _, client in ipairs(M.clients(bufnr)) do
+      util.suggestion_event(client, "dismissed")
     end
   else
-    require("completiond.ghost").clear(bufnr)
+    require("completiond.ghost").clear(bufnr, true)
   end
   return true
 end
 
---- One line for a statusline: "completiond ready 80 ms α 0.81".
+--- Ask for a suggestion now, whatever the delay (the trigger key). False where the renderer cannot
+--- (Neovim's own asks by itself as you type) or completions are off here.
+function M.trigger(bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if M.renderer ~= "fallback" or not M.enabled() or not M.filetype_enabled(bufnr) then
+    return false
+  end
+  local ghost = require("completiond.ghost")
+  if not ghost.state(bufnr) then
+    return false
+  end
+  ghost.request(bufnr, true)
+  return true
+end
+
+--- Show the next (step 1) or previous (-1) of the server's suggestions (`completiond.suggestions`
+--- alternatives). False when none shows.
+function M.cycle(step, bufnr)
+  bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
+  if not M.visible(bufnr) then
+    return false
+  end
+  if M.renderer == "builtin" then
+    vim.lsp.inline_completion.select({ bufnr = bufnr, count = step })
+    return true
+  end
+  require("completiond.ghost").cycle(bufnr, step)
+  return true
+end
+
+--- One line for a statusline: "completiond ready 80 ms".
 function M.statusline()
   local clients = M.clients()
   if #clients == 0 then
@@ -361,9 +424,6 @@ function M.statusline()
   local parts = { "completiond", tostring(s.state or "?") }
   if type(s.latencyMs) == "number" then
     table.insert(parts, ("%d ms"):format(s.latencyMs))
-  end
-  if type(s.alpha) == "number" then
-    table.insert(parts, ("α %.2f"):format(s.alpha))
   end
   return table.concat(parts, " ")
 end
@@ -387,17 +447,51 @@ function M.status_lines()
     if s.model then
       table.insert(lines, ("  model: %s on %s"):format(s.model, s.device or "?"))
     end
-    if type(s.latencyMs) == "number" then
-      table.insert(lines, ("  last completion: %d ms"):format(s.latencyMs))
+    vim.list_extend(lines, M.metric_lines(s, "  "))
+    local summary = M.suggestion_line(s.suggestions)
+    if summary then
+      table.insert(lines, "  this session's " .. summary)
     end
-    if type(s.alpha) == "number" then
-      table.insert(lines, ("  acceptance α: %.2f"):format(s.alpha))
-    end
-    if type(s.tokensPerSecond) == "number" then
-      table.insert(lines, ("  speed: %.1f tokens/s"):format(s.tokensPerSecond))
+    if M.restart_needed(s) then
+      table.insert(lines, "  " .. M.restart_needed(s))
     end
   end
   return lines
+end
+
+--- The last completion's figures, as people read them: α is the share of the speculative draft's
+--- tokens the model kept (not how often suggestions are accepted), and a speed is shown only once
+--- one was measured.
+function M.metric_lines(s, indent)
+  local lines = {}
+  if type(s.latencyMs) == "number" then
+    table.insert(lines, ("%slast completion: %d ms"):format(indent, s.latencyMs))
+  end
+  local alpha = s.draftAcceptance or s.alpha
+  if type(alpha) == "number" and s.speculation ~= false then
+    table.insert(lines, ("%sdraft tokens kept (speculative decoding): %d%%"):format(indent, math.floor(alpha * 100 + 0.5)))
+  end
+  if type(s.tokensPerSecond) == "number" and s.tokensPerSecond > 0 then
+    table.insert(lines, ("%sspeed: %.0f tokens/s"):format(indent, s.tokensPerSecond))
+  end
+  return lines
+end
+
+--- "suggestions: 12 shown, 5 accepted (3 full, 1 word, 1 line), 4 dismissed" from the stats counts.
+function M.suggestion_line(counts)
+  if type(counts) ~= "table" then
+    return nil
+  end
+  local function n(k) -- the daemon's stats say accepted_full, the status notification acceptedFull
+    local v = counts[k]
+    if v == nil then
+      v = counts[k:gsub("_(%l)", string.upper)]
+    end
+    return type(v) == "number" and v or 0
+  end
+  local full, word, line = n("accepted_full"), n("accepted_word"), n("accepted_line")
+  return ("suggestions: %d shown, %d accepted (%d full, %d word, %d line), %d dismissed"):format(
+    n("shown"), full + word + line, full, word, line, n("dismissed"))
 end
 
 --- Ask each server for `completiond.stats`; callback(client, err, result) per client.
@@ -419,6 +513,11 @@ function M.stats_lines(timeout_ms)
       table.insert(lines, ("client %d stats: error: %s"):format(client.id, err.message or vim.inspect(err)))
     else
       table.insert(lines, ("client %d stats:"):format(client.id))
+      local counts = type(result) == "table" and (result.suggestions or (type(result.lsp) == "table" and result.lsp.suggestions))
+      local summary = M.suggestion_line(counts)
+      if summary then
+        table.insert(lines, "  " .. summary)
+      end
       vim.list_extend(lines, vim.split(util.format_stats(result, "  "), "\n", { plain = true }))
     end
   end

@@ -1,5 +1,5 @@
---- Insert-mode keys that act on a suggestion only while one shows. Otherwise the key
---- does what it did before (the mapping it had, or its plain meaning).
+--- Insert-mode keys that act on a suggestion only while one shows (trigger: whenever completions
+--- are on). Otherwise the key does what it did before (the mapping it had, or its plain meaning).
 local M = {}
 
 M.actions = {
@@ -7,7 +7,22 @@ M.actions = {
   accept_word = { kind = "word", desc = "completiond: accept the next word of the suggestion" },
   accept_line = { kind = "line", desc = "completiond: accept the next line of the suggestion" },
   dismiss = { kind = "dismiss", desc = "completiond: dismiss the suggestion" },
+  trigger = { kind = "trigger", desc = "completiond: ask for a suggestion now", always = true },
+  next = { kind = "next", desc = "completiond: show the next suggestion" },
+  prev = { kind = "prev", desc = "completiond: show the previous suggestion" },
 }
+
+local function act(core, bufnr, kind)
+  if kind == "dismiss" then
+    core.dismiss(bufnr)
+  elseif kind == "trigger" then
+    core.trigger(bufnr)
+  elseif kind == "next" or kind == "prev" then
+    core.cycle(kind == "next" and 1 or -1, bufnr)
+  else
+    core.accept(kind)
+  end
+end
 
 --- bufnr -> lhs -> fallback function, captured the first time we map a key
 local originals = {}
@@ -71,15 +86,17 @@ function M.attach(bufnr)
       originals[bufnr][lhs] = originals[bufnr][lhs] or fallback_for(lhs, prev)
       local fallback = originals[bufnr][lhs]
       vim.keymap.set("i", lhs, function()
-        if not core.visible(bufnr) then
+        local active
+        if action.always then
+          active = core.renderer == "fallback" and core.enabled() and core.filetype_enabled(bufnr)
+        else
+          active = core.visible(bufnr)
+        end
+        if not active then
           return fallback()
         end
         vim.schedule(function()
-          if action.kind == "dismiss" then
-            core.dismiss(bufnr)
-          else
-            core.accept(action.kind)
-          end
+          act(core, bufnr, action.kind)
         end)
         return ""
       end, { buffer = bufnr, expr = true, silent = true, desc = action.desc })

@@ -95,6 +95,42 @@ function M.ghost_text(bufnr, text, range, encoding, cursor)
   return text:sub(#typed + 1), { srow, scol, erow, ecol }
 end
 
+--- A replacement of the rest of the cursor line that only re-types it at its end (what completiond
+--- sends mid-line, so that every renderer previews what accepting inserts), as the pure insertion
+--- it is, when that is one line: drawn inline before the rest of the line, it shows exactly the
+--- result. A multi-line one stays a replacement (drawn over the rest of the line).
+---@param ghost string text that replaces `suffix_len` bytes after the cursor
+---@param suffix_len integer
+---@param cursor integer[]|nil {row (1-based), col (0-based byte)}
+---@return string ghost, integer suffix_len
+function M.as_insertion(bufnr, ghost, suffix_len, cursor)
+  if suffix_len <= 0 then
+    return ghost, suffix_len
+  end
+  cursor = cursor or vim.api.nvim_win_get_cursor(0)
+  local line = vim.api.nvim_buf_get_lines(bufnr, cursor[1] - 1, cursor[1], false)[1] or ""
+  local rest = line:sub(cursor[2] + 1, cursor[2] + suffix_len)
+  local head = ghost:sub(1, #ghost - #rest)
+  if #ghost >= #rest and ghost:sub(#ghost - #rest + 1) == rest and not head:find("\n", 1, true) then
+    return head, 0
+  end
+  return ghost, suffix_len
+end
+
+--- Tell the server what became of a suggestion (it counts them; see `completiond.suggestionEvent`).
+---@param event "accepted"|"dismissed"
+---@param kind "full"|"word"|"line"|nil for "accepted"
+function M.suggestion_event(client, event, kind)
+  M.request(client, "workspace/executeCommand",
+    { command = "completiond.suggestionEvent", arguments = { { event = event, kind = kind } } }, function() end)
+end
+
+--- Run an LSP command of an item (`item.command`) on the server.
+function M.exec_command(client, command)
+  M.request(client, "workspace/executeCommand",
+    { command = command.command, arguments = command.arguments }, function() end)
+end
+
 --- The next word or line of a ghost text (what accept word / line inserts).
 ---@param ghost string
 ---@param kind "word"|"line"|"full"

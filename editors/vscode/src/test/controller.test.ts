@@ -122,8 +122,8 @@ test('completiond/status notifications drive the status bar', async () => {
   assert.match(host.status.text, /loading~spin/);
   client.notify('completiond/status', { state: 'loading', progress: 0.5 });
   assert.match(host.status.text, /50%/);
-  client.notify('completiond/status', { state: 'ready', latencyMs: 80, alpha: 0.8, tokensPerSecond: 30 });
-  assert.equal(host.status.text, '$(sparkle) completiond 80 ms · α 0.80 · 30 tok/s');
+  client.notify('completiond/status', { state: 'ready', latencyMs: 80, draftAcceptance: 0.8, tokensPerSecond: 30 });
+  assert.equal(host.status.text, '$(sparkle) completiond 80 ms · 30 tok/s');
   client.notify('completiond/status', { state: 'error', message: 'model failed to load' });
   assert.equal(host.status.error, true);
   assert.match(host.lines.join('\n'), /model failed to load/);
@@ -163,22 +163,55 @@ test('restart asks the server to restart the daemon; without a server it restart
   assert.equal(rec.clients[1].running, true);
 });
 
-test('clicking the status bar shows the server stats in the log', async () => {
+test('clicking the status bar shows the server stats in the log, suggestion counts first', async () => {
   const { client, host } = await started();
-  client.answer = (_m, p) => (p.command === 'completiond.stats' ? { requests: 4, alpha: 0.5 } : null);
+  const suggestions = { shown: 9, accepted_full: 2, accepted_word: 1, accepted_line: 1, dismissed: 3 };
+  client.answer = (_m, p) => (p.command === 'completiond.stats' ? { requests: 4, lsp: { suggestions } } : null);
   await host.commands.get(COMMANDS.showStats)!();
   assert.deepEqual(client.requests[0].params, { command: 'completiond.stats', arguments: [] });
-  assert.match(host.lines.join('\n'), /requests: 4\nalpha: 0.5/);
+  assert.match(host.lines.join('\n'), /suggestions: 9 shown, 4 accepted \(2 full, 1 word, 1 line\), 3 dismissed\nrequests: 4/);
   assert.equal(host.logShown, 1);
 });
 
-test('accept word / line run VS Code built-ins; show log shows it', async () => {
-  const { host } = await started();
+test('accept word / line run VS Code built-ins and report the partial accept to the server', async () => {
+  const { host, client } = await started();
   await host.commands.get(COMMANDS.acceptWord)!();
   await host.commands.get(COMMANDS.acceptLine)!();
   assert.deepEqual(host.executed.map((e) => e.id), [BUILTIN_ACCEPT_WORD, BUILTIN_ACCEPT_LINE]);
+  assert.deepEqual(
+    client.requests.map((r) => r.params),
+    [
+      { command: 'completiond.suggestionEvent', arguments: [{ event: 'accepted', kind: 'word' }] },
+      { command: 'completiond.suggestionEvent', arguments: [{ event: 'accepted', kind: 'line' }] },
+    ],
+  );
   await host.commands.get(COMMANDS.showLog)!();
   assert.equal(host.logShown, 1);
+});
+
+test('keybindings: only our accept-word on the key VS Code uses for it; nothing on editor-moving keys', () => {
+  const taken = ['ctrl+alt+right', 'cmd+alt+right', 'ctrl+alt+left', 'cmd+alt+left'];
+  for (const kb of packageJson.contributes.keybindings) {
+    assert.ok(!taken.includes(kb.key) && !taken.includes(kb.mac), JSON.stringify(kb));
+    assert.ok(kb.command.startsWith('completiond.'), `${kb.command}: VS Code binds its own commands already`);
+  }
+  const word = packageJson.contributes.keybindings.find((kb: { command: string }) => kb.command === COMMANDS.acceptWord);
+  assert.deepEqual([word.key, word.mac], ['ctrl+right', 'cmd+right']);
+});
+
+test('package.json: packaging builds and bundles first; Restricted Mode keeps workspaces from choosing what runs', () => {
+  assert.equal(packageJson.main, './dist/extension.js');
+  assert.match(packageJson.scripts['vscode:prepublish'], /build.*bundle/);
+  assert.match(packageJson.scripts.bundle, /^esbuild .*--bundle.*--external:vscode/);
+  const trust = packageJson.capabilities.untrustedWorkspaces;
+  assert.equal(trust.supported, 'limited');
+  for (const key of ['server.path', 'server.python', 'server.args', 'model', 'trustRemoteCode']) {
+    assert.ok(trust.restrictedConfigurations.includes(`completiond.${key}`), key);
+  }
+  for (const [key, prop] of Object.entries(schema)) {
+    assert.ok((prop as any).description || (prop as any).markdownDescription, `${key} has no description`);
+  }
+  assert.deepEqual(schema['completiond.editor.disabledLanguages'].default, ['markdown', 'plaintext', 'scminput']);
 });
 
 test('package.json declares exactly the commands the controller registers, none clashing with server commands', async () => {
@@ -192,7 +225,7 @@ test('package.json declares exactly the commands the controller registers, none 
 test('package.json: @types/vscode is pinned to engines.vscode; activation; entry point', () => {
   const engine = packageJson.engines.vscode.replace(/^\^/, '');
   assert.equal(packageJson.devDependencies['@types/vscode'], engine);
-  assert.equal(packageJson.main, './out/extension.js');
+  assert.equal(packageJson.main, './dist/extension.js');
   assert.ok(packageJson.activationEvents.includes('onStartupFinished'));
 });
 

@@ -44,7 +44,10 @@ function makeVscode() {
     ConfigurationTarget,
     ThemeColor,
     StatusBarAlignment: { Left: 1, Right: 2 },
-    Uri: { joinPath: (base: { path: string }, ...parts: string[]) => ({ path: path.posix.join(base.path, ...parts) }) },
+    Uri: {
+      joinPath: (base: { path: string }, ...parts: string[]) => ({ path: path.posix.join(base.path, ...parts) }),
+      file: (p: string) => ({ path: p }),
+    },
     workspace: {
       getConfiguration: (section: string) => {
         assert.equal(section, 'completiond');
@@ -135,7 +138,7 @@ let lc: ReturnType<typeof makeLanguageClient>;
 let ext: typeof import('../extension');
 let binDir: string;
 
-function loadExtension() {
+function loadExtension(file = '../extension') {
   const mod = Module as unknown as { _load: (r: string, p: unknown, m: boolean) => unknown };
   const original = mod._load;
   mod._load = function (request: string, parent: unknown, isMain: boolean) {
@@ -144,15 +147,17 @@ function loadExtension() {
     return original.call(this, request, parent, isMain);
   };
   try {
-    delete require.cache[require.resolve('../extension')];
-    return require('../extension');
+    delete require.cache[require.resolve(file)];
+    return require(file);
   } finally {
     mod._load = original;
   }
 }
 
+let extDir: string;
+
 function context() {
-  return { subscriptions: [] as { dispose(): unknown }[], extension: { packageJSON: packageJson }, extensionUri: { path: '/ext' } };
+  return { subscriptions: [] as { dispose(): unknown }[], extension: { packageJSON: packageJson }, extensionUri: { path: extDir }, extensionPath: extDir };
 }
 
 beforeEach(() => {
@@ -160,12 +165,17 @@ beforeEach(() => {
   lc = makeLanguageClient();
   ext = loadExtension();
   binDir = fs.mkdtempSync(path.join(os.tmpdir(), 'completiond-bin-'));
+  extDir = fs.mkdtempSync(path.join(os.tmpdir(), 'completiond-ext-'));
+  fs.writeFileSync(path.join(extDir, 'readme.md'), '# completiond\n'); // the name vsce gives it
   fs.writeFileSync(path.join(binDir, 'completiond'), '#!/bin/sh\n', { mode: 0o755 });
   process.env.PATH = binDir;
   process.env.HOME = binDir;
 });
 
-afterEach(() => fs.rmSync(binDir, { recursive: true, force: true }));
+afterEach(() => {
+  fs.rmSync(binDir, { recursive: true, force: true });
+  fs.rmSync(extDir, { recursive: true, force: true });
+});
 
 test('activate starts `completiond lsp` over stdio with every server setting, null where unset', async () => {
   mock.state.user.set('maxTokens', 16);
@@ -178,7 +188,7 @@ test('activate starts `completiond lsp` over stdio with every server setting, nu
   assert.equal(init.maxTokens, 16);
   assert.equal(init.temperature, null);
   assert.equal(Object.keys(init).length, Object.keys(schema).filter((k) => !k.slice(12).includes('.')).length);
-  assert.deepEqual(client.clientOptions.documentSelector, [{ scheme: 'file' }, { scheme: 'untitled' }]);
+  assert.deepEqual(client.clientOptions.documentSelector, [{ scheme: 'file' }, { scheme: 'untitled' }, { scheme: 'vscode-notebook-cell' }]);
   assert.equal(client.running, true);
   await ext.deactivate();
   assert.equal(client.stopped, 1);
@@ -238,7 +248,8 @@ test('status notifications reach the status bar item; errors turn it red; click 
   assert.equal(item.shown, true);
   assert.equal(item.command, 'completiond.showStats');
   lc.clients[0].handlers.get('completiond/status')({ state: 'ready', latencyMs: 42, alpha: 0.9 });
-  assert.equal(item.text, '$(sparkle) completiond 42 ms · α 0.90');
+  assert.equal(item.text, '$(sparkle) completiond 42 ms');
+  assert.match(item.tooltip, /draft tokens kept \(speculative decoding\): 90%/);
   assert.equal(item.backgroundColor, undefined);
   lc.clients[0].handlers.get('completiond/status')({ state: 'error', message: 'boom' });
   assert.ok(item.backgroundColor instanceof ThemeColor);
@@ -249,13 +260,39 @@ test('status notifications reach the status bar item; errors turn it red; click 
   await ext.deactivate();
 });
 
-test('no server: an error with "How to install" that opens the bundled README', async () => {
+test('no server: an error with "How to install" that opens the bundled README (packed as readme.md)', async () => {
   process.env.PATH = '/nonexistent';
   mock.state.errorChoice = 'How to install';
   await ext.activate(context() as any);
   await flush();
   assert.equal(lc.clients.length, 0);
   assert.match(mock.state.errors[0].message, /not found/);
-  assert.deepEqual(mock.state.executed.at(-1), { id: 'markdown.showPreview', args: [{ path: '/ext/README.md' }] });
+  assert.deepEqual(mock.state.executed.at(-1), { id: 'markdown.showPreview', args: [{ path: path.join(extDir, 'readme.md') }] });
   await ext.deactivate();
+});
+
+test('the esbuild bundle (the packaged entry point) needs nothing but vscode and Node built-ins', () => {
+  const bundle = path.resolve(__dirname, '..', '..', packageJson.main);
+  assert.ok(fs.existsSync(bundle), `${bundle} missing: npm test bundles it first (pretest)`);
+  const mod = Module as unknown as { _load: (r: string, p: unknown, m: boolean) => unknown; builtinModules: string[] };
+  const original = mod._load;
+  const requested: string[] = [];
+  mod._load = function (request: string, parent: unknown, isMain: boolean) {
+    if (parent && (parent as { filename?: string }).filename === bundle) requested.push(request);
+    // vscode-languageclient, inside the bundle, subclasses VS Code's classes when it loads: any name is a class.
+    if (request === 'vscode') return new Proxy({}, { get: () => class {} });
+    return original.call(this, request, parent, isMain);
+  };
+  try {
+    delete require.cache[bundle];
+    const loaded = require(bundle);
+    assert.equal(typeof loaded.activate, 'function');
+    assert.equal(typeof loaded.deactivate, 'function');
+  } finally {
+    mod._load = original;
+  }
+  const builtins = new Set(Module.builtinModules);
+  const outside = requested.filter((r) => r !== 'vscode' && !builtins.has(r.replace(/^node:/, '')));
+  assert.deepEqual(outside, [], 'the vsix ships no node_modules: everything else must be in the bundle');
+  assert.ok(requested.includes('vscode'));
 });

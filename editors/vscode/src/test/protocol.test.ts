@@ -152,6 +152,8 @@ test('initialize: inline completions, the stats and restart commands, the comple
   const commands: string[] = result.capabilities.executeCommandProvider?.commands ?? [];
   assert.ok(commands.includes('completiond.stats'), `commands: ${commands}`);
   assert.ok(commands.includes('completiond.restartDaemon'), `commands: ${commands}`);
+  // Registered as a VS Code command by vscode-languageclient, so items can carry it (see below).
+  assert.ok(commands.includes('completiond.suggestionEvent'), `commands: ${commands}`);
   await conn.sendNotification('initialized', {});
   await conn.sendNotification('textDocument/didOpen', { textDocument: { uri, languageId: 'python', version: 1, text } });
 });
@@ -181,6 +183,9 @@ test('textDocument/inlineCompletion returns a suggestion at the cursor', { skip,
     assert.ok(insert.startsWith(typed), `insertText ${JSON.stringify(insert)} does not repeat ${JSON.stringify(typed)}`);
   }
   assert.ok(statuses.some((s) => s && s.state === 'ready'), 'no completiond/status ready notification' + diagnostics());
+  // VS Code runs an item's command after accepting it whole: that is how the server counts full accepts.
+  assert.deepEqual(first.command?.command, 'completiond.suggestionEvent');
+  assert.deepEqual(first.command?.arguments, [{ event: 'accepted', kind: 'full' }]);
 });
 
 test('temperature 0: the same request gives the same suggestion', { skip, timeout: DEADLINE_MS }, async () => {

@@ -1,10 +1,12 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { formatLatency, formatStats, metrics, statusView } from '../status';
+import { formatLatency, formatStats, metrics, statusView, suggestionCounts, suggestionSummary } from '../status';
 
-test('ready shows the last latency, α and speed', () => {
-  const v = statusView({ state: 'ready', latencyMs: 123.4, alpha: 0.7251, tokensPerSecond: 41.6 }, undefined, true);
-  assert.equal(v.text, '$(sparkle) completiond 123 ms · α 0.73 · 42 tok/s');
+test('ready shows the last latency and speed; the tooltip calls draft acceptance what it is', () => {
+  const v = statusView({ state: 'ready', latencyMs: 123.4, draftAcceptance: 0.7251, tokensPerSecond: 41.6 }, undefined, true);
+  assert.equal(v.text, '$(sparkle) completiond 123 ms · 42 tok/s');
+  assert.match(v.tooltip, /draft tokens kept \(speculative decoding\): 73%/);
+  assert.doesNotMatch(v.tooltip, /α|acceptance/);
   assert.equal(v.error, false);
   assert.match(v.tooltip, /ready/);
   assert.match(v.tooltip, /Click for stats/);
@@ -43,11 +45,31 @@ test('client states: starting, not found, stopped, disabled', () => {
   assert.match(statusView({ state: 'ready' }, undefined, false).text, /circle-slash/);
 });
 
-test('latency formatting and metrics', () => {
+test('latency formatting and metrics; a speed only once measured', () => {
   assert.equal(formatLatency(8.7), '9 ms');
   assert.equal(formatLatency(2500), '2.5 s');
-  assert.equal(metrics({ alpha: 0.5 }), 'α 0.50');
+  assert.equal(metrics({ alpha: 0.5 }), '');
   assert.equal(metrics({ latencyMs: Number.NaN }), '');
+  assert.equal(metrics({ latencyMs: 20, tokensPerSecond: 0 }), '20 ms');
+});
+
+test('suggestion counts: in the tooltip when the status carries them, and from stats', () => {
+  const suggestions = { shown: 5, accepted_full: 1, accepted_word: 2, accepted_line: 0, dismissed: 1 };
+  const v = statusView({ state: 'ready', suggestions }, undefined, true);
+  assert.match(v.tooltip, /suggestions: 5 shown, 3 accepted \(1 full, 2 word, 0 line\), 1 dismissed/);
+  assert.deepEqual(suggestionCounts({ suggestions }), suggestions);
+  assert.deepEqual(suggestionCounts({ lsp: { suggestions } }), suggestions);
+  assert.equal(suggestionCounts({ requests: 1 }), undefined);
+  assert.equal(suggestionSummary(undefined), '');
+  const camel = { shown: 2, acceptedFull: 1, acceptedWord: 0, acceptedLine: 1, dismissed: 0 };
+  assert.equal(suggestionSummary(camel), 'suggestions: 2 shown, 2 accepted (1 full, 0 word, 1 line), 0 dismissed');
+});
+
+test('a daemon serving other settings than this editor asks for is not shown as ready', () => {
+  const v = statusView({ state: 'ready', modelMismatch: 'the daemon serves other settings than yours: model' }, undefined, true);
+  assert.match(v.text, /warning/);
+  assert.doesNotMatch(v.tooltip, /ready/);
+  assert.match(v.tooltip, /other settings than yours/);
 });
 
 test('stats render as indented key: value lines', () => {
