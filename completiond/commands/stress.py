@@ -368,9 +368,8 @@ def check_wire_frame(sock_path: Path, frame: bytes, timeout: float = 10.0) -> st
                 if "m" in reply and "id" not in reply:
                     continue
                 break
-            got = reply.get("id")
-            # NaN is echoed as NaN, which never equals itself
-            assert got == reply_id or (got != got and reply_id != reply_id), (msg, reply)
+            # Compared as encoded: a NaN anywhere in the id is echoed as NaN, which never equals itself.
+            assert msgpack.packb(reply.get("id")) == msgpack.packb(reply_id), (msg, reply)
             if "e" in reply:
                 err = reply["e"]
                 assert isinstance(err.get("code"), int) and isinstance(err.get("message"), str) and err["message"], reply
