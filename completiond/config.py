@@ -27,6 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (still supported): the same parser, published as tomli
     import tomli as tomllib
 
+from completiond.fileio import read_at_most
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -216,18 +218,12 @@ def _read_config(path: Path) -> bytes:
             raise ValueError("not a regular file")
         if fst.st_size > MAX_CONFIG_BYTES:
             raise ValueError(f"{fst.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
-        chunks, size = [], 0
-        while size <= MAX_CONFIG_BYTES:
-            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_at_most(fd, MAX_CONFIG_BYTES)
     finally:
         os.close(fd)
-    if size > MAX_CONFIG_BYTES:
+    if data is None:
         raise ValueError(f"over the {MAX_CONFIG_BYTES}-byte limit")
-    return b"".join(chunks)
+    return data
 
 
 def to_settings(cfg: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ RANK = {
     "completiond.models": 2,
     "completiond.config": 1,
     "completiond.errors": 0,
+    "completiond.fileio": 0,
 }
 SOURCES = {"completiond": ROOT / "completiond", "completiond.lsp": ROOT / "lsp", "completiond.models": ROOT / "models"}
 

@@ -39,6 +39,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 import pathspec
 
+from completiond.fileio import read_at_most
+
 log = logging.getLogger(__name__)
 
 # extension -> (language id as editors name it, line comment marker)
@@ -154,20 +156,14 @@ def read_regular(path: str, limit: int, inside: str | None = None) -> tuple[byte
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
             raise Unreadable("replaced while being opened")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_at_most(fd, limit)
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
-    if size > limit:
+    if data is None:
         raise Unreadable(f"grew over the {limit}-byte limit")
-    return b"".join(chunks), fst
+    return data, fst
 
 
 def default_watch_budget() -> int:
