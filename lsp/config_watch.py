@@ -62,10 +62,19 @@ class ConfigWatcher:
         return dirs
 
     def _arm(self) -> None:
+        # A directory on the way may appear between computing what to watch and the watch taking
+        # effect (`mkdir -p` makes several at once): its creation event is then never seen, nor
+        # anything inside it. So arm until what is wanted no longer changes.
+        for _ in range(16):
+            if not self._arm_once():
+                return
+
+    def _arm_once(self) -> bool:
+        """Watch what is wanted now; whether that still differs from what it was when armed."""
         with self._lock:
             obs = self._observer
             if obs is None:
-                return
+                return False
             wanted = self._wanted()
             for directory in [d for d in self._watches if d not in wanted]:
                 try:
@@ -77,6 +86,7 @@ class ConfigWatcher:
                     self._watches[directory] = obs.schedule(_Handler(self), directory, recursive=False)
                 except OSError as exc:  # e.g. no inotify watches left: edits then need an editor restart
                     log.warning("cannot watch %s for changes of %s: %s", directory, self.path, exc)
+            return self._wanted() != wanted
 
     def _relevant(self, *paths: str) -> bool:
         real = os.path.realpath(self.path)
