@@ -423,7 +423,7 @@ class Engine:
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, remaining)
                 if draft is not None and remaining > 0:
-                    new = self.speculative_round(seq, pending, out, draft, max(k, 1), threshold, warp, rng, constraint,
+                    new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint,
                                                  stats, cancel, limit=remaining)
                     if new is None:
                         finish = "cancelled"

@@ -118,7 +118,8 @@ class Forward:
                 q_norm=attn.q_norm.weight.detach() if adapter.qk_norm else None,
                 k_norm=attn.k_norm.weight.detach() if adapter.qk_norm else None,
             ))
-        if _keep_transposed(device, self.layers):  # (decided again below for the head, same answer)
+        self.transposed = _keep_transposed(device, self.layers)
+        if self.transposed:
             for L in self.layers:
                 L.qkv_t, L.o_t = L.qkv.t().contiguous(), L.o.t().contiguous()
                 L.gate_up_t, L.down_t = L.gate_up.t().contiguous(), L.down.t().contiguous()
@@ -127,7 +128,6 @@ class Forward:
         self.embed_w = adapter.embed.weight.detach()
         self.head_w = adapter.lm_head.weight.detach()
         self.head_b = _bias(adapter.lm_head)
-        self.transposed = _keep_transposed(device, self.layers)
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
