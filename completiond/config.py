@@ -40,6 +40,7 @@ class Setting:
     minimum: float | None = None
     maximum: float | None = None
     check: Any = None  # optional: check(value) raises ValueError with the reason (beyond type, enum and range)
+    scope: str = "window"  # VS Code's configuration scope; "machine": user settings only, never a workspace's
 
     @property
     def attr(self) -> str:
@@ -80,6 +81,26 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cacheMegabytes", int, 0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20),
     Setting("idleTimeout", int, 900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600),
     Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug")),
+    # A team server instead of the local model (completiond/backends/remote.py). Editors offer these as
+    # machine settings (VS Code scope "machine"): a repository's own workspace settings cannot send its
+    # reader's code to a server of its choosing.
+    Setting("backend", str, "local", "Where suggestions are generated: local (the model in the daemon), openai (an "
+            "OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill "
+            "(llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets "
+            "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine"),
+    Setting("endpoint", str, "", "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
+            "TLS certificates are verified.", check=lambda value: _check_url(value), scope="machine"),
+    Setting("endpointModel", str, "", "The model name the server serves it under (the request's model field; "
+            "with fimTemplate auto it also picks the FIM template).", scope="machine"),
+    Setting("apiKeyEnv", str, "", "Name of the environment variable that holds the server's API key (the key itself is "
+            "never a setting).", scope="machine"),
+    Setting("apiKeyFile", str, "", "File that holds the server's API key on one line; it must be readable by you "
+            "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine"),
+    Setting("endpointCaFile", str, "", "PEM file of the certificate authority that signed the server's certificate, "
+            "for a private CA (verification stays on).", scope="machine"),
+    Setting("endpointTimeout", float, 10.0, "Seconds to wait for the completion server (to connect, or between two "
+            "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
+            scope="machine"),
 )
 
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
@@ -122,6 +143,19 @@ def _coerce(setting: Setting, value: Any) -> Any:
     if setting.check is not None:
         setting.check(value)
     return value
+
+
+def _check_url(value: str) -> None:
+    """An endpoint is an http(s) base URL without credentials (those belong in apiKeyEnv / apiKeyFile)."""
+    if not value:
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    if parts.username or parts.password:
+        raise ValueError("credentials in the URL are not accepted; use apiKeyEnv or apiKeyFile")
 
 
 def _check_exclude(value: str) -> None:
@@ -247,6 +281,8 @@ def schema() -> list[dict[str, Any]]:
             item["minimum"] = s.minimum
         if s.maximum is not None:
             item["maximum"] = s.maximum
+        if s.scope != "window":
+            item["scope"] = s.scope
         out.append(item)
     return out
 
@@ -276,7 +312,8 @@ def _default(v: Any) -> str:
 
 
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
-ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes")
+ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes",
+               "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout")
 
 # What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP
 # restarts it by itself only when the user changes them; a daemon another editor started is left alone).

@@ -68,7 +68,8 @@ def vscode_property(item: dict) -> dict:
         prop["minimum"] = item["minimum"]
     if "maximum" in item:
         prop["maximum"] = item["maximum"]
-    prop["scope"] = "window"  # one daemon serves every workspace
+    # One daemon serves every workspace; "machine" settings (a team backend) come from user settings only.
+    prop["scope"] = item.get("scope", "window")
     return prop
 
 

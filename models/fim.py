@@ -325,3 +325,30 @@ def _adds_dummy_prefix(tpl: FimTemplate) -> bool:
     first = tpl.tokenizer.convert_ids_to_tokens(ids[0])
     return isinstance(first, str) and first.startswith("▁")
 
+
+
+@dataclass(frozen=True)
+class TextLayout:
+    """A family's FIM layout as the text spellings of its special tokens, for servers that tokenize
+    prompts themselves (a team backend): there is no tokenizer here to turn them into ids."""
+
+    name: str
+    prefix: str | None
+    suffix: str | None
+    middle: str | None
+    spm: bool
+    psm: bool
+    ends: tuple[str, ...]
+    file_sep: str | None
+    repo_name: str | None
+    context_style: str
+    prefix_leading_space: bool
+
+
+def text_layout(name: str) -> TextLayout:
+    """The layout of template `name` (one of TEMPLATE_NAMES); FimError for an unknown name."""
+    fam = _FAMILIES.get(name)
+    if fam is None:
+        raise FimError(f"unknown FIM template {name!r}; expected one of {', '.join(TEMPLATE_NAMES)}")
+    return TextLayout(fam.name, fam.prefix, fam.suffix, fam.middle, fam.spm, fam.psm, fam.ends, fam.file_sep,
+                      fam.repo_name, fam.context_style, fam.prefix_leading_space)

@@ -24,6 +24,7 @@ RANK = {
     "completiond.serving": 5,
     "completiond.completion": 4,
     "completiond.engine": 3,
+    "completiond.backends": 3,   # a team server in the engine's place: neither imports the other
     "completiond.models": 2,
     "completiond.config": 1,
     "completiond.errors": 0,

@@ -27,6 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime-dir", type=Path, help="directory for the socket (default: $XDG_RUNTIME_DIR/completiond)")
     parser.add_argument("--config", type=Path, help="config.toml to read (default: ~/.config/completiond/config.toml)")
     parser.add_argument("--log-level", choices=("error", "warning", "info", "debug"))
+    team = parser.add_argument_group("team backend (see README, For teams)")
+    team.add_argument("--backend", choices=("local", "openai", "llamacpp-infill"))
+    team.add_argument("--endpoint", help="base URL of the completion server")
+    team.add_argument("--endpoint-model", help="model name the server serves")
+    team.add_argument("--api-key-env", help="environment variable holding the API key")
+    team.add_argument("--api-key-file", help="file holding the API key (mode 600)")
+    team.add_argument("--endpoint-ca-file", help="CA certificate (PEM) for a private CA")
+    team.add_argument("--endpoint-timeout", type=float, help="seconds to wait for the server")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
@@ -34,7 +42,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     overrides = {"model": resolve_model(args.model) if args.model else None, "device": args.device,
                  "dtype": args.dtype, "trustRemoteCode": args.trust_remote_code, "cacheMegabytes": args.cache_mb,
                  "idleTimeout": int(args.idle_timeout) if args.idle_timeout is not None and args.idle_timeout >= 5 else None,
-                 "logLevel": args.log_level}
+                 "logLevel": args.log_level, "backend": args.backend, "endpoint": args.endpoint,
+                 "endpointModel": args.endpoint_model, "apiKeyEnv": args.api_key_env, "apiKeyFile": args.api_key_file,
+                 "endpointCaFile": args.endpoint_ca_file, "endpointTimeout": args.endpoint_timeout}
     cfg, more = config_mod.merge(cfg, overrides)
     return cfg, errors + more
 

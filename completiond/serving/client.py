@@ -163,6 +163,11 @@ class DaemonClient:
 # --- finding or starting the daemon ---------------------------------------------------
 
 
+REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpointModel", "--endpoint-model"),
+                ("apiKeyEnv", "--api-key-env"), ("apiKeyFile", "--api-key-file"),
+                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"))
+
+
 def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "completiond.cli", "serve"]
     model = settings.get("model") or ""
@@ -174,6 +179,12 @@ def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) 
             cmd += [flag, str(settings[key])]
     if settings.get("trustRemoteCode"):
         cmd.append("--trust-remote-code")
+    for key, flag in REMOTE_FLAGS:  # a team backend; the API key itself never goes on a command line
+        value = settings.get(key)
+        if value not in (None, ""):
+            if key in ("apiKeyFile", "endpointCaFile"):
+                value = os.path.abspath(os.path.expanduser(str(value)))  # the daemon runs in /
+            cmd += [flag, str(value)]
     idle = idle_timeout if idle_timeout is not None else settings.get("idleTimeout")
     if idle is not None:
         cmd += ["--idle-timeout", str(idle)]

@@ -68,7 +68,17 @@ def progress_report(phase: str, percentage: int) -> dict[str, Any]:
 
 def load_engine(cfg: Any, progress: ProgressFn | None = None):
     """Engine.load with the settings of `cfg`, then one tiny generation so that the first real request
-    does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop."""
+    does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop.
+
+    A remote backend (a team server) replaces the engine: it loads nothing and imports no torch; the
+    server is first asked with the first completion."""
+    if cfg.backend != "local":
+        from completiond.backends.remote import RemoteBackend
+
+        backend = RemoteBackend(cfg)
+        if progress is not None:
+            progress("ready", LOAD_PHASES["ready"][0])
+        return backend
     from completiond.engine.engine import Engine, SamplingParams
 
     cache = cfg.cache_megabytes * 1024 * 1024 if cfg.cache_megabytes else None
@@ -146,6 +156,9 @@ class Service:
 
         def load():
             engine = self._loader(self.cfg, progress=progress) if takes_progress else self._loader(self.cfg)
+            if getattr(engine, "kind", "") == "remote":
+                self.engine = engine  # the scheduler's own (torch-free) token is the one it polls
+                return engine
             try:
                 from completiond.engine.engine import CancelToken
                 self.scheduler.set_token_factory(CancelToken)
@@ -175,7 +188,9 @@ class Service:
             log.info("model %s ready on %s", self.model_id, getattr(self.engine, "device", "?"))
             self._set_state("ready")
         else:
-            self.error = f"cannot load model {self.cfg.model or '(bundled default)'}: {outcome.value}"
+            what = (f"backend {self.cfg.backend} ({self.cfg.endpoint or 'no endpoint'})" if self.cfg.backend != "local"
+                    else f"model {self.cfg.model or '(bundled default)'}")
+            self.error = f"cannot load {what}: {outcome.value}"
             log.error("%s", self.error)
             self._set_state("error")
 
@@ -470,6 +485,8 @@ class Service:
 
         if self.engine is None:
             raise RuntimeError(self.error or "model not loaded")
+        if getattr(self.engine, "kind", "") == "remote":
+            return self._run_remote(text, offset, cfg, token, path, language, client)
         start = time.perf_counter()
         rounds = 0
         after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
@@ -511,6 +528,30 @@ class Service:
             "stats": stats,
             "latency_ms": round(latency, 2),
         }
+
+    def _run_remote(self, text: str, offset: int, cfg: Any, token: Any, path: str | None, language: str | None,
+                    client: Hashable) -> dict[str, Any]:
+        """On the worker thread: one completion from the team server (completion/remote.py). The same
+        context rules apply: the workspace picks the snippets, and they are all that leaves with the
+        document's windows."""
+        from completiond.completion.remote import suggest_remote
+
+        start = time.perf_counter()
+        self._call_soon(self._set_state, "busy")
+        context = self._context(client, cfg, path, language)
+        found, gen, warnings = suggest_remote(self.engine, text, offset, cfg, cancel=token, path=path,
+                                              language=language, context=context)
+        latency = (time.perf_counter() - start) * 1000
+        if gen is None:
+            return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
+                    "latency_ms": round(latency, 2), "warnings": warnings}
+        stats = dict(gen.stats)
+        if stats.get("generated_tokens") and stats.get("total_ms"):
+            stats["tokens_per_s"] = round(stats["generated_tokens"] / (stats["total_ms"] / 1000), 1)
+            stats["decode_ms"] = stats["total_ms"]
+        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in found]
+        return {"warnings": warnings, "suggestion": suggestions[0] if suggestions else None, "suggestions": suggestions,
+                "finish_reason": gen.finish_reason, "stats": stats, "latency_ms": round(latency, 2)}
 
     def _free_memory(self) -> None:
         """Worker thread: empty the engine's prefix KV cache and return freed GPU memory."""

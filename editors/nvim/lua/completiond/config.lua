@@ -105,6 +105,20 @@ M.defaults = {
     idleTimeout = 900,
     -- Log verbosity of the daemon and the LSP server. (string; one of "error", "warning", "info", "debug")
     logLevel = "info",
+    -- Where suggestions are generated: local (the model in the daemon), openai (an OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill (llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets counted as 4 characters per token. (string; one of "local", "openai", "llamacpp-infill")
+    backend = "local",
+    -- Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); TLS certificates are verified. (string)
+    endpoint = "",
+    -- The model name the server serves it under (the request's model field; with fimTemplate auto it also picks the FIM template). (string)
+    endpointModel = "",
+    -- Name of the environment variable that holds the server's API key (the key itself is never a setting). (string)
+    apiKeyEnv = "",
+    -- File that holds the server's API key on one line; it must be readable by you only (chmod 600). Used when apiKeyEnv is empty. (string)
+    apiKeyFile = "",
+    -- PEM file of the certificate authority that signed the server's certificate, for a private CA (verification stays on). (string)
+    endpointCaFile = "",
+    -- Seconds to wait for the completion server (to connect, or between two parts of its answer) before reporting it and retrying with backoff. (number; range 0.5..300)
+    endpointTimeout = 10.0,
     -- END GENERATED SETTINGS
   },
 }

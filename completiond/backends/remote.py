@@ -1,0 +1,424 @@
+"""A team's completion server as the backend: OpenAI-compatible `/v1/completions` (vLLM, SGLang, TGI,
+llama.cpp's `llama-server`) or llama.cpp's native `/infill`.
+
+`RemoteBackend.complete` sends one prompt (text: these servers tokenize themselves), streams the
+answer, hands the text so far to the caller after every event (the caller's stop rules may end the
+stream early: closing the connection is how the server learns to stop), and lets go within
+`http.POLL_S` of a cancel. Every failure becomes one `RemoteError` whose message names the URL, what
+happened and what to do; after a failure the backend waits before it asks the server again (doubling
+from 0.5 s up to 30 s, or what a 429's Retry-After asks), and until then answers with the same error at
+once, so a dead server costs a keystroke nothing and the editor shows the message once.
+
+The API key comes from an environment variable or a file, never from the settings themselves (editors
+sync those); it is sent only as the `Authorization` header to the configured endpoint and never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import ssl
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from completiond.backends import http
+from completiond.errors import CompletionError
+
+log = logging.getLogger(__name__)
+
+API_PATHS = {"openai": "/v1/completions", "llamacpp-infill": "/infill"}
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 30.0
+RETRY_AFTER_MAX_S = 120.0
+MAX_KEY_FILE_BYTES = 4096
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class RemoteError(CompletionError):
+    """The completion server could not serve a request. `kind`: config | refused | timeout | tls |
+    network | unauthorized | not_found | rate_limited | rejected | server | malformed."""
+
+    def __init__(self, kind: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.retry_after = retry_after
+
+
+@dataclass
+class RemoteRequest:
+    """What is sent: for `openai` the whole prompt (FIM layout included); for `llamacpp-infill` the
+    prefix, suffix and context files, which the server lays out with the model's own FIM tokens."""
+
+    prompt: str = ""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[tuple[str, str]] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def chars(self) -> int:
+        return len(self.prompt) + len(self.input_prefix) + len(self.input_suffix) + sum(
+            len(p) + len(t) for p, t in self.input_extra)
+
+
+@dataclass
+class RemoteGeneration:
+    text: str
+    finish_reason: str          # stop | length | stop-rule | cancelled
+    stats: dict[str, Any]
+
+
+def read_api_key(key_env: str, key_file: str) -> str | None:
+    """The API key from the environment variable named `key_env`, else the file `key_file`; None when
+    neither is set. RemoteError("config") when one is set but unusable. The file must be private
+    (not readable by group or others, as ssh demands of keys) and hold one line."""
+    if key_env:
+        if not _ENV_NAME.fullmatch(key_env):
+            raise RemoteError("config", f"apiKeyEnv {key_env!r} is not an environment variable name")
+        value = os.environ.get(key_env, "").strip()
+        if not value:
+            raise RemoteError("config", f"apiKeyEnv names ${key_env}, which is not set in the daemon's environment "
+                                        "(set it where the editor starts, then restart the daemon)")
+        return _check_key(value, f"${key_env}")
+    if not key_file:
+        return None
+    path = os.path.expanduser(key_file)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RemoteError("config", f"apiKeyFile {key_file}: cannot open it: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RemoteError("config", f"apiKeyFile {key_file}: not a regular file")
+        if st.st_mode & 0o077:
+            raise RemoteError("config", f"apiKeyFile {key_file}: readable by other users (mode "
+                                        f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it")
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise RemoteError("config", f"apiKeyFile {key_file}: owned by another user")
+        data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise RemoteError("config", f"apiKeyFile {key_file}: over {MAX_KEY_FILE_BYTES} bytes; an API key is one line")
+    try:
+        lines = [ln.strip() for ln in data.decode("ascii").splitlines() if ln.strip()]
+    except UnicodeDecodeError:
+        raise RemoteError("config", f"apiKeyFile {key_file}: not ASCII text; an API key is one line") from None
+    if len(lines) != 1:
+        # A multi-line file is not a key but, say, a private key picked by mistake: never send that.
+        raise RemoteError("config", f"apiKeyFile {key_file}: expected the key on one line, found {len(lines)} lines")
+    return _check_key(lines[0], f"apiKeyFile {key_file}")
+
+
+def _check_key(value: str, where: str) -> str:
+    if value.startswith("-----BEGIN") or any(c.isspace() or not c.isprintable() for c in value):
+        raise RemoteError("config", f"{where}: does not look like an API key (one word of printable characters)")
+    return value
+
+
+class RemoteBackend:
+    """The remote server for the settings `cfg` (a Config). Thread-safe for one worker thread plus
+    status readers. `tokenizer` is None: prompts are text, budgets are counted in characters."""
+
+    kind = "remote"
+    tokenizer = None
+
+    def __init__(self, cfg: Any):
+        self.api = cfg.backend
+        if self.api not in API_PATHS:
+            raise RemoteError("config", f"backend {self.api!r} is not a remote API; expected one of "
+                                        f"{', '.join(API_PATHS)}")
+        if not cfg.endpoint:
+            raise RemoteError("config", f"backend {self.api} needs completiond.endpoint, the server's base URL "
+                                        "(e.g. http://gpu-box:8000)")
+        try:
+            self.endpoint = http.Endpoint.parse(cfg.endpoint)
+        except ValueError as exc:
+            raise RemoteError("config", f"endpoint: {exc}") from None
+        self.path = API_PATHS[self.api]
+        self.url = self.endpoint.url(self.path)
+        self.served_model = cfg.endpoint_model
+        self.timeout_s = float(cfg.endpoint_timeout)
+        self._key = read_api_key(cfg.api_key_env, cfg.api_key_file)
+        self._tls = None
+        if self.endpoint.scheme == "https":
+            try:
+                self._tls = ssl.create_default_context(cafile=os.path.expanduser(cfg.endpoint_ca_file) or None)
+            except (OSError, ssl.SSLError) as exc:
+                raise RemoteError("config", f"endpointCaFile {cfg.endpoint_ca_file}: {exc}") from None
+        self.model_id = f"{self.served_model or '(server default)'} at {self.endpoint.url()}"
+        self.device = "remote"
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error: RemoteError | None = None
+        self.requests_sent = 0      # what reached the server (tests and stats read it)
+
+    # -- retry with backoff ----------------------------------------------------------------------
+    def backoff(self) -> RemoteError | None:
+        """The last error while the backend waits before asking the server again, else None."""
+        with self._lock:
+            if self._last_error is not None and time.monotonic() < self._retry_at:
+                return self._last_error
+            return None
+
+    def _failed(self, error: RemoteError) -> RemoteError:
+        with self._lock:
+            self._failures += 1
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._failures - 1))
+            if error.retry_after is not None:
+                delay = min(RETRY_AFTER_MAX_S, max(delay, error.retry_after))
+            self._retry_at = time.monotonic() + delay
+            self._last_error = error
+        log.warning("%s (next try in %.1f s)", error, delay)
+        return error
+
+    def _succeeded(self) -> None:
+        with self._lock:
+            if self._failures:
+                log.info("completion server %s answers again", self.endpoint.url())
+            self._failures = 0
+            self._retry_at = 0.0
+            self._last_error = None
+
+    # -- one request -----------------------------------------------------------------------------
+    def body(self, req: RemoteRequest) -> dict[str, Any]:
+        if self.api == "openai":
+            body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": req.temperature,
+                                    "top_p": req.top_p, "seed": req.seed, "stream": True,
+                                    "stream_options": {"include_usage": True}}
+            if self.served_model:
+                body["model"] = self.served_model
+            if req.top_k > 0:
+                body["top_k"] = req.top_k  # not OpenAI's, but vLLM, SGLang, TGI and llama.cpp take it
+        else:
+            body = {"input_prefix": req.input_prefix, "input_suffix": req.input_suffix,
+                    "input_extra": [{"filename": p, "text": t} for p, t in req.input_extra],
+                    "prompt": "", "n_predict": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                    "top_k": req.top_k, "seed": req.seed, "stream": True, "cache_prompt": True}
+        if req.stop:
+            body["stop"] = list(req.stop)
+        return body
+
+    def complete(self, req: RemoteRequest, *, cancel: Any,
+                 on_text: Callable[[str], bool] | None = None) -> RemoteGeneration:
+        """Stream one completion. on_text(text so far) returns True to end it there (the stream is
+        closed). Raises RemoteError; a cancel returns finish_reason "cancelled"."""
+        waiting = self.backoff()
+        if waiting is not None:
+            raise waiting
+        payload = json.dumps(self.body(req)).encode("utf-8")
+        headers = {"Accept": "text/event-stream"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        start = time.perf_counter()
+        stats: dict[str, Any] = {"prompt_chars": req.chars, "remote": True}
+        response = None
+        try:
+            self.requests_sent += 1
+            response = http.post(self.endpoint, self.path, payload, headers, cancel=cancel,
+                                 connect_s=min(self.timeout_s, 5.0), stall_s=self.timeout_s,
+                                 total_s=max(self.timeout_s, 5.0) * 6, tls=self._tls)
+            if response.status != 200:
+                raise self._failed(self._status_error(response))
+            gen = self._read_stream(response, on_text, stats, start)
+        except http.Cancelled:
+            return RemoteGeneration("", "cancelled", self._finish_stats(stats, start))
+        except http.HttpFailure as exc:
+            raise self._failed(self._transport_error(exc)) from None
+        finally:
+            if response is not None:
+                response.close()
+        if gen.finish_reason == "cancelled":
+            return gen
+        self._succeeded()
+        return gen
+
+    def _read_stream(self, response: http.Response, on_text: Callable[[str], bool] | None,
+                     stats: dict[str, Any], start: float) -> RemoteGeneration:
+        ctype = response.headers.get("content-type", "")
+        if "text/event-stream" not in ctype:
+            if "json" in ctype:  # a server that ignored "stream": one JSON answer is still an answer
+                body = response.read_body(1 << 20)
+                text, finish = self._event(self._json(body.decode("utf-8", errors="replace")), stats)
+                return self._done(text, finish or "stop", on_text, stats, start)
+            raise self._failed(self._malformed(f"expected an event stream, got content type {ctype or 'none'!r}"))
+        text = ""
+        finish = None
+        events = 0
+        for data in http.sse_events(response.chunks()):
+            if data.strip() == "[DONE]":
+                finish = finish or "stop"
+                break
+            piece, reason = self._event(self._json(data), stats)
+            events += 1
+            if piece and "ttft_ms" not in stats:
+                stats["ttft_ms"] = round((time.perf_counter() - start) * 1000, 2)
+            text += piece
+            finish = reason or finish
+            stats["rounds"] = events
+            if piece and on_text is not None and on_text(text):
+                return RemoteGeneration(text, "stop-rule", self._finish_stats(stats, start, text))
+            if finish is not None and self.api == "llamacpp-infill":
+                break  # the native API's last event says stop; there is no [DONE]
+        if finish is None:
+            raise self._failed(RemoteError("network", f"the completion server at {self.endpoint.url()} ended the "
+                                           "stream before the completion finished (did it stop or restart?); "
+                                           "completiond retries with backoff"))
+        return self._done(text, finish, on_text, stats, start)
+
+    def _done(self, text: str, finish: str, on_text, stats, start) -> RemoteGeneration:
+        if text and on_text is not None and on_text(text):
+            finish = "stop-rule"
+        return RemoteGeneration(text, finish, self._finish_stats(stats, start, text))
+
+    def _finish_stats(self, stats: dict[str, Any], start: float, text: str = "") -> dict[str, Any]:
+        stats["total_ms"] = round((time.perf_counter() - start) * 1000, 2)
+        stats["generated_chars"] = len(text)
+        stats.setdefault("rounds", 0)
+        return stats
+
+    def _json(self, data: str) -> dict[str, Any]:
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise self._failed(self._malformed(f"an event is not JSON: {data[:60]!r}")) from None
+        if not isinstance(obj, dict):
+            raise self._failed(self._malformed(f"an event is not a JSON object: {data[:60]!r}"))
+        return obj
+
+    def _event(self, obj: dict[str, Any], stats: dict[str, Any]) -> tuple[str, str | None]:
+        """(text, finish reason or None) of one event; usage and llama.cpp timings go into stats."""
+        if "error" in obj:
+            err = obj["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            raise self._failed(RemoteError("server", f"the completion server at {self.endpoint.url()} failed during "
+                                           f"the completion: {_clip(str(message))}; completiond retries with backoff"))
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            for ours, theirs in (("prompt_tokens", "prompt_tokens"), ("generated_tokens", "completion_tokens")):
+                if isinstance(usage.get(theirs), int):
+                    stats[ours] = usage[theirs]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if isinstance(cached, int):
+                stats["reused_tokens"] = cached
+        timings = obj.get("timings")
+        if isinstance(timings, dict):  # llama.cpp: prompt_n evaluated now, cache_n served from its cache
+            prompt_n, cache_n = timings.get("prompt_n"), timings.get("cache_n")
+            if isinstance(prompt_n, int) and isinstance(cache_n, int):
+                stats["prompt_tokens"] = prompt_n + cache_n
+                stats["reused_tokens"] = cache_n
+            if isinstance(timings.get("predicted_n"), int):
+                stats["generated_tokens"] = timings["predicted_n"]
+        if self.api == "llamacpp-infill":
+            piece = obj.get("content", "")
+            if not isinstance(piece, str):
+                raise self._failed(self._malformed("an event's content is not a string"))
+            reason = None
+            if obj.get("stop") is True:
+                reason = "length" if obj.get("stop_type") == "limit" else "stop"
+            return piece, reason
+        choices = obj.get("choices")
+        if choices == [] and usage is not None:
+            return "", None  # the usage-only event of stream_options.include_usage
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._failed(self._malformed("an event has no choices"))
+        piece = choices[0].get("text", "")
+        if not isinstance(piece, str):
+            raise self._failed(self._malformed("an event's text is not a string"))
+        reason = choices[0].get("finish_reason")
+        return piece, (str(reason) if reason else None)
+
+    # -- messages --------------------------------------------------------------------------------
+    def _malformed(self, detail: str) -> RemoteError:
+        return RemoteError("malformed", f"the completion server at {self.url} sent a malformed stream ({detail}); "
+                                        f"is it an OpenAI-compatible or llama.cpp server (backend {self.api})? "
+                                        "completiond retries with backoff")
+
+    def _transport_error(self, exc: http.HttpFailure) -> RemoteError:
+        where = self.endpoint.url()
+        if exc.kind == "refused":
+            return RemoteError("refused", f"cannot reach the completion server at {where} (connection refused): "
+                                          "is it running, and is completiond.endpoint right? completiond retries "
+                                          "with backoff")
+        if exc.kind == "timeout":
+            return RemoteError("timeout", f"the completion server at {where} did not answer in time ({exc.detail}; "
+                                          f"endpointTimeout is {self.timeout_s:g} s); completiond retries with backoff")
+        if exc.kind == "tls":
+            return RemoteError("tls", f"TLS with {where} failed: {_clip(exc.detail)}; for a private CA set "
+                                      "completiond.endpointCaFile to its certificate (verification stays on)")
+        if exc.kind == "protocol":
+            return self._malformed(exc.detail)
+        return RemoteError("network", f"the completion server at {where} could not be used: {exc.detail}; "
+                                      "completiond retries with backoff")
+
+    def _status_error(self, response: http.Response) -> RemoteError:
+        try:
+            body = response.read_body().decode("utf-8", errors="replace")
+        except (http.HttpFailure, http.Cancelled):
+            body = ""
+        detail = _server_message(body)
+        status = response.status
+        said = f" (the server says: {detail})" if detail else ""
+        if status in (401, 403):
+            return RemoteError("unauthorized", f"the completion server at {self.endpoint.url()} refused the request "
+                                               f"(HTTP {status}){said}: set completiond.apiKeyEnv or apiKeyFile to a "
+                                               "valid API key, then restart the daemon")
+        if status == 404:
+            return RemoteError("not_found", f"{self.url} does not exist (HTTP 404){said}: completiond.endpoint is the "
+                                            f"server's base URL, and backend {self.api} needs a server with "
+                                            f"{self.path}; check endpointModel ({self.served_model or 'unset'})")
+        if status == 429:
+            retry = _retry_after(response.headers.get("retry-after", ""))
+            return RemoteError("rate_limited", f"the completion server at {self.endpoint.url()} is rate limiting "
+                                               f"(HTTP 429){said}; completiond waits as it asks, then retries",
+                               retry_after=retry)
+        if status >= 500:
+            return RemoteError("server", f"the completion server at {self.endpoint.url()} failed (HTTP {status})"
+                                         f"{said}; completiond retries with backoff")
+        return RemoteError("rejected", f"the completion server at {self.url} rejected the request (HTTP {status})"
+                                       f"{said}; check endpointModel ({self.served_model or 'unset'}) and backend "
+                                       f"({self.api})")
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _server_message(body: str) -> str:
+    """The message of an error body ({"error": {"message"}}, {"error": "..."}, {"message"}, or text)."""
+    body = body.strip()
+    if not body:
+        return ""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return _clip(body)
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, dict):
+            err = err.get("message") or err.get("detail") or ""
+        return _clip(str(err))
+    return _clip(body)
+
+
+def _retry_after(value: str) -> float | None:
+    value = value.strip()
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # an HTTP date: rare from these servers; the doubling backoff applies

@@ -1,0 +1,197 @@
+"""Servers for the team-backend tests: a stdlib HTTP server that misbehaves on purpose (each failure a
+completion server can show), and llama.cpp's real `llama-server` serving the bundled model as GGUF.
+Both listen on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+
+class Misbehaving:
+    """What the next requests get. `mode`: stream | status | malformed | stall | die | json."""
+
+    def __init__(self):
+        self.mode = "stream"
+        self.pieces: list[str] = ["hello", " world"]
+        self.status = 500
+        self.body = b'{"error": {"message": "boom"}}'
+        self.headers: dict[str, str] = {}
+        self.requests: list[dict] = []        # {"path", "headers", "body"} per request
+        self.client_closed = threading.Event()  # a handler saw the client hang up mid-stream
+        self.release = threading.Event()       # ends a stall
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet test output
+        pass
+
+    def do_POST(self):  # noqa: N802 (the stdlib's name)
+        plan: Misbehaving = self.server.plan  # type: ignore[attr-defined]
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"{}")
+        plan.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+        if plan.mode == "status":
+            self.send_response(plan.status)
+            for k, v in plan.headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(plan.body)))
+            self.end_headers()
+            self.wfile.write(plan.body)
+            return
+        if plan.mode == "json":
+            data = json.dumps({"choices": [{"text": "".join(plan.pieces), "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        if plan.mode == "malformed":
+            self._chunk(b"data: {not json\n\n")
+            self._chunk(b"")
+            return
+        infill = self.path.endswith("/infill")
+        for piece in plan.pieces:
+            event = {"content": piece, "stop": False} if infill else {"choices": [{"text": piece, "finish_reason": None}]}
+            self._chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if plan.mode == "die":
+            self.connection.shutdown(socket.SHUT_RDWR)  # no terminating chunk: the stream breaks off
+            return
+        if plan.mode == "stall":
+            # Bounded: the test releases it, or the client hangs up (which is what cancelling must do).
+            for _ in range(400):
+                if plan.release.is_set():
+                    break
+                ready, _, _ = select.select([self.connection], [], [], 0.025)
+                if ready and not self.connection.recv(1, socket.MSG_PEEK):
+                    plan.client_closed.set()
+                    return
+            return
+        last = {"content": "", "stop": True} if infill else {"choices": [{"text": "", "finish_reason": "stop"}]}
+        self._chunk(b"data: " + json.dumps(last).encode() + b"\n\n")
+        if not infill:
+            self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _chunk(self, data: bytes) -> None:
+        try:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self.server.plan.client_closed.set()  # type: ignore[attr-defined]
+
+
+class FakeServer:
+    def __init__(self):
+        self.plan = Misbehaving()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.plan = self.plan  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.plan.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- llama.cpp's server ------------------------------------------------------------------------------
+
+def llama_server_binary() -> str | None:
+    """COMPLETIOND_LLAMA_SERVER (what .ci/run builds), else llama-server on PATH."""
+    path = os.environ.get("COMPLETIOND_LLAMA_SERVER") or shutil.which("llama-server")
+    return path if path and os.access(path, os.X_OK) else None
+
+
+def need_llama_server() -> str:
+    """The binary, or a skip outside CI; in CI (CI=true) its absence fails the test: .ci/run builds it."""
+    binary = llama_server_binary()
+    if binary is None:
+        message = ("llama.cpp's llama-server not found: run `bash .ci/llama_server.sh` and set "
+                   "COMPLETIOND_LLAMA_SERVER to the path it prints")
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+class LlamaServer:
+    """llama-server on 127.0.0.1 serving a GGUF file, started and stopped by the test."""
+
+    def __init__(self, binary: str, gguf: Path, log: Path, alias: str = "completiond-py-mini"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.alias = alias
+        self.log = log
+        self._log = open(log, "wb")
+        # One slot (like one GPU box serving one developer here), 2 threads, no web UI.
+        self.proc = subprocess.Popen(
+            [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "--alias", alias,
+             "-c", "4096", "-np", "1", "-t", "2", "--no-webui"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float = 120.0) -> None:
+        for _ in range(int(timeout / 0.1)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.log_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"llama-server not healthy within {timeout:g} s: {self.log_text()[-2000:]}")
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str) -> object:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()
