@@ -18,6 +18,8 @@ from completiond.engine.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
+DRAFTS = ("early_exit", "adapter")
+
 
 @dataclass
 class Calibration:
@@ -31,6 +33,8 @@ class Calibration:
     draft_vocab: list = field(default_factory=list)
     # Prompt-lookup (n-gram) drafts before the early-exit draft.
     prompt_lookup: bool = False
+    # The model draft: "early_exit" (layers [0, E) + head) or "adapter" (through the trained exit adapter).
+    draft: str = "early_exit"
 
     @classmethod
     def heuristic(cls, num_layers: int) -> "Calibration":
@@ -49,7 +53,10 @@ class Calibration:
             measured=dict(data.get("measured", {})),
             draft_vocab=[int(t) for t in data.get("draft_vocab", [])],
             prompt_lookup=bool(data.get("prompt_lookup", False)),
+            draft=str(data.get("draft", "early_exit")),
         )
+        if cal.draft not in DRAFTS:
+            raise ValueError(f"unknown draft {cal.draft!r} (known: {', '.join(DRAFTS)})")
         if not 1 <= cal.exit_layer < num_layers or not 1 <= cal.draft_k <= 32 or not 0 <= cal.threshold <= 1:
             raise ValueError(f"calibration out of range for a {num_layers}-layer model: {data}")
         return cal

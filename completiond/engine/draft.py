@@ -33,22 +33,38 @@ class Proposal:
     masks: list  # the constraint mask used at each of the k positions (or None)
     exit_states: torch.Tensor  # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
-    kind: str = "early_exit"   # "early_exit" | "lookup" | "none" (for stats)
+    kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
 
 
 class Draft(Protocol):
     exit_layer: int
+    # A layer whose hidden states the draft wants to see for every committed position (the exit
+    # adapter's), or None; the engine then splits its passes there and calls observe().
+    tap_layer: int | None
 
     def propose(self, seq: "KVSequence", pending: int, generated: list[int], k_max: int, threshold: float,
                 warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None, limit: int) -> Proposal: ...
+
+    def observe(self, seq: "KVSequence", pos: int, states: torch.Tensor, eager: bool = False) -> None:
+        """Positions [pos, pos + n) were committed; states [1, n, d] are theirs at tap_layer."""
 
 
 class EarlyExitDraft:
     """Layers [0, E) + final norm + the shared LM head of the target model itself."""
 
+    kind = "early_exit"
+    tap_layer: int | None = None
+
     def __init__(self, engine: "Engine", exit_layer: int):
         self.engine = engine
         self.exit_layer = exit_layer
+
+    def observe(self, seq, pos, states, eager=False) -> None:
+        pass
+
+    def draft_logits(self, seq: "KVSequence", h: torch.Tensor, pos: int) -> torch.Tensor:
+        """Draft logits [Vd] for the token after position pos, whose layer-E state is h [1, 1, d]."""
+        return self.engine.draft_head(h)
 
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
@@ -64,7 +80,7 @@ class EarlyExitDraft:
             states.append(h)
             mask = None if constraint is None else constraint(generated + tokens)
             sub_mask = mask if mask is None or ids is None else mask[ids]
-            logits = sampling.mask_logits(eng.draft_head(h), sub_mask)  # [Vd]
+            logits = sampling.mask_logits(self.draft_logits(seq, h, seq.length + i), sub_mask)  # [Vd]
             if not torch.isfinite(logits.max()):
                 break  # the constraint leaves the draft nothing: the verifier decides
             if warp.greedy:
@@ -86,7 +102,7 @@ class EarlyExitDraft:
                 break
             x = tok
         return Proposal(tokens, torch.stack(probs) if probs else None, masks, torch.cat(states, dim=1),
-                        exit_layer=self.exit_layer)
+                        exit_layer=self.exit_layer, kind=self.kind)
 
 
 class LookupDraft:
@@ -101,6 +117,11 @@ class LookupDraft:
         self.engine = engine
         self.fallback = fallback
         self.k = k
+        self.tap_layer = getattr(fallback, "tap_layer", None)
+
+    def observe(self, seq, pos, states, eager=False) -> None:
+        if self.fallback is not None:
+            self.fallback.observe(seq, pos, states, eager)
 
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine

@@ -28,12 +28,15 @@ from completiond.errors import CompletionError
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
 from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
+from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.model_info import ModelInfo
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
 PREFILL_CHUNK = 256
+# Files beside a model's weights that are trained on it (keyed to its identity), not part of it.
+DRAFT_FILES = {"exit_adapter.safetensors"}
 
 
 class EngineError(CompletionError):
@@ -52,6 +55,7 @@ class SamplingParams:
     draft_k: int | None = None  # None: calibrated; the most drafted per round
     draft_threshold: float | None = None  # None: calibrated
     prompt_lookup: bool | None = None  # n-gram drafts from the prompt and output; None: calibrated
+    draft: str | None = None  # "early_exit" | "adapter" (the trained exit adapter); None: calibrated
     adaptive_k: bool = True
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
@@ -68,6 +72,7 @@ class Stats:
     rejected: int = 0  # rounds that stopped at a rejected draft token
     generated_tokens: int = 0
     exit_layer: int = 0
+    draft: str = ""  # the model draft used: "early_exit", "adapter", or "" (none)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     lookup_rounds: int = 0      # rounds whose draft came from prompt lookup
@@ -154,7 +159,8 @@ def model_identity(path: Path | str) -> str:
     p = Path(path)
     if p.is_dir():
         h.update((p / "config.json").read_bytes())
-        for w in sorted(p.glob("*.safetensors")):
+        # Draft artifacts trained on this model live beside it and are keyed to this identity.
+        for w in sorted(q for q in p.glob("*.safetensors") if q.name not in DRAFT_FILES):
             h.update(w.name.encode())
             h.update(str(w.stat().st_size).encode())
             with w.open("rb") as f:
@@ -188,6 +194,8 @@ class Engine:
             cache_bytes = (512 if device == "cpu" else 4096) << 20
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
+        self.exit_adapter: ExitAdapter | None = None
+        self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
         self.vocab_size = self.adapter.lm_head.weight.shape[0]
         self.set_draft_vocab(self.calibration.draft_vocab)
 
@@ -244,7 +252,15 @@ class Engine:
                          name=str(model), info=info)
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {model!r}: {exc}") from exc
+        engine.model_dir = local if is_local else None
+        engine.exit_adapter = find_and_attach(engine, local if is_local else None)
         return engine
+
+    def attach_adapter(self, path: str | os.PathLike) -> ExitAdapter:
+        """Use the exit adapter at path (raises models.exit_adapter.AdapterFileError if it does not fit)."""
+        self.exit_adapter = attach(self, Path(path))
+        self.cache.clear()  # cached sequences have no K/V slot for it
+        return self.exit_adapter
 
     def set_draft_vocab(self, ids: Sequence[int]) -> None:
         """Restrict the draft's LM head to these ids (most frequent first); empty: the full vocabulary.
@@ -292,16 +308,29 @@ class Engine:
 
     def new_sequence(self, capacity: int) -> KVSequence:
         a = self.adapter
-        return KVSequence(self.num_layers, a.num_kv_heads, a.head_dim, self.dtype, self.device, capacity)
+        slots = len(self.fwd.layers)  # the model's layers, and an exit adapter's when one is attached
+        return KVSequence(slots, a.num_kv_heads, a.head_dim, self.dtype, self.device, capacity)
 
-    def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None) -> bool:
-        """Feed tokens through every layer in chunks; False if cancelled between chunks."""
+    def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None,
+                draft: Draft | None = None) -> bool:
+        """Feed tokens through every layer in chunks; False if cancelled between chunks.
+
+        A draft with a tap layer is shown each chunk's states there (the layer range split in two
+        calls: the same arithmetic)."""
+        tap = getattr(draft, "tap_layer", None)
         for i in range(0, len(tokens), PREFILL_CHUNK):
             if cancel is not None and cancel.cancelled:
                 return False
             chunk = list(tokens[i : i + PREFILL_CHUNK])
-            self.run_layers(self.embed(chunk), 0, self.num_layers, seq.length, seq)
-            seq.commit(chunk)
+            pos = seq.length
+            if tap is None:
+                self.run_layers(self.embed(chunk), 0, self.num_layers, pos, seq)
+                seq.commit(chunk)
+            else:
+                h_tap = self.run_layers(self.embed(chunk), 0, tap, pos, seq)
+                self.run_layers(h_tap, tap, self.num_layers, pos, seq)
+                seq.commit(chunk)
+                draft.observe(seq, pos, h_tap, eager=True)
         return True
 
     @torch.inference_mode()
@@ -349,7 +378,13 @@ class Engine:
             # The last draft token was never fed to the draft: its layers < E run here, once.
             h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, proposal.exit_layer, seq.length + k, seq)
             exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
-        h = self.run_layers(exit_states, proposal.exit_layer, self.num_layers, seq.length, seq)
+        tap = draft.tap_layer
+        if tap is not None and proposal.exit_layer < tap:
+            # The draft wants these positions' states at its tap layer: stop there on the way up.
+            exit_states = self.run_layers(exit_states, proposal.exit_layer, tap, seq.length, seq)
+            h = self.run_layers(exit_states, tap, self.num_layers, seq.length, seq)
+        else:
+            h = self.run_layers(exit_states, proposal.exit_layer, self.num_layers, seq.length, seq)
         logits = self.head(h)  # [k+1, V]
         masks = proposal.masks + [_mask(constraint, gen_tokens + proposal.tokens)]
         if any(m is not None for m in masks):
@@ -358,7 +393,10 @@ class Engine:
             m, nxt = sampling.accept_greedy(proposal.tokens, torch.argmax(logits, dim=-1).tolist())
         else:
             m, nxt = sampling.accept_sampled(proposal.tokens, proposal.probs, sampling.probs(logits, warp), rng)
+        p0 = seq.length
         seq.commit([pending] + proposal.tokens[:m])
+        if tap is not None and proposal.exit_layer <= tap:
+            draft.observe(seq, p0, exit_states[:, :m + 1])
         t2 = time.perf_counter()
         stats.rounds += 1
         stats.drafted += k
@@ -384,9 +422,12 @@ class Engine:
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
         # On the logits' device: torch.multinomial refuses a generator of another device.
         rng = torch.Generator(device=self.device).manual_seed(int(params.seed))
-        spec, exit_layer, k_max, threshold, lookup = self._speculation(params)
+        spec, exit_layer, k_max, threshold, lookup, kind = self._speculation(params)
         stats.exit_layer = exit_layer if spec else self.num_layers
-        draft: Draft | None = EarlyExitDraft(self, exit_layer) if spec else None
+        draft: Draft | None = None
+        if spec:
+            draft = AdapterDraft(self, self.exit_adapter) if kind == "adapter" else EarlyExitDraft(self, exit_layer)
+            stats.draft = kind
         room = k_max  # most tokens a round may write ahead of the committed ones
         if lookup:
             draft = LookupDraft(self, draft)
@@ -399,7 +440,7 @@ class Engine:
         finish = "length"
         try:
             seq.ensure_capacity(len(prompt) + params.max_tokens + room + 2)
-            if not self.prefill(seq, prompt[reused:-1], cancel):
+            if not self.prefill(seq, prompt[reused:-1], cancel, draft):
                 finish = "cancelled"
             t1 = time.perf_counter()
             stats.prefill_ms = 1000 * (t1 - t0)
@@ -407,7 +448,8 @@ class Engine:
             # Acceptance estimate for choosing K: starts at the calibrated value and follows this
             # request only, so that a seeded request is reproducible whatever ran before it.
             # The calibrated figures describe the calibrated exit layer only.
-            measured = self.calibration.measured if exit_layer == self.calibration.exit_layer else {}
+            cal = self.calibration
+            measured = cal.measured if exit_layer == cal.exit_layer and kind == cal.draft else {}
             alpha0 = measured.get("alpha", 0.7)
             cost = measured.get("draft_cost", exit_layer / self.num_layers)
             while finish == "length" and len(out) < params.max_tokens:
@@ -466,17 +508,29 @@ class Engine:
             raise EngineError(f"invalid sampling parameters: temperature={params.temperature}, "
                               f"top_p={params.top_p}, top_k={params.top_k}")
 
-    def _speculation(self, params: SamplingParams) -> tuple[bool, int, int, float]:
+    def _speculation(self, params: SamplingParams) -> tuple[bool, int, int, float, bool, str]:
         cal = self.calibration
-        spec = params.speculative and (cal.speculative or params.exit_layer is not None)
+        spec = params.speculative and (cal.speculative or params.exit_layer is not None or params.draft is not None)
+        kind = params.draft or cal.draft
         exit_layer = params.exit_layer or cal.exit_layer
+        if kind not in ("early_exit", "adapter"):
+            raise EngineError(f"unknown draft {kind!r}; use early_exit or adapter")
+        if kind == "adapter":
+            if self.exit_adapter is None:
+                if params.draft == "adapter":
+                    raise EngineError("no exit adapter is attached to this model; train one with `completiond train-adapter`")
+                kind = "early_exit"  # a calibration that chose an adapter since deleted: plain early exit
+            elif params.exit_layer is not None and params.exit_layer != self.exit_adapter.exit_layer:
+                kind = "early_exit"  # an explicit exit layer that is not the adapter's
+            else:
+                exit_layer = self.exit_adapter.exit_layer
         if not 1 <= exit_layer < self.num_layers:
             raise EngineError(f"exit layer must be in 1..{self.num_layers - 1} for this {self.num_layers}-layer model, "
                               f"got {exit_layer}")
         k_max = params.draft_k or cal.draft_k
         threshold = cal.threshold if params.draft_threshold is None else params.draft_threshold
         lookup = params.speculative and (cal.prompt_lookup if params.prompt_lookup is None else params.prompt_lookup)
-        return spec, exit_layer, max(1, k_max), threshold, lookup
+        return spec, exit_layer, max(1, k_max), threshold, lookup, kind
 
 
 def choose_k(alpha: float, cost: float, k_max: int) -> int:

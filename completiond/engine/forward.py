@@ -82,6 +82,28 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def fuse_layer(layer, qk_norm: bool) -> FusedLayer:
+    """One transformers decoder layer of the Llama layout, on fused weights."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+    return FusedLayer(
+        ln1=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(), o_bias=_bias(attn.o_proj),
+        ln2=layer.post_attention_layernorm.weight.detach(),
+        gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
+        act=mlp.act_fn, eps=float(layer.input_layernorm.variance_epsilon),
+        q_norm=attn.q_norm.weight.detach() if qk_norm else None,
+        k_norm=attn.k_norm.weight.detach() if qk_norm else None,
+    )
+
+
+def _transpose(L: FusedLayer) -> None:
+    L.qkv_t, L.o_t = L.qkv.t().contiguous(), L.o.t().contiguous()
+    L.gate_up_t, L.down_t = L.gate_up.t().contiguous(), L.down.t().contiguous()
+
+
 def check_rope(config) -> None:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kind = params.get("rope_type") or params.get("type") if isinstance(params, dict) else None
@@ -103,26 +125,11 @@ class Forward:
         self.scaling = adapter.scaling
         self.gqa = self.H != self.KV
         self.max_positions = max_positions
-        self.layers: list[FusedLayer] = []
-        for layer in adapter.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-            self.layers.append(FusedLayer(
-                ln1=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
-                o=attn.o_proj.weight.detach(), o_bias=_bias(attn.o_proj),
-                ln2=layer.post_attention_layernorm.weight.detach(),
-                gate_up=gate_up, gate_up_bias=gate_up_bias,
-                down=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
-                act=mlp.act_fn, eps=float(layer.input_layernorm.variance_epsilon),
-                q_norm=attn.q_norm.weight.detach() if adapter.qk_norm else None,
-                k_norm=attn.k_norm.weight.detach() if adapter.qk_norm else None,
-            ))
+        self.layers: list[FusedLayer] = [fuse_layer(layer, adapter.qk_norm) for layer in adapter.layers]
         self.transposed = _keep_transposed(device, self.layers)
         if self.transposed:
             for L in self.layers:
-                L.qkv_t, L.o_t = L.qkv.t().contiguous(), L.o.t().contiguous()
-                L.gate_up_t, L.down_t = L.gate_up.t().contiguous(), L.down.t().contiguous()
+                _transpose(L)
         self.norm_w = adapter.norm.weight.detach()
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
@@ -131,6 +138,15 @@ class Forward:
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
+
+    def add_layer(self, layer) -> int:
+        """Append an extra decoder layer of the model's shape (a draft's exit adapter) and return its
+        index: layers_range(h, i, i + 1, ...) runs it on the KV slot of that index."""
+        fused = fuse_layer(layer, self.adapter.qk_norm)
+        if self.transposed:
+            _transpose(fused)
+        self.layers.append(fused)
+        return len(self.layers) - 1
 
     # ---------------------------------------------------------------- tables
     def rope(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,8 +181,13 @@ class Forward:
         """ids [1, t] -> hidden states [1, t, d]."""
         return F.embedding(ids, self.embed_w)
 
-    def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence") -> torch.Tensor:
-        """Layers [first, last) on h [1, t, d] at positions [pos, pos+t); writes their K/V into seq."""
+    def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
+                     write: bool = True) -> torch.Tensor:
+        """Layers [first, last) on h [1, t, d] at positions [pos, pos+t); writes their K/V into seq.
+
+        write=False recomputes hidden states of positions whose K/V seq already holds, attending over
+        the stored K/V and leaving it untouched (the exit adapter's catch-up: the model's own cache
+        must stay exactly what plain decoding wrote)."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
         cos, sin = self.rope(pos, t)
@@ -184,8 +205,9 @@ class Forward:
                 qk = qkv[:, :, :H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
             qk = qk * cos + _swap_halves(qk) * sin
             q = qk[:, :, :H].transpose(1, 2)  # [1, H, t, hd]
-            seq.k[li, :, pos:pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
-            seq.v[li, :, pos:pos + t] = qkv[0, :, H + KV:].transpose(0, 1)
+            if write:
+                seq.k[li, :, pos:pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
+                seq.v[li, :, pos:pos + t] = qkv[0, :, H + KV:].transpose(0, 1)
             o = F.scaled_dot_product_attention(q, seq.k[li:li + 1, :, :pos + t], seq.v[li:li + 1, :, :pos + t],
                                                attn_mask=mask, is_causal=causal, scale=self.scaling,
                                                enable_gqa=self.gqa)  # [1, H, t, hd]

@@ -30,6 +30,9 @@ class KVSequence:
         self.v = torch.empty_like(self.k)
         self.tokens = np.empty(capacity, dtype=np.int64)
         self.length = 0  # tokens whose KV is valid in every layer
+        # A trained exit adapter (engine/exit_adapter.py) keeps its own K/V in the slot past the model's
+        # layers; it is filled lazily by the draft, so it may lag: valid for positions < aux_length.
+        self.aux_length = 0
         self.lookup = None  # the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
@@ -60,6 +63,7 @@ class KVSequence:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, length))
+        self.aux_length = min(self.aux_length, self.length)
 
     def copy_prefix(self, length: int, extra_capacity: int = 0) -> "KVSequence":
         out = KVSequence(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device,
@@ -68,6 +72,7 @@ class KVSequence:
         out.v[:, :, :length] = self.v[:, :, :length]
         out.tokens[:length] = self.tokens[:length]
         out.length = length
+        out.aux_length = min(self.aux_length, length)
         return out
 
     def common_prefix(self, prompt: np.ndarray) -> int:
