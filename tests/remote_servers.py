@@ -9,15 +9,14 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from completiond.backends.llama_server import LlamaServer, free_port  # noqa: F401  (the tests' servers)
 
 
 class Misbehaving:
@@ -117,81 +116,42 @@ class FakeServer:
         self.httpd.server_close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- llama.cpp's server ------------------------------------------------------------------------------
 
-def llama_server_binary() -> str | None:
-    """COMPLETIOND_LLAMA_SERVER (what .ci/run builds), else llama-server on PATH."""
-    path = os.environ.get("COMPLETIOND_LLAMA_SERVER") or shutil.which("llama-server")
-    return path if path and os.access(path, os.X_OK) else None
+BUILD_WAIT_S = 40 * 60
+
+
+def llama_server_binary() -> tuple[str | None, str]:
+    """(path or None, why not). COMPLETIOND_LLAMA_SERVER, else the build .ci/run started in the background
+    (COMPLETIOND_LLAMA_SERVER_BUILD: a folder that gets `rc`, `path` and `log`; it builds while the rest
+    of the suite runs, so these tests wait for it), else llama-server on PATH."""
+    path = os.environ.get("COMPLETIOND_LLAMA_SERVER")
+    build = os.environ.get("COMPLETIOND_LLAMA_SERVER_BUILD")
+    if not path and build:
+        folder = Path(build)
+        for _ in range(BUILD_WAIT_S):
+            if (folder / "rc").is_file():
+                break
+            time.sleep(1)
+        else:
+            return None, f"the llama-server build in {folder} did not finish in {BUILD_WAIT_S // 60} minutes"
+        rc = (folder / "rc").read_text().strip()
+        if rc != "0":
+            log = (folder / "log").read_text(errors="replace")[-3000:] if (folder / "log").is_file() else ""
+            return None, f"the llama-server build failed (exit {rc}):\n{log}"
+        path = (folder / "path").read_text().strip()
+    path = path or shutil.which("llama-server")
+    if path and os.access(path, os.X_OK):
+        return path, ""
+    return None, ("llama.cpp's llama-server not found: run `bash .ci/llama_server.sh` and set "
+                  "COMPLETIOND_LLAMA_SERVER to the path it prints")
 
 
 def need_llama_server() -> str:
     """The binary, or a skip outside CI; in CI (CI=true) its absence fails the test: .ci/run builds it."""
-    binary = llama_server_binary()
+    binary, message = llama_server_binary()
     if binary is None:
-        message = ("llama.cpp's llama-server not found: run `bash .ci/llama_server.sh` and set "
-                   "COMPLETIOND_LLAMA_SERVER to the path it prints")
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
     return binary
-
-
-class LlamaServer:
-    """llama-server on 127.0.0.1 serving a GGUF file, started and stopped by the test."""
-
-    def __init__(self, binary: str, gguf: Path, log: Path, alias: str = "completiond-py-mini"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.alias = alias
-        self.log = log
-        self._log = open(log, "wb")
-        # One slot (like one GPU box serving one developer here), 2 threads, no web UI.
-        self.proc = subprocess.Popen(
-            [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "--alias", alias,
-             "-c", "4096", "-np", "1", "-t", "2", "--no-webui"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, timeout: float = 120.0) -> None:
-        for _ in range(int(timeout / 0.1)):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.log_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"llama-server not healthy within {timeout:g} s: {self.log_text()[-2000:]}")
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log.read_text(errors="replace")
-
-    def get(self, path: str) -> object:
-        with urllib.request.urlopen(self.url + path, timeout=10) as r:
-            return json.loads(r.read())
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-        self._log.close()

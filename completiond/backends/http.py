@@ -14,6 +14,8 @@ completion's cost is the generation, not the handshake.
 
 from __future__ import annotations
 
+import errno
+import os
 import select
 import socket
 import ssl
@@ -215,41 +217,21 @@ def post(endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
          connect_s: float, stall_s: float, total_s: float, tls: ssl.SSLContext | None) -> Response:
     """Send one POST and read the response head; the caller reads the body and must close() it.
 
-    Raises HttpFailure (with the kind of failure) or Cancelled.
+    Every wait (connect, TLS handshake, send, response) is polled for the cancel flag: a superseded
+    request never holds the worker while the next keystroke waits. Raises HttpFailure (with the kind
+    of failure) or Cancelled.
     """
     deadline = time.monotonic() + total_s
-    try:
-        sock = socket.create_connection((endpoint.host, endpoint.port), timeout=connect_s)
-    except ConnectionRefusedError:
-        raise HttpFailure("refused", "connection refused") from None
-    except socket.timeout:
-        raise HttpFailure("timeout", f"no connection within {connect_s:g} s") from None
-    except socket.gaierror as exc:
-        raise HttpFailure("network", f"cannot resolve {endpoint.host}: {exc.strerror or exc}") from None
-    except OSError as exc:
-        raise HttpFailure("network", exc.strerror or str(exc)) from None
+    sock = _connect(endpoint, min(connect_s, total_s), cancel)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if endpoint.scheme == "https":
-            context = tls or ssl.create_default_context()
-            try:
-                sock = context.wrap_socket(sock, server_hostname=endpoint.host)
-            except ssl.SSLCertVerificationError as exc:
-                raise HttpFailure("tls", f"certificate not trusted: {exc.verify_message or exc}") from None
-            except (ssl.SSLError, OSError) as exc:
-                raise HttpFailure("tls", str(exc)) from None
+            sock = _handshake(sock, tls or ssl.create_default_context(), endpoint.host, connect_s, cancel)
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
         head = [f"POST {endpoint.base_path}{path} HTTP/1.1", f"Host: {host}:{endpoint.port}",
                 "Connection: close", "Content-Type: application/json", f"Content-Length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in headers.items()]
-        try:
-            sock.settimeout(connect_s)
-            sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-        except socket.timeout:
-            raise HttpFailure("timeout", "the server did not take the request in time") from None
-        except OSError as exc:
-            raise HttpFailure("network", f"sending the request failed: {exc.strerror or exc}") from None
-        sock.setblocking(False)
+        _send_all(sock, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body, connect_s, cancel)
         response = Response(sock, cancel, stall_s, deadline)
         response.read_head()
         return response
@@ -259,6 +241,86 @@ def post(endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
         except OSError:
             pass
         raise
+
+
+def _wait(sock: socket.socket, write: bool, until: float, cancel: Any, what: str) -> None:
+    """Wait until `sock` is readable (or writable), polling `cancel`; HttpFailure("timeout") at `until`."""
+    while True:
+        if cancel is not None and cancel.cancelled:
+            raise Cancelled()
+        left = until - time.monotonic()
+        if left <= 0:
+            raise HttpFailure("timeout", what)
+        r, w, _ = select.select([] if write else [sock], [sock] if write else [], [], min(POLL_S, left))
+        if r or w:
+            return
+
+
+def _connect(endpoint: Endpoint, connect_s: float, cancel: Any) -> socket.socket:
+    until = time.monotonic() + connect_s
+    try:
+        infos = socket.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise HttpFailure("network", f"cannot resolve {endpoint.host}: {exc.strerror or exc}") from None
+    failure = HttpFailure("network", f"no address for {endpoint.host}")
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            code = sock.connect_ex(address)
+            if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
+                raise OSError(code, os.strerror(code))
+            if code:
+                _wait(sock, True, until, cancel, f"no connection within {connect_s:g} s")
+                code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.ECONNREFUSED:
+                failure = HttpFailure("refused", "connection refused")
+            else:
+                failure = HttpFailure("network", exc.strerror or str(exc))
+        except BaseException:
+            sock.close()
+            raise
+    raise failure
+
+
+def _handshake(sock: socket.socket, context: ssl.SSLContext, host: str, connect_s: float,
+               cancel: Any) -> ssl.SSLSocket:
+    until = time.monotonic() + connect_s
+    try:
+        tls = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+    except (ssl.SSLError, OSError) as exc:
+        raise HttpFailure("tls", str(exc)) from None
+    while True:
+        try:
+            tls.do_handshake()
+            return tls
+        except ssl.SSLWantReadError:
+            _wait(tls, False, until, cancel, "the TLS handshake did not finish in time")
+        except ssl.SSLWantWriteError:
+            _wait(tls, True, until, cancel, "the TLS handshake did not finish in time")
+        except ssl.SSLCertVerificationError as exc:
+            raise HttpFailure("tls", f"certificate not trusted: {exc.verify_message or exc}") from None
+        except (ssl.SSLError, OSError) as exc:
+            raise HttpFailure("tls", str(exc)) from None
+
+
+def _send_all(sock: socket.socket, data: bytes, send_s: float, cancel: Any) -> None:
+    until = time.monotonic() + send_s
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError, InterruptedError):
+            _wait(sock, True, until, cancel, "the server did not take the request in time")
+            continue
+        except OSError as exc:
+            raise HttpFailure("network", f"sending the request failed: {exc.strerror or exc}") from None
+        view = view[sent:]
 
 
 def sse_events(chunks: Iterator[bytes], max_event: int = 1 << 20) -> Iterator[str]:

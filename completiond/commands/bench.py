@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from completiond.errors import CompletionError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
@@ -39,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "start of a region being typed, with the real suffix (see edit_prompts)")
     p.add_argument("--keystrokes", type=int, default=120, help="with --typing")
     p.add_argument("--file", default=None, help="with --typing: the file to type into (default: a held-out file)")
+    p.add_argument("--llama-server", action="store_true",
+                   help="with --typing: also replay it against llama.cpp's llama-server on this machine serving the "
+                        "bundled model (as GGUF; the binary from $COMPLETIOND_LLAMA_SERVER or PATH), p50/p95 side by side")
+    p.add_argument("--endpoint", default=None,
+                   help="with --typing: also replay it against this team server (see README, For teams)")
+    p.add_argument("--backend", choices=("openai", "llamacpp-infill"), default="openai", help="with --endpoint")
+    p.add_argument("--endpoint-model", default="", help="with --endpoint: the served model name")
 
 
 def source_lines(files: list[Path] | None):
@@ -390,6 +399,12 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_typing_bench(model=args.model, file=Path(args.file) if args.file else None,
                                   keystrokes=args.keystrokes, log=log)
+        if args.llama_server or args.endpoint:
+            try:
+                result = _typing_remote(args, result, log)
+            except CompletionError as exc:
+                print(f"completiond bench: {exc}", file=sys.stderr)
+                return 1
     else:
         from completiond.engine.engine import Engine, EngineError
 
@@ -407,6 +422,39 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(result)
     return 0
+
+
+def _typing_remote(args: argparse.Namespace, local: dict, log) -> dict:
+    """The same typing replay against a server: llama.cpp's on this machine (--llama-server) and/or
+    --endpoint. The local engine's figures stay at the top level; each server's go under its name, and
+    `typing_p50_ms` / `typing_p95_ms` of every run side by side under `compare`."""
+    import tempfile
+
+    from completiond.commands.bench_typing import run_typing_bench
+
+    out = dict(local)
+    compare = {"local": {"p50_ms": local["typing_p50_ms"], "p95_ms": local["typing_p95_ms"]}}
+    file = Path(args.file) if args.file else None
+    if args.llama_server:
+        from completiond.backends.llama_server import ALIAS, serve_bundled
+
+        with tempfile.TemporaryDirectory(prefix="completiond-llama-") as folder:
+            server = serve_bundled(Path(folder))
+            try:
+                log(f"llama-server at {server.url} serving the bundled model as GGUF")
+                run = run_typing_bench(file=file, keystrokes=args.keystrokes, log=log, settings={
+                    "backend": "openai", "endpoint": server.url, "endpointModel": ALIAS})
+            finally:
+                server.stop()
+        out["llama_server"] = run
+        compare["llama_server"] = {"p50_ms": run["typing_p50_ms"], "p95_ms": run["typing_p95_ms"]}
+    if args.endpoint:
+        run = run_typing_bench(file=file, keystrokes=args.keystrokes, log=log, settings={
+            "backend": args.backend, "endpoint": args.endpoint, "endpointModel": args.endpoint_model})
+        out["endpoint"] = run
+        compare["endpoint"] = {"p50_ms": run["typing_p50_ms"], "p95_ms": run["typing_p95_ms"], "url": args.endpoint}
+    out["compare"] = compare
+    return out
 
 
 def _print_table(r: dict) -> None:
