@@ -52,6 +52,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model", str, "", "Model: a local directory or a Hugging Face hub id. Empty means the bundled default model."),
     Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps")),
     Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16")),
+    Setting("draftModel", str, "", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
+            "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers."),
     Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load)."),
     Setting("maxTokens", int, 64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024),
     Setting("temperature", float, 0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0),
@@ -312,7 +314,7 @@ def _default(v: Any) -> str:
 
 
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
-ENGINE_KEYS = ("model", "device", "dtype", "trustRemoteCode", "cacheMegabytes",
+ENGINE_KEYS = ("model", "draftModel", "device", "dtype", "trustRemoteCode", "cacheMegabytes",
                "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout")
 
 # What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP

@@ -18,7 +18,7 @@ from completiond.engine.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
-DRAFTS = ("early_exit", "adapter")
+DRAFTS = ("early_exit", "adapter", "draft_model")
 
 
 @dataclass
@@ -33,7 +33,8 @@ class Calibration:
     draft_vocab: list = field(default_factory=list)
     # Prompt-lookup (n-gram) drafts before the early-exit draft.
     prompt_lookup: bool = False
-    # The model draft: "early_exit" (layers [0, E) + head) or "adapter" (through the trained exit adapter).
+    # The model draft: "early_exit" (layers [0, E) + head), "adapter" (through the trained exit adapter)
+    # or "draft_model" (the separate draft model, when one is configured).
     draft: str = "early_exit"
 
     @classmethod

@@ -28,6 +28,7 @@ from completiond.errors import CompletionError
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
 from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
+from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
@@ -55,7 +56,8 @@ class SamplingParams:
     draft_k: int | None = None  # None: calibrated; the most drafted per round
     draft_threshold: float | None = None  # None: calibrated
     prompt_lookup: bool | None = None  # n-gram drafts from the prompt and output; None: calibrated
-    draft: str | None = None  # "early_exit" | "adapter" (the trained exit adapter); None: calibrated
+    # "early_exit" | "adapter" (the trained exit adapter) | "draft_model" (a separate small model); None: calibrated
+    draft: str | None = None
     adaptive_k: bool = True
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
@@ -72,7 +74,7 @@ class Stats:
     rejected: int = 0  # rounds that stopped at a rejected draft token
     generated_tokens: int = 0
     exit_layer: int = 0
-    draft: str = ""  # the model draft used: "early_exit", "adapter", or "" (none)
+    draft: str = ""  # the model draft used: "early_exit", "adapter", "draft_model", or "" (none)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     lookup_rounds: int = 0      # rounds whose draft came from prompt lookup
@@ -195,6 +197,7 @@ class Engine:
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
         self.exit_adapter: ExitAdapter | None = None
+        self.draft_model: "Engine | None" = None  # a separate draft model (attach_draft_model)
         self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
         self.vocab_size = self.adapter.lm_head.weight.shape[0]
         self.set_draft_vocab(self.calibration.draft_vocab)
@@ -203,7 +206,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
              trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None,
-             progress: Callable[[str], None] | None = None) -> "Engine":
+             progress: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None) -> "Engine":
         """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine."""
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -254,7 +257,24 @@ class Engine:
             raise EngineError(f"cannot use model {model!r}: {exc}") from exc
         engine.model_dir = local if is_local else None
         engine.exit_adapter = find_and_attach(engine, local if is_local else None)
+        if draft_model:
+            if progress is not None:
+                progress("draft model")
+            drafter = cls.load(draft_model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                               cache_bytes=0, threads=threads)
+            engine.attach_draft_model(drafter)
         return engine
+
+    def attach_draft_model(self, drafter: "Engine") -> None:
+        """Draft with a separate model of the same tokenizer (refused with EngineError otherwise)."""
+        why = tokenizer_mismatch(self.tokenizer, drafter.tokenizer)
+        if why is not None:
+            raise EngineError(f"draft model {drafter.name} cannot draft for {self.name}: its tokenizer differs ({why}); "
+                              "a draft model must share the target's vocabulary")
+        if drafter.device != self.device:
+            raise EngineError(f"draft model {drafter.name} is on {drafter.device}, the model on {self.device}")
+        self.draft_model = drafter
+        self.cache.clear()  # cached sequences carry no draft-model K/V yet; they would only be re-fed
 
     def attach_adapter(self, path: str | os.PathLike) -> ExitAdapter:
         """Use the exit adapter at path (raises models.exit_adapter.AdapterFileError if it does not fit)."""
@@ -289,6 +309,7 @@ class Engine:
         # sequence reuses them; handing them back to the driver (empty_cache) on every eviction
         # would only make the next allocation slow. The service empties the cache after an OOM.
         del seq.k, seq.v
+        seq.companion = None
 
     # ---------------------------------------------------------------- forward
     def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence) -> torch.Tensor:
@@ -426,7 +447,13 @@ class Engine:
         stats.exit_layer = exit_layer if spec else self.num_layers
         draft: Draft | None = None
         if spec:
-            draft = AdapterDraft(self, self.exit_adapter) if kind == "adapter" else EarlyExitDraft(self, exit_layer)
+            if kind == "adapter":
+                draft = AdapterDraft(self, self.exit_adapter)
+            elif kind == "draft_model":
+                draft = DraftModelDraft(self, self.draft_model)
+                stats.exit_layer = 0
+            else:
+                draft = EarlyExitDraft(self, exit_layer)
             stats.draft = kind
         room = k_max  # most tokens a round may write ahead of the committed ones
         if lookup:
@@ -513,8 +540,12 @@ class Engine:
         spec = params.speculative and (cal.speculative or params.exit_layer is not None or params.draft is not None)
         kind = params.draft or cal.draft
         exit_layer = params.exit_layer or cal.exit_layer
-        if kind not in ("early_exit", "adapter"):
-            raise EngineError(f"unknown draft {kind!r}; use early_exit or adapter")
+        if kind not in ("early_exit", "adapter", "draft_model"):
+            raise EngineError(f"unknown draft {kind!r}; use early_exit, adapter or draft_model")
+        if kind == "draft_model" and self.draft_model is None:
+            if params.draft == "draft_model":
+                raise EngineError("no draft model is attached to this model; set completiond.draftModel")
+            kind = "early_exit"
         if kind == "adapter":
             if self.exit_adapter is None:
                 if params.draft == "adapter":

@@ -33,6 +33,9 @@ class KVSequence:
         # A trained exit adapter (engine/exit_adapter.py) keeps its own K/V in the slot past the model's
         # layers; it is filled lazily by the draft, so it may lag: valid for positions < aux_length.
         self.aux_length = 0
+        # A separate draft model's own sequence over the same tokens (engine/draft_model.py). It rides
+        # on this one so that the prefix cache crops, copies and evicts both together; it may lag.
+        self.companion: "KVSequence | None" = None
         self.lookup = None  # the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
@@ -41,7 +44,8 @@ class KVSequence:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
+        own = 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
+        return own + (self.companion.nbytes if self.companion is not None else 0)
 
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -64,6 +68,8 @@ class KVSequence:
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, length))
         self.aux_length = min(self.aux_length, self.length)
+        if self.companion is not None:
+            self.companion.crop(self.length)
 
     def copy_prefix(self, length: int, extra_capacity: int = 0) -> "KVSequence":
         out = KVSequence(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device,
@@ -73,6 +79,9 @@ class KVSequence:
         out.tokens[:length] = self.tokens[:length]
         out.length = length
         out.aux_length = min(self.aux_length, length)
+        if self.companion is not None:
+            c = self.companion
+            out.companion = c.copy_prefix(min(c.length, length), extra_capacity=out.capacity - min(c.length, length))
         return out
 
     def common_prefix(self, prompt: np.ndarray) -> int:

@@ -56,7 +56,8 @@ def _is_oom(exc: BaseException) -> bool:
 # `$/progress` percentages, `completiond complete` as lines.
 LOAD_PHASES = {"starting": (0, "starting"), "tokenizer": (2, "loading the tokenizer"),
                "weights": (10, "loading the weights"), "device": (70, "moving the weights to the device"),
-               "engine": (80, "preparing the engine"), "warm-up": (90, "warming up"), "ready": (100, "ready")}
+               "engine": (80, "preparing the engine"), "draft model": (85, "loading the draft model"),
+               "warm-up": (90, "warming up"), "ready": (100, "ready")}
 
 ProgressFn = Callable[[str, int], None]  # (phase, percentage)
 
@@ -89,6 +90,7 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None):
 
     engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
                          trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
+                         draft_model=cfg.draft_model or None,
                          progress=phase if progress is not None else None)
     phase("warm-up")
     engine.generate([0], SamplingParams(max_tokens=2, speculative=True))

@@ -59,6 +59,8 @@ M.defaults = {
     device = "auto",
     -- Weight dtype: auto is bfloat16 on GPU and float32 on CPU. (string; one of "auto", "float32", "bfloat16", "float16")
     dtype = "auto",
+    -- A separate, smaller draft model with the same tokenizer (local directory or hub id) that proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers. (string)
+    draftModel = "",
     -- Allow model repositories to run their own Python code (off: only built-in transformers architectures load). (boolean)
     trustRemoteCode = false,
     -- Most tokens generated for one suggestion. (integer; range 1..1024)
