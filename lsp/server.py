@@ -407,6 +407,8 @@ class CompletionServer(LanguageServer):
             "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
             # Of the last completion; null when not measured (nothing drafted / nothing generated), never 0.
             "draftAcceptance": params.get("draft_acceptance"), "tokensPerSecond": params.get("tokens_per_s"),
+            # The draft in use (calibrated default) and what the last completion's rounds drafted with.
+            "draft": params.get("draft"), "lastDraft": params.get("last_draft"),
             # While loading: {"phase", "percentage", "message"}.
             "progress": progress if isinstance(progress, dict) else None,
             # Non-empty while the daemon serves another model/device/... than this editor's settings ask for:

@@ -140,3 +140,23 @@ def test_the_draft_model_setting_reaches_the_engine(dirs):
     phases = []
     eng = load_engine(cfg, progress=lambda phase, pct: phases.append(phase))
     assert eng.draft_model is not None and "draft model" in phases
+
+
+def test_status_names_the_draft_in_use(engine):
+    from completiond.engine.calibration import Calibration
+    from completiond.serving.service import _last_draft
+
+    saved = engine.calibration
+    try:
+        engine.calibration = Calibration(speculative=True, exit_layer=2, draft_k=3, draft="draft_model", prompt_lookup=True)
+        assert engine.draft_in_use() == f"prompt lookup, else draft model {engine.draft_model.name}, K<=3"
+        engine.calibration = Calibration(speculative=False, exit_layer=2, draft_k=3)
+        assert engine.draft_in_use().startswith("none")
+        engine.calibration = Calibration(speculative=True, exit_layer=2, draft_k=3, draft="adapter")
+        assert engine.draft_in_use() == "early exit at layer 2 of 6, K<=3"  # no adapter attached: what runs
+    finally:
+        engine.calibration = saved
+    gen = engine.generate(ids(engine), SamplingParams(max_tokens=12, draft="draft_model", draft_k=2, prompt_lookup=False))
+    assert _last_draft(gen.stats.to_dict()) == "draft_model"
+    assert _last_draft({"drafted": 3, "lookup_drafted": 3}) == "prompt_lookup"
+    assert _last_draft({"drafted": 0}) is None

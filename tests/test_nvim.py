@@ -768,6 +768,9 @@ def test_controls_trigger_cycle_word_status_and_health(nvim, tmp_path):
     # Draft acceptance is called what it is; a speed shows only once measured.
     lines = n.lua("return require('completiond').metric_lines({ latencyMs = 12, draftAcceptance = 0.33, tokensPerSecond = 0 }, '')")
     assert lines == ["last completion: 12 ms", "draft tokens kept (speculative decoding): 33%"]
+    lines = n.lua("return require('completiond').metric_lines({ draft = 'exit adapter at layer 2, K<=3', "
+                  "lastDraft = 'adapter+prompt_lookup' }, '')")
+    assert lines == ["draft: exit adapter at layer 2, K<=3 (last completion: adapter+prompt_lookup)"]
     # A daemon that still serves the old model is not "ready" in :checkhealth.
     n.input("<Esc>")
     n.lua("""local c = require('completiond')

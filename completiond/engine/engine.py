@@ -521,6 +521,22 @@ class Engine:
         stats.generated_tokens = len(out)
         return Generation(out, finish, stats)
 
+    def draft_in_use(self) -> str:
+        """How requests with default settings draft, in words (status displays)."""
+        cal = self.calibration
+        kind = cal.draft
+        if kind == "adapter" and self.exit_adapter is None or kind == "draft_model" and self.draft_model is None:
+            kind = "early_exit"
+        if not cal.speculative:
+            return "none (speculation does not pay for this model here)" + (" + prompt lookup" if cal.prompt_lookup else "")
+        if kind == "adapter":
+            text = f"exit adapter at layer {self.exit_adapter.exit_layer}, K<={cal.draft_k}"
+        elif kind == "draft_model":
+            text = f"draft model {self.draft_model.name}, K<={cal.draft_k}"
+        else:
+            text = f"early exit at layer {cal.exit_layer} of {self.num_layers}, K<={cal.draft_k}"
+        return ("prompt lookup, else " if cal.prompt_lookup else "") + text
+
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise EngineError("empty prompt")

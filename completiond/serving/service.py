@@ -232,9 +232,16 @@ class Service:
             # Of the last request: None when it drafted nothing / generated nothing (not measured, not 0).
             "draft_acceptance": self.last.get("draft_acceptance"),
             "tokens_per_s": self.last.get("tokens_per_s"),
+            # How the engine drafts by default (calibrated), and what the last request's rounds drafted with.
+            "draft": self._draft_in_use(),
+            "last_draft": self.last.get("draft"),
             "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
+
+    def _draft_in_use(self) -> str | None:
+        describe = getattr(self.engine, "draft_in_use", None)  # a remote backend has none
+        return describe() if callable(describe) else None
 
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
@@ -591,7 +598,8 @@ class Service:
                 measured = stats.get("generated_tokens") and stats.get("decode_ms")
                 self.last = {"latency_ms": value.get("latency_ms") if value else None,
                              "draft_acceptance": stats.get("alpha") if stats.get("drafted") else None,
-                             "tokens_per_s": stats.get("tokens_per_s") if measured else None}
+                             "tokens_per_s": stats.get("tokens_per_s") if measured else None,
+                             "draft": _last_draft(stats)}
             elif outcome.status == CANCELLED:
                 # Rounds run for a request nobody will see: superseded by a newer one, or
                 # cancelled by the editor (which, while typing, is the same thing).
@@ -600,6 +608,16 @@ class Service:
                 c[outcome.reason if outcome.reason in ("superseded", "expired") else "cancelled"] += 1
             else:
                 c["errors"] += 1
+
+
+def _last_draft(stats: dict[str, Any]) -> str | None:
+    """What the request's rounds drafted with: the model draft, prompt lookup, both, or None (no drafting)."""
+    parts = []
+    if (stats.get("drafted", 0) or 0) > (stats.get("lookup_drafted", 0) or 0):
+        parts.append(str(stats.get("draft") or "early_exit"))
+    if stats.get("lookup_drafted"):
+        parts.append("prompt_lookup")
+    return "+".join(parts) or None
 
 
 def _uri_path(uri: str) -> str | None:

@@ -9,6 +9,9 @@ export interface StatusParams {
   /** share of the speculative draft's tokens the model kept (older servers: `alpha`) */
   draftAcceptance?: number | null;
   alpha?: number | null;
+  /** how the engine drafts by default (calibrated), and what the last completion's rounds drafted with */
+  draft?: string | null;
+  lastDraft?: string | null;
   tokensPerSecond?: number | null;
   message?: string | null;
   /** loading progress in [0, 1], when the server reports one */
@@ -81,6 +84,7 @@ export function details(p: Partial<StatusParams>): string {
   const lines: string[] = [];
   const draft = num(p.draftAcceptance) ? p.draftAcceptance : num(p.alpha) ? p.alpha : undefined;
   if (draft !== undefined) lines.push(`draft tokens kept (speculative decoding): ${Math.round(draft * 100)}%`);
+  if (typeof p.draft === 'string' && p.draft) lines.push(`draft: ${p.draft}${typeof p.lastDraft === 'string' && p.lastDraft ? ` (last completion: ${p.lastDraft})` : ''}`);
   const summary = suggestionSummary(p.suggestions);
   if (summary) lines.push(summary);
   return lines.map((l) => `\n${l}`).join('');

@@ -474,6 +474,10 @@ function M.metric_lines(s, indent)
   if type(s.tokensPerSecond) == "number" and s.tokensPerSecond > 0 then
     table.insert(lines, ("%sspeed: %.0f tokens/s"):format(indent, s.tokensPerSecond))
   end
+  if type(s.draft) == "string" and s.draft ~= "" then
+    local last = (type(s.lastDraft) == "string" and s.lastDraft ~= "") and (" (last completion: %s)"):format(s.lastDraft) or ""
+    table.insert(lines, ("%sdraft: %s%s"):format(indent, s.draft, last))
+  end
   return lines
 end
 

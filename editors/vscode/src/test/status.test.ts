@@ -12,6 +12,13 @@ test('ready shows the last latency and speed; the tooltip calls draft acceptance
   assert.match(v.tooltip, /Click for stats/);
 });
 
+test('the tooltip names the draft in use and what the last completion drafted with', () => {
+  const v = statusView({ state: 'ready', draft: 'prompt lookup, else early exit at layer 5 of 10, K<=1',
+    lastDraft: 'early_exit+prompt_lookup' }, undefined, true);
+  assert.match(v.tooltip, /draft: prompt lookup, else early exit at layer 5 of 10, K<=1 \(last completion: early_exit\+prompt_lookup\)/);
+  assert.doesNotMatch(statusView({ state: 'ready' }, undefined, true).tooltip, /draft:/);
+});
+
 test('ready before any completion shows no metrics', () => {
   assert.equal(statusView({ state: 'ready' }, undefined, true).text, '$(sparkle) completiond');
   assert.equal(statusView({ state: 'ready', latencyMs: null, alpha: null }, undefined, true).text, '$(sparkle) completiond');
