@@ -338,3 +338,34 @@ async def test_service_reports_and_recovers(fake, tmp_path):
     assert result["suggestion"]["text"] == "42" and result["stats"]["token_healing"] is False
     service.shutdown()
     os.environ.pop("COMPLETIOND_TEST_UNSET_KEY", None)
+
+
+# --- through the editor: completiond lsp -> daemon -> a server that breaks off its streams -----------
+
+from test_lsp import runtime, start  # noqa: E402,F401  (fixtures)
+
+
+@pytest.mark.slow
+async def test_editor_gets_one_message_for_broken_streams(fake, start):
+    fake.plan.mode, fake.plan.pieces = "die", ["half"]
+    s = await start({"backend": "openai", "endpoint": fake.url, "endpointModel": "completiond-py-mini",
+                     "maxTokens": 8, "idleTimeout": 60})
+    await s.open("def main():\n    x = ")
+    await s.wait_ready()
+    for ch in "abc":  # one keystroke reaches the server; the next ones fall within the backoff
+        s.type(ch)
+        result = await s.inline()
+        assert not result.items
+    told = [m.message for m in s.client.messages if "completion server" in m.message]
+    assert len(told) == 1 and fake.url in told[0] and "retries" in told[0], s.client.messages
+    stats = await s.stats()
+    assert stats["status"]["state"] in ("ready", "busy") and stats["status"]["device"] == "remote"
+    # The server is mended: once the backoff has passed, suggestions arrive.
+    fake.plan.mode, fake.plan.pieces = "stream", ["1 + 2"]
+    for _ in range(100):
+        s.type(" ")
+        result = await s.inline()
+        if result.items:
+            break
+        await asyncio.sleep(0.05)
+    assert result.items and result.items[0].insert_text.endswith("1 + 2")

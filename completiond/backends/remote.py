@@ -330,8 +330,8 @@ class RemoteBackend:
                 reason = "length" if obj.get("stop_type") == "limit" else "stop"
             return piece, reason
         choices = obj.get("choices")
-        if choices == [] and usage is not None:
-            return "", None  # the usage-only event of stream_options.include_usage
+        if choices == []:
+            return "", None  # the usage-only event of stream_options.include_usage (or a keep-alive)
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise self._failed(self._malformed("an event has no choices"))
         piece = choices[0].get("text", "")
