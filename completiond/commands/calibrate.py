@@ -3,7 +3,9 @@
 Each candidate runs the same held-out prompts with greedy decoding; the winner
 is the fastest, and plain decoding wins when no candidate beats it by a
 margin (an ordinary model's early layers usually draft badly). The result is
-stored per model in the user's cache directory, never in the model.
+stored per model in the user's cache directory, never in the model. The
+measurement itself lives in engine/autocalibrate.py, which the daemon also runs
+in the background for a model loaded without a calibration.
 """
 
 from __future__ import annotations
@@ -11,19 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import statistics
-import time
 from pathlib import Path
 
 from completiond.engine.calibration import Calibration
 
-# A candidate must beat plain decoding by this factor to switch speculation on:
-# below it, measurement noise could pick a setting that is slower in practice.
-MIN_GAIN = 1.05
+from completiond.engine.autocalibrate import MIN_GAIN, calibration_steps, candidate_layers, frequent_ids, run_to_end
+
+__all__ = ["MIN_GAIN", "calibrate", "candidate_layers", "frequent_ids"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
+    p.add_argument("--draft-model", default=None, help="a separate draft model to measure too (completiond.draftModel)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--prompts", type=int, default=4)
@@ -34,104 +35,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per candidate, each beside a plain run")
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     p.add_argument("--json", action="store_true")
-
-
-def candidate_layers(num_layers: int) -> list[int]:
-    top = max(1, num_layers // 2)
-    if top <= 8:
-        return list(range(1, top + 1))
-    step = max(1, top // 8)
-    return sorted(set(range(1, top + 1, step)) | {top})
-
-
-def frequent_ids(engine, texts: list[str]) -> list[int]:
-    """Token ids by falling frequency in sample text (ids never seen are left out)."""
-    counts: dict[int, int] = {}
-    for text in texts:
-        for t in engine.tokenizer(text).input_ids:
-            counts[t] = counts.get(t, 0) + 1
-    return sorted(counts, key=lambda t: (-counts[t], t))
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG of speedup and acceptance per draft and K (default: beside the stored record)")
 
 
 def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
               log=print, ranked_ids: list[int] | None = None, repeats: int = 3) -> tuple["Calibration", list[dict]]:
-    from completiond.engine.engine import SamplingParams
+    """Every candidate measured back to back (the daemon runs the same steps between requests)."""
+    return run_to_end(calibration_steps(engine, prompts, max_tokens, exit_layers, draft_ks, log, ranked_ids, repeats))
 
-    def timed(params) -> tuple[float, int, int, int, float, float, int]:
-        """Decode seconds (prefill left out: speculation does not change it), drafted, accepted, rejected,
-        draft ms, verify ms and rounds over all prompts, cold cache."""
-        total = drafted = accepted = rejected = rounds = 0
-        draft_ms = verify_ms = 0.0
-        for ids in prompts:
-            engine.cache.clear()
-            s = engine.generate(ids, params).stats
-            total += s.decode_ms / 1000
-            drafted, accepted, rejected, rounds = drafted + s.drafted, accepted + s.accepted, rejected + s.rejected, rounds + s.rounds
-            draft_ms, verify_ms = draft_ms + s.draft_ms, verify_ms + s.verify_ms
-        return total, drafted, accepted, rejected, draft_ms, verify_ms, rounds
 
-    n_tokens = max_tokens * len(prompts)
+METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model"}
 
-    plain_params = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
-    plain_runs: list[float] = []
 
-    def candidate(e: int, k: int, draft_vocab: int = 0, lookup: bool = False) -> dict:
-        """Timed `repeats` times, each right after a plain run: a speedup per repeat, so that a
-        drift in machine load moves both sides of each ratio alike."""
-        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
-                                prompt_lookup=lookup)
-        speedups, secs_runs = [], []
-        for _ in range(repeats):
-            plain_s = timed(plain_params)[0]
-            secs, drafted, accepted, rejected, dms, vms, rounds = timed(params)
-            plain_runs.append(plain_s)
-            secs_runs.append(secs)
-            speedups.append(plain_s / secs)
-        speedup = statistics.median(speedups)
-        row = {"exit_layer": e, "draft_k": k, "draft_vocab": draft_vocab, "prompt_lookup": lookup,
-               # per-token acceptance, as in Stats.alpha
-               "alpha": accepted / max(1, accepted + rejected),
-               "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
-               "spread": (max(speedups) - min(speedups)) / speedup,
-               "tokens_per_s": n_tokens / statistics.median(secs_runs),
-               # one draft step relative to one verify pass: what choose_k weighs K against
-               "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        log(f"E={e:2d} K={k}" + (f" draft vocab {draft_vocab}" if draft_vocab else "") + (" + lookup" if lookup else "")
-            + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
-              f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
-        return row
+def method_name(row: dict) -> str:
+    name = METHODS.get(row.get("draft", "early_exit"), row.get("draft", "?"))
+    return ("lookup + " if row.get("prompt_lookup") else "") + name
 
-    loaded_vocab = [] if engine.draft_ids is None else engine.draft_ids.tolist()
-    engine.set_draft_vocab([])  # candidates are first compared with the full draft head
-    timed(SamplingParams(max_tokens=8, speculative=False))  # warm-up
-    rows = [candidate(e, k) for e in exit_layers for k in draft_ks]
-    best = max(rows, key=lambda r: r["speedup"])
-    # Then a draft head over only the most frequent ids, at the best E and K.
-    vocab = []
-    for size in (engine.vocab_size // 8, engine.vocab_size // 4, engine.vocab_size // 2):
-        if not ranked_ids or size < 256 or size > len(ranked_ids):
-            continue
-        engine.set_draft_vocab(ranked_ids[:size])
-        rows.append(candidate(best["exit_layer"], best["draft_k"], size))
-        if rows[-1]["speedup"] > best["speedup"]:
-            best, vocab = rows[-1], ranked_ids[:size]
-    # Then prompt lookup in front of the best early-exit draft.
-    engine.set_draft_vocab(vocab)
-    rows.append(candidate(best["exit_layer"], best["draft_k"], len(vocab), lookup=True))
-    lookup = rows[-1]["speedup"] > best["speedup"]
-    if lookup:
-        best = rows[-1]
-    engine.set_draft_vocab(loaded_vocab)
-    plain_s = statistics.median(plain_runs)
-    measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
-                "speedup_max": best["speedup_max"], "spread": best["spread"], "draft_cost": best["draft_cost"],
-                "plain_tokens_per_s": n_tokens / plain_s, "repeats": repeats, "date": time.strftime("%Y-%m-%d")}
-    # On only where the gain clears the noise: the median beats the margin and even the worst
-    # repeat was faster than plain decoding.
-    on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
-    cal = Calibration(speculative=on, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                      source="calibrate", measured=measured, draft_vocab=list(vocab), prompt_lookup=lookup)
-    return cal, rows
+
+def table(rows: list[dict]) -> str:
+    """The candidates as a text table, fastest first."""
+    head = f"{'draft':<26} {'E':>3} {'K':>3} {'vocab':>6} {'alpha':>6} {'tok/s':>7} {'speedup':>8} {'min-max':>11}"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: -r["speedup"]):
+        lines.append(f"{method_name(r):<26} {r['exit_layer']:>3} {r['draft_k']:>3} {r['draft_vocab'] or 'all':>6} "
+                     f"{r['alpha']:>6.3f} {r['tokens_per_s']:>7.1f} {r['speedup']:>7.2f}x "
+                     f"{r['speedup_min']:>5.2f}-{r['speedup_max']:<5.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path:
+    """Speedup and acceptance against K, one line per draft (method and exit layer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        label = method_name(r) + (f" E={r['exit_layer']}" if r.get("draft") != "draft_model" else "")
+        label += f", vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""
+        series.setdefault(label, []).append(r)
+    fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label, rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["draft_k"])
+        ks = [r["draft_k"] for r in rs]
+        marker = "o" if len(rs) > 1 else "s"
+        ax_s.errorbar(ks, [r["speedup"] for r in rs], marker=marker, capsize=3, label=label,
+                      yerr=[[r["speedup"] - r["speedup_min"] for r in rs], [r["speedup_max"] - r["speedup"] for r in rs]])
+        ax_a.plot(ks, [r["alpha"] for r in rs], marker=marker, label=label)
+    ax_s.axhline(1.0, color="grey", lw=1, ls="--")
+    ax_s.axhline(MIN_GAIN, color="grey", lw=1, ls=":")
+    ax_s.set(xlabel="K (most draft tokens per round)", ylabel="speedup over plain decoding (median, min-max)",
+             title="speed")
+    ax_a.set(xlabel="K (most draft tokens per round)", ylabel="alpha (per-token acceptance)", ylim=(0, 1),
+             title="acceptance")
+    ax_a.legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
-        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model)
     except EngineError as exc:
         print(f"completiond calibrate: {exc}", file=sys.stderr)
         return 1
@@ -162,11 +127,21 @@ def run(args: argparse.Namespace) -> int:
     cal, rows = calibrate(engine, prompts, args.max_tokens, layers, args.draft_ks, log, frequent_ids(engine, freq_texts),
                           repeats=max(1, args.repeats))
     where = None if args.dry_run else save_calibration(engine.model_id, cal)
-    verdict = (f"speculation on: E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}"
+    verdict = (f"speculation on: {METHODS[cal.draft]}{' after prompt lookup' if cal.prompt_lookup else ''}, "
+               f"E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}"
                if cal.speculative else f"no speculation: best candidate only {cal.measured['speedup']:.2f}x")
     if args.json:
-        print(json.dumps({"speculative": cal.speculative, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
+        print(json.dumps({"speculative": cal.speculative, "draft": cal.draft, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
                           "draft_vocab": len(cal.draft_vocab), "prompt_lookup": cal.prompt_lookup, "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))
     else:
+        log(table(rows))
         log(verdict + (f"; saved to {where}" if where else " (dry run)"))
+    from completiond.engine.calibration import record_path
+
+    png = args.plot or (None if args.dry_run else record_path(engine.model_id).with_suffix(".png"))
+    if png is not None:
+        try:
+            log(f"plot: {plot(rows, png, f'{engine.name} on {engine.device}: completiond calibrate')}")
+        except ImportError:
+            log("no plot: matplotlib is not installed (pip install matplotlib)")
     return 0

@@ -15,6 +15,8 @@ last one, `pending`, which is the next model input.
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,8 @@ from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 PREFILL_CHUNK = 256
 # Files beside a model's weights that are trained on it (keyed to its identity), not part of it.
 DRAFT_FILES = {"exit_adapter.safetensors"}
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(CompletionError):
@@ -128,9 +132,17 @@ def pick_device(device: str = "auto") -> str:
     return "cpu"
 
 
+def default_cache_bytes(device: str) -> int:
+    return (512 if device == "cpu" else 4096) << 20
+
+
 def pick_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        if device == "cpu":
+            return torch.float32
+        if device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+            return torch.float16  # GPUs before Ampere emulate bfloat16 slowly
+        return torch.bfloat16
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "float64": torch.float64}[dtype]
@@ -180,6 +192,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.name = name or model_id
+        self.load_warnings: list[str] = []  # what Engine.load told the user (memory), for status displays
         self.device = device
         self.adapter: Adapter = adapter_for(model)
         self.num_layers = self.adapter.num_layers
@@ -193,7 +206,7 @@ class Engine:
         # completiond.json does); prompt builders budget against this, not max_context.
         self.train_context = min(self.max_context, self.info.train_context or self.max_context)
         if cache_bytes is None:
-            cache_bytes = (512 if device == "cpu" else 4096) << 20
+            cache_bytes = default_cache_bytes(device)
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
         self.exit_adapter: ExitAdapter | None = None
@@ -206,13 +219,23 @@ class Engine:
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
              trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None,
-             progress: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None) -> "Engine":
-        """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine."""
+             progress: Callable[[str], None] | None = None,
+             download_progress: Callable[[int, int], None] | None = None,
+             warn: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None) -> "Engine":
+        """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine.
+
+        A hub id or short name is fetched into the Hugging Face cache first (engine/hub.py: safetensors and
+        tokenizer only, the cache first, failing fast offline), reporting bytes to download_progress(done,
+        total); the model is then loaded from that directory, never from the network. warn(message) is told,
+        before the weights load, when the model will probably not fit the device's memory."""
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from completiond.engine import hub, memory
+
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
+        bundled = not model
         if not model:
             from completiond.models import default_model_dir
 
@@ -225,43 +248,63 @@ class Engine:
             torch.set_num_threads(threads)
         torch_dtype = pick_dtype(dtype, device)
         local = Path(model).expanduser()
-        is_local = local.exists() or str(model).startswith((".", "/", "~"))
-        source = str(local) if is_local else str(model)
-        if is_local:
+        if local.exists() or str(model).startswith((".", "/", "~")):
             check_weights(local)
+            name = (f"{local.name} (bundled)" if bundled else hub.name_for_path(local) or str(local.resolve()))
+        else:
+            try:
+                pulled = hub.pull(str(model), trust_remote_code=trust_remote_code, progress=download_progress)
+            except hub.HubError as exc:
+                raise EngineError(f"cannot load model {model!r}: {exc}") from None
+            local, name = pulled.path, pulled.name
+            check_weights(local)
+        try:
+            hub.check_config(name, json.loads((local / "config.json").read_text(encoding="utf-8")), trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"cannot load model {name}: config.json is unreadable: {exc}") from exc
+        except hub.HubError as exc:
+            raise EngineError(f"cannot use model {name}: {exc}") from None
+        budget = cache_bytes if cache_bytes is not None else default_cache_bytes(device)
+        warning = memory.fit_warning(name, local, torch.tensor([], dtype=torch_dtype).element_size(),
+                                     str(torch_dtype).removeprefix("torch."), device, budget)
+        if warning:
+            log.warning("%s", warning)
+            if warn is not None:
+                warn(warning)
+        source = str(local)
         try:
             if progress is not None:
                 progress("tokenizer")
-            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
             if progress is not None:
                 progress("weights")
             hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
-                                                      trust_remote_code=trust_remote_code)
+                                                      trust_remote_code=trust_remote_code, local_files_only=True)
         except OSError as exc:
-            where = "directory" if is_local else "hub id (needs a network connection or a local cache)"
-            raise EngineError(f"cannot load model {model!r} as a {where}: {exc}") from exc
+            raise EngineError(f"cannot load model {name} from {source}: {exc}") from exc
         except ValueError as exc:
-            raise EngineError(f"cannot load model {model!r}: {exc}") from exc
+            raise EngineError(f"cannot load model {name}: {exc}") from exc
         if progress is not None:
             progress("device")
         hf.to(device).eval()
-        model_id = model_identity(local if is_local else source)
-        info = ModelInfo.read(local if is_local else None)
+        model_id = model_identity(local)
+        info = ModelInfo.read(local)
         if progress is not None:
             progress("engine")
         try:
             engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
                          calibration=load_calibration(model_id, info, hf.config.num_hidden_layers),
-                         name=str(model), info=info)
+                         name=name, info=info)
         except UnsupportedModel as exc:
-            raise EngineError(f"cannot use model {model!r}: {exc}") from exc
-        engine.model_dir = local if is_local else None
-        engine.exit_adapter = find_and_attach(engine, local if is_local else None)
+            raise EngineError(f"cannot use model {name}: {exc}") from exc
+        engine.load_warnings = [warning] if warning else []
+        engine.model_dir = local
+        engine.exit_adapter = find_and_attach(engine, local)
         if draft_model:
             if progress is not None:
                 progress("draft model")
             drafter = cls.load(draft_model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                               cache_bytes=0, threads=threads)
+                               cache_bytes=0, threads=threads, download_progress=download_progress, warn=warn)
             engine.attach_draft_model(drafter)
         return engine
 

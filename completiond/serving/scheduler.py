@@ -19,6 +19,11 @@ newest request for a document matters. So:
   requests of a session wait for the model, as they must.
 
 Every job's `done` callback is called exactly once, outside the lock.
+
+Background work (the daemon's calibration of a new model) runs on the same thread only when
+nothing else waits: `set_idle(step)` registers a function that does one bounded piece per call.
+A job or control call that arrives meanwhile cancels the running piece's token, so it waits at
+most one engine round, and the next piece runs only once the queue is empty again.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ class Scheduler:
         self._control: collections.deque = collections.deque()           # (fn, done) run before any job
         self._running: Job | None = None
         self._in_call = False                                            # a control call (model load) runs
+        self._idle: Callable[[Any], bool] | None = None                  # background step(token) -> more to do
+        self._idle_token: Any = None                                     # the running background step's token
         self._stopping = False
         self.counts = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -120,6 +127,7 @@ class Scheduler:
                 running.token.cancel()
             job.token = self._token_factory()
             job.state = "queued"
+            self._preempt_idle()
             job.queued_at = self._clock()
             self._pending[job.key] = job
             self._by_id[job.request_id] = job
@@ -175,7 +183,23 @@ class Scheduler:
             if self._stopping:
                 raise ShuttingDown("the daemon is shutting down")
             self._control.append((fn, done))
+            self._preempt_idle()
             self._lock.notify()
+
+    def set_idle(self, step: Callable[[Any], bool] | None) -> None:
+        """Background work for moments with nothing queued: step(token) does one bounded piece and returns
+        whether more remains; it must stop soon once token is cancelled. None withdraws it (and cancels a
+        running piece)."""
+        with self._lock:
+            self._idle = step
+            if step is None:
+                self._preempt_idle()
+            self._lock.notify()
+
+    def _preempt_idle(self) -> None:
+        """Under the lock: a request arrived, so a running background piece stops at its next round."""
+        if self._idle_token is not None:
+            self._idle_token.cancel()
 
     # --- introspection ----------------------------------------------------
 
@@ -204,6 +228,8 @@ class Scheduler:
             if self._running is not None and not self._running.cancel_reason:
                 self._running.cancel_reason = "shutdown"
                 self._running.token.cancel()
+            self._idle = None
+            self._preempt_idle()
             self._lock.notify_all()
         self._finish_all(finished)
         if threading.current_thread() is not self._thread:
@@ -248,6 +274,9 @@ class Scheduler:
                 return "job", job
             if self._stopping:
                 return None
+            if self._idle is not None:
+                self._idle_token = self._token_factory()
+                return "idle", (self._idle, self._idle_token)
             self._lock.wait()
 
     def _loop(self) -> None:
@@ -258,6 +287,18 @@ class Scheduler:
             if item is None:
                 return
             kind, payload = item
+            if kind == "idle":
+                step, token = payload
+                try:
+                    more = bool(step(token))
+                except Exception:  # background work must never take the worker down
+                    log.exception("background work failed")
+                    more = False
+                with self._lock:
+                    self._idle_token = None
+                    if not more and self._idle is step:
+                        self._idle = None
+                continue
             if kind == "call":
                 fn, done = payload
                 try:

@@ -1,0 +1,87 @@
+"""`completiond pull MODEL`: download a hub model (safetensors weights and tokenizer only) into the local cache.
+
+MODEL is a hub id (`org/name`, optionally `@revision`) or a short name from `--list`. A model
+already in the cache is not downloaded again, and nothing is asked of the network then.
+Torch-free: it runs where only the download happens (a connected machine whose cache is then
+copied to an offline one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="hub id (org/name[@revision]) or a short name from --list")
+    p.add_argument("--list", action="store_true", help="the curated short names, with size, memory and speed class")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="also accept a repository whose config names its own Python code (and fetch that code)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+class TerminalBar:
+    """Bytes downloaded, as a tqdm bar on stderr (created on the first report, so a cached model shows none)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label,
+                            file=sys.stderr, dynamic_ncols=True)
+        if total != self.bar.total:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from completiond.engine import hub
+
+    if args.list:
+        print(hub.catalog_table(), end="")
+        return 0
+    if not args.model:
+        print("completiond pull: give a hub id (org/name) or a short name; `completiond pull --list` shows them",
+              file=sys.stderr)
+        return 2
+    bar = TerminalBar(args.model)
+    try:
+        pulled = hub.pull(args.model, trust_remote_code=args.trust_remote_code, progress=bar)
+    except hub.HubError as exc:
+        bar.close()
+        print(f"completiond pull: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        bar.close()
+        print("completiond pull: interrupted; pull again to resume (finished files are kept)", file=sys.stderr)
+        return 130
+    bar.close()
+    try:
+        params = hub.parameter_count(pulled.path)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"completiond pull: cannot read the weights' headers in {pulled.path}: {exc}", file=sys.stderr)
+        return 1
+    result = {"model": pulled.name, "repo": pulled.repo, "revision": pulled.revision, "commit": pulled.commit,
+              "path": str(pulled.path), "downloaded_bytes": pulled.downloaded, "cached": pulled.downloaded == 0,
+              "parameters": params}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    if pulled.downloaded == 0:
+        print(f"{pulled.name} is already in the cache ({pulled.path}); nothing downloaded")
+    else:
+        print(f"{pulled.name}: downloaded {pulled.downloaded / 1e6:.1f} MB to {pulled.path}")
+    print(f"{params / 1e9:.2f} B parameters: about {params * 2 / 1e9:.1f} GB in bfloat16 (GPU), "
+          f"{params * 4 / 1e9:.1f} GB in float32 (CPU)")
+    setting = args.model if "/" in args.model or "@" in args.model else pulled.repo
+    print(f'use it: model = "{setting}" in ~/.config/completiond/config.toml, or completiond.model in the editor')
+    return 0

@@ -1,0 +1,485 @@
+"""Models from the Hugging Face hub: short names, the local cache first, safe downloads, fast failure offline.
+
+`pull` turns a hub id (`org/name`, optionally `@revision`) or a short name from CATALOG into
+a complete snapshot directory in the user's Hugging Face cache, in the hub's own layout
+(`models--org--name/{blobs,refs,snapshots/<commit>}`), so `huggingface-cli`, transformers and
+completiond share one copy. The engine then loads that directory like any local one: the
+network is touched only here, and only when the cache lacks the model.
+
+What is downloaded is chosen from the repository's file list before anything is fetched:
+config, tokenizer and `*.safetensors` weights only. Pickle checkpoints are never fetched, and
+a repository whose config names its own Python code (`auto_map`) is refused unless
+trustRemoteCode is on. The config is fetched first, so an unsupported family costs a few
+kilobytes, not gigabytes.
+
+Offline (`HF_HUB_OFFLINE=1`) or unreachable: one metadata request with a short timeout and
+no retries, then a `HubError` that says what to do. The hub library's own downloads retry
+with backoff for about a minute when nothing is cached; they are only reached once the hub
+has answered.
+
+Torch-free: `completiond pull` does not need torch. Environment variables (HF_HUB_CACHE,
+HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE) are read at each call, not when huggingface_hub is
+imported, so a process can point at another cache or endpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from completiond.errors import CompletionError
+from completiond.models.adapters import FAMILIES
+
+# One metadata request decides whether the hub is reachable: an editor waiting for its first
+# suggestion must not sit through the hub library's retry loop.
+HUB_TIMEOUT = 5.0
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+INFO_FILES = ("completiond.json",)
+INDEX_FILE = "model.safetensors.index.json"
+
+ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+class HubError(CompletionError):
+    """A hub model that cannot be found, fetched or accepted; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    name: str            # the short name `completiond pull` accepts
+    repo: str            # hub id
+    params_b: float      # parameters, billions
+    family: str          # config.json model_type
+    fim: str             # FIM template (models/fim.py), "" when the model has none
+    early_exit: str      # how well its early exits draft
+    gated: bool = False  # the hub asks users to accept a licence first
+
+    @property
+    def supported(self) -> bool:
+        return self.family in FAMILIES
+
+
+# Memory is the weights alone (the KV cache budget, cacheMegabytes, comes on top). The speed
+# classes are estimates, not measurements: batch-1 decoding streams every weight once per token,
+# so one token costs about weight bytes / memory bandwidth (a CPU at 20 GB/s in float32, a GPU at
+# 1 TB/s in bfloat16); speculation can divide that by up to its tokens per round.
+CPU_BANDWIDTH = 20e9
+GPU_BANDWIDTH = 1e12
+CATALOG: tuple[CatalogEntry, ...] = (
+    CatalogEntry("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B", 0.49, "qwen2", "qwen2.5-coder",
+                 "ordinary model: calibrate decides"),
+    CatalogEntry("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B", 1.54, "qwen2", "qwen2.5-coder",
+                 "ordinary model: calibrate decides"),
+    CatalogEntry("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B", 7.62, "qwen2", "qwen2.5-coder",
+                 "ordinary model: calibrate decides"),
+    CatalogEntry("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base", 1.35, "llama", "deepseek-coder",
+                 "ordinary model: calibrate decides"),
+    CatalogEntry("codellama-7b", "codellama/CodeLlama-7b-hf", 6.74, "llama", "codellama",
+                 "ordinary model: calibrate decides"),
+    CatalogEntry("layerskip-codellama-7b", "facebook/layerskip-codellama-7B", 6.74, "llama", "codellama",
+                 "trained to exit early (LayerSkip): drafts well", gated=True),
+    CatalogEntry("starcoder2-3b", "bigcode/starcoder2-3b", 3.03, "starcoder2", "starcoder",
+                 "ordinary model"),
+)
+CATALOG_BY_NAME = {e.name: e for e in CATALOG}
+CATALOG_BY_REPO = {e.repo.lower(): e for e in CATALOG}
+
+
+def _speed_class(ms: float) -> str:
+    for limit, label in ((30, "fast"), (100, "usable"), (300, "slow")):
+        if ms <= limit:
+            return f"{label} (~{ms:.0f} ms/token)"
+    return f"too slow (~{ms / 1000:.1f} s/token)"
+
+
+def catalog_table() -> str:
+    """The README's table of short names (a test keeps README in step with CATALOG)."""
+    rows = ["| short name | hub id | parameters | memory bf16 / fp32 | CPU (fp32) | GPU (bf16) | FIM | early exits |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in CATALOG:
+        bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
+        repo = f"`{e.repo}`" + (" (gated: accept its licence on the hub, then log in)" if e.gated else "")
+        if e.supported:
+            cpu, gpu = _speed_class(1000 * fp32 / CPU_BANDWIDTH), _speed_class(1000 * bf16 / GPU_BANDWIDTH)
+        else:
+            cpu = gpu = f"not supported yet (the engine has no `{e.family}` layout)"
+        rows.append(f"| `{e.name}` | {repo} | {e.params_b:.2f} B | {bf16 / 1e9:.1f} / {fp32 / 1e9:.1f} GB | {cpu} | "
+                    f"{gpu} | {e.fim or 'no'} | {e.early_exit} |")
+    return "\n".join(rows) + "\n"
+
+
+# --- names ---------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def parse(model: str) -> tuple[str, str | None]:
+    """(hub id, revision or None) of `org/name`, `org/name@revision` or a CATALOG short name."""
+    name, _, revision = model.strip().partition("@")
+    entry = CATALOG_BY_NAME.get(name.lower())
+    repo = entry.repo if entry is not None else name
+    if not _HUB_ID.match(repo) or ".." in repo:
+        short = ", ".join(CATALOG_BY_NAME)
+        raise HubError(f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
+                       f"@revision), nor a short name ({short}). A local directory must start with '.', '/' or '~'.")
+    return repo, revision or None
+
+
+def display_name(repo: str, revision: str | None, commit: str) -> str:
+    """How users see a hub model: its id with the revision, never a bare hash."""
+    short = commit[:12]
+    if revision and revision not in ("main", commit):
+        return f"{repo}@{revision} ({short})"
+    return f"{repo}@{short}"
+
+
+def name_for_path(path: Path) -> str | None:
+    """The hub id and revision of a snapshot directory of a hub cache, else None."""
+    parts = Path(path).resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        repo = parts[-3][len("models--"):].replace("--", "/", 1)
+        return display_name(repo, None, parts[-1])
+    return None
+
+
+# --- the environment, read at each call ----------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """The hub cache, as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def repo_folder(repo: str) -> Path:
+    return cache_dir() / ("models--" + repo.replace("/", "--"))
+
+
+# --- the local cache ------------------------------------------------------------------------
+
+
+def _ref(folder: Path, revision: str) -> str | None:
+    if _COMMIT.match(revision):
+        return revision
+    try:
+        commit = (folder / "refs" / revision).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return commit if _COMMIT.match(commit) else None
+
+
+def missing_files(snapshot: Path) -> list[str]:
+    """What a snapshot directory lacks to be loaded (empty: complete). Links into blobs must resolve."""
+    missing = [f for f in ("config.json",) if not (snapshot / f).is_file()]
+    if not any((snapshot / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        missing.append("tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    index = snapshot / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return missing + [f"{INDEX_FILE} (unreadable)"]
+        missing += [s for s in shards if not (snapshot / s).is_file()]
+    elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    return missing
+
+
+def cached_snapshot(repo: str, revision: str | None = None) -> Path | None:
+    """The complete snapshot of repo at revision (default main) in the local cache, else None. No network."""
+    folder = repo_folder(repo)
+    commit = _ref(folder, revision or "main")
+    if commit is None:
+        return None
+    snapshot = folder / "snapshots" / commit
+    return snapshot if snapshot.is_dir() and not missing_files(snapshot) else None
+
+
+# --- choosing what to download ----------------------------------------------------------------
+
+
+def choose_files(repo: str, files: Iterable[str], trust_remote_code: bool = False) -> list[str]:
+    """Of a repository's files, the ones a load needs: config, tokenizer, safetensors weights
+    (and its Python code only with trust_remote_code). Raises HubError for pickle-only repos."""
+    top = [f for f in files if "/" not in f]  # subfolders hold other formats (original/, onnx/, gguf)
+    weights = [f for f in top if f.endswith(".safetensors")]
+    if not weights:
+        pickles = sorted(f for f in top if f.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise HubError(
+                f"refusing to download {repo}: it publishes only pickle weights ({', '.join(pickles[:4])}), which can "
+                "run arbitrary code when loaded. Pick a release with *.safetensors weights, or convert it "
+                "(transformers' save_pretrained(..., safe_serialization=True)) and set the model to that directory.")
+        raise HubError(f"{repo} has no *.safetensors weights at the top of the repository; it cannot be loaded")
+    if INDEX_FILE in top:
+        weights = [INDEX_FILE]  # the shards it names are added once the index is read
+    elif "model.safetensors" in weights:
+        weights = ["model.safetensors"]  # others beside it (consolidated.safetensors) are other formats
+    wanted = set(CONFIG_FILES) | set(TOKENIZER_FILES) | set(INFO_FILES)
+    chosen = [f for f in top if f in wanted] + weights
+    if trust_remote_code:
+        chosen += [f for f in top if f.endswith(".py")]
+    if "config.json" not in chosen:
+        raise HubError(f"{repo} is not a transformers model: it has no config.json")
+    return chosen
+
+
+def check_config(repo: str, config: dict, trust_remote_code: bool = False) -> None:
+    """Refuse, before any weights are fetched, a model that needs its own code or that the engine cannot run."""
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        classes = ", ".join(sorted(str(v) for v in auto_map.values())) if isinstance(auto_map, dict) else str(auto_map)
+        raise HubError(
+            f"refusing {repo}: its config names its own Python code ({classes}), which would run on this machine. "
+            "Allow it only for a repository you trust: trustRemoteCode = true in the settings, or "
+            "`completiond pull --trust-remote-code`.")
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise HubError(f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
+                       f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)")
+
+
+def shards(snapshot: Path) -> list[str]:
+    index = json.loads((snapshot / INDEX_FILE).read_text(encoding="utf-8"))
+    return sorted(set(index["weight_map"].values()))
+
+
+# --- pulling ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pulled:
+    path: Path          # the snapshot directory
+    repo: str
+    revision: str | None
+    commit: str
+    downloaded: int     # bytes fetched now (0: it was in the cache)
+    total: int          # bytes of the files chosen
+
+    @property
+    def name(self) -> str:
+        return display_name(self.repo, self.revision, self.commit)
+
+
+def _where_to_copy(repo: str) -> str:
+    return (f"Set completiond.model to a local model directory, or run `completiond pull {repo}` on a connected "
+            f"machine and copy its {repo_folder(repo).name} folder into {cache_dir()} here "
+            "(HF_HUB_CACHE or HF_HOME choose that place)")
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's connection and timeout errors: huggingface_hub 1.x talks through httpx
+    (2.x through its fork httpx2), and neither's errors are OSErrors."""
+    found: list[type[BaseException]] = [OSError]
+    try:
+        import httpx2
+
+        found.append(httpx2.TransportError)
+    except ImportError:
+        pass
+    try:
+        import httpx
+
+        found.append(httpx.TransportError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def _hub_errors():
+    from huggingface_hub import errors
+
+    return errors
+
+
+def _describe(repo: str, exc: BaseException) -> HubError:
+    errors = _hub_errors()
+    if isinstance(exc, errors.GatedRepoError):
+        return HubError(f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
+                        "here (`hf auth login`, or set HF_TOKEN) and pull again")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return HubError(f"{repo} has no such revision on the hub: {exc}")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return HubError(f"{repo} is not on the hub {endpoint()} (or it is private: log in with `hf auth login` or "
+                        "set HF_TOKEN). Check the id, or see `completiond pull --list`")
+    return HubError(f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {type(exc).__name__}: {exc}. "
+                    + _where_to_copy(repo) + ".")
+
+
+class _Bytes:
+    """A stand-in for the tqdm bar huggingface_hub updates per file: it adds the bytes to one total
+    (`sink`, set on a subclass per pull)."""
+
+    sink: Callable[[int], None]
+
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("initial"):
+            self.sink(int(kwargs["initial"]))
+
+    def update(self, n=1):
+        self.sink(int(n or 0))
+
+    def update_transfer(self, n=1):  # network bytes of xet transfers: update() already counts what was written
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def close(self):
+        pass
+
+    def refresh(self, *a, **k):
+        pass
+
+    set_postfix_str = set_transfer_postfix_str = set_description = set_description_str = refresh
+
+
+def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | None = None) -> Pulled:
+    """The local snapshot of `model` (hub id or short name), downloading what the cache lacks."""
+    repo, revision = parse(model)
+    cached = cached_snapshot(repo, revision)
+    if cached is not None:
+        _check_local(repo, cached, trust_remote_code)
+        return Pulled(cached, repo, revision, cached.name, 0, _size(cached))
+    if offline():
+        raise HubError(f"{repo}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+                       f"({cache_dir()}), and HF_HUB_OFFLINE is set, so it cannot be downloaded. "
+                       + _where_to_copy(repo) + "; or unset HF_HUB_OFFLINE on a connected machine.")
+    from huggingface_hub import HfApi, hf_hub_download
+
+    errors = _hub_errors()
+    api = HfApi(endpoint=endpoint())
+    try:
+        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT)
+    except (errors.HfHubHTTPError, *_transport_errors()) as exc:
+        raise _describe(repo, exc) from None
+    commit = info.sha
+    if not commit or not _COMMIT.match(commit):
+        raise HubError(f"the hub ({endpoint()}) gave no commit for {repo}; try again later")
+    sizes = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
+    chosen = choose_files(repo, sizes, trust_remote_code)
+    folder = repo_folder(repo)
+    done = [0]
+
+    def add(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(min(done[0], total), total)
+
+    bar = type("_PullBytes", (_Bytes,), {"sink": staticmethod(add)})
+
+    def fetch(filename: str) -> Path:
+        try:
+            return Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
+                                        endpoint=endpoint(), etag_timeout=HUB_TIMEOUT,
+                                        tqdm_class=bar))
+        except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, *_transport_errors()) as exc:
+            raise _describe(repo, exc) from None
+
+    # The config first: a model the engine cannot run, or one that wants its own code, costs kilobytes.
+    small = [f for f in chosen if not f.endswith(".safetensors")]
+    total = sum(sizes.get(f, 0) for f in chosen)
+    config_path = fetch("config.json")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HubError(f"{repo}: config.json is not valid JSON: {exc}") from None
+    check_config(repo, config if isinstance(config, dict) else {}, trust_remote_code)
+    for f in small:
+        if f != "config.json":
+            fetch(f)
+    snapshot = folder / "snapshots" / commit
+    weights = [f for f in chosen if f.endswith(".safetensors")]
+    if INDEX_FILE in chosen:
+        try:
+            weights = shards(snapshot)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HubError(f"{repo}: {INDEX_FILE} is unreadable: {exc}") from None
+        bad = [w for w in weights if "/" in w or not w.endswith(".safetensors")]
+        if bad:
+            raise HubError(f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}")
+        total = sum(sizes.get(f, 0) for f in small) + sum(sizes.get(w, 0) for w in weights)
+    for w in weights:
+        fetch(w)
+    # The hub writes refs only when it resolves a branch itself; downloads by commit leave that to us,
+    # and the next load finds the model through refs/<revision> without asking the hub.
+    if not (revision and _COMMIT.match(revision)):
+        refs = folder / "refs"
+        refs.mkdir(parents=True, exist_ok=True)
+        tmp = refs / f".{revision or 'main'}.tmp"
+        tmp.write_text(commit, encoding="utf-8")
+        os.replace(tmp, refs / (revision or "main"))
+    missing = missing_files(snapshot)
+    if missing:
+        raise HubError(f"{repo}: the download left {snapshot} incomplete (missing {', '.join(missing)}); pull again")
+    return Pulled(snapshot, repo, revision, commit, done[0], total)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def _check_local(repo: str, snapshot: Path, trust_remote_code: bool) -> None:
+    try:
+        config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HubError(f"{snapshot}/config.json is unreadable: {exc}") from None
+    check_config(repo, config if isinstance(config, dict) else {}, trust_remote_code)
+
+
+# --- sizes before loading ---------------------------------------------------------------------
+
+MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Parameters in a directory's safetensors weights, from the file headers only (no tensor is read)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    files = [model_dir / s for s in shards(model_dir)] if index.is_file() else sorted(model_dir.glob("*.safetensors"))
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{path}: not a safetensors file")
+            (length,) = struct.unpack("<Q", raw)
+            if length > MAX_HEADER:
+                raise ValueError(f"{path}: header of {length} bytes")
+            header = json.loads(f.read(length))
+        for key, entry in header.items():
+            if key == "__metadata__" or not isinstance(entry, dict):
+                continue
+            n = 1
+            for d in entry.get("shape", []):
+                n *= int(d)
+            total += n
+    return total
