@@ -1,0 +1,276 @@
+"""`completiond pull` and hub models (issue 14, part 1), without network.
+
+A real Hugging Face hub cache is built in a temp dir from the bundled model, in the hub's own
+layout (models--org--name/{blobs,refs/main,snapshots/<commit>}), and checked with the hub's own
+offline tools before anything of ours reads it. The hub endpoint is always a closed loopback
+port, so a test that reached for the network would fail instead of downloading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from completiond.engine import hub
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "models" / "completiond-py-mini"
+REPO = "completiond/py-mini"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_hub_cache(root: Path, repo: str, source: Path, commit: str = COMMIT, ref: str = "main",
+                   skip: tuple[str, ...] = (), config: dict | None = None) -> Path:
+    """The hub's cache layout: content-addressed blobs, a snapshot of relative links to them, refs/<ref>."""
+    folder = root / ("models--" + repo.replace("/", "--"))
+    blobs, snapshot = folder / "blobs", folder / "snapshots" / commit
+    blobs.mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in sorted(source.iterdir()):
+        if not f.is_file() or f.name in skip:
+            continue
+        data = f.read_bytes()
+        if f.name == "config.json" and config is not None:
+            data = json.dumps({**json.loads(data), **config}).encode()
+        # LFS files are named by their sha256, regular git files by their git blob sha1, as the hub does.
+        digest = (hashlib.sha256(data).hexdigest() if f.suffix == ".safetensors"
+                  else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        (blobs / digest).write_bytes(data)
+        (snapshot / f.name).symlink_to(os.path.relpath(blobs / digest, snapshot))
+    (folder / "refs").mkdir(exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "hub"
+    snapshot = make_hub_cache(root, REPO, BUNDLED)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    return root, snapshot
+
+
+def pull_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "completiond.cli", "pull", *args], capture_output=True, text=True,
+                          env=full, timeout=120, cwd=ROOT)
+
+
+# --- the cache layout, as the hub itself reads it --------------------------------------------------
+
+
+@pytest.mark.torch_free
+def test_the_built_cache_is_one_the_hub_library_resolves_offline(cache):
+    from huggingface_hub import scan_cache_dir, snapshot_download, try_to_load_from_cache
+
+    root, snapshot = cache
+    assert Path(snapshot_download(REPO, cache_dir=root, local_files_only=True)) == snapshot
+    assert Path(try_to_load_from_cache(REPO, "model.safetensors", cache_dir=root)).resolve() == \
+        (snapshot / "model.safetensors").resolve()
+    (info,) = scan_cache_dir(root).repos
+    assert info.repo_id == REPO and [r.commit_hash for r in info.revisions] == [COMMIT]
+    assert hub.cached_snapshot(REPO) == snapshot and hub.cached_snapshot(REPO, "main") == snapshot
+    assert hub.cached_snapshot(REPO, COMMIT) == snapshot
+    assert hub.cached_snapshot(REPO, "v2") is None
+
+
+@pytest.mark.torch_free
+def test_an_incomplete_snapshot_is_not_taken_for_the_model(tmp_path, monkeypatch):
+    root = tmp_path / "hub"
+    snapshot = make_hub_cache(root, REPO, BUNDLED)
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    (snapshot / "model.safetensors").resolve().unlink()  # an interrupted download: the link dangles
+    assert hub.missing_files(snapshot) == ["*.safetensors weights"]
+    assert hub.cached_snapshot(REPO) is None
+
+
+# --- completiond pull ------------------------------------------------------------------------------
+
+
+@pytest.mark.torch_free
+def test_pull_of_a_cached_model_downloads_nothing_and_says_so(cache):
+    root, snapshot = cache
+    env = {"HF_HUB_CACHE": str(root), "HF_ENDPOINT": os.environ["HF_ENDPOINT"]}
+    out = pull_cli(REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"{REPO}@{COMMIT[:12]} is already in the cache" in out.stdout and "nothing downloaded" in out.stdout
+    assert "6.0" not in out.stderr  # no progress bar for a model that is there
+    out = pull_cli(f"{REPO}@main", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["cached"] is True and result["downloaded_bytes"] == 0
+    assert result["model"] == f"{REPO}@{COMMIT[:12]}" and Path(result["path"]) == snapshot
+    assert 5_000_000 < result["parameters"] < 7_000_000  # the bundled model: 6.0M parameters
+
+
+@pytest.mark.torch_free
+def test_pull_from_an_unreachable_hub_fails_at_once_with_what_to_do(tmp_path):
+    port = closed_port()
+    out = pull_cli("qwen2.5-coder-0.5b", env={"HF_HUB_CACHE": str(tmp_path / "empty"),
+                                              "HF_ENDPOINT": f"http://127.0.0.1:{port}"})
+    assert out.returncode == 1
+    err = out.stderr
+    assert f"cannot reach the Hugging Face hub (http://127.0.0.1:{port}) for Qwen/Qwen2.5-Coder-0.5B" in err
+    assert "local model directory" in err and "on a connected machine and copy" in err
+    assert "models--Qwen--Qwen2.5-Coder-0.5B" in err
+    assert "Retrying" not in err and "Traceback" not in err
+    assert not (tmp_path / "empty" / "models--Qwen--Qwen2.5-Coder-0.5B" / "blobs").exists()
+
+
+@pytest.mark.torch_free
+def test_pull_offline_says_the_model_is_not_cached_and_what_to_do(tmp_path):
+    out = pull_cli("org/absent@v1", env={"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1",
+                                         "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}"})
+    assert out.returncode == 1
+    assert "org/absent@v1 is not in the local Hugging Face cache" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
+    assert "copy its models--org--absent folder" in out.stderr
+
+
+@pytest.mark.torch_free
+def test_pull_refuses_a_cached_remote_code_model_unless_trusted(tmp_path):
+    root = tmp_path / "hub"
+    make_hub_cache(root, "org/custom", BUNDLED, config={"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}})
+    env = {"HF_HUB_CACHE": str(root), "HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}"}
+    out = pull_cli("org/custom", env=env)
+    assert out.returncode == 1
+    assert "its config names its own Python code (modeling_x.XForCausalLM)" in out.stderr
+    assert "trustRemoteCode" in out.stderr
+    out = pull_cli("org/custom", "--trust-remote-code", env=env)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.torch_free
+def test_pull_needs_a_model_and_lists_the_short_names():
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", "pull"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "completiond pull --list" in out.stderr
+    out = subprocess.run([sys.executable, "-c", "import sys; from completiond.cli import main; rc = main(['pull', "
+                          "'--list']); assert 'torch' not in sys.modules, 'pull imported torch'; sys.exit(rc)"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "`qwen2.5-coder-0.5b` | `Qwen/Qwen2.5-Coder-0.5B`" in out.stdout
+
+
+@pytest.mark.torch_free
+def test_readme_shows_the_catalog_as_the_code_has_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert hub.catalog_table() in readme, "README's model table is stale: paste `completiond pull --list`"
+    assert "| `completiond pull MODEL" in readme
+
+
+# --- what a download would fetch, decided before it starts -------------------------------------------
+
+
+@pytest.mark.torch_free
+def test_only_safetensors_config_and_tokenizer_are_chosen():
+    files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",
+             "vocab.json", "model.safetensors", "pytorch_model.bin", "README.md", "onnx/model.onnx",
+             "original/consolidated.pth", "flax_model.msgpack", "modeling_x.py", ".gitattributes"]
+    chosen = hub.choose_files("org/m", files)
+    assert sorted(chosen) == sorted(["config.json", "generation_config.json", "tokenizer.json",
+                                     "tokenizer_config.json", "merges.txt", "vocab.json", "model.safetensors"])
+    assert "modeling_x.py" in hub.choose_files("org/m", files, trust_remote_code=True)
+    sharded = ["config.json", "tokenizer.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+               "model-00002-of-00002.safetensors", "consolidated.safetensors"]
+    assert sorted(hub.choose_files("org/m", sharded)) == ["config.json", "model.safetensors.index.json", "tokenizer.json"]
+    assert hub.choose_files("org/m", ["config.json", "tokenizer.json", "model.safetensors",
+                                      "consolidated.safetensors"])[-1:] == ["model.safetensors"]
+
+
+@pytest.mark.torch_free
+def test_a_pickle_only_repository_is_refused_before_any_download():
+    with pytest.raises(hub.HubError, match=r"only pickle weights \(pytorch_model.bin\).*safetensors"):
+        hub.choose_files("org/old", ["config.json", "tokenizer.json", "pytorch_model.bin"])
+    with pytest.raises(hub.HubError, match="no \\*.safetensors weights"):
+        hub.choose_files("org/empty", ["config.json", "README.md"])
+
+
+@pytest.mark.torch_free
+def test_remote_code_and_unsupported_families_are_refused_from_the_config():
+    with pytest.raises(hub.HubError, match="its own Python code"):
+        hub.check_config("org/x", {"model_type": "llama", "auto_map": {"AutoConfig": "c.C"}})
+    hub.check_config("org/x", {"model_type": "llama", "auto_map": {"AutoConfig": "c.C"}}, trust_remote_code=True)
+    with pytest.raises(hub.HubError, match="'starcoder2' model, which the engine cannot run yet"):
+        hub.check_config("bigcode/starcoder2-3b", {"model_type": "starcoder2"})
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        hub.check_config("org/x", {"model_type": family})
+
+
+@pytest.mark.torch_free
+def test_names_short_names_and_revisions():
+    assert hub.parse("qwen2.5-coder-7b") == ("Qwen/Qwen2.5-Coder-7B", None)
+    assert hub.parse("Qwen/Qwen2.5-Coder-7B@v1.0") == ("Qwen/Qwen2.5-Coder-7B", "v1.0")
+    for bad in ("gpt2", "a/b/c", "../x/y", "org/na me"):
+        with pytest.raises(hub.HubError, match="neither a local directory"):
+            hub.parse(bad)
+    assert hub.display_name("org/m", None, COMMIT) == f"org/m@{COMMIT[:12]}"
+    assert hub.display_name("org/m", "v1", COMMIT) == f"org/m@v1 ({COMMIT[:12]})"
+    assert hub.name_for_path(Path("/c/models--org--m/snapshots") / COMMIT) == f"org/m@{COMMIT[:12]}"
+    assert hub.name_for_path(Path("/home/me/models/m")) is None
+
+
+@pytest.mark.torch_free
+def test_parameters_are_counted_from_the_headers_alone(tmp_path):
+    header = json.dumps({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+                         "b": {"dtype": "BF16", "shape": [5], "data_offsets": [48, 58]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 58)
+    assert hub.parameter_count(tmp_path) == 17
+    (tmp_path / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little"))
+    with pytest.raises(ValueError, match="header"):
+        hub.parameter_count(tmp_path)
+
+
+# --- loading by hub id, offline --------------------------------------------------------------------
+
+
+def test_a_hub_id_loads_offline_from_the_cache_under_its_human_name(cache, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from completiond.engine.engine import Engine, SamplingParams
+
+    root, snapshot = cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # transformers' own offline path reads the same cache by hub id
+    assert len(AutoTokenizer.from_pretrained(REPO, cache_dir=root, local_files_only=True)) > 1000
+    engine = Engine.load(REPO, device="cpu")
+    assert engine.name == f"{REPO}@{COMMIT[:12]}"
+    direct = Engine.load(BUNDLED, device="cpu")
+    assert direct.name == str(BUNDLED.resolve())  # a directory is shown as its path
+    # the same weights: the same identity (so the same calibration record), template and output
+    assert engine.model_id == direct.model_id
+    assert engine.info.fim_template == "completiond" and engine.calibration.source.startswith("model default")
+    ids = engine.tokenizer("def parse(text):\n    ").input_ids
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert engine.generate(ids, params).tokens == direct.generate(ids, params).tokens
+
+
+def test_a_hub_id_missing_offline_is_a_clear_engine_error(tmp_path, monkeypatch):
+    from completiond.engine.engine import Engine, EngineError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EngineError, match="not in the local Hugging Face cache.*local model directory"):
+        Engine.load("org/absent", device="cpu")
+
+
+def test_the_bundled_model_is_named_not_hashed():
+    from completiond.engine.engine import Engine
+
+    engine = Engine.load(None, device="cpu")
+    assert engine.name == "completiond-py-mini (bundled)"
+    assert engine.model_id not in engine.name
