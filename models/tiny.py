@@ -29,31 +29,54 @@ for i in range(10):
 SPECIAL_TOKENS = ["<|endoftext|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 400) -> None:
+def build_tokenizer(directory: Path, vocab_size: int = 400, special_tokens: list[str] | None = None,
+                    eos: str = "<|endoftext|>", bos: str | None = None, metaspace: bool = False,
+                    tokenizer_class: str | None = None) -> None:
+    """A byte-level BPE (GPT-2, Qwen, StarCoder, DeepSeek-Coder) or, with metaspace, a SentencePiece-style
+    one with `▁` for spaces (Llama, CodeLlama, Mistral), with the family's special tokens; eos and bos
+    must be among them. tokenizer_class is written into tokenizer_config.json as the family's own does."""
+    import json
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special_tokens = list(special_tokens or SPECIAL_TOKENS)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    if metaspace:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+        alphabet = sorted(set(_CORPUS.replace(" ", "\u2581")))
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=special_tokens,
+        initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        eos_token=eos,
+        bos_token=bos,
+        additional_special_tokens=[t for t in special_tokens if t not in (eos, bos)],
     )
     fast.save_pretrained(directory)
+    if tokenizer_class:
+        path = Path(directory) / "tokenizer_config.json"
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["tokenizer_class"] = tokenizer_class
+        path.write_text(json.dumps(data, indent=2), encoding="utf-8")
 
 
 def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hidden: int = 64, seed: int = 0,
-                    dtype: str = "float32", peaked: bool = False) -> Path:
+                    dtype: str = "float32", peaked: bool = False, tokenizer: dict | None = None) -> Path:
     """Write a random tiny model of the given family to `directory`.
+
+    tokenizer: keyword arguments of build_tokenizer (a family's special tokens); its eos and bos
+    become the config's.
 
     peaked=True scales the LM head so that logits are far apart: random tiny
     models otherwise have near-tied logits, and a batched and a single-token
@@ -63,13 +86,16 @@ def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hid
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(directory)
+    build_tokenizer(directory, **(tokenizer or {}))
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(directory))
+    tok = AutoTokenizer.from_pretrained(directory)
+    vocab = len(tok)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    bos = tok.bos_token_id if tok.bos_token_id is not None else eos
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  eos_token_id=0, bos_token_id=0, tie_word_embeddings=True)
+                  eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=True)
     if family == "llama":
         cfg = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
@@ -79,6 +105,12 @@ def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hid
     elif family == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=None)
         cls = transformers.MistralForCausalLM
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=hidden // 4)
+        cls = transformers.Qwen3ForCausalLM
+    elif family == "starcoder2":  # not a layout the engine runs: its refusal is tested
+        cfg = transformers.Starcoder2Config(**common)
+        cls = transformers.Starcoder2ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
