@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stop": ("completiond.commands.stop", "stop the running daemon"),
     "settings": ("completiond.commands.settings", "print the settings in effect and where each comes from (--schema: as JSON)"),
     "train-adapter": ("completiond.commands.train_adapter", "train a model's exit adapter (a draft that reads a shallow layer well)"),
+    "train-medusa": ("completiond.commands.train_medusa", "train Medusa heads for a model (token-tree drafts, greedy)"),
     "train-default": ("completiond.models.train_default", "retrain the bundled default model"),
     "stress": ("completiond.commands.stress", "fuzz and load drivers for the daemon and the LSP server (development)"),
 }

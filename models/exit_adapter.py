@@ -191,12 +191,13 @@ def measure(model, layer, exit_layer: int, batches: list) -> dict:
 
 
 def train_adapter(model, exit_layer: int, batches: Iterator, steps: int, lr: float = 5e-4, minutes: float = 0.0,
-                  warmup: int = 20, log: Callable[[str], None] = print, log_every: int = 10):
-    """Train a copy of layer E as the adapter, everything else frozen. Returns (layer, summary)."""
+                  warmup: int = 20, log: Callable[[str], None] = print, log_every: int = 10, init=None):
+    """Train a copy of layer E (or of `init`, an adapter layer to continue) as the adapter, everything
+    else frozen. Returns (layer, summary)."""
     import torch
 
     model.eval().requires_grad_(False)
-    layer = copy.deepcopy(model.model.layers[exit_layer]).float().train().requires_grad_(True)
+    layer = copy.deepcopy(init if init is not None else model.model.layers[exit_layer]).float().train().requires_grad_(True)
     params = [p for p in layer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     t0 = time.time()

@@ -231,3 +231,22 @@ def test_train_adapter_command_writes_a_keyed_adapter(tmp_path, capsys):
     # E must leave the adapter cheaper than the model
     bad = parser.parse_args(["--model", str(d), "--exit-layer", "4", "--files", str(src)])
     assert cmd.run(bad) == 2
+
+
+def test_calibrate_weighs_the_adapter_and_a_draft_model_and_plots_them(model_dir, tmp_path):
+    from completiond.commands import calibrate as cal_cmd
+    from completiond.engine.autocalibrate import run_to_end, calibration_steps
+
+    eng = Engine.load(model_dir, dtype="float64", draft_model=model_dir)  # the model drafting for itself
+    prompts = [ids(eng)]
+    cal, rows = run_to_end(calibration_steps(eng, prompts, 12, [1, 2], [2], log=lambda *a: None, repeats=1))
+    drafts = {r["draft"] for r in rows}
+    assert {"early_exit", "adapter", "draft_model"} <= drafts
+    # a model drafting for itself is accepted every time
+    assert all(r["alpha"] == 1.0 for r in rows if r["draft"] == "draft_model")
+    best = max(rows, key=lambda r: r["speedup"])
+    assert cal.draft == best["draft"] and cal.exit_layer == best["exit_layer"]
+    text = cal_cmd.table(rows)
+    assert "exit adapter" in text and "draft model" in text and len(text.splitlines()) == len(rows) + 2
+    png = cal_cmd.plot(rows, tmp_path / "cal.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -45,7 +45,7 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     return run_to_end(calibration_steps(engine, prompts, max_tokens, exit_layers, draft_ks, log, ranked_ids, repeats))
 
 
-METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model"}
+METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model", "medusa": "Medusa tree"}
 
 
 def method_name(row: dict) -> str:
@@ -73,7 +73,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = method_name(r) + (f" E={r['exit_layer']}" if r.get("draft") != "draft_model" else "")
+        label = method_name(r) + (f" E={r['exit_layer']}" if r.get("draft") in ("early_exit", "adapter") else "")
         label += f", vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""
         series.setdefault(label, []).append(r)
     fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", nargs="*", default=None, help="held-out files or directories (default: stdlib held-out split)")
     p.add_argument("--heldout-batches", type=int, default=6)
     p.add_argument("--out", type=Path, default=None, help="where to write the adapter (default: see above)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="continue from this adapter file (same model and exit layer) instead of a copy of layer E")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -129,18 +131,40 @@ def run(args: argparse.Namespace) -> int:
     model = engine.model
     log(f"training the exit adapter of {engine.name} at E={E} of {L} layers on {device} "
         f"({args.steps} steps x {args.batch_size}x{args.seq_len} tokens)")
-    start = ea.copy.deepcopy(model.model.layers[E]).eval()
+    previous = {}
+    if args.init is not None:
+        try:
+            record = ea.read_adapter(args.init, engine.model_id, model.config)
+        except ea.AdapterFileError as exc:
+            print(f"completiond train-adapter: --init: {exc}", file=sys.stderr)
+            return 2
+        if record.exit_layer != E:
+            print(f"completiond train-adapter: --init {args.init} is an adapter at layer {record.exit_layer}, not {E}",
+                  file=sys.stderr)
+            return 2
+        start = ea.build_layer(model, record)
+        previous = record.training
+    else:
+        start = ea.copy.deepcopy(model.model.layers[E]).eval()
     before = ea.measure(model, start, E, held)
     log(f"before: agreement adapter {before['agreement']['adapter']:.3f} (exit {E}: {before['agreement']['exit']:.3f}, "
         f"exit {E + 1}: {before['agreement']['exit_next']:.3f}), KL {before['kl']['adapter']:.3f}")
     autocast = device != "cpu" and engine.dtype != torch.float32
     with torch.autocast(device_type=str(device).split(":")[0], dtype=engine.dtype, enabled=autocast):
-        layer, summary = ea.train_adapter(model, E, train, args.steps, lr=args.lr, minutes=args.minutes, log=log)
+        layer, summary = ea.train_adapter(model, E, train, args.steps, lr=args.lr, minutes=args.minutes, log=log,
+                                          init=start if args.init is not None else None)
     layer = layer.to(engine.dtype)
     after = ea.measure(model, layer, E, held)
     log(f"after:  agreement adapter {after['agreement']['adapter']:.3f}, KL {after['kl']['adapter']:.3f}")
     summary.update(exit_layer=E, before=before, after=after, heldout_windows=len(held) * args.batch_size,
                    seq_len=args.seq_len, batch_size=args.batch_size)
+    if previous:
+        # a continued adapter: the totals cover every run, `runs` keeps each one's own figures
+        runs = previous.get("runs") or [{k: previous.get(k) for k in ("steps", "tokens", "minutes", "final_kl", "lr")}]
+        runs.append({k: summary[k] for k in ("steps", "tokens", "minutes", "final_kl", "lr")})
+        summary.update(runs=runs, steps=sum(r["steps"] or 0 for r in runs), tokens=sum(r["tokens"] or 0 for r in runs),
+                       minutes=round(sum(r["minutes"] or 0 for r in runs), 2),
+                       before=previous.get("before", before))
     out = args.out or default_out(engine, engine.model_dir)
     path = ea.save_adapter(out, layer, E, engine.model_id, model.config, summary)
     summary["path"] = str(path)

@@ -110,7 +110,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
                "tokens_per_s": n_tokens / statistics.median(secs_runs),
                # one draft step relative to one verify pass: what choose_k weighs K against
                "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        log({"early_exit": "", "adapter": "adapter ", "draft_model": "draft model "}[draft] + f"E={e:2d} K={k}"
+        log({"early_exit": "", "adapter": "adapter ", "draft_model": "draft model ", "medusa": "Medusa tree "}[draft] + f"E={e:2d} K={k}"
             + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
               f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
@@ -134,6 +134,9 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     if getattr(engine, "draft_model", None) is not None:
         for k in draft_ks:
             rows.append((yield from candidate(exit_layers[0], k, [], draft="draft_model")))
+    if getattr(engine, "medusa", None) is not None:
+        # one tree (its depth is the number of heads); greedy requests only, which is what is timed here
+        rows.append((yield from candidate(exit_layers[0], engine.medusa.num_heads, [], draft="medusa")))
     best = max(rows, key=lambda r: r["speedup"])
     # Then a draft head over only the most frequent ids, at the best E and K.
     vocab: list[int] = []

@@ -18,7 +18,7 @@ from completiond.engine.model_info import ModelInfo
 
 log = logging.getLogger(__name__)
 
-DRAFTS = ("early_exit", "adapter", "draft_model")
+DRAFTS = ("early_exit", "adapter", "draft_model", "medusa")
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Calibration:
     # Prompt-lookup (n-gram) drafts before the early-exit draft.
     prompt_lookup: bool = False
     # The model draft: "early_exit" (layers [0, E) + head), "adapter" (through the trained exit adapter)
-    # or "draft_model" (the separate draft model, when one is configured).
+    # "draft_model" (the separate draft model, when one is configured) or "medusa" (Medusa heads, greedy).
     draft: str = "early_exit"
 
     @classmethod

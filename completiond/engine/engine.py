@@ -32,6 +32,7 @@ from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the en
 from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
 from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
+from completiond.engine import medusa as medusa_mod
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.model_info import ModelInfo
@@ -39,7 +40,7 @@ from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
 PREFILL_CHUNK = 256
 # Files beside a model's weights that are trained on it (keyed to its identity), not part of it.
-DRAFT_FILES = {"exit_adapter.safetensors"}
+DRAFT_FILES = {"exit_adapter.safetensors", "medusa_heads.safetensors"}
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ class SamplingParams:
     draft_k: int | None = None  # None: calibrated; the most drafted per round
     draft_threshold: float | None = None  # None: calibrated
     prompt_lookup: bool | None = None  # n-gram drafts from the prompt and output; None: calibrated
-    # "early_exit" | "adapter" (the trained exit adapter) | "draft_model" (a separate small model); None: calibrated
+    # "early_exit" | "adapter" (the trained exit adapter) | "draft_model" (a separate small model)
+    # | "medusa" (Medusa heads and a token tree; greedy only, else the early-exit chain); None: calibrated
     draft: str | None = None
     adaptive_k: bool = True
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
@@ -78,7 +80,7 @@ class Stats:
     rejected: int = 0  # rounds that stopped at a rejected draft token
     generated_tokens: int = 0
     exit_layer: int = 0
-    draft: str = ""  # the model draft used: "early_exit", "adapter", "draft_model", or "" (none)
+    draft: str = ""  # the model draft used: "early_exit", "adapter", "draft_model", "medusa", or "" (none)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     lookup_rounds: int = 0      # rounds whose draft came from prompt lookup
@@ -211,6 +213,7 @@ class Engine:
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
         self.exit_adapter: ExitAdapter | None = None
         self.draft_model: "Engine | None" = None  # a separate draft model (attach_draft_model)
+        self.medusa: medusa_mod.Medusa | None = None  # Medusa heads (attach_medusa)
         self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
         self.vocab_size = self.adapter.lm_head.weight.shape[0]
         self.set_draft_vocab(self.calibration.draft_vocab)
@@ -300,6 +303,7 @@ class Engine:
         engine.load_warnings = [warning] if warning else []
         engine.model_dir = local
         engine.exit_adapter = find_and_attach(engine, local)
+        engine.medusa = medusa_mod.find_and_attach(engine, local)
         if draft_model:
             if progress is not None:
                 progress("draft model")
@@ -307,6 +311,11 @@ class Engine:
                                cache_bytes=0, threads=threads, download_progress=download_progress, warn=warn)
             engine.attach_draft_model(drafter)
         return engine
+
+    def attach_medusa(self, path: str | os.PathLike) -> medusa_mod.Medusa:
+        """Use the Medusa heads at path (raises models.medusa.MedusaFileError if they do not fit)."""
+        self.medusa = medusa_mod.attach(self, Path(path))
+        return self.medusa
 
     def attach_draft_model(self, drafter: "Engine") -> None:
         """Draft with a separate model of the same tokenizer (refused with EngineError otherwise)."""
@@ -355,12 +364,14 @@ class Engine:
         seq.companion = None
 
     # ---------------------------------------------------------------- forward
-    def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence,
+                   tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
         """Layers [first, last) on hidden states h [1, t, d] at positions [pos, pos+t).
 
-        Writes those positions' K/V into seq for these layers and attends over [0, pos+t).
+        Writes those positions' K/V into seq for these layers and attends over [0, pos+t)
+        (a token tree: see Forward.layers_range).
         """
-        return self.fwd.layers_range(h, first, last, pos, seq)
+        return self.fwd.layers_range(h, first, last, pos, seq, tree=tree)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
@@ -489,8 +500,14 @@ class Engine:
         spec, exit_layer, k_max, threshold, lookup, kind = self._speculation(params)
         stats.exit_layer = exit_layer if spec else self.num_layers
         draft: Draft | None = None
+        tree: medusa_mod.TreeDecoder | None = None
+        if spec and kind == "medusa" and (not warp.greedy or constraint is not None):
+            kind = "early_exit"  # the tree walk is exact for greedy decoding only: the chain is exact always
         if spec:
-            if kind == "adapter":
+            if kind == "medusa":
+                tree = medusa_mod.TreeDecoder(self, self.medusa, lookup)
+                lookup = False  # its proposal is a branch of the tree
+            elif kind == "adapter":
                 draft = AdapterDraft(self, self.exit_adapter)
             elif kind == "draft_model":
                 draft = DraftModelDraft(self, self.draft_model)
@@ -498,7 +515,7 @@ class Engine:
             else:
                 draft = EarlyExitDraft(self, exit_layer)
             stats.draft = kind
-        room = k_max  # most tokens a round may write ahead of the committed ones
+        room = k_max if tree is None else tree.max_nodes  # most tokens a round may write ahead of the committed ones
         if lookup:
             draft = LookupDraft(self, draft)
             room = max(k_max, draft.k)
@@ -534,7 +551,9 @@ class Engine:
                     alpha = (8 * alpha0 + accepted) / (8 + accepted + rejected)
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, remaining)
-                if draft is not None and remaining > 0:
+                if tree is not None and remaining > 0:
+                    new = tree.step(seq, pending, remaining, stats)
+                elif draft is not None and remaining > 0:
                     new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint,
                                                  stats, cancel, limit=remaining)
                     if new is None:
@@ -568,7 +587,8 @@ class Engine:
         """How requests with default settings draft, in words (status displays)."""
         cal = self.calibration
         kind = cal.draft
-        if kind == "adapter" and self.exit_adapter is None or kind == "draft_model" and self.draft_model is None:
+        if (kind == "adapter" and self.exit_adapter is None or kind == "draft_model" and self.draft_model is None
+                or kind == "medusa" and self.medusa is None):
             kind = "early_exit"
         if not cal.speculative:
             return "none (speculation does not pay for this model here)" + (" + prompt lookup" if cal.prompt_lookup else "")
@@ -576,6 +596,8 @@ class Engine:
             text = f"exit adapter at layer {self.exit_adapter.exit_layer}, K<={cal.draft_k}"
         elif kind == "draft_model":
             text = f"draft model {self.draft_model.name}, K<={cal.draft_k}"
+        elif kind == "medusa":
+            text = f"{self.medusa.num_heads} Medusa heads, a {len(self.medusa.tree) + 1}-node tree (greedy; else early exit)"
         else:
             text = f"early exit at layer {cal.exit_layer} of {self.num_layers}, K<={cal.draft_k}"
         return ("prompt lookup, else " if cal.prompt_lookup else "") + text
@@ -599,8 +621,12 @@ class Engine:
         spec = params.speculative and (cal.speculative or params.exit_layer is not None or params.draft is not None)
         kind = params.draft or cal.draft
         exit_layer = params.exit_layer or cal.exit_layer
-        if kind not in ("early_exit", "adapter", "draft_model"):
-            raise EngineError(f"unknown draft {kind!r}; use early_exit, adapter or draft_model")
+        if kind not in ("early_exit", "adapter", "draft_model", "medusa"):
+            raise EngineError(f"unknown draft {kind!r}; use early_exit, adapter, draft_model or medusa")
+        if kind == "medusa" and self.medusa is None:
+            if params.draft == "medusa":
+                raise EngineError("no Medusa heads are attached to this model; train them with `completiond train-medusa`")
+            kind = "early_exit"
         if kind == "draft_model" and self.draft_model is None:
             if params.draft == "draft_model":
                 raise EngineError("no draft model is attached to this model; set completiond.draftModel")

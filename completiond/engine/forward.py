@@ -182,19 +182,28 @@ class Forward:
         return F.embedding(ids, self.embed_w)
 
     def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
-                     write: bool = True) -> torch.Tensor:
+                     write: bool = True, tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
         """Layers [first, last) on h [1, t, d] at positions [pos, pos+t); writes their K/V into seq.
 
         write=False recomputes hidden states of positions whose K/V seq already holds, attending over
         the stored K/V and leaving it untouched (the exit adapter's catch-up: the model's own cache
-        must stay exactly what plain decoding wrote)."""
+        must stay exactly what plain decoding wrote).
+
+        tree=(positions [t], mask [t, pos + t]) verifies a token tree: node i sits in slot pos + i but
+        at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        cos, sin = self.rope(pos, t)
-        # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
-        # so SDPA may pick a flash kernel; only a pass after a prefix needs the offset mask.
-        mask = self.mask(pos, t) if t > 1 and pos > 0 else None
-        causal = t > 1 and pos == 0
+        if tree is None:
+            cos, sin = self.rope(pos, t)
+            # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
+            # so SDPA may pick a flash kernel; only a pass after a prefix needs the offset mask.
+            mask = self.mask(pos, t) if t > 1 and pos > 0 else None
+            causal = t > 1 and pos == 0
+        else:
+            positions, mask = tree
+            self.rope(0, int(positions.max()) + 1)  # the tables cover the deepest node
+            cos, sin = self._cos[positions], self._sin[positions]  # [t, 1, hd] each
+            causal = False
         for li in range(first, last):
             L = self.layers[li]
             x = _rms(h, L.ln1, L.eps)
