@@ -57,8 +57,8 @@ def save_heads(path: Path, weights, biases, model_identity: str, config, trainin
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for i, (w, b) in enumerate(zip(weights, biases)):
-        tensors[f"head.{i}.weight"] = w.detach().to("cpu").float().contiguous()
-        tensors[f"head.{i}.bias"] = b.detach().to("cpu").float().contiguous()
+        tensors[f"head.{i}.weight"] = w.detach().to("cpu").float().clone()
+        tensors[f"head.{i}.bias"] = b.detach().to("cpu").float().clone()
     meta = {"format": FORMAT, "model_identity": model_identity, "num_heads": str(len(weights)),
             "hidden_size": str(config.hidden_size), "training": json.dumps(training)}
     tmp = path.with_name(path.name + ".tmp")

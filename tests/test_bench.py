@@ -196,3 +196,31 @@ def test_calibrate_switches_on_only_where_the_gain_clears_the_noise(gains, on):
     assert row["speedup"] == pytest.approx(sorted(gains)[1])
     assert row["speedup_min"] == pytest.approx(min(gains)) and row["spread"] > 0
     assert cal.speculative is on
+
+
+def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
+    """With an exit adapter, Medusa heads and a draft model, each gets its rows (alone and after lookup),
+    all greedy-identical."""
+    import torch
+
+    from completiond.models import exit_adapter as ea
+    from completiond.models import medusa as md
+
+    d = make_tiny_model(tmp_path / "m", layers=4, peaked=True, seed=5)
+    eng = Engine.load(d, dtype="float64")
+    ea.save_adapter(d / ea.ADAPTER_FILE, eng.model.model.layers[1], 1, eng.model_id, eng.model.config, {})
+    h = eng.model.config.hidden_size
+    md.save_heads(d / md.MEDUSA_FILE, [torch.zeros(h, h)] * 2, [torch.zeros(h)] * 2, eng.model_id, eng.model.config, {})
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "bench", "--json", "--model", str(d), "--draft-model", str(d),
+         "--prompts", "1", "--max-tokens", "10", "--exit-layer", "1", "--draft-k", "2", "--repeats", "1", "--skip-hf",
+         "--dtype", "float64", "--files", *_prompt_files(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    rows = {r["method"]: r for r in result["drafts"]}
+    assert set(rows) == {"spec", "spec_lookup", "spec_adapter", "spec_adapter_lookup", "spec_medusa",
+                         "spec_medusa_lookup", "spec_draft_model", "spec_draft_model_lookup"}
+    assert all(r["greedy_identical"] for r in rows.values()) and result["greedy_identical"] is True
+    assert rows["spec_draft_model"]["alpha"] == 1.0  # the model drafting for itself
+    assert result["best_draft_gain"] == max(r["draft_gain"] for r in rows.values())

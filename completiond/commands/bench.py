@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-k", type=int, default=None, help="default: calibrated")
     p.add_argument("--files", nargs="*", default=None, help="source files for prompts (default: held-out stdlib files)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--draft-model", default=None, help="a separate draft model to measure too (completiond.draftModel)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
@@ -239,6 +240,22 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         return go
 
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
+    # The trained drafts the engine has (exit adapter, Medusa heads, a draft model), each alone and after
+    # prompt lookup: label and method per name.
+    labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}"}
+    extra = []
+    if engine.exit_adapter is not None:
+        extra.append(("adapter", f"exit adapter E={engine.exit_adapter.exit_layer} K<={K}"))
+    if engine.medusa is not None:
+        extra.append(("medusa", f"{engine.medusa.num_heads} Medusa heads, {len(engine.medusa.tree) + 1}-node tree"))
+    if engine.draft_model is not None:
+        extra.append(("draft_model", f"draft model {engine.draft_model.name} K<={K}"))
+    for kind, label in extra:
+        for lk in (False, True):
+            name = f"spec_{kind}" + ("_lookup" if lk else "")
+            methods[name] = ours(SamplingParams(max_tokens=max_tokens, exit_layer=E if kind == "early_exit" else None,
+                                                draft_k=K, ignore_eos=True, prompt_lookup=lk, draft=kind))
+            labels[name] = ("prompt lookup + " if lk and kind == "medusa" else "prompt lookup, else " if lk else "") + label
     if not skip_hf:
         methods.update(hf=hf(None), hf_early_exit=hf(hf_ee))
     names = list(methods)
@@ -249,7 +266,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     e2e_tps: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list] = {n: [None] * len(prompts) for n in names}
     spec_stats = []
-    draft_stats: dict[str, list] = {"spec": [], "spec_lookup": []}
+    draft_stats: dict[str, list] = {n: [] for n in labels}
     for r in range(repeats):
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
         dec = {n: 0.0 for n in names}
@@ -326,7 +343,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         acc, rej = sum(s.accepted for s in ss), sum(s.rejected for s in ss)
         rounds_ = sum(s.rounds for s in ss)
         dr = sum(s.drafted for s in ss)
-        return {"draft": label, "alpha": acc / (acc + rej) if acc + rej else 0.0,
+        return {"method": name, "draft": label, "alpha": acc / (acc + rej) if acc + rej else 0.0,
                 "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
                 "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
                 "lookup_rounds": sum(s.lookup_rounds for s in ss), "rounds": rounds_,
@@ -362,9 +379,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "decode_ms_per_token": {n: _spread(v) for n, v in decode_ms.items()},
         "spread": {n: _spread(v)["spread"] for n, v in decode_ms.items()},
         "draft_gain": ratio("spec", "plain"),
-        "drafts": [draft_row("spec", f"early exit E={E} K<={K}"),
-                   draft_row("spec_lookup", f"prompt lookup, else early exit E={E} K<={K}")],
-        "best_draft_gain": max(ratio("spec", "plain") or 0, ratio("spec_lookup", "plain") or 0),
+        "drafts": [draft_row(name, label) for name, label in labels.items()],
+        "best_draft_gain": max(ratio(name, "plain") or 0 for name in labels),
         "spec_vs_plain": ratio("spec", "plain"),
         "spec_vs_hf": ratio("spec", "hf"),
         "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),
@@ -409,7 +425,7 @@ def run(args: argparse.Namespace) -> int:
         from completiond.engine.engine import Engine, EngineError
 
         try:
-            engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+            engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model)
         except EngineError as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
