@@ -361,6 +361,30 @@ def test_float32_speculative_greedy_equals_plain_and_transformers(bundled, k):
         assert plain.tokens == ref
 
 
+def test_float32_every_trained_draft_greedy_equals_plain(bundled_model_dir, tmp_path):
+    """The bundled model in float32 with each other draft: an exit adapter (a copy of layer 2: the
+    exit at 3), Medusa heads (untrained: the LM head's guess at every depth) and the model drafting
+    for itself as a separate draft model."""
+    from completiond.models import exit_adapter as ea
+    from completiond.models import medusa as md
+
+    eng = Engine.load(bundled_model_dir, device="cpu", dtype="float32", draft_model=bundled_model_dir)
+    ea.save_adapter(tmp_path / "a.safetensors", eng.model.model.layers[2], 2, eng.model_id, eng.model.config, {})
+    eng.attach_adapter(tmp_path / "a.safetensors")
+    d = eng.model.config.hidden_size
+    md.save_heads(tmp_path / "m.safetensors", [torch.zeros(d, d) for _ in range(3)], [torch.zeros(d) for _ in range(3)],
+                  eng.model_id, eng.model.config, {})
+    eng.attach_medusa(tmp_path / "m.safetensors")
+    for text in (PROMPT, "import os\n\n\ndef main(argv):\n    parser = "):
+        prompt = eng.tokenizer(text).input_ids
+        plain = eng.generate(prompt, SamplingParams(max_tokens=40, speculative=False, ignore_eos=True))
+        for draft in ("adapter", "medusa", "draft_model"):
+            for lookup in (False, True):
+                spec = eng.generate(prompt, SamplingParams(max_tokens=40, draft=draft, draft_k=3, prompt_lookup=lookup,
+                                                           ignore_eos=True))
+                assert spec.stats.draft == draft and spec.tokens == plain.tokens, (draft, lookup)
+
+
 # ---------------------------------------------------------------- prompt lookup
 
 
