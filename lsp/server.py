@@ -377,6 +377,10 @@ class CompletionServer(LanguageServer):
             # Once per failure, not once per keystroke while it lasts.
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
                                                              message=f"completiond: {params['error']}"))
+        # Told while the model loads (a model that will not fit the device's memory): once each.
+        warnings = params.get("warnings")
+        for warning in warnings if isinstance(warnings, list) else []:
+            self.tell_once(str(warning), types.MessageType.Warning)
         if state == "loading":
             self._begin_progress(f"loading {params.get('model') or 'model'}")
             self._report_progress()

@@ -117,19 +117,20 @@ def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
     report = LoadReporter(cfg.model)
     report("starting", 0)  # before torch is imported, which alone takes seconds
     t0 = time.perf_counter()
-    engine = load_engine(cfg, progress=lambda phase, pct: report(LOAD_PHASES[phase][1], pct))
+    engine = load_engine(cfg, progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
+                         warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
     suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=None)
     if gen is None:
         return {"suggestion": None, "finish_reason": "skipped", "stats": {}, "latency_ms": 0.0,
-                "load_ms": round(load_ms, 1), "model": engine.model_id, "device": engine.device}
+                "load_ms": round(load_ms, 1), "model": engine.name, "device": engine.device}
     latency = (time.perf_counter() - t1) * 1000
     return {
         "suggestion": None if suggestion is None else {"text": suggestion.text, "start": suggestion.start,
                                                        "end": suggestion.end, "multiline": suggestion.multiline},
         "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict(), "latency_ms": round(latency, 2),
-        "load_ms": round(load_ms, 1), "model": engine.model_id, "device": engine.device,
+        "load_ms": round(load_ms, 1), "model": engine.name, "device": engine.device,
     }
 
 

@@ -52,6 +52,11 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     if st["state"] == "loading" and isinstance(progress, dict):
         lines.append(f"  loading  {progress.get('message')} ({progress.get('percentage')}%)")
     lines.append(f"  model    {st['model']} on {st['device']}")
+    for warning in st.get("warnings") or []:
+        lines.append(f"  warning  {warning}")
+    calibration = st.get("calibration")
+    if isinstance(calibration, dict) and calibration.get("message"):
+        lines.append(f"  calibration  {calibration['message']}")
     editors = stats.get("editors", 0)
     others = stats.get("clients", 0) - editors - 1  # minus this command's own connection
     lines.append(f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else ""))

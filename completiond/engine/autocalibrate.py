@@ -233,8 +233,12 @@ class BackgroundCalibration:
         self._steps: Steps | None = None
 
     def cancel(self) -> None:
+        """From any thread: no further step runs, and the running one stops at its next round."""
         if self.state in ("pending", "running"):
             self.state = "cancelled"
+            token = self._token
+            if token is not None:
+                token.cancel()
 
     def _start(self) -> Steps:
         engine = self.engine

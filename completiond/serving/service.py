@@ -54,20 +54,25 @@ def _is_oom(exc: BaseException) -> bool:
 # Load phases: the share of the load done when each starts (about, for the bundled model on a CPU) and
 # what users read. Engine.load reports up to "engine"; the warm-up is ours. Editors show them as
 # `$/progress` percentages, `completiond complete` as lines.
-LOAD_PHASES = {"starting": (0, "starting"), "tokenizer": (2, "loading the tokenizer"),
+LOAD_PHASES = {"starting": (0, "starting"), "download": (0, "downloading the model"), "tokenizer": (2, "loading the tokenizer"),
                "weights": (10, "loading the weights"), "device": (70, "moving the weights to the device"),
                "engine": (80, "preparing the engine"), "draft model": (85, "loading the draft model"),
                "warm-up": (90, "warming up"), "ready": (100, "ready")}
 
-ProgressFn = Callable[[str, int], None]  # (phase, percentage)
+ProgressFn = Callable[..., None]  # (phase, percentage, message=None)
+
+# Of the progress bar, when the model is downloaded first (a hub model not yet in the cache): the
+# download dominates then, and the load phases share the rest, so the percentage only rises.
+DOWNLOAD_SHARE = 80
 
 
-def progress_report(phase: str, percentage: int) -> dict[str, Any]:
+def progress_report(phase: str, percentage: int, message: str | None = None) -> dict[str, Any]:
     """How status() shows a load phase."""
-    return {"phase": phase, "percentage": percentage, "message": LOAD_PHASES.get(phase, (0, phase))[1]}
+    return {"phase": phase, "percentage": percentage,
+            "message": message or LOAD_PHASES.get(phase, (0, phase))[1]}
 
 
-def load_engine(cfg: Any, progress: ProgressFn | None = None):
+def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None):
     """Engine.load with the settings of `cfg`, then one tiny generation so that the first real request
     does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop.
 
@@ -84,14 +89,25 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None):
 
     cache = cfg.cache_megabytes * 1024 * 1024 if cfg.cache_megabytes else None
 
+    downloaded = [False]
+    last = [-1]
+
     def phase(name: str) -> None:
         if progress is not None:
-            progress(name, LOAD_PHASES[name][0])
+            pct = LOAD_PHASES[name][0]
+            progress(name, DOWNLOAD_SHARE + pct * (100 - DOWNLOAD_SHARE) // 100 if downloaded[0] else pct)
+
+    def download(done: int, total: int) -> None:
+        downloaded[0] = True
+        pct = DOWNLOAD_SHARE * done // total if total else 0
+        if progress is not None and pct != last[0]:  # a report per percent, not per network chunk
+            last[0] = pct
+            progress("download", pct, f"downloading {cfg.model}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
 
     engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
                          trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
                          draft_model=cfg.draft_model or None,
-                         progress=phase if progress is not None else None)
+                         progress=phase if progress is not None else None, download_progress=download, warn=warn)
     phase("warm-up")
     engine.generate([0], SamplingParams(max_tokens=2, speculative=True))
     engine.cache.clear()  # the warm-up's sequence is no prefix of anything real
@@ -118,7 +134,7 @@ class Service:
     """Documents + scheduler + engine. All public methods run on the event loop thread."""
 
     def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending_per_client: int = 16,
-                 queue_deadline: float = QUEUE_DEADLINE):
+                 queue_deadline: float = QUEUE_DEADLINE, calibrate_min_params: int | None = None):
         self.cfg = cfg
         self._loader = loader
         self.scheduler = Scheduler(max_pending_per_client=max_pending_per_client, queue_deadline=queue_deadline)
@@ -126,6 +142,13 @@ class Service:
         self.state = "idle"            # idle | loading | ready | busy | error
         self.error = ""
         self.model_id = ""
+        self.model_name = ""           # what users read: directory, or hub id@revision (engine.name)
+        self.load_warnings: list[str] = []  # told before the load went on (a model that may not fit)
+        # A model loaded without a calibration is calibrated between requests (engine/autocalibrate.py);
+        # below this many parameters (test models) there is too little to gain. None: the module's default.
+        self.calibrate_min_params = calibrate_min_params
+        self.calibration_job: Any = None
+        self.calibration_message = ""
         self.documents: dict[tuple[Hashable, str], Document] = {}
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -149,15 +172,26 @@ class Service:
         """Load the engine on the worker thread (queued jobs wait behind it)."""
         self.loop = self.loop or asyncio.get_running_loop()
         self.load_progress = progress_report("starting", 0)
+        self.load_warnings = []
+        self._cancel_calibration()
         self._set_state("loading")
         # Loaders written before progress existed (tests' fakes) take the settings only.
-        takes_progress = "progress" in inspect.signature(self._loader).parameters
+        takes = inspect.signature(self._loader).parameters
+        kwargs: dict[str, Any] = {}
 
-        def progress(phase: str, percentage: int) -> None:
-            self._call_soon(self._set_progress, phase, percentage)
+        def progress(phase: str, percentage: int, message: str | None = None) -> None:
+            self._call_soon(self._set_progress, phase, percentage, message)
+
+        def warn(message: str) -> None:
+            self._call_soon(self._add_warning, message)
+
+        if "progress" in takes:
+            kwargs["progress"] = progress
+        if "warn" in takes:
+            kwargs["warn"] = warn
 
         def load():
-            engine = self._loader(self.cfg, progress=progress) if takes_progress else self._loader(self.cfg)
+            engine = self._loader(self.cfg, **kwargs)
             if getattr(engine, "kind", "") == "remote":
                 self.engine = engine  # the scheduler's own (torch-free) token is the one it polls
                 return engine
@@ -175,20 +209,64 @@ class Service:
 
         self.scheduler.call(load, done)
 
-    def _set_progress(self, phase: str, percentage: int) -> None:
+    def _set_progress(self, phase: str, percentage: int, message: str | None = None) -> None:
         if self.state == "loading":
-            self.load_progress = progress_report(phase, percentage)
+            self.load_progress = progress_report(phase, percentage, message)
             self._broadcast()
+
+    def _add_warning(self, message: str) -> None:
+        if message not in self.load_warnings:
+            self.load_warnings.append(message)
+            self._broadcast()
+
+    # --- background calibration ------------------------------------------------
+
+    def _maybe_calibrate(self) -> None:
+        """On the loop, after a load: calibrate a model that has neither a user record nor shipped defaults,
+        on the engine thread whenever no request waits (a request preempts it within one round)."""
+        engine = self.engine
+        cal = getattr(engine, "calibration", None)
+        model = getattr(engine, "model", None)
+        if getattr(cal, "source", "") != "heuristic" or model is None or not hasattr(engine, "generate"):
+            return
+        from completiond.engine.autocalibrate import BACKGROUND_MIN_PARAMS, BackgroundCalibration
+
+        minimum = BACKGROUND_MIN_PARAMS if self.calibrate_min_params is None else self.calibrate_min_params
+        try:
+            params = sum(p.numel() for p in model.parameters())
+        except (AttributeError, TypeError):
+            return
+        if params < minimum:
+            return
+        job = BackgroundCalibration(engine, on_done=lambda message: self._call_soon(self._calibrated, job, message))
+        self.calibration_job = job
+        self.calibration_message = f"calibrating {self.model_name} in the background (suggestions are served meanwhile)"
+        log.info("%s", self.calibration_message)
+        self.scheduler.set_idle(job.step)
+
+    def _calibrated(self, job: Any, message: str) -> None:
+        if job is self.calibration_job:
+            self.calibration_message = message
+            self._broadcast()
+
+    def _cancel_calibration(self) -> None:
+        job, self.calibration_job = self.calibration_job, None
+        if job is not None:
+            job.cancel()
+            self.scheduler.set_idle(None)
+            self.calibration_message = ""
 
     def _loaded(self, outcome: Outcome) -> None:
         self.load_progress = None
         if outcome.status == OK:
             self.engine = outcome.value
             self.model_id = getattr(self.engine, "model_id", "") or str(self.cfg.model)
+            self.model_name = getattr(self.engine, "name", "") or self.model_id
             self.stats_counts["loads"] += 1
             self.error = ""
-            log.info("model %s ready on %s", self.model_id, getattr(self.engine, "device", "?"))
+            log.info("model %s ready on %s", self.model_name, getattr(self.engine, "device", "?"))
             self._set_state("ready")
+            self._maybe_calibrate()
         else:
             what = (f"backend {self.cfg.backend} ({self.cfg.endpoint or 'no endpoint'})" if self.cfg.backend != "local"
                     else f"model {self.cfg.model or '(bundled default)'}")
@@ -222,7 +300,12 @@ class Service:
         return {
             "state": self.state,
             "error": self.error,
-            "model": self.model_id or (self.cfg.model or "(bundled default)"),
+            # A name users recognise (directory, hub id@revision), never the identity hash (model_id).
+            "model": self.model_name or (self.cfg.model or "(bundled default)"),
+            "model_id": self.model_id,
+            "warnings": list(self.load_warnings),
+            "calibration": ({"state": self.calibration_job.state, "message": self.calibration_message}
+                            if self.calibration_job is not None else None),
             "device": getattr(self.engine, "device", self.cfg.device),
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
@@ -263,6 +346,8 @@ class Service:
         }
 
     def shutdown(self) -> None:
+        if self.calibration_job is not None:
+            self.calibration_job.cancel()
         self.scheduler.stop()
         if self.workspace is not None:
             self.workspace.stop()
