@@ -118,6 +118,30 @@ def test_cropping_after_rejection_keeps_cache_consistent(engine):
     torch.testing.assert_close(engine.logits_for(follow, use_cache=False), engine.logits_for(follow), rtol=1e-9, atol=1e-9)
 
 
+def test_a_keystrokes_new_tokens_ride_with_the_first_step(engine, monkeypatch):
+    """A warm prompt with a few uncached tokens: one pass feeds them and the pending token together;
+    the result and the cache are those of a cold run."""
+    prompt = ids(engine)
+    engine.cache.clear()
+    engine.generate(prompt[:-4], SamplingParams(max_tokens=3, speculative=False))
+    passes = []
+    real = engine.fwd.layers_range
+    monkeypatch.setattr(engine.fwd, "layers_range", lambda h, *a, **k: passes.append(h.shape[1]) or real(h, *a, **k))
+    warm = engine.generate(prompt, SamplingParams(max_tokens=1, speculative=False))
+    # the first call cached prompt[:-4] (its own output went elsewhere): 3 tokens and the pending one remain
+    assert warm.stats.reused_tokens == len(prompt) - 4 and passes == [4]
+    monkeypatch.undo()
+    warm = engine.generate(prompt + [prompt[2]], SamplingParams(max_tokens=30, exit_layer=2, draft_k=3))
+    seq = next(iter(engine.cache._entries.values()))
+    n = seq.length
+    cold_seq = engine.new_sequence(n + 1)
+    engine.prefill(cold_seq, seq.tokens[:n].tolist(), None)
+    torch.testing.assert_close(seq.k[:, :, :n], cold_seq.k[:, :, :n], rtol=1e-9, atol=1e-9)
+    engine.cache.clear()
+    cold = engine.generate(prompt + [prompt[2]], SamplingParams(max_tokens=30, speculative=False))
+    assert warm.tokens == cold.tokens
+
+
 def test_cancel_mid_generation_returns_verified_prefix(engine):
     prompt = ids(engine)
     full = engine.generate(prompt, SamplingParams(max_tokens=60, speculative=False))

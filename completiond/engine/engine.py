@@ -39,6 +39,9 @@ from completiond.engine.model_info import ModelInfo
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
 PREFILL_CHUNK = 256
+# At most this many uncached prompt tokens go through the first decode step with the pending token
+# (forward.SMALL_T positions still take the small-pass kernels).
+MERGE_PREFILL = 7
 # Files beside a model's weights that are trained on it (keyed to its identity), not part of it.
 DRAFT_FILES = {"exit_adapter.safetensors", "medusa_heads.safetensors"}
 
@@ -428,10 +431,21 @@ class Engine:
 
     # ---------------------------------------------------------------- decoding
     def plain_step(self, seq: KVSequence, pending: int, gen_tokens: list[int], warp: sampling.Warp,
-                   rng: torch.Generator, constraint: ConstraintFn | None) -> int:
-        h = self.run_layers(self.embed([pending]), 0, self.num_layers, seq.length, seq)
-        seq.commit([pending])
-        logits = sampling.mask_logits(self.head(h)[-1], _mask(constraint, gen_tokens))
+                   rng: torch.Generator, constraint: ConstraintFn | None, before: Sequence[int] = (),
+                   draft: Draft | None = None) -> int:
+        """One token after pending; `before`: prompt tokens still to feed ahead of it, in the same pass
+        (a draft with a tap layer is shown their states there, as prefill does)."""
+        ids, pos = list(before) + [pending], seq.length
+        tap = getattr(draft, "tap_layer", None) if before else None
+        if tap is None:
+            h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, seq)
+            seq.commit(ids)
+        else:
+            h_tap = self.run_layers(self.embed(ids), 0, tap, pos, seq)
+            h = self.run_layers(h_tap, tap, self.num_layers, pos, seq)
+            seq.commit(ids)
+            draft.observe(seq, pos, h_tap)
+        logits = sampling.mask_logits(self.head(h[:, -1:])[-1], _mask(constraint, gen_tokens))
         if warp.greedy:
             return int(torch.argmax(logits))
         return sampling.sample(sampling.probs(logits[None], warp)[0], rng)
@@ -527,7 +541,11 @@ class Engine:
         finish = "length"
         try:
             seq.ensure_capacity(len(prompt) + params.max_tokens + room + 2)
-            if not self.prefill(seq, prompt[reused:-1], cancel, draft):
+            rest = prompt[reused:-1]
+            # A keystroke leaves a few new tokens before the cursor: fed with the pending token in the
+            # first step, they cost about one pass instead of two (a prefill, then the step).
+            ahead = rest if tree is None and 0 < len(rest) <= MERGE_PREFILL else []
+            if not ahead and not self.prefill(seq, rest, cancel, draft):
                 finish = "cancelled"
             t1 = time.perf_counter()
             stats.prefill_ms = 1000 * (t1 - t0)
@@ -551,7 +569,11 @@ class Engine:
                     alpha = (8 * alpha0 + accepted) / (8 + accepted + rejected)
                     k = choose_k(alpha, cost, k_max) if params.adaptive_k else k_max
                     k = min(k, remaining)
-                if tree is not None and remaining > 0:
+                if ahead:
+                    new = [self.plain_step(seq, pending, out, warp, rng, constraint, before=ahead, draft=draft)]
+                    stats.rounds += 1
+                    ahead = []
+                elif tree is not None and remaining > 0:
                     new = tree.step(seq, pending, remaining, stats)
                 elif draft is not None and remaining > 0:
                     new = self.speculative_round(seq, pending, out, draft, k, threshold, warp, rng, constraint,
