@@ -72,7 +72,8 @@ class LlamaServer:
         raise LlamaServerError(f"llama-server not healthy within {timeout_s:g} s: {self.log_text()[-2000:]}")
 
     def log_text(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log.read_text(errors="replace")
 
     def get(self, path: str) -> object:
