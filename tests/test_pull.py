@@ -8,13 +8,17 @@ port, so a test that reached for the network would fail instead of downloading.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 
@@ -64,6 +68,86 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     return root, snapshot
+
+
+class FakeHub:
+    """The hub's HTTP API as far as a pull uses it, on a loopback port: a model's file list
+    (/api/models/<repo>) and its files by commit (HEAD and GET /<repo>/resolve/<commit>/<file>).
+    Every request is recorded, so a test can tell what was fetched."""
+
+    def __init__(self):
+        self.repos: dict[str, tuple[str, dict[str, bytes]]] = {}
+        self.requests: list[tuple[str, str]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._route(body=True)
+
+            def do_HEAD(self):
+                self._route(body=False)
+
+            def _route(self, body: bool) -> None:
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path))
+                parts = path.strip("/").split("/")
+                if parts[:2] == ["api", "models"]:
+                    repo = "/".join(parts[2:4])
+                    if repo not in hub.repos:
+                        return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+                    commit, files = hub.repos[repo]
+                    info = {"id": repo, "sha": commit, "private": False, "gated": False,
+                            "siblings": [{"rfilename": f, "size": len(d)} for f, d in files.items()]}
+                    return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
+                if len(parts) >= 5 and parts[2] == "resolve":
+                    commit, files = hub.repos.get("/".join(parts[:2]), ("", {}))
+                    data = files.get("/".join(parts[4:]))
+                    if data is None:
+                        return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
+                    etag = hashlib.sha256(data).hexdigest()
+                    return self._send(200, data if body else b"", {"X-Repo-Commit": commit, "ETag": f'"{etag}"'},
+                                      length=len(data))
+                self._send(404, b"")
+
+            def _send(self, code: int, data: bytes, headers: dict | None = None, length: int | None = None) -> None:
+                self.send_response(code)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
+                self.end_headers()
+                if data:
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def add(self, repo: str, source: Path, commit: str = COMMIT, extra: dict[str, bytes] | None = None,
+            skip: tuple[str, ...] = (), config: dict | None = None) -> None:
+        files = {f.name: f.read_bytes() for f in sorted(source.iterdir()) if f.is_file() and f.name not in skip}
+        if config is not None:
+            files["config.json"] = json.dumps({**json.loads(files["config.json"]), **config}).encode()
+        files.update(extra or {})
+        self.repos[repo] = (commit, files)
+
+    def fetched(self) -> list[str]:
+        """Files whose contents were downloaded (GET)."""
+        return [p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p in self.requests if m == "GET" and "/resolve/" in p]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_hub():
+    server = FakeHub()
+    yield server
+    server.close()
 
 
 def pull_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -274,3 +358,83 @@ def test_the_bundled_model_is_named_not_hashed():
     engine = Engine.load(None, device="cpu")
     assert engine.name == "completiond-py-mini (bundled)"
     assert engine.model_id not in engine.name
+
+
+# --- downloads, from a loopback stand-in for the hub -------------------------------------------------
+
+
+@pytest.mark.torch_free
+def test_pull_downloads_safetensors_config_and_tokenizer_with_a_progress_bar(fake_hub, tmp_path):
+    fake_hub.add("org/mini", BUNDLED, extra={"pytorch_model.bin": b"\x80" * 64, "onnx/model.onnx": b"o" * 64,
+                                             "modeling_mini.py": b"raise SystemExit\n"})
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url}
+    out = pull_cli("org/mini", env=env)
+    assert out.returncode == 0, out.stderr
+    fetched = fake_hub.fetched()
+    assert fetched[0] == "config.json" and fetched[-1] == "model.safetensors"
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "completiond.json"} <= set(fetched)
+    assert not {"pytorch_model.bin", "onnx/model.onnx", "modeling_mini.py", "MODEL_CARD.md", "loss_curves.png"} & set(fetched)
+    assert "100%" in out.stderr and "org/mini" in out.stderr  # the terminal's progress bar
+    assert f"org/mini@{COMMIT[:12]}: downloaded" in out.stdout
+    snapshot = tmp_path / "hub" / "models--org--mini" / "snapshots" / COMMIT
+    assert (tmp_path / "hub" / "models--org--mini" / "refs" / "main").read_text() == COMMIT
+    assert hub.missing_files(snapshot) == []
+    # the second time: from the cache, without a single request
+    before = len(fake_hub.requests)
+    out = pull_cli("org/mini", env=env)
+    assert out.returncode == 0 and "already in the cache" in out.stdout
+    assert len(fake_hub.requests) == before
+
+
+@pytest.mark.torch_free
+@pytest.mark.parametrize("what, files, message", [
+    ("pickle-only", {"skip": ("model.safetensors",), "extra": {"pytorch_model.bin": b"\x80" * 64}},
+     "only pickle weights (pytorch_model.bin)"),
+    ("remote code", {"config": {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}}, "its own Python code"),
+    ("unsupported family", {"config": {"model_type": "starcoder2"}}, "'starcoder2' model, which the engine cannot run"),
+])
+def test_refused_repositories_cost_no_weights(fake_hub, tmp_path, what, files, message):
+    fake_hub.add("org/bad", BUNDLED, **files)
+    out = pull_cli("org/bad", env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url})
+    assert out.returncode == 1 and message in out.stderr, (what, out.stderr)
+    assert not [f for f in fake_hub.fetched() if f.endswith((".safetensors", ".bin"))], what
+    assert fake_hub.fetched() in ([], ["config.json"]), what
+
+
+@pytest.mark.torch_free
+def test_pull_of_an_unknown_repository_says_so(fake_hub, tmp_path):
+    out = pull_cli("org/nothing", env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url})
+    assert out.returncode == 1 and "org/nothing is not on the hub" in out.stderr and "pull --list" in out.stderr
+
+
+async def test_the_daemon_pulls_on_first_use_with_progress_percentages(fake_hub, tmp_path, monkeypatch):
+    from completiond import config
+    from completiond.serving.service import Service, load_engine
+
+    fake_hub.add("org/mini", BUNDLED)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub.url)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cfg = config.merge(config.Config(), {"model": "org/mini", "device": "cpu"})[0]
+    service = Service(cfg, loader=load_engine)
+    seen: list[dict] = []
+    service.listeners.append(lambda status: seen.append(status["progress"]) if status["progress"] else None)
+    try:
+        service.start_loading()
+        for _ in range(3000):
+            if service.state not in ("idle", "loading"):
+                break
+            await asyncio.sleep(0.02)
+        assert service.state == "ready", service.error
+        assert service.status()["model"] == f"org/mini@{COMMIT[:12]}"
+    finally:
+        service.shutdown()
+    downloads = [p for p in seen if p["phase"] == "download"]
+    assert downloads and downloads[-1]["percentage"] == 80
+    assert downloads[-1]["message"].startswith("downloading org/mini: 13 of 13 MB")
+    percentages = [p["percentage"] for p in seen]
+    assert percentages == sorted(percentages), percentages  # $/progress only rises
+    after = [p for p in seen[seen.index(downloads[-1]) + 1:]]
+    assert {"tokenizer", "weights", "warm-up"} <= {p["phase"] for p in after}
+    assert all(p["percentage"] >= 80 for p in after)  # the load phases share what the download left
