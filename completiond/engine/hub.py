@@ -24,6 +24,7 @@ imported, so a process can point at another cache or endpoint.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -396,11 +397,17 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
 
     bar = type("_PullBytes", (_Bytes,), {"sink": staticmethod(add)})
 
+    # Byte-level progress needs the tqdm_class hook (huggingface_hub 0.3x and later); without it, per file.
+    per_byte = "tqdm_class" in inspect.signature(hf_hub_download).parameters
+
     def fetch(filename: str) -> Path:
         try:
-            return Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
+            path = Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
                                         endpoint=endpoint(), etag_timeout=HUB_TIMEOUT,
-                                        tqdm_class=bar))
+                                        **({"tqdm_class": bar} if per_byte else {})))
+            if not per_byte:
+                add(sizes.get(filename, 0))
+            return path
         except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, *_transport_errors()) as exc:
             raise _describe(repo, exc) from None
 
