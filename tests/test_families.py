@@ -139,3 +139,19 @@ def test_a_model_too_large_for_the_device_is_reported_before_it_loads(tiny_model
     # weights that fit beside a KV budget that does not
     msg = memory.fit_warning("m", tiny_model_dir, 4, "float32", "cpu", cache_bytes=1 << 30, available=8 << 20)
     assert "KV cache budget" in msg and "cacheMegabytes" in msg
+
+
+def test_the_editor_is_told_each_load_warning_once():
+    from completiond.lsp.server import CompletionServer
+
+    server = CompletionServer(no_daemon=True)
+    shown = []
+    server.window_show_message = shown.append
+    server.send_status = lambda: None
+    server._begin_progress = server._report_progress = lambda *a: None  # no editor connected to show one
+    warning = "org/big@0123456789ab will probably not fit: its weights need about 28.0 GiB in float32"
+    for state in ("loading", "loading", "ready"):
+        server._on_backend_notification("status", {"state": state, "model": "org/big@0123456789ab",
+                                                   "warnings": [warning]})
+    assert [m.message for m in shown] == [f"completiond: {warning}"]
+    assert shown[0].type.name == "Warning"
