@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
                                     workspace=workspace))
     if args.typing > 0:
         result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
-    result.update(model=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
+    result.update(model=engine.name, model_id=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
                   multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal,
                   context_tokens=cfg.context_tokens if args.context else 0,
                   source="heldout" if args.heldout else str(args.dir))
