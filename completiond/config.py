@@ -49,7 +49,9 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("enable", bool, True, "Show inline completions."),
-    Setting("model", str, "", "Model: a local directory or a Hugging Face hub id. Empty means the bundled default model."),
+    Setting("model", str, "", "Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short "
+            "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
+            "means the bundled default model."),
     Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps")),
     Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16")),
     Setting("draftModel", str, "", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "

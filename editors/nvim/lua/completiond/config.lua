@@ -53,7 +53,7 @@ M.defaults = {
     -- BEGIN GENERATED SETTINGS (editors/sync_settings.py; do not edit by hand)
     -- Show inline completions. (boolean)
     enable = true,
-    -- Model: a local directory or a Hugging Face hub id. Empty means the bundled default model. (string)
+    -- Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty means the bundled default model. (string)
     model = "",
     -- Where the model runs: auto picks cuda, then mps, then cpu. (string; one of "auto", "cpu", "cuda", "mps")
     device = "auto",
