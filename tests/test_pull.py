@@ -438,3 +438,32 @@ async def test_the_daemon_pulls_on_first_use_with_progress_percentages(fake_hub,
     after = [p for p in seen[seen.index(downloads[-1]) + 1:]]
     assert {"tokenizer", "weights", "warm-up"} <= {p["phase"] for p in after}
     assert all(p["percentage"] >= 80 for p in after)  # the load phases share what the download left
+
+
+def test_complete_by_hub_id_in_offline_mode_names_the_model(cache, tmp_path):
+    root, _snapshot = cache
+    source = tmp_path / "m.py"
+    source.write_text("def add(a, b):\n    return \n")
+    env = {**os.environ, "HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": os.environ["HF_ENDPOINT"],
+           "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", "complete", f"{source}:2:12", "--model", REPO,
+                          "--device", "cpu", "--max-tokens", "8", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["model"] == f"{REPO}@{COMMIT[:12]}" and result["device"] == "cpu"
+    assert "Retrying" not in out.stderr
+
+
+@pytest.mark.torch_free
+def test_status_shows_load_warnings_and_the_background_calibration():
+    from completiond.commands.status import describe
+
+    st = {"pid": 1, "state": "ready", "error": "", "model": f"org/m@{COMMIT[:12]}", "device": "cpu", "uptime_s": 3,
+          "warnings": ["org/m will probably not fit"],
+          "calibration": {"state": "running", "message": "calibrating org/m in the background"}}
+    lines = describe({"status": st, "requests": 0, "completed": 0, "superseded": 0, "cancelled": 0, "errors": 0,
+                      "clients": 1, "editors": 0}, Path("/run/x"))
+    assert f"  model    org/m@{COMMIT[:12]} on cpu" in lines
+    assert "  warning  org/m will probably not fit" in lines
+    assert "  calibration  calibrating org/m in the background" in lines
