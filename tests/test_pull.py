@@ -467,3 +467,16 @@ def test_status_shows_load_warnings_and_the_background_calibration():
     assert f"  model    org/m@{COMMIT[:12]} on cpu" in lines
     assert "  warning  org/m will probably not fit" in lines
     assert "  calibration  calibrating org/m in the background" in lines
+
+
+@pytest.mark.torch_free
+def test_a_branch_with_slashes_is_pulled_and_found_again_offline(fake_hub, tmp_path, monkeypatch):
+    fake_hub.add("org/mini", BUNDLED)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub.url)
+    seen = []
+    pulled = hub.pull("org/mini@refs/pr/1", progress=lambda done, total: seen.append((done, total)))
+    assert pulled.name == f"org/mini@refs/pr/1 ({COMMIT[:12]})" and pulled.downloaded == pulled.total
+    assert seen[-1] == (pulled.total, pulled.total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub.pull("org/mini@refs/pr/1").path == pulled.path

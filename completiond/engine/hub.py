@@ -439,11 +439,11 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     # The hub writes refs only when it resolves a branch itself; downloads by commit leave that to us,
     # and the next load finds the model through refs/<revision> without asking the hub.
     if not (revision and _COMMIT.match(revision)):
-        refs = folder / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
-        tmp = refs / f".{revision or 'main'}.tmp"
+        ref = folder / "refs" / (revision or "main")  # a branch may hold slashes (refs/pr/1)
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.tmp")
         tmp.write_text(commit, encoding="utf-8")
-        os.replace(tmp, refs / (revision or "main"))
+        os.replace(tmp, ref)
     missing = missing_files(snapshot)
     if missing:
         raise HubError(f"{repo}: the download left {snapshot} incomplete (missing {', '.join(missing)}); pull again")
