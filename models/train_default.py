@@ -891,6 +891,10 @@ def save_model(model, out: Path, tokenizer_dir: Path, meta: dict, summary: dict)
         pad_token_id=model.config.pad_token_id, do_sample=False, max_new_tokens=64,
     )
     m.save_pretrained(out, safe_serialization=True)
+    # Drafts trained on the previous weights (train-adapter, train-medusa) are keyed to them: the engine
+    # would only refuse them, so they go with the weights they were trained on.
+    for stale in ("exit_adapter.safetensors", "medusa_heads.safetensors"):
+        (out / stale).unlink(missing_ok=True)
     if Path(tokenizer_dir).resolve() != out.resolve():
         for name in TOKENIZER_FILES:
             shutil.copy(Path(tokenizer_dir) / name, out / name)
@@ -934,6 +938,7 @@ def export(a: argparse.Namespace, log=print) -> int:
         return 3
     prev_meta = json.loads((out / "completiond.json").read_text()) if (out / "completiond.json").is_file() else {}
     spec = dict(prev_meta.get("speculation") or {"speculative": True, "exit_layer": 4, "draft_k": 2, "threshold": 0.0})
+    spec["draft"] = "early_exit"  # the trained drafts are removed with the old weights (save_model)
     # the draft head's vocabulary: the most frequent ids of the training stream (exact: q is
     # zero elsewhere); measured figures belong to the weights they were measured on
     counts = np.bincount(np.asarray(data.streams["train"]), minlength=tok.get_vocab_size())
