@@ -16,6 +16,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from lsprotocol import types
 
 from completiond import config as config_mod
 from completiond.backends import http
@@ -369,3 +370,32 @@ async def test_editor_gets_one_message_for_broken_streams(fake, start):
             break
         await asyncio.sleep(0.05)
     assert result.items and result.items[0].insert_text.endswith("1 + 2")
+
+
+@pytest.mark.slow
+async def test_changing_the_endpoint_restarts_the_daemon_onto_it(fake, start):
+    from test_lsp import wait_for
+
+    other = FakeServer()
+    try:
+        fake.plan.pieces, other.plan.pieces = ["1"], ["2"]
+        s = await start({"backend": "openai", "endpoint": fake.url, "endpointModel": "completiond-py-mini",
+                         "maxTokens": 8, "idleTimeout": 60})
+        await s.open("def main():\n    x = ")
+        await s.wait_ready()
+        assert (await s.inline()).items[0].insert_text.endswith("1")
+        pid = (await s.stats())["status"]["pid"]
+        s.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
+            settings={"completiond": {"backend": "openai", "endpoint": other.url, "endpointModel": "completiond-py-mini"}}))
+
+        async def moved():
+            status = (await s.stats())["status"]
+            return status["pid"] != pid and status["engine_settings"]["endpoint"] == other.url
+
+        await wait_for(moved, "the daemon to restart onto the other endpoint")
+        assert any("restarting the shared daemon" in m.message for m in s.client.messages)
+        await s.wait_ready()
+        s.type(" ")
+        assert (await s.inline()).items[0].insert_text.endswith("2") and other.plan.requests
+    finally:
+        other.close()
