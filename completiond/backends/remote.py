@@ -36,6 +36,7 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 120.0
 MAX_KEY_FILE_BYTES = 4096
+TOTAL_FACTOR = 6        # the longest a whole request may take, in endpointTimeouts
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -163,7 +164,6 @@ class RemoteBackend:
         self._failures = 0
         self._retry_at = 0.0
         self._last_error: RemoteError | None = None
-        self.requests_sent = 0      # what reached the server (tests and stats read it)
 
     # -- retry with backoff ----------------------------------------------------------------------
     def backoff(self) -> RemoteError | None:
@@ -226,10 +226,11 @@ class RemoteBackend:
         stats: dict[str, Any] = {"prompt_chars": req.chars, "remote": True}
         response = None
         try:
-            self.requests_sent += 1
+            # A stalled server fails after timeout_s without a byte; TOTAL_FACTOR bounds even one that
+            # trickles, so a request can never hold the worker for good.
             response = http.post(self.endpoint, self.path, payload, headers, cancel=cancel,
                                  connect_s=min(self.timeout_s, 5.0), stall_s=self.timeout_s,
-                                 total_s=max(self.timeout_s, 5.0) * 6, tls=self._tls)
+                                 total_s=max(self.timeout_s, 5.0) * TOTAL_FACTOR, tls=self._tls)
             if response.status != 200:
                 raise self._failed(self._status_error(response))
             gen = self._read_stream(response, on_text, stats, start)
