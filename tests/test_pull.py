@@ -480,3 +480,19 @@ def test_a_branch_with_slashes_is_pulled_and_found_again_offline(fake_hub, tmp_p
     assert seen[-1] == (pulled.total, pulled.total) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub.pull("org/mini@refs/pr/1").path == pulled.path
+
+
+@pytest.mark.torch_free
+def test_pull_notes_when_the_model_will_not_fit_this_machine_in_float32(cache, monkeypatch, capsys):
+    import argparse
+
+    from completiond.commands import pull
+    from completiond.engine import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    assert pull.run(argparse.Namespace(model=REPO, list=False, trust_remote_code=False, json=False)) == 0
+    out = capsys.readouterr().out
+    assert "already in the cache" in out and "this machine has 0.0 GiB available" in out and "bfloat16" in out
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)
+    assert pull.run(argparse.Namespace(model=REPO, list=False, trust_remote_code=False, json=False)) == 0
+    assert "note:" not in capsys.readouterr().out

@@ -82,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{pulled.name}: downloaded {pulled.downloaded / 1e6:.1f} MB to {pulled.path}")
     print(f"{params / 1e9:.2f} B parameters: about {params * 2 / 1e9:.1f} GB in bfloat16 (GPU), "
           f"{params * 4 / 1e9:.1f} GB in float32 (CPU)")
+    # Torch-free, so only the CPU can be asked; a GPU's fit is checked when the daemon loads the model.
+    from completiond.engine.memory import GIB, available_bytes
+
+    free = available_bytes("cpu")
+    if free is not None and params * 4 > free:
+        print(f"note: in float32 (the CPU default) it needs {params * 4 / GIB:.1f} GiB and this machine has "
+              f"{free / GIB:.1f} GiB available: load it on a GPU, or with dtype bfloat16 ({params * 2 / GIB:.1f} GiB)")
     setting = args.model if "/" in args.model or "@" in args.model else pulled.repo
     print(f'use it: model = "{setting}" in ~/.config/completiond/config.toml, or completiond.model in the editor')
     return 0
