@@ -496,3 +496,14 @@ def test_pull_notes_when_the_model_will_not_fit_this_machine_in_float32(cache, m
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 40)
     assert pull.run(argparse.Namespace(model=REPO, list=False, trust_remote_code=False, json=False)) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+@pytest.mark.torch_free
+def test_draft_files_trained_here_are_not_taken_for_model_weights(tmp_path):
+    # an exit adapter or Medusa heads beside the weights are this machine's, keyed to the model
+    with pytest.raises(hub.HubError, match="only pickle weights"):
+        hub.choose_files("org/m", ["config.json", "tokenizer.json", "pytorch_model.bin", "exit_adapter.safetensors"])
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "medusa_heads.safetensors").write_bytes(b"\0" * 8)
+    assert hub.missing_files(tmp_path) == ["*.safetensors weights"]

@@ -29,6 +29,7 @@ from completiond.engine import sampling
 from completiond.errors import CompletionError
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
+from completiond.engine import hub
 from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
 from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
@@ -42,8 +43,9 @@ PREFILL_CHUNK = 256
 # At most this many uncached prompt tokens go through the first decode step with the pending token
 # (forward.SMALL_T positions still take the small-pass kernels).
 MERGE_PREFILL = 7
-# Files beside a model's weights that are trained on it (keyed to its identity), not part of it.
-DRAFT_FILES = {"exit_adapter.safetensors", "medusa_heads.safetensors"}
+# Files beside a model's weights that are trained on it (keyed to its identity), not part of it: one
+# list for the identity here and for what engine/hub.py counts as weights.
+DRAFT_FILES = hub.DRAFT_FILES
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +239,7 @@ class Engine:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from completiond.engine import hub, memory
+        from completiond.engine import memory
 
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()

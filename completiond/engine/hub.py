@@ -47,6 +47,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 INFO_FILES = ("completiond.json",)
 INDEX_FILE = "model.safetensors.index.json"
+# Files beside a model's weights that are trained on it here (keyed to its identity), not part of it.
+DRAFT_FILES = frozenset({"exit_adapter.safetensors", "medusa_heads.safetensors"})
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 
@@ -206,7 +208,7 @@ def missing_files(snapshot: Path) -> list[str]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return missing + [f"{INDEX_FILE} (unreadable)"]
         missing += [s for s in shards if not (snapshot / s).is_file()]
-    elif not any(p.is_file() for p in snapshot.glob("*.safetensors")):
+    elif not any(p.is_file() for p in snapshot.glob("*.safetensors") if p.name not in DRAFT_FILES):
         missing.append("*.safetensors weights")
     return missing
 
@@ -228,7 +230,7 @@ def choose_files(repo: str, files: Iterable[str], trust_remote_code: bool = Fals
     """Of a repository's files, the ones a load needs: config, tokenizer, safetensors weights
     (and its Python code only with trust_remote_code). Raises HubError for pickle-only repos."""
     top = [f for f in files if "/" not in f]  # subfolders hold other formats (original/, onnx/, gguf)
-    weights = [f for f in top if f.endswith(".safetensors")]
+    weights = [f for f in top if f.endswith(".safetensors") and f not in DRAFT_FILES]
     if not weights:
         pickles = sorted(f for f in top if f.endswith(PICKLE_SUFFIXES))
         if pickles:
@@ -471,7 +473,8 @@ def parameter_count(model_dir: Path) -> int:
     """Parameters in a directory's safetensors weights, from the file headers only (no tensor is read)."""
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
-    files = [model_dir / s for s in shards(model_dir)] if index.is_file() else sorted(model_dir.glob("*.safetensors"))
+    files = ([model_dir / s for s in shards(model_dir)] if index.is_file() else
+             sorted(p for p in model_dir.glob("*.safetensors") if p.name not in DRAFT_FILES))
     total = 0
     for path in files:
         with path.open("rb") as f:
