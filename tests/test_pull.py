@@ -78,6 +78,7 @@ class FakeHub:
     def __init__(self):
         self.repos: dict[str, tuple[str, dict[str, bytes]]] = {}
         self.requests: list[tuple[str, str]] = []
+        self.gated: set[str] = set()  # repos whose files need an accepted licence (403, as the hub answers)
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,6 +104,9 @@ class FakeHub:
                             "siblings": [{"rfilename": f, "size": len(d)} for f, d in files.items()]}
                     return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
                 if len(parts) >= 5 and parts[2] == "resolve":
+                    if "/".join(parts[:2]) in hub.gated:
+                        return self._send(403, b'{"error": "Access to model is restricted"}',
+                                          {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model is restricted"})
                     commit, files = hub.repos.get("/".join(parts[:2]), ("", {}))
                     data = files.get("/".join(parts[4:]))
                     if data is None:
@@ -507,3 +511,13 @@ def test_draft_files_trained_here_are_not_taken_for_model_weights(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     (tmp_path / "medusa_heads.safetensors").write_bytes(b"\0" * 8)
     assert hub.missing_files(tmp_path) == ["*.safetensors weights"]
+
+
+@pytest.mark.torch_free
+def test_a_gated_model_says_to_accept_its_licence_and_log_in(fake_hub, tmp_path):
+    fake_hub.add("facebook/gated", BUNDLED)
+    fake_hub.gated.add("facebook/gated")
+    out = pull_cli("facebook/gated", env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url})
+    assert out.returncode == 1, out.stderr
+    assert f"facebook/gated is gated: accept its licence at {fake_hub.url}/facebook/gated" in out.stderr
+    assert "hf auth login" in out.stderr and "Traceback" not in out.stderr
