@@ -217,8 +217,11 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     K = draft_k or cal.draft_k
     threshold = cal.threshold
     plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
-    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False)
-    lookup_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True)
+    # the early-exit rows are early exit whatever draft the calibration chose (the other drafts get rows below)
+    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False,
+                            draft="early_exit")
+    lookup_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True,
+                              draft="early_exit")
     # transformers' own self-speculation with our E, K and threshold (a constant K, as ours at most drafts K)
     hf_ee = {"assistant_early_exit": E, "num_assistant_tokens": K, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": threshold}

@@ -77,13 +77,16 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
         label += f", vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""
         series.setdefault(label, []).append(r)
     fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, rs in sorted(series.items()):
+    colours = plt.get_cmap("tab20").colors  # more distinct colours than the default cycle's ten
+    markers = "os^Dv<>Ph*X"
+    for n, (label, rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: r["draft_k"])
         ks = [r["draft_k"] for r in rs]
-        marker = "o" if len(rs) > 1 else "s"
-        ax_s.errorbar(ks, [r["speedup"] for r in rs], marker=marker, capsize=3, label=label,
+        style = dict(marker=markers[n % len(markers)], color=colours[(2 * n) % 20 if n < 10 else (2 * n + 1) % 20],
+                     label=label)
+        ax_s.errorbar(ks, [r["speedup"] for r in rs], capsize=3, **style,
                       yerr=[[r["speedup"] - r["speedup_min"] for r in rs], [r["speedup_max"] - r["speedup"] for r in rs]])
-        ax_a.plot(ks, [r["alpha"] for r in rs], marker=marker, label=label)
+        ax_a.plot(ks, [r["alpha"] for r in rs], **style)
     ax_s.axhline(1.0, color="grey", lw=1, ls="--")
     ax_s.axhline(MIN_GAIN, color="grey", lw=1, ls=":")
     ax_s.set(xlabel="K (most draft tokens per round)", ylabel="speedup over plain decoding (median, min-max)",
