@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from .draft_files import read_tagged, save_tagged
+
 FORMAT = "completiond-exit-adapter/1"
 ADAPTER_FILE = "exit_adapter.safetensors"
 
@@ -57,37 +59,17 @@ class AdapterRecord:
 
 
 def save_adapter(path: Path, layer, exit_layer: int, model_identity: str, config, training: dict) -> Path:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in layer.state_dict().items()}
     meta = {"format": FORMAT, "model_identity": model_identity, "exit_layer": str(exit_layer),
             "family": str(getattr(config, "model_type", "?")), "hidden_size": str(config.hidden_size),
             "num_layers": str(config.num_hidden_layers), "training": json.dumps(training)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
-    return path
+    return save_tagged(path, tensors, meta)
 
 
 def read_adapter(path: Path, model_identity: str, config) -> AdapterRecord:
     """The adapter at path, checked against the model it is to draft for."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise AdapterFileError(f"cannot read exit adapter {path}: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise AdapterFileError(f"{path} is not a completiond exit adapter (format {meta.get('format')!r})")
-    if meta.get("model_identity") != model_identity:
-        raise AdapterFileError(
-            f"exit adapter {path} was trained on another model (identity {meta.get('model_identity')}, this model "
-            f"is {model_identity}); retrain it with `completiond train-adapter`")
+    tensors, meta = read_tagged(path, FORMAT, "exit adapter", model_identity, "completiond train-adapter",
+                                AdapterFileError)
     try:
         exit_layer = int(meta["exit_layer"])
     except (KeyError, ValueError):

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .draft_files import read_tagged, save_tagged
+
 FORMAT = "completiond-medusa-heads/1"
 MEDUSA_FILE = "medusa_heads.safetensors"
 
@@ -51,38 +53,19 @@ class MedusaRecord:
 
 
 def save_heads(path: Path, weights, biases, model_identity: str, config, training: dict) -> Path:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for i, (w, b) in enumerate(zip(weights, biases)):
+        # cloned: heads made from one tensor would share memory, which safetensors refuses to write
         tensors[f"head.{i}.weight"] = w.detach().to("cpu").float().clone()
         tensors[f"head.{i}.bias"] = b.detach().to("cpu").float().clone()
     meta = {"format": FORMAT, "model_identity": model_identity, "num_heads": str(len(weights)),
             "hidden_size": str(config.hidden_size), "training": json.dumps(training)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(path)
-    return path
+    return save_tagged(path, tensors, meta)
 
 
 def read_heads(path: Path, model_identity: str, config) -> MedusaRecord:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except (OSError, SafetensorError) as exc:
-        raise MedusaFileError(f"cannot read Medusa heads {path}: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise MedusaFileError(f"{path} holds no completiond Medusa heads (format {meta.get('format')!r})")
-    if meta.get("model_identity") != model_identity:
-        raise MedusaFileError(
-            f"Medusa heads {path} were trained on another model (identity {meta.get('model_identity')}, this model "
-            f"is {model_identity}); retrain them with `completiond train-medusa`")
+    tensors, meta = read_tagged(path, FORMAT, "Medusa heads", model_identity, "completiond train-medusa",
+                                MedusaFileError)
     d = config.hidden_size
     weights, biases = [], []
     i = 0

@@ -21,7 +21,6 @@ import torch
 
 from completiond.commands import train_adapter as cmd
 from completiond.engine.engine import Engine, EngineError, SamplingParams, model_identity
-from completiond.engine.exit_adapter import AdapterDraft
 from completiond.models import exit_adapter as ea
 from tests.conftest import make_tiny_model
 

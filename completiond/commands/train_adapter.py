@@ -71,21 +71,52 @@ def _texts(paths: list[Path], rng: random.Random):
             yield text
 
 
-def default_out(engine, model_dir: Path) -> Path:
-    from completiond.engine.exit_adapter import user_adapter_path
-    from completiond.models.exit_adapter import ADAPTER_FILE
-
+def default_out(model_dir: Path, file_name: str, user_path: Path) -> Path:
+    """Beside the model when its directory is ours to write, else the user's cache (a hub model)."""
     in_hub_cache = any(part.startswith("models--") for part in model_dir.resolve().parts)
     if not in_hub_cache and os.access(model_dir, os.W_OK):
-        return model_dir / ADAPTER_FILE
-    return user_adapter_path(engine.model_id)
+        return model_dir / file_name
+    return user_path
+
+
+class DataError(Exception):
+    """Training text that cannot be had (a missing path, too little text): exit status 2."""
+
+
+def training_batches(engine, args, rng: random.Random) -> tuple:
+    """(endless training batches, held-out batches) of [batch, seq_len] ids on the engine's device, from
+    --files / --heldout (default: the stdlib's training and held-out splits), tokenised by the model."""
+    from completiond.models import corpus
+    from completiond.models.exit_adapter import token_windows
+
+    try:
+        train_paths = _expand(args.files) if args.files else [f.path for f in corpus.training_files()]
+        held_paths = _expand(args.heldout) if args.heldout else [f.path for f in corpus.heldout_files()]
+    except FileNotFoundError as exc:
+        raise DataError(str(exc)) from None
+    tok, device = engine.tokenizer, engine.device
+
+    def streams(paths, r):
+        for text in _texts(paths, r):
+            yield tok(text).input_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+
+    try:
+        train = (b.to(device) for b in token_windows(streams(train_paths, rng), args.seq_len, args.batch_size, rng,
+                                                    args.train_tokens))
+        held_rng = random.Random(1234)  # the same held-out windows before and after, and across runs
+        held_iter = token_windows(streams(held_paths, held_rng), args.seq_len, args.batch_size, held_rng,
+                                  args.heldout_batches * args.batch_size * args.seq_len * 4)
+        held = [next(held_iter).to(device) for _ in range(args.heldout_batches)]
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    return train, held
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from completiond.engine.engine import Engine, EngineError
-    from completiond.models import corpus
+    from completiond.engine.exit_adapter import user_adapter_path
     from completiond.models import exit_adapter as ea
 
     if args.threads:
@@ -103,28 +134,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"completiond train-adapter: --exit-layer must be in 1..{L - 2} for this {L}-layer model "
               "(an adapter at the last layer would cost as much as the model)", file=sys.stderr)
         return 2
-    try:
-        train_paths = _expand(args.files) if args.files else [f.path for f in corpus.training_files()]
-        held_paths = _expand(args.heldout) if args.heldout else [f.path for f in corpus.heldout_files()]
-    except FileNotFoundError as exc:
-        print(f"completiond train-adapter: {exc}", file=sys.stderr)
-        return 2
-    tok = engine.tokenizer
-    device = engine.device
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-
-    def streams(paths, r):
-        for text in _texts(paths, r):
-            yield tok(text).input_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
-
+    device = engine.device
     try:
-        train = (b.to(device) for b in ea.token_windows(streams(train_paths, rng), args.seq_len, args.batch_size, rng,
-                                                       args.train_tokens))
-        held_rng = random.Random(1234)  # the same held-out windows before and after, and across runs
-        held_iter = ea.token_windows(streams(held_paths, held_rng), args.seq_len, args.batch_size, held_rng,
-                                     args.heldout_batches * args.batch_size * args.seq_len * 4)
-        held = [next(held_iter).to(device) for _ in range(args.heldout_batches)]
-    except ValueError as exc:
+        train, held = training_batches(engine, args, rng)
+    except DataError as exc:
         print(f"completiond train-adapter: {exc}", file=sys.stderr)
         return 2
 
@@ -165,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         summary.update(runs=runs, steps=sum(r["steps"] or 0 for r in runs), tokens=sum(r["tokens"] or 0 for r in runs),
                        minutes=round(sum(r["minutes"] or 0 for r in runs), 2),
                        before=previous.get("before", before))
-    out = args.out or default_out(engine, engine.model_dir)
+    out = args.out or default_out(engine.model_dir, ea.ADAPTER_FILE, user_adapter_path(engine.model_id))
     path = ea.save_adapter(out, layer, E, engine.model_id, model.config, summary)
     summary["path"] = str(path)
     if args.json:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 from pathlib import Path
 
-from completiond.commands.train_adapter import _expand, _texts
+from completiond.commands.train_adapter import DataError, default_out, training_batches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
 
     from completiond.engine.engine import Engine, EngineError
     from completiond.engine.medusa import user_medusa_path
-    from completiond.models import corpus
-    from completiond.models import exit_adapter as ea
     from completiond.models import medusa as md
 
     if args.threads:
@@ -61,27 +58,11 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"completiond train-medusa: {exc}", file=sys.stderr)
         return 1
-    try:
-        train_paths = _expand(args.files) if args.files else [f.path for f in corpus.training_files()]
-        held_paths = _expand(args.heldout) if args.heldout else [f.path for f in corpus.heldout_files()]
-    except FileNotFoundError as exc:
-        print(f"completiond train-medusa: {exc}", file=sys.stderr)
-        return 2
-    tok, device = engine.tokenizer, engine.device
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-
-    def streams(paths, r):
-        for text in _texts(paths, r):
-            yield tok(text).input_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
-
+    device = engine.device
     try:
-        train = (b.to(device) for b in ea.token_windows(streams(train_paths, rng), args.seq_len, args.batch_size, rng,
-                                                       args.train_tokens))
-        held_rng = random.Random(1234)
-        held_iter = ea.token_windows(streams(held_paths, held_rng), args.seq_len, args.batch_size, held_rng,
-                                     args.heldout_batches * args.batch_size * args.seq_len * 4)
-        held = [next(held_iter).to(device) for _ in range(args.heldout_batches)]
-    except ValueError as exc:
+        train, held = training_batches(engine, args, rng)
+    except DataError as exc:
         print(f"completiond train-medusa: {exc}", file=sys.stderr)
         return 2
     model = engine.model
@@ -93,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
     after = md.measure(model, w, b, held)
     log("agreement per head (2.." + str(args.heads + 1) + " ahead): " + ", ".join(f"{a:.3f}" for a in after["agreement"]))
     summary.update(after=after, seq_len=args.seq_len, batch_size=args.batch_size)
-    model_dir = engine.model_dir
-    in_hub_cache = any(part.startswith("models--") for part in model_dir.resolve().parts)
-    out = args.out or (model_dir / md.MEDUSA_FILE if not in_hub_cache and os.access(model_dir, os.W_OK)
-                       else user_medusa_path(engine.model_id))
+    out = args.out or default_out(engine.model_dir, md.MEDUSA_FILE, user_medusa_path(engine.model_id))
     path = md.save_heads(out, w, b, engine.model_id, model.config, summary)
     summary["path"] = str(path)
     if args.json:

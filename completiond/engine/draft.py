@@ -26,6 +26,19 @@ if TYPE_CHECKING:
     from completiond.engine.kvcache import KVSequence
 
 
+def first_usable(paths, load: Callable, error: type[Exception], what: str, log):
+    """load(path) for the first existing path it accepts; a file it refuses (stale, damaged) is skipped
+    with a warning: it costs only the draft it would have made."""
+    for path in paths:
+        if not path.is_file():
+            continue
+        try:
+            return load(path)
+        except error as exc:
+            log.warning("not using %s %s: %s", what, path, exc)
+    return None
+
+
 @dataclass
 class Proposal:
     tokens: list[int]  # k drafted ids

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from completiond.engine.draft import EarlyExitDraft
+from completiond.engine.draft import EarlyExitDraft, first_usable
 from completiond.models.exit_adapter import ADAPTER_FILE, AdapterFileError, build_layer, read_adapter
 
 if TYPE_CHECKING:
@@ -73,18 +73,11 @@ def attach(engine: "Engine", path: Path) -> ExitAdapter:
 
 
 def find_and_attach(engine: "Engine", model_dir: Path | None) -> ExitAdapter | None:
-    for path in adapter_paths(model_dir, engine.model_id):
-        if not path.is_file():
-            continue
-        try:
-            adapter = attach(engine, path)
-        except AdapterFileError as exc:
-            # A stale or damaged adapter only costs the draft it would have made: load without it.
-            log.warning("not using exit adapter %s: %s", path, exc)
-            continue
-        log.info("exit adapter %s (exit layer %d)", path, adapter.exit_layer)
-        return adapter
-    return None
+    adapter = first_usable(adapter_paths(model_dir, engine.model_id), lambda p: attach(engine, p), AdapterFileError,
+                           "exit adapter", log)
+    if adapter is not None:
+        log.info("exit adapter %s (exit layer %d)", adapter.path, adapter.exit_layer)
+    return adapter
 
 
 class AdapterDraft(EarlyExitDraft):

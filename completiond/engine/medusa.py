@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 import torch.nn.functional as F
 
+from completiond.engine.draft import first_usable
 from completiond.models.medusa import MEDUSA_FILE, MedusaFileError, read_heads
 
 if TYPE_CHECKING:
@@ -65,17 +66,10 @@ def attach(engine: "Engine", path: Path) -> Medusa:
 
 def find_and_attach(engine: "Engine", model_dir: Path | None) -> Medusa | None:
     paths = [user_medusa_path(engine.model_id)] + ([Path(model_dir) / MEDUSA_FILE] if model_dir is not None else [])
-    for path in paths:
-        if not path.is_file():
-            continue
-        try:
-            medusa = attach(engine, path)
-        except MedusaFileError as exc:
-            log.warning("not using Medusa heads %s: %s", path, exc)
-            continue
-        log.info("Medusa heads %s (%d heads)", path, medusa.num_heads)
-        return medusa
-    return None
+    medusa = first_usable(paths, lambda p: attach(engine, p), MedusaFileError, "Medusa heads", log)
+    if medusa is not None:
+        log.info("Medusa heads %s (%d heads)", medusa.path, medusa.num_heads)
+    return medusa
 
 
 def candidates(engine: "Engine", medusa: Medusa, h: torch.Tensor, depth: int, width: int) -> list[list[int]]:
