@@ -172,6 +172,15 @@ def measure(model, layer, exit_layer: int, batches: list) -> dict:
     return {"positions": n, "agreement": {k: v / n for k, v in agree.items()}, "kl": {k: v / n for k, v in kl.items()}}
 
 
+def schedule(steps: int, warmup: int, minutes: float, t0: float, log: Callable[[str], None]) -> Iterator:
+    """(step, learning-rate scale): linear warmup then cosine over `steps`, cut off after `minutes` (0: no limit)."""
+    for step in range(steps):
+        if minutes and time.time() - t0 > minutes * 60:
+            log(f"time budget of {minutes} min reached at step {step}")
+            return
+        yield step, min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
+
+
 def train_adapter(model, exit_layer: int, batches: Iterator, steps: int, lr: float = 5e-4, minutes: float = 0.0,
                   warmup: int = 20, log: Callable[[str], None] = print, log_every: int = 10, init=None):
     """Train a copy of layer E (or of `init`, an adapter layer to continue) as the adapter, everything
@@ -186,11 +195,7 @@ def train_adapter(model, exit_layer: int, batches: Iterator, steps: int, lr: flo
     tokens = 0
     done = 0
     last_kl = float("nan")
-    for step in range(steps):
-        if minutes and time.time() - t0 > minutes * 60:
-            log(f"time budget of {minutes} min reached at step {step}")
-            break
-        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
+    for step, scale in schedule(steps, warmup, minutes, t0, log):
         for g in opt.param_groups:
             g["lr"] = lr * scale
         ids = next(batches)

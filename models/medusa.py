@@ -17,13 +17,13 @@ The engine's runtime (candidate trees, tree verification) is completiond/engine/
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 from .draft_files import read_tagged, save_tagged
+from .exit_adapter import schedule
 
 FORMAT = "completiond-medusa-heads/1"
 MEDUSA_FILE = "medusa_heads.safetensors"
@@ -138,11 +138,7 @@ def train_heads(model, num_heads: int, batches: Iterator, steps: int, lr: float 
     t0 = time.time()
     tokens = done = 0
     last = float("nan")
-    for step in range(steps):
-        if minutes and time.time() - t0 > minutes * 60:
-            log(f"time budget of {minutes} min reached at step {step}")
-            break
-        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
+    for step, scale in schedule(steps, warmup, minutes, t0, log):
         for g in opt.param_groups:
             g["lr"] = lr * scale
         ids = next(batches)
