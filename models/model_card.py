@@ -732,13 +732,49 @@ greedy up to 128 tokens.
 
 {sample_md}
 {fim_md}
-## Limitations
+{drafts_md(model_dir)}## Limitations
 
 Trained for {t['train_seconds'] / 3600:.1f} hours on two CPU cores: it knows common Python idioms and the
 APIs of its training packages, repeats and invents names freely, and sees {t['seq_len']} tokens of context.
 Use a real code model for real work; completiond loads any Llama-family model the same way.
 """
     (model_dir / "MODEL_CARD.md").write_text(card)
+
+
+def drafts_md(model_dir: Path) -> str:
+    """The drafts trained on these weights (exit adapter, Medusa heads), from their files' own records."""
+    import json as _json
+
+    from safetensors import SafetensorError, safe_open
+
+    rows = []
+    for name, what in (("exit_adapter.safetensors", "exit adapter"), ("medusa_heads.safetensors", "Medusa heads")):
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+            t = _json.loads(meta.get("training", "{}"))
+        except (OSError, SafetensorError, ValueError):
+            continue
+        if what == "exit adapter":
+            b, a = t.get("before", {}).get("agreement", {}), t.get("after", {}).get("agreement", {})
+            detail = (f"at layer {meta.get('exit_layer')}; held-out greedy agreement with the last layer "
+                      f"{a.get('adapter', 0):.3f} (plain exit {meta.get('exit_layer')}: {b.get('exit', 0):.3f}, "
+                      f"exit {int(meta.get('exit_layer', 0)) + 1}: {b.get('exit_next', 0):.3f})")
+        else:
+            agree = t.get("after", {}).get("agreement", [])
+            detail = (f"({meta.get('num_heads')}); agreement 2..{len(agree) + 1} tokens ahead: "
+                      + " / ".join(f"{x:.2f}" for x in agree))
+        rows.append(f"| `{name}` | {what} {detail} | {t.get('steps', 0)} steps, {t.get('tokens', 0):,} tokens, "
+                    f"{t.get('minutes', 0):.0f} CPU minutes |")
+    if not rows:
+        return ""
+    return ("## Trained drafts\n\nTrained on these weights with the model frozen (`completiond train-adapter`, "
+            "`completiond train-medusa`) and keyed to them: a retrained model does not use them. Whether one pays is "
+            "`completiond calibrate`'s call per machine (completiond.json records the shipped choice).\n\n"
+            "| file | what | training |\n|---|---|---|\n" + "\n".join(rows) + "\n\n")
 
 
 def draft_vocab_size(model_dir: Path) -> int:
