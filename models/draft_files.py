@@ -7,6 +7,7 @@ identity, so it never drafts with weights trained on its predecessor.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -40,3 +41,11 @@ def read_tagged(path: Path, fmt: str, what: str, model_identity: str, retrain: s
         raise error(f"{what} {path} was trained on another model (identity {meta.get('model_identity')}, this model "
                     f"is {model_identity}); retrain with `{retrain}`")
     return tensors, meta
+
+
+def training_record(meta: dict) -> dict:
+    """The JSON training summary a file's metadata carries ({} when missing or damaged)."""
+    try:
+        return json.loads(meta.get("training", "{}"))
+    except ValueError:
+        return {}

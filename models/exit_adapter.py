@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .draft_files import read_tagged, save_tagged
+from .draft_files import read_tagged, save_tagged, training_record
 
 FORMAT = "completiond-exit-adapter/1"
 ADAPTER_FILE = "exit_adapter.safetensors"
@@ -52,10 +52,7 @@ class AdapterRecord:
 
     @property
     def training(self) -> dict:
-        try:
-            return json.loads(self.meta.get("training", "{}"))
-        except ValueError:
-            return {}
+        return training_record(self.meta)
 
 
 def save_adapter(path: Path, layer, exit_layer: int, model_identity: str, config, training: dict) -> Path:

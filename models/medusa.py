@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .draft_files import read_tagged, save_tagged
+from .draft_files import read_tagged, save_tagged, training_record
 from .exit_adapter import schedule
 
 FORMAT = "completiond-medusa-heads/1"
@@ -46,10 +46,7 @@ class MedusaRecord:
 
     @property
     def training(self) -> dict:
-        try:
-            return json.loads(self.meta.get("training", "{}"))
-        except ValueError:
-            return {}
+        return training_record(self.meta)
 
 
 def save_heads(path: Path, weights, biases, model_identity: str, config, training: dict) -> Path:
