@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from completiond.engine import native
 from completiond.models.adapters import Adapter, UnsupportedModel
 
 if TYPE_CHECKING:
@@ -138,6 +139,8 @@ class Forward:
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
+        # step.c for passes of up to native.MAX_ROWS positions (None: PyTorch only; native_reason says why)
+        self.native, self.native_reason = native.bind(self)
 
     def add_layer(self, layer) -> int:
         """Append an extra decoder layer of the model's shape (a draft's exit adapter) and return its
@@ -146,6 +149,8 @@ class Forward:
         if self.transposed:
             _transpose(fused)
         self.layers.append(fused)
+        if self.native is not None:
+            self.native.bind()
         return len(self.layers) - 1
 
     # ---------------------------------------------------------------- tables
@@ -193,6 +198,15 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
+        if self.native is not None and t <= native.MAX_ROWS and h.dtype == torch.float32 and seq.k.is_contiguous():
+            if last > self.native.n_layers:
+                self.native.bind()
+            if tree is None:
+                self.rope(pos, t)
+                return self.native.layers(h, first, last, pos, seq, write, None, None)
+            positions, tree_mask = tree
+            self.rope(0, int(positions.max()) + 1)
+            return self.native.layers(h, first, last, pos, seq, write, positions, tree_mask)
         if tree is None:
             cos, sin = self.rope(pos, t)
             # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
@@ -230,11 +244,18 @@ class Forward:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
+        if self._native_rows(h):
+            return self.native.head(h, self.norm_w, self.norm_eps, self.head_t, self.head_b)
         return _proj(self.norm(h), self.head_w, self.head_t, self.head_b)[0].float()
 
     def head_rows(self, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
         """Final norm + a subset of the LM head's rows (a draft's vocabulary): [1, t, d] -> [t, Vd] float32."""
+        if weight_t is not None and self._native_rows(h):
+            return self.native.head(h, self.norm_w, self.norm_eps, weight_t, None)
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
+
+    def _native_rows(self, h: torch.Tensor) -> bool:
+        return self.native is not None and h.shape[1] <= native.MAX_ROWS and h.dtype == torch.float32
 
 
 # Transposed copies cost one more copy of the layer weights: only for models small enough that it

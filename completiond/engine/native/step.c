@@ -1,0 +1,383 @@
+/* The decode step and the verify pass of a small Llama-layout model in one call.
+ *
+ * Why this exists: a batch-1 step of the bundled model is ~12 MFLOP over 24 MB of
+ * weights, which the CPU streams in about a millisecond, but eager PyTorch spends
+ * most of its 3.5 ms on the ~22 dispatches per layer. Here a whole range of layers
+ * runs inside one OpenMP region (the same libgomp torch uses, so one thread pool).
+ *
+ * Exactness contract (tests/test_native_step.py checks it): every row of a
+ * multi-row pass is computed with the very instruction sequence a one-row pass
+ * uses. Each output column is one fused multiply-add chain over the input in
+ * index order, whatever the row blocking or the thread split; attention splits
+ * the keys into fixed 256-key chunks counted from key 0, whatever the row or the
+ * thread. So a verify pass over K+1 positions returns bit for bit the logits of
+ * K+1 plain steps, and speculative greedy decoding cannot drift from plain.
+ *
+ * Layout: activations row-major [t, n]; weights pre-transposed [in, out]; the KV
+ * cache [slots, KV, cap, hd]; rope tables [P, hd] with rotate_half's sign folded
+ * into sin (see forward.py). Only x86-64 with AVX2 and FMA: elsewhere this file
+ * does not compile and the engine keeps the PyTorch path.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the native step needs AVX2 and FMA"
+#endif
+
+#define CD_ABI 1
+#define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
+
+typedef struct {
+    const float *ln1, *qkv, *qkv_b, *o, *o_b, *ln2, *gu, *gu_b, *down, *down_b, *q_norm, *k_norm;
+} cd_layer;
+
+typedef struct {
+    int32_t d, H, KV, hd, I, n_layers;
+    float eps, scale;
+    const cd_layer *layers;
+} cd_model;
+
+int cd_abi(void) { return CD_ABI; }
+
+/* ------------------------------------------------------------------ small maths */
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_max_ps(lo, hi);
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp on 8 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' constants),
+ * relative error ~2e-7; lanes are independent, so a value's result never depends on its neighbours. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for one row of n */
+static void rms_row(const float *x, int n, const float *w, float eps, float *y) {
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s = fmaf(x[i], x[i], s);
+    float inv = 1.0f / sqrtf(s / (float)n + eps);
+    for (int i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
+}
+
+/* silu(g) * u over n values (n any size: the tail goes through the same 8-lane code) */
+static void silu_mul(const float *g, const float *u, int n, float *y) {
+    int i = 0;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0}, yt[8];
+        memcpy(gt, g + i, (size_t)(n - i) * sizeof(float));
+        memcpy(ut, u + i, (size_t)(n - i) * sizeof(float));
+        silu_mul(gt, ut, 8, yt);
+        memcpy(y + i, yt, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* ------------------------------------------------------------------ matrix products
+ * y[r, j] = b[j] + sum_k x[r, k] * W[k, j], each (r, j) one fmadd chain in k order. A kernel
+ * computes R rows x 8*NV columns, sharing each loaded weight vector between its rows. */
+
+#define MK(R, NV)                                                                                    \
+    static inline void mk_##R##_##NV(const float *x, int in, const float *W, int out, int j,       \
+                                     const float *b, float *y) {                                   \
+        __m256 acc[R][NV];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();   \
+        for (int k = 0; k < in; k++) {                                                               \
+            const float *w = W + (size_t)k * out + j;                                                \
+            __m256 wv[NV];                                                                           \
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) wv[v] = _mm256_loadu_ps(w + 8 * v); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                    \
+                __m256 xv = _mm256_broadcast_ss(x + (size_t)r * in + k);                             \
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)                                 \
+                    acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);                               \
+            }                                                                                        \
+        }                                                                                            \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {                                   \
+                __m256 a = acc[r][v];                                                                \
+                if (b) a = _mm256_add_ps(a, _mm256_loadu_ps(b + j + 8 * v));                         \
+                _mm256_storeu_ps(y + (size_t)r * out + j + 8 * v, a);                                \
+            }                                                                                        \
+    }
+
+MK(1, 8)
+MK(1, 4)
+MK(1, 2)
+MK(1, 1)
+MK(2, 4)
+MK(4, 2)
+
+/* one row, columns [j0, j1): the widest kernels first, then single columns (fmaf is the same
+ * fused operation as one lane of _mm256_fmadd_ps, so a tail column gets the same bits) */
+static void gemm_row(const float *x, int in, const float *W, int out, const float *b, float *y, int j0, int j1) {
+    int j = j0;
+    for (; j + 64 <= j1; j += 64) mk_1_8(x, in, W, out, j, b, y);
+    for (; j + 32 <= j1; j += 32) mk_1_4(x, in, W, out, j, b, y);
+    for (; j + 16 <= j1; j += 16) mk_1_2(x, in, W, out, j, b, y);
+    for (; j + 8 <= j1; j += 8) mk_1_1(x, in, W, out, j, b, y);
+    for (; j < j1; j++) {
+        float a = 0.0f;
+        for (int k = 0; k < in; k++) a = fmaf(x[k], W[(size_t)k * out + j], a);
+        y[j] = b ? a + b[j] : a;
+    }
+}
+
+/* t rows, columns [j0, j1) */
+static void gemm_cols(const float *x, int t, int in, const float *W, int out, const float *b, float *y,
+                      int j0, int j1) {
+    int r = 0;
+    int jv = j0 + ((j1 - j0) / 16) * 16; /* the part the 4- and 2-row kernels cover */
+    for (; r + 4 <= t; r += 4) {
+        for (int j = j0; j < jv; j += 16) mk_4_2(x + (size_t)r * in, in, W, out, j, b, y + (size_t)r * out);
+        for (int q = 0; q < 4; q++) gemm_row(x + (size_t)(r + q) * in, in, W, out, b, y + (size_t)(r + q) * out, jv, j1);
+    }
+    int jw = j0 + ((j1 - j0) / 32) * 32;
+    for (; r + 2 <= t; r += 2) {
+        for (int j = j0; j < jw; j += 32) mk_2_4(x + (size_t)r * in, in, W, out, j, b, y + (size_t)r * out);
+        for (int q = 0; q < 2; q++) gemm_row(x + (size_t)(r + q) * in, in, W, out, b, y + (size_t)(r + q) * out, jw, j1);
+    }
+    for (; r < t; r++) gemm_row(x + (size_t)r * in, in, W, out, b, y + (size_t)r * out, j0, j1);
+}
+
+/* this thread's share of the columns, in units of 16 so that its kernels stay wide */
+static void share(int n, int tid, int nt, int *a, int *b) {
+    int units = (n + 15) / 16;
+    int u0 = (int)((int64_t)units * tid / nt), u1 = (int)((int64_t)units * (tid + 1) / nt);
+    *a = u0 * 16 < n ? u0 * 16 : n;
+    *b = u1 * 16 < n ? u1 * 16 : n;
+}
+
+static void share_items(int n, int tid, int nt, int *a, int *b) {
+    *a = (int)((int64_t)n * tid / nt);
+    *b = (int)((int64_t)n * (tid + 1) / nt);
+}
+
+/* ------------------------------------------------------------------ attention
+ * One chunk of keys [k0, k1) for one query row and head: its max m, sum l of exp(s - m), and
+ * o = sum exp(s - m) * v; chunks are merged in key order (merge()). */
+
+static void attend_chunk(const float *q, const float *kb, const float *vb, int hd, float scale, int k0, int k1,
+                         const uint8_t *mrow, float *part) {
+    float s[CHUNK + 8];
+    int n = k1 - k0;
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        if (mrow && !mrow[k0 + i]) { s[i] = -INFINITY; continue; }
+        const float *k = kb + (size_t)(k0 + i) * hd;
+        __m256 a = _mm256_setzero_ps();
+        for (int e = 0; e < hd; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(k + e), a);
+        s[i] = hsum8(a) * scale;
+        if (s[i] > mx) mx = s[i];
+    }
+    float *o = part + 2;
+    memset(o, 0, (size_t)hd * sizeof(float));
+    if (mx == -INFINITY) { part[0] = -INFINITY; part[1] = 0.0f; return; }
+    int n8 = (n + 7) & ~7;
+    for (int i = n; i < n8; i++) s[i] = -INFINITY;
+    __m256 lsum = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx);
+    for (int i = 0; i < n8; i += 8) {
+        __m256 sv = _mm256_loadu_ps(s + i);
+        __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sv, m8)), live); /* masked keys weigh exactly 0 */
+        _mm256_storeu_ps(s + i, p);
+        lsum = _mm256_add_ps(lsum, p);
+    }
+    int e = 0;
+    for (; e + 64 <= hd; e += 64) { /* 8 independent chains over the keys */
+        __m256 acc[8];
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++) {
+            __m256 p = _mm256_set1_ps(s[i]);
+            const float *vr = vb + (size_t)(k0 + i) * hd + e;
+            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
+                acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+        }
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + e + 8 * v, acc[v]);
+    }
+    for (; e < hd; e += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < n; i++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(vb + (size_t)(k0 + i) * hd + e), acc);
+        _mm256_storeu_ps(o + e, acc);
+    }
+    part[0] = mx;
+    part[1] = hsum8(lsum);
+}
+
+static void merge(const float *parts, int nch, int hd, float *out) {
+    float M = -INFINITY;
+    for (int c = 0; c < nch; c++) if (parts[(size_t)c * (hd + 2)] > M) M = parts[(size_t)c * (hd + 2)];
+    for (int e = 0; e < hd; e++) out[e] = 0.0f;
+    if (M == -INFINITY) return; /* a row that sees no key (cannot happen for a causal row) */
+    float L = 0.0f;
+    for (int c = 0; c < nch; c++) {
+        const float *p = parts + (size_t)c * (hd + 2);
+        if (p[0] == -INFINITY) continue;
+        float w = expf(p[0] - M);
+        L = fmaf(p[1], w, L);
+        for (int e = 0; e < hd; e++) out[e] = fmaf(p[2 + e], w, out[e]);
+    }
+    float inv = 1.0f / L;
+    for (int e = 0; e < hd; e++) out[e] *= inv;
+}
+
+/* ------------------------------------------------------------------ the layers
+ * h [t, d] in place: layers [first, last) at slots pos..pos+t-1. rope_pos: each row's rotary
+ * position (NULL: its slot). mask [t, pos+t] (NULL: causal, row r sees keys 0..pos+r).
+ * write = 0: the slots' K/V are already in the cache and stay untouched. Returns 0, or -1 when
+ * scratch memory cannot be had (nothing was written then). */
+int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, const int64_t *rope_pos,
+              const uint8_t *mask, int write, float *kc, float *vc, int cap, const float *cos_t,
+              const float *sin_t, int nthreads) {
+    const int d = m->d, H = m->H, KV = m->KV, hd = m->hd, I = m->I, nq = H + 2 * KV, qw = nq * hd;
+    const int group = H / KV, width = pos + t;
+    if (nthreads < 1) nthreads = 1;
+    /* attention work items (row, head, chunk), with each row's first item */
+    int *row_items = malloc(sizeof(int) * (size_t)(t + 1));
+    if (!row_items) return -1;
+    row_items[0] = 0;
+    for (int r = 0; r < t; r++) {
+        int keys = mask ? width : pos + r + 1;
+        row_items[r + 1] = row_items[r] + H * ((keys + CHUNK - 1) / CHUNK);
+    }
+    const int items = row_items[t];
+    size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
+                                        + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
+    float *buf = malloc(floats * sizeof(float));
+    if (!buf) { free(row_items); return -1; }
+    float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
+    float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *x = xs + (size_t)tid * nx; /* each thread normalises h itself: no barrier for it */
+        int a, b;
+        for (int li = first; li < last; li++) {
+            const cd_layer *L = m->layers + li;
+            for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
+            share(qw, tid, nt, &a, &b);
+            gemm_cols(x, t, d, L->qkv, qw, L->qkv_b, qkv, a, b);
+#pragma omp barrier
+            /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
+            share_items(t * nq, tid, nt, &a, &b);
+            for (int it = a; it < b; it++) {
+                int r = it / nq, hh = it % nq;
+                float *vec = qkv + (size_t)r * qw + (size_t)hh * hd;
+                if (hh < H + KV) {
+                    const float *nw = hh < H ? L->q_norm : L->k_norm;
+                    if (nw) rms_row(vec, hd, nw, m->eps, vec);
+                    int64_t rp = rope_pos ? rope_pos[r] : (int64_t)pos + r;
+                    const float *c = cos_t + (size_t)rp * hd, *s = sin_t + (size_t)rp * hd;
+                    float tmp[hd];
+                    int half = hd / 2;
+                    for (int e = 0; e < hd; e++) {
+                        float sw = e < half ? vec[e + half] : vec[e - half];
+                        tmp[e] = vec[e] * c[e] + sw * s[e];
+                    }
+                    memcpy(vec, tmp, (size_t)hd * sizeof(float));
+                }
+                if (write && hh >= H) {
+                    int g = hh < H + KV ? hh - H : hh - H - KV;
+                    float *dst = (hh < H + KV ? kc : vc) + (((size_t)li * KV + g) * cap + pos + r) * hd;
+                    memcpy(dst, vec, (size_t)hd * sizeof(float));
+                }
+            }
+#pragma omp barrier
+            share_items(items, tid, nt, &a, &b);
+            for (int it = a; it < b; it++) {
+                int r = 0;
+                while (row_items[r + 1] <= it) r++;
+                int per_head = (row_items[r + 1] - row_items[r]) / H, local = it - row_items[r];
+                int head = local / per_head, c = local % per_head, g = head / group;
+                int keys = mask ? width : pos + r + 1, k0 = c * CHUNK, k1 = k0 + CHUNK < keys ? k0 + CHUNK : keys;
+                const float *kb = kc + ((size_t)li * KV + g) * cap * hd, *vb = vc + ((size_t)li * KV + g) * cap * hd;
+                attend_chunk(qkv + (size_t)r * qw + (size_t)head * hd, kb, vb, hd, m->scale, k0, k1,
+                             mask ? mask + (size_t)r * width : NULL, parts + (size_t)it * (hd + 2));
+            }
+#pragma omp barrier
+            share_items(t * H, tid, nt, &a, &b);
+            for (int it = a; it < b; it++) {
+                int r = it / H, head = it % H, per_head = (row_items[r + 1] - row_items[r]) / H;
+                merge(parts + (size_t)(row_items[r] + head * per_head) * (hd + 2), per_head, hd,
+                      att + (size_t)r * H * hd + (size_t)head * hd);
+            }
+#pragma omp barrier
+            share(d, tid, nt, &a, &b);
+            gemm_cols(att, t, H * hd, L->o, d, L->o_b, y, a, b);
+            for (int r = 0; r < t; r++)
+                for (int j = a; j < b; j++) h[(size_t)r * d + j] += y[(size_t)r * d + j];
+#pragma omp barrier
+            for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
+            /* gate columns [a, b) and the matching up columns I+a.., so the product needs no barrier */
+            share(I, tid, nt, &a, &b);
+            gemm_cols(x, t, d, L->gu, 2 * I, L->gu_b, gu, a, b);
+            gemm_cols(x, t, d, L->gu, 2 * I, L->gu_b, gu, I + a, I + b);
+            for (int r = 0; r < t; r++)
+                silu_mul(gu + (size_t)r * 2 * I + a, gu + (size_t)r * 2 * I + I + a, b - a, act + (size_t)r * I + a);
+#pragma omp barrier
+            share(d, tid, nt, &a, &b);
+            gemm_cols(act, t, I, L->down, d, L->down_b, y, a, b);
+            for (int r = 0; r < t; r++)
+                for (int j = a; j < b; j++) h[(size_t)r * d + j] += y[(size_t)r * d + j];
+#pragma omp barrier
+        }
+    }
+    free(buf);
+    free(row_items);
+    return 0;
+}
+
+/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W [d, V]. */
+int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const float *W, int V, const float *bias,
+            float *out, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    float *x = malloc(sizeof(float) * (size_t)t * d);
+    if (!x) return -1;
+    for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
+#pragma omp parallel num_threads(nthreads)
+    {
+        int a, b;
+        share(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+        gemm_cols(x, t, d, W, V, bias, out, a, b);
+    }
+    free(x);
+    return 0;
+}

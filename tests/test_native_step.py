@@ -1,0 +1,259 @@
+"""The native decode step (engine/native/step.c) against the PyTorch path and transformers.
+
+Two claims are tested: it computes the model (close to the PyTorch path and to transformers' own
+modules, in float32, for every family layout it takes: Llama, Qwen2's biases, Qwen3's qk-norm,
+grouped KV heads, token trees, long contexts over several attention chunks), and every row of a
+multi-row pass is bit for bit a one-row step (what makes speculative greedy equal plain greedy
+without relying on logit gaps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from completiond.engine import native
+from completiond.engine.engine import Engine, SamplingParams
+from tests.conftest import make_tiny_model
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def _need_native():
+    if native.library() is None:
+        pytest.skip(f"native step unavailable here: {native.reason()}")
+
+
+@pytest.fixture(scope="module")
+def bundled(bundled_model_dir) -> Engine:
+    return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def tiny(request, tmp_path_factory) -> Engine:
+    d = make_tiny_model(tmp_path_factory.mktemp(f"native-{request.param}"), family=request.param, layers=3, seed=5)
+    if request.param == "qwen2":  # random biases: the zero-initialised ones would not test the bias path
+        from safetensors.torch import load_file, save_file
+        w = load_file(d / "model.safetensors")
+        g = torch.Generator().manual_seed(0)
+        for name in w:
+            if name.endswith("_proj.bias"):
+                w[name] = 0.1 * torch.randn(w[name].shape, generator=g)
+        save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    return Engine.load(d, device="cpu", dtype="float32")
+
+
+def _ids(eng: Engine, text: str, n: int | None = None) -> list[int]:
+    ids = eng.tokenizer(text).input_ids
+    while n is not None and len(ids) < n:
+        ids = ids + ids
+    return ids if n is None else ids[:n]
+
+
+def _pass(eng: Engine, seq, ids: list[int], **kw) -> torch.Tensor:
+    h = eng.fwd.layers_range(eng.embed(ids), 0, eng.num_layers, seq.length, seq, **kw)
+    return eng.head(h)
+
+
+def _torch_only(eng: Engine):
+    class Off:
+        def __enter__(self):
+            self.saved, eng.fwd.native = eng.fwd.native, None
+
+        def __exit__(self, *exc):
+            eng.fwd.native = self.saved
+    return Off()
+
+
+def test_the_bundled_model_gets_the_native_step(bundled):
+    _need_native()
+    assert bundled.fwd.native is not None, bundled.fwd.native_reason
+    assert bundled.fwd.native_reason is None
+
+
+@torch.inference_mode()
+def test_native_passes_match_the_torch_path_and_transformers(tiny):
+    _need_native()
+    assert tiny.fwd.native is not None, tiny.fwd.native_reason
+    prompt = _ids(tiny, TEXT, 40)
+    ref = tiny.model(torch.tensor([prompt])).logits[0].float()  # [t, V]
+    for rows in (1, 3, 8):
+        native_seq, torch_seq = tiny.new_sequence(64), tiny.new_sequence(64)
+        tiny.prefill(native_seq, prompt[:-rows], None)
+        with _torch_only(tiny):
+            tiny.prefill(torch_seq, prompt[:-rows], None)
+            want = _pass(tiny, torch_seq, prompt[-rows:])
+        got = _pass(tiny, native_seq, prompt[-rows:])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, ref[-rows:], rtol=1e-4, atol=1e-4)
+        n, L = len(prompt), tiny.num_layers
+        torch.testing.assert_close(native_seq.k[:L, :, n - rows:n], torch_seq.k[:L, :, n - rows:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(native_seq.v[:L, :, n - rows:n], torch_seq.v[:L, :, n - rows:n], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_long_context_attention_over_several_chunks(bundled):
+    """Over 256 cached keys attention runs in chunks merged by their maxima: still the model."""
+    _need_native()
+    prompt = _ids(bundled, TEXT * 3, 700)
+    ref = bundled.model(torch.tensor([prompt])).logits[0, -4:].float()
+    seq = bundled.new_sequence(len(prompt))
+    bundled.prefill(seq, prompt[:-4], None)
+    for i, tok in enumerate(prompt[-4:]):
+        logits = _pass(bundled, seq, [tok])
+        seq.commit([tok])
+        torch.testing.assert_close(logits[-1], ref[i], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_of_a_pass_is_a_one_row_step_bit_for_bit(bundled, threads):
+    _need_native()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prompt = _ids(bundled, TEXT * 2, 300)  # past one 256-key chunk
+        base = bundled.new_sequence(320)
+        bundled.prefill(base, prompt[:-8], None)
+        n0 = base.length
+        singles, seq = [], base.copy_prefix(n0, 16)
+        for tok in prompt[-8:]:
+            singles.append(_pass(bundled, seq, [tok]))
+            seq.commit([tok])
+        singles = torch.cat(singles)  # [8, V]
+        for rows in (2, 3, 4, 5, 8):
+            batch = base.copy_prefix(n0, 16)
+            got = _pass(bundled, batch, prompt[-8:-8 + rows] if rows < 8 else prompt[-8:])
+            assert torch.equal(got, singles[:rows]), rows
+            L = bundled.num_layers  # the model's slots (an exit adapter's slot is the draft's business)
+            assert torch.equal(batch.k[:L, :, n0:n0 + rows], seq.k[:L, :, n0:n0 + rows])
+            assert torch.equal(batch.v[:L, :, n0:n0 + rows], seq.v[:L, :, n0:n0 + rows])
+    finally:
+        torch.set_num_threads(saved)
+
+
+@torch.inference_mode()
+def test_results_do_not_depend_on_the_thread_count(bundled):
+    _need_native()
+    saved = torch.get_num_threads()
+    prompt = _ids(bundled, TEXT, 60)
+    out = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            seq = bundled.new_sequence(64)
+            bundled.prefill(seq, prompt[:-4], None)
+            out.append(_pass(bundled, seq, prompt[-4:]))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+@torch.inference_mode()
+def test_tree_pass_matches_the_torch_path(tiny):
+    """A token tree (two branches under the pending token) with rope positions by depth."""
+    _need_native()
+    prompt = _ids(tiny, TEXT, 30)
+    tokens = prompt[-5:]  # node 0: root; 1, 2: its children; 3 under 1; 4 under 2
+    parents = [-1, 0, 0, 1, 2]
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    anc = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    outs = []
+    for off in (False, True):
+        seq = tiny.new_sequence(64)
+        if off:
+            ctx = _torch_only(tiny)
+            ctx.__enter__()
+        try:
+            tiny.prefill(seq, prompt[:-5], None)
+            p0 = seq.length
+            mask = torch.cat([torch.ones(5, p0, dtype=torch.bool), anc], 1)
+            outs.append((_pass(tiny, seq, tokens, tree=(depth + p0, mask)), seq.k[:tiny.num_layers, :, p0:p0 + 5].clone()))
+        finally:
+            if off:
+                ctx.__exit__(None, None, None)
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_read_only_pass_leaves_the_cache_alone(bundled):
+    _need_native()
+    prompt = _ids(bundled, TEXT, 40)
+    seq = bundled.new_sequence(48)
+    bundled.prefill(seq, prompt[:-3], None)
+    p0 = seq.length
+    h_written = bundled.fwd.layers_range(bundled.embed(prompt[-3:]), 0, 4, p0, seq)
+    k, v = seq.k.clone(), seq.v.clone()
+    h_again = bundled.fwd.layers_range(bundled.embed(prompt[-3:]), 0, 4, p0, seq, write=False)
+    assert torch.equal(h_again, h_written)
+    assert torch.equal(seq.k, k) and torch.equal(seq.v, v)
+    assert not torch.equal(h_written, bundled.fwd.layers_range(bundled.embed(prompt[-3:]), 0, 3, p0, seq, write=False))
+
+
+@torch.inference_mode()
+def test_draft_head_rows_match_the_torch_path(bundled):
+    _need_native()
+    bundled.set_draft_vocab(range(0, 4096, 3))
+    try:
+        seq = bundled.new_sequence(32)
+        h = bundled.run_layers(bundled.embed(_ids(bundled, TEXT)[:12]), 0, bundled.num_layers, 0, seq)
+        got = bundled.draft_head(h)
+        with _torch_only(bundled):
+            want = bundled.draft_head(h)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        bundled.set_draft_vocab([])
+
+
+def test_float64_and_switched_off_models_keep_the_torch_path(tiny_model_dir, monkeypatch):
+    eng = Engine.load(tiny_model_dir, device="cpu", dtype="float64")
+    assert eng.fwd.native is None and "float32" in eng.fwd.native_reason
+    monkeypatch.setenv("COMPLETIOND_NATIVE", "0")
+    native._reset_for_tests()
+    try:
+        eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
+        assert eng.fwd.native is None and "COMPLETIOND_NATIVE=0" in eng.fwd.native_reason
+        assert eng.generate(_ids(eng, TEXT), SamplingParams(max_tokens=8, ignore_eos=True)).tokens
+    finally:
+        native._reset_for_tests()
+
+
+def test_a_broken_compiler_falls_back_with_a_reason(tiny_model_dir, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
+    monkeypatch.setenv("CC", "false")
+    native._reset_for_tests()
+    try:
+        eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
+        assert eng.fwd.native is None
+        assert "cannot build or load the native step" in eng.fwd.native_reason
+        assert "using the PyTorch path" in caplog.text
+        plain = eng.generate(_ids(eng, TEXT), SamplingParams(max_tokens=12, ignore_eos=True, speculative=False))
+        spec = eng.generate(_ids(eng, TEXT), SamplingParams(max_tokens=12, ignore_eos=True, exit_layer=2, draft_k=3))
+        assert len(plain.tokens) == 12 and len(spec.tokens) == 12
+        assert not list(tmp_path.glob("completiond/native/*.so"))
+    finally:
+        native._reset_for_tests()
+
+
+def test_the_built_library_is_cached_and_reused(monkeypatch, tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._reset_for_tests()
+    try:
+        if native.library() is None:
+            pytest.skip(f"native step unavailable here: {native.reason()}")
+        built = list(tmp_path.glob("completiond/native/step-*.so"))
+        assert len(built) == 1 and not list(tmp_path.glob("completiond/native/.step-*"))
+        mtime = built[0].stat().st_mtime_ns
+        native._reset_for_tests()
+        assert native.library() is not None
+        assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    finally:
+        native._reset_for_tests()
