@@ -59,6 +59,12 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert result["draft_gain"] == pytest.approx(result["decode_ms_per_token"]["plain"]["median"]
                                                  / result["decode_ms_per_token"]["spec"]["median"])
     assert result["verify_cost"]["k"] == 3 and result["verify_cost_ratio"] > 0
+    # the native step's gain is measured beside it (plain decoding on the PyTorch path), same outputs
+    if result["native_step"]["used"]:
+        assert result["native_gain"] == pytest.approx(result["decode_ms_per_token"]["plain_torch"]["median"]
+                                                      / result["decode_ms_per_token"]["plain"]["median"])
+    else:
+        assert result["native_step"]["reason"] and result["native_gain"] is None
 
 
 def test_calibrate_stores_a_record_the_engine_uses(peaked_dir, tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """`completiond bench`: speed measured side by side in one run, on one model and one set of prompts.
 
-Compared: plain autoregressive decoding through our engine, our self-speculative
+Compared: plain autoregressive decoding through our engine (with its native step and, where that is
+in use, without it: `plain_torch`), our self-speculative
 decoding, transformers' greedy `generate()`, and transformers'
 `generate(assistant_early_exit=E)` at the same exit layer. Every variant
 decodes the same held-out prompts with a cold cache and EOS ignored, so each
@@ -242,7 +243,19 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
             return tokens, max(total - first, 1e-9) * max_tokens / max(max_tokens - 1, 1), total, None
         return go
 
+    def torch_path(go):
+        """The same method with the native step switched off: what it gains, side by side."""
+        def run_(ids):
+            saved, engine.fwd.native = engine.fwd.native, None
+            try:
+                return go(ids)
+            finally:
+                engine.fwd.native = saved
+        return run_
+
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
+    if engine.fwd.native is not None:
+        methods["plain_torch"] = torch_path(ours(plain_p))
     # The trained drafts the engine has (exit adapter, Medusa heads, a draft model), each alone and after
     # prompt lookup: label and method per name.
     labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}"}
@@ -388,6 +401,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "spec_vs_hf": ratio("spec", "hf"),
         "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),
         "plain_vs_hf": ratio("plain", "hf"),
+        # engine/native: one call per layer range instead of PyTorch's ~22 ops per layer (plain_torch: without it)
+        "native_step": {"used": engine.fwd.native is not None, "reason": engine.fwd.native_reason},
+        "native_gain": ratio("plain", "plain_torch"),
         "greedy_identical": identical,
         "alpha": alpha,
         "mean_drafted_per_round": mean_k,

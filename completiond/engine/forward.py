@@ -245,13 +245,13 @@ class Forward:
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
         if self._native_rows(h):
-            return self.native.head(h, self.norm_w, self.norm_eps, self.head_t, self.head_b)
+            return self.native.head(h, self.norm_w, self.norm_eps, self.head_w, self.head_b)
         return _proj(self.norm(h), self.head_w, self.head_t, self.head_b)[0].float()
 
     def head_rows(self, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
         """Final norm + a subset of the LM head's rows (a draft's vocabulary): [1, t, d] -> [t, Vd] float32."""
-        if weight_t is not None and self._native_rows(h):
-            return self.native.head(h, self.norm_w, self.norm_eps, weight_t, None)
+        if self._native_rows(h):
+            return self.native.head(h, self.norm_w, self.norm_eps, weight, None)
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
 
     def _native_rows(self, h: torch.Tensor) -> bool:

@@ -34,13 +34,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 1
+ABI = 2
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
 COMPILE_TIMEOUT_S = 120
 
-_LAYER_FIELDS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gu", "gu_b", "down", "down_b", "q_norm", "k_norm")
+_LAYER_FIELDS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate", "gate_b", "up", "up_b", "down", "down_b",
+                 "q_norm", "k_norm")
+PANEL = 16  # output columns per panel of a packed matrix (step.c's PW)
 
 
 class _Layer(ctypes.Structure):
@@ -162,6 +164,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A linear's weight [out, in] as step.c reads it: panels of PANEL output columns, each [in, PANEL]
+    row-major, so a kernel streams its panel front to back; zero columns pad the last one."""
+    out, inp = w.shape
+    panels = -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, inp, dtype=torch.float32)
+    padded[:out] = w
+    return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()  # [panels, in, PANEL]
+
+
 def unsupported(fwd: "Forward") -> str | None:
     """Why this Forward cannot use the native step (None: it can)."""
     if str(fwd.device) != "cpu":
@@ -169,7 +181,7 @@ def unsupported(fwd: "Forward") -> str | None:
     if fwd.dtype != torch.float32:
         return f"the model runs in {fwd.dtype}, the native step in float32 only"
     if not fwd.transposed:
-        return "the model is too large for the transposed weight copies the native step reads"
+        return "the model is too large for the packed weight copies the native step reads"
     if fwd.hd % 8 or fwd.H % fwd.KV:
         return f"head size {fwd.hd} (needs a multiple of 8) or {fwd.H} heads over {fwd.KV} KV heads"
     for L in fwd.layers:
@@ -184,20 +196,40 @@ class NativeStep:
     def __init__(self, lib: ctypes.CDLL, fwd: "Forward"):
         self.lib = lib
         self.fwd = fwd
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, packed w): LM heads
         self.bind()
 
+    def _pack(self, key: object, w: torch.Tensor) -> torch.Tensor:
+        """w packed, once per weight tensor (keyed by the object it belongs to and checked by identity)."""
+        hit = self._packed.get(id(key))
+        if hit is None or hit[0] is not w:
+            hit = (w, pack(w))
+            self._packed[id(key)] = hit
+            while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
+                del self._packed[next(iter(self._packed))]
+        return hit[1]
+
     def bind(self) -> None:
-        """(Re)read the layers' weight pointers: after Forward.add_layer, or a replaced exit adapter."""
+        """(Re)read the layers' weights: after Forward.add_layer, or a replaced exit adapter."""
         fwd = self.fwd
         layers = (_Layer * len(fwd.layers))()
+        keep = []
         for i, L in enumerate(fwd.layers):
-            for name, t in zip(_LAYER_FIELDS, (L.ln1, L.qkv_t, L.qkv_bias, L.o_t, L.o_bias, L.ln2, L.gate_up_t,
-                                               L.gate_up_bias, L.down_t, L.down_bias, L.q_norm, L.k_norm)):
-                if t is not None and not t.is_contiguous():
-                    raise ValueError(f"layer {i}: {name} is not contiguous")
+            inter = L.down.shape[1]
+            gate_b = up_b = None
+            if L.gate_up_bias is not None:
+                gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
+            mats = (pack(L.qkv), pack(L.o), pack(L.gate_up[:inter]), pack(L.gate_up[inter:]), pack(L.down))
+            keep.append((mats, gate_b, up_b))
+            values = (L.ln1, mats[0], L.qkv_bias, mats[1], L.o_bias, L.ln2, mats[2], gate_b, mats[3], up_b,
+                      mats[4], L.down_bias, L.q_norm, L.k_norm)
+            for name, t in zip(_LAYER_FIELDS, values):
+                if t is not None and not (t.is_contiguous() and t.dtype == torch.float32):
+                    raise ValueError(f"layer {i}: {name} is not a contiguous float32 tensor")
                 setattr(layers[i], name, _ptr(t))
         L0 = fwd.layers[0]
-        self._layers = layers  # the struct points into this array: keep it alive
+        self._keep = keep  # the packed copies the struct points into
+        self._layers = layers
         self.model = _Model(d=L0.ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0.down.shape[1],
                             n_layers=len(fwd.layers), eps=L0.eps, scale=float(fwd.scaling), layers=layers)
         self.n_layers = len(fwd.layers)
@@ -218,14 +250,15 @@ class NativeStep:
             raise MemoryError(f"native step: no scratch memory for a {t}-position pass at position {pos}")
         return out
 
-    def head(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float, w_t: torch.Tensor,
+    def head(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
              bias: torch.Tensor | None) -> torch.Tensor:
-        """Final norm + LM head rows w_t [d, V]: h [1, t, d] -> logits [t, V] float32."""
+        """Final norm + LM head rows w [V, d] (packed on first use): h [1, t, d] -> logits [t, V] float32."""
         x = h[0].contiguous()  # [t, d]
         t, d = x.shape
-        V = w_t.shape[1]
+        V = w.shape[0]
+        packed = self._pack(w, w)
         out = torch.empty(t, V, dtype=torch.float32)
-        rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, w_t.data_ptr(), V, _ptr(bias),
+        rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), V, _ptr(bias),
                               out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"native head: no scratch memory for {t} positions")

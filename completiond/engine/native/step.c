@@ -13,7 +13,8 @@
  * thread. So a verify pass over K+1 positions returns bit for bit the logits of
  * K+1 plain steps, and speculative greedy decoding cannot drift from plain.
  *
- * Layout: activations row-major [t, n]; weights pre-transposed [in, out]; the KV
+ * Layout: activations row-major [t, n]; weight matrices packed in panels of 16 output
+ * columns (gemm_panels); the KV
  * cache [slots, KV, cap, hd]; rope tables [P, hd] with rotate_half's sign folded
  * into sin (see forward.py). Only x86-64 with AVX2 and FMA: elsewhere this file
  * does not compile and the engine keeps the PyTorch path.
@@ -29,11 +30,12 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 1
+#define CD_ABI 2
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
-    const float *ln1, *qkv, *qkv_b, *o, *o_b, *ln2, *gu, *gu_b, *down, *down_b, *q_norm, *k_norm;
+    /* matrices packed in panels (see gemm_panels); norms and biases plain */
+    const float *ln1, *qkv, *qkv_b, *o, *o_b, *ln2, *gate, *gate_b, *up, *up_b, *down, *down_b, *q_norm, *k_norm;
 } cd_layer;
 
 typedef struct {
@@ -110,78 +112,98 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
 }
 
 /* ------------------------------------------------------------------ matrix products
- * y[r, j] = b[j] + sum_k x[r, k] * W[k, j], each (r, j) one fmadd chain in k order. A kernel
- * computes R rows x 8*NV columns, sharing each loaded weight vector between its rows. */
+ * Weights are packed at load time into panels of 16 output columns, [ceil(out/16)][in][16] (zero
+ * columns pad the last panel), so that every kernel streams its panels front to back.
+ * y[r, j] = b[j] + sum_k x[r, k] * W[j, k], each (r, j) one fmadd chain in k order: a kernel computes
+ * R rows x NP panels at once, sharing each loaded weight vector between its rows, with R * NP * 2
+ * independent chains to hide the fmadd latency. */
 
-#define MK(R, NV)                                                                                    \
-    static inline void mk_##R##_##NV(const float *x, int in, const float *W, int out, int j,       \
-                                     const float *b, float *y) {                                   \
-        __m256 acc[R][NV];                                                                           \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_ps();   \
-        for (int k = 0; k < in; k++) {                                                               \
-            const float *w = W + (size_t)k * out + j;                                                \
-            __m256 wv[NV];                                                                           \
-            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) wv[v] = _mm256_loadu_ps(w + 8 * v); \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                    \
-                __m256 xv = _mm256_broadcast_ss(x + (size_t)r * in + k);                             \
-                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)                                 \
-                    acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);                               \
-            }                                                                                        \
-        }                                                                                            \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                          \
-            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) {                                   \
-                __m256 a = acc[r][v];                                                                \
-                if (b) a = _mm256_add_ps(a, _mm256_loadu_ps(b + j + 8 * v));                         \
-                _mm256_storeu_ps(y + (size_t)r * out + j + 8 * v, a);                                \
-            }                                                                                        \
+#define PW 16 /* panel width */
+
+#define MK(R, NP)                                                                                       \
+    static inline void mk_##R##_##NP(const float *x, int in, const float *Wp, int p0, const float *b,   \
+                                     float *y, int ldy, int out) {                                      \
+        __m256 acc[R][NP][2];                                                                           \
+        const size_t ps = (size_t)in * PW;                                                              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                acc[r][n][0] = acc[r][n][1] = _mm256_setzero_ps();                                      \
+        for (int k = 0; k < in; k++) {                                                                  \
+            __m256 w0[NP], w1[NP];                                                                      \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
+                const float *w = Wp + (size_t)(p0 + n) * ps + (size_t)k * PW;                           \
+                w0[n] = _mm256_loadu_ps(w);                                                             \
+                w1[n] = _mm256_loadu_ps(w + 8);                                                         \
+            }                                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                __m256 xv = _mm256_broadcast_ss(x + (size_t)r * in + k);                                \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
+                    acc[r][n][0] = _mm256_fmadd_ps(xv, w0[n], acc[r][n][0]);                            \
+                    acc[r][n][1] = _mm256_fmadd_ps(xv, w1[n], acc[r][n][1]);                            \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                store16(acc[r][n][0], acc[r][n][1], b, y + (size_t)r * ldy, (p0 + n) * PW, out);        \
     }
 
-MK(1, 8)
+/* columns j..j+15 of one output row (fewer at the end of the matrix); the bias is one rounded add,
+ * the same in a vector lane and in the scalar tail */
+static inline void store16(__m256 a0, __m256 a1, const float *b, float *yrow, int j, int out) {
+    if (j + PW <= out) {
+        if (b) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(b + j));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(b + j + 8));
+        }
+        _mm256_storeu_ps(yrow + j, a0);
+        _mm256_storeu_ps(yrow + j + 8, a1);
+        return;
+    }
+    float tmp[PW];
+    _mm256_storeu_ps(tmp, a0);
+    _mm256_storeu_ps(tmp + 8, a1);
+    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
+}
+
 MK(1, 4)
 MK(1, 2)
 MK(1, 1)
-MK(2, 4)
-MK(4, 2)
+MK(2, 2)
+MK(2, 1)
+MK(4, 1)
 
-/* one row, columns [j0, j1): the widest kernels first, then single columns (fmaf is the same
- * fused operation as one lane of _mm256_fmadd_ps, so a tail column gets the same bits) */
-static void gemm_row(const float *x, int in, const float *W, int out, const float *b, float *y, int j0, int j1) {
-    int j = j0;
-    for (; j + 64 <= j1; j += 64) mk_1_8(x, in, W, out, j, b, y);
-    for (; j + 32 <= j1; j += 32) mk_1_4(x, in, W, out, j, b, y);
-    for (; j + 16 <= j1; j += 16) mk_1_2(x, in, W, out, j, b, y);
-    for (; j + 8 <= j1; j += 8) mk_1_1(x, in, W, out, j, b, y);
-    for (; j < j1; j++) {
-        float a = 0.0f;
-        for (int k = 0; k < in; k++) a = fmaf(x[k], W[(size_t)k * out + j], a);
-        y[j] = b ? a + b[j] : a;
-    }
-}
-
-/* t rows, columns [j0, j1) */
-static void gemm_cols(const float *x, int t, int in, const float *W, int out, const float *b, float *y,
-                      int j0, int j1) {
+/* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns */
+static void gemm_panels(const float *x, int t, int in, const float *Wp, int out, const float *b, float *y, int ldy,
+                        int pa, int pb) {
     int r = 0;
-    int jv = j0 + ((j1 - j0) / 16) * 16; /* the part the 4- and 2-row kernels cover */
-    for (; r + 4 <= t; r += 4) {
-        for (int j = j0; j < jv; j += 16) mk_4_2(x + (size_t)r * in, in, W, out, j, b, y + (size_t)r * out);
-        for (int q = 0; q < 4; q++) gemm_row(x + (size_t)(r + q) * in, in, W, out, b, y + (size_t)(r + q) * out, jv, j1);
-    }
-    int jw = j0 + ((j1 - j0) / 32) * 32;
+    for (; r + 4 <= t; r += 4)
+        for (int p = pa; p < pb; p++) mk_4_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
     for (; r + 2 <= t; r += 2) {
-        for (int j = j0; j < jw; j += 32) mk_2_4(x + (size_t)r * in, in, W, out, j, b, y + (size_t)r * out);
-        for (int q = 0; q < 2; q++) gemm_row(x + (size_t)(r + q) * in, in, W, out, b, y + (size_t)(r + q) * out, jw, j1);
+        int p = pa;
+        for (; p + 2 <= pb; p += 2) mk_2_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+        for (; p < pb; p++) mk_2_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
     }
-    for (; r < t; r++) gemm_row(x + (size_t)r * in, in, W, out, b, y + (size_t)r * out, j0, j1);
+    for (; r < t; r++) {
+        int p = pa;
+        for (; p + 4 <= pb; p += 4) mk_1_4(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+        for (; p + 2 <= pb; p += 2) mk_1_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+        for (; p < pb; p++) mk_1_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+    }
 }
 
-/* this thread's share of the columns, in units of 16 so that its kernels stay wide */
-static void share(int n, int tid, int nt, int *a, int *b) {
-    int units = (n + 15) / 16;
-    int u0 = (int)((int64_t)units * tid / nt), u1 = (int)((int64_t)units * (tid + 1) / nt);
-    *a = u0 * 16 < n ? u0 * 16 : n;
-    *b = u1 * 16 < n ? u1 * 16 : n;
+/* this thread's panels of an out-column matrix */
+static void share_panels(int out, int tid, int nt, int *pa, int *pb) {
+    int panels = (out + PW - 1) / PW;
+    *pa = (int)((int64_t)panels * tid / nt);
+    *pb = (int)((int64_t)panels * (tid + 1) / nt);
+}
+
+/* h[r, j] += y[r, j] over the columns of panels [pa, pb) */
+static void add_cols(float *h, const float *y, int t, int d, int pa, int pb) {
+    int j0 = pa * PW, j1 = pb * PW < d ? pb * PW : d;
+    for (int r = 0; r < t; r++)
+        for (int j = j0; j < j1; j++) h[(size_t)r * d + j] += y[(size_t)r * d + j];
 }
 
 static void share_items(int n, int tid, int nt, int *a, int *b) {
@@ -293,8 +315,8 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
         for (int li = first; li < last; li++) {
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
-            share(qw, tid, nt, &a, &b);
-            gemm_cols(x, t, d, L->qkv, qw, L->qkv_b, qkv, a, b);
+            share_panels(qw, tid, nt, &a, &b);
+            gemm_panels(x, t, d, L->qkv, qw, L->qkv_b, qkv, qw, a, b);
 #pragma omp barrier
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
@@ -340,23 +362,24 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                       att + (size_t)r * H * hd + (size_t)head * hd);
             }
 #pragma omp barrier
-            share(d, tid, nt, &a, &b);
-            gemm_cols(att, t, H * hd, L->o, d, L->o_b, y, a, b);
-            for (int r = 0; r < t; r++)
-                for (int j = a; j < b; j++) h[(size_t)r * d + j] += y[(size_t)r * d + j];
+            share_panels(d, tid, nt, &a, &b);
+            gemm_panels(att, t, H * hd, L->o, d, L->o_b, y, d, a, b);
+            add_cols(h, y, t, d, a, b);
 #pragma omp barrier
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
-            /* gate columns [a, b) and the matching up columns I+a.., so the product needs no barrier */
-            share(I, tid, nt, &a, &b);
-            gemm_cols(x, t, d, L->gu, 2 * I, L->gu_b, gu, a, b);
-            gemm_cols(x, t, d, L->gu, 2 * I, L->gu_b, gu, I + a, I + b);
-            for (int r = 0; r < t; r++)
-                silu_mul(gu + (size_t)r * 2 * I + a, gu + (size_t)r * 2 * I + I + a, b - a, act + (size_t)r * I + a);
+            /* the same gate and up columns in one thread, so their product needs no barrier */
+            share_panels(I, tid, nt, &a, &b);
+            gemm_panels(x, t, d, L->gate, I, L->gate_b, gu, 2 * I, a, b);
+            gemm_panels(x, t, d, L->up, I, L->up_b, gu + I, 2 * I, a, b);
+            {
+                int j0 = a * PW, j1 = b * PW < I ? b * PW : I;
+                for (int r = 0; r < t; r++)
+                    silu_mul(gu + (size_t)r * 2 * I + j0, gu + (size_t)r * 2 * I + I + j0, j1 - j0, act + (size_t)r * I + j0);
+            }
 #pragma omp barrier
-            share(d, tid, nt, &a, &b);
-            gemm_cols(act, t, I, L->down, d, L->down_b, y, a, b);
-            for (int r = 0; r < t; r++)
-                for (int j = a; j < b; j++) h[(size_t)r * d + j] += y[(size_t)r * d + j];
+            share_panels(d, tid, nt, &a, &b);
+            gemm_panels(act, t, I, L->down, d, L->down_b, y, d, a, b);
+            add_cols(h, y, t, d, a, b);
 #pragma omp barrier
         }
     }
@@ -365,7 +388,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     return 0;
 }
 
-/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W [d, V]. */
+/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
 int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const float *W, int V, const float *bias,
             float *out, int nthreads) {
     if (nthreads < 1) nthreads = 1;
@@ -375,8 +398,8 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
 #pragma omp parallel num_threads(nthreads)
     {
         int a, b;
-        share(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_cols(x, t, d, W, V, bias, out, a, b);
+        share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+        gemm_panels(x, t, d, W, V, bias, out, V, a, b);
     }
     free(x);
     return 0;
