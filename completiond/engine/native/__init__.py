@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 2
+ABI = 3
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
@@ -147,6 +147,8 @@ def library() -> ctypes.CDLL | None:
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, vp, i32]
     lib.cd_head.restype = i32
+    lib.cd_padded_rows.argtypes = [i32]
+    lib.cd_padded_rows.restype = i32
     _lib = lib
     return lib
 
@@ -257,12 +259,12 @@ class NativeStep:
         t, d = x.shape
         V = w.shape[0]
         packed = self._pack(w, w)
-        out = torch.empty(t, V, dtype=torch.float32)
+        out = torch.empty(self.lib.cd_padded_rows(t), V, dtype=torch.float32)  # [tp, V]: rows past t are padding
         rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), V, _ptr(bias),
                               out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"native head: no scratch memory for {t} positions")
-        return out
+        return out[:t]
 
 
 def bind(fwd: "Forward") -> tuple[NativeStep | None, str | None]:
