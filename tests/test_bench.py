@@ -140,7 +140,8 @@ def test_bench_edit_workload(peaked_dir, tmp_path):
     result = json.loads(out.stdout)
     assert result["workload"] == "edit" and result["prompts"] == 8
     assert result["greedy_identical"] is True
-    assert [d["greedy_identical"] for d in result["drafts"]] == [True, True]
+    assert [d["method"] for d in result["drafts"]] == ["spec", "spec_lookup", "spec_lookup_alone"]
+    assert all(d["greedy_identical"] for d in result["drafts"])
 
 
 def test_edit_prompts_hold_the_real_suffix(peaked_dir, tmp_path):
@@ -204,6 +205,30 @@ def test_calibrate_switches_on_only_where_the_gain_clears_the_noise(gains, on):
     assert cal.speculative is on
 
 
+def test_calibrate_picks_lookup_alone_when_it_beats_every_model_draft():
+    """A model draft that pays a little, lookup alone (no model draft) that pays more: the record keeps
+    lookup and drops the model draft; when nothing clears the noise, lookup is off too."""
+    from completiond.commands.calibrate import calibrate
+
+    class Scripted(_ScriptedEngine):
+        def generate(self, ids, params):
+            gen = super().generate(ids, params)
+            if params.speculative and params.max_tokens > 8 and params.draft == "none":
+                gen.stats.decode_ms = 10.0 / self.alone
+            return gen
+
+    eng = Scripted([1.10, 1.12, 1.11])
+    eng.alone = 1.5
+    cal, rows = calibrate(eng, [[1, 2, 3]], 16, [1], [2], log=lambda *a: None, repeats=3)
+    assert rows[-1]["draft"] == "none" and rows[-1]["prompt_lookup"] is True
+    assert cal.speculative is False and cal.prompt_lookup is True
+    assert cal.measured["speedup"] == pytest.approx(1.5)
+    eng = Scripted([1.01, 1.02, 1.01])
+    eng.alone = 1.03  # the best, but not by the margin
+    cal, rows = calibrate(eng, [[1, 2, 3]], 16, [1], [2], log=lambda *a: None, repeats=3)
+    assert cal.speculative is False and cal.prompt_lookup is False
+
+
 def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
     """With an exit adapter, Medusa heads and a draft model, each gets its rows (alone and after lookup),
     all greedy-identical."""
@@ -225,8 +250,8 @@ def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     rows = {r["method"]: r for r in result["drafts"]}
-    assert set(rows) == {"spec", "spec_lookup", "spec_adapter", "spec_adapter_lookup", "spec_medusa",
-                         "spec_medusa_lookup", "spec_draft_model", "spec_draft_model_lookup"}
+    assert set(rows) == {"spec", "spec_lookup", "spec_lookup_alone", "spec_adapter", "spec_adapter_lookup",
+                         "spec_medusa", "spec_medusa_lookup", "spec_draft_model", "spec_draft_model_lookup"}
     assert all(r["greedy_identical"] for r in rows.values()) and result["greedy_identical"] is True
     assert rows["spec_draft_model"]["alpha"] == 1.0  # the model drafting for itself
     assert result["best_draft_gain"] == max(r["draft_gain"] for r in rows.values())

@@ -473,6 +473,26 @@ def test_prompt_lookup_greedy_equals_plain_greedy(engine, early_exit):
     assert warm.tokens == cold.tokens
 
 
+def test_draft_none_is_prompt_lookup_alone_whatever_the_calibration(engine):
+    """draft="none": no model draft even when the calibration has speculation on; lookup still drafts."""
+    import dataclasses
+
+    prompt = ids(engine, PROMPT * 4)
+    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False, ignore_eos=True))
+    saved = engine.calibration
+    try:
+        engine.calibration = dataclasses.replace(saved, speculative=True, exit_layer=2)
+        alone = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=True, draft="none", ignore_eos=True))
+        nothing = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=False, draft="none",
+                                                         ignore_eos=True))
+    finally:
+        engine.calibration = saved
+    assert alone.tokens == plain.tokens == nothing.tokens
+    assert alone.stats.lookup_rounds > 0 and alone.stats.drafted == alone.stats.lookup_drafted > 0
+    assert alone.stats.draft == "" and alone.stats.exit_layer == engine.num_layers
+    assert nothing.stats.drafted == 0 and nothing.stats.rounds == len(plain.tokens)
+
+
 def test_prompt_lookup_sampling_is_reproducible_and_on_support(engine):
     prompt = ids(engine, PROMPT * 4)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, prompt_lookup=True, exit_layer=2)

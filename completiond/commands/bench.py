@@ -258,7 +258,11 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         methods["plain_torch"] = torch_path(ours(plain_p))
     # The trained drafts the engine has (exit adapter, Medusa heads, a draft model), each alone and after
     # prompt lookup: label and method per name.
-    labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}"}
+    # prompt lookup with no model draft behind it: a plain step where the n-gram index finds nothing
+    methods["spec_lookup_alone"] = ours(SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_lookup=True,
+                                                       draft="none"))
+    labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}",
+              "spec_lookup_alone": "prompt lookup alone, else a plain step"}
     extra = []
     if engine.exit_adapter is not None:
         extra.append(("adapter", f"exit adapter E={engine.exit_adapter.exit_layer} K<={K}"))

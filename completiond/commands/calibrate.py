@@ -45,10 +45,13 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     return run_to_end(calibration_steps(engine, prompts, max_tokens, exit_layers, draft_ks, log, ranked_ids, repeats))
 
 
-METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model", "medusa": "Medusa tree"}
+METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model", "medusa": "Medusa tree",
+           "none": "plain step"}
 
 
 def method_name(row: dict) -> str:
+    if row.get("draft") == "none":
+        return "lookup alone" if row.get("prompt_lookup") else "plain"
     name = METHODS.get(row.get("draft", "early_exit"), row.get("draft", "?"))
     return ("lookup + " if row.get("prompt_lookup") else "") + name
 
@@ -130,9 +133,13 @@ def run(args: argparse.Namespace) -> int:
     cal, rows = calibrate(engine, prompts, args.max_tokens, layers, args.draft_ks, log, frequent_ids(engine, freq_texts),
                           repeats=max(1, args.repeats))
     where = None if args.dry_run else save_calibration(engine.model_id, cal)
-    verdict = (f"speculation on: {METHODS[cal.draft]}{' after prompt lookup' if cal.prompt_lookup else ''}, "
-               f"E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}"
-               if cal.speculative else f"no speculation: best candidate only {cal.measured['speedup']:.2f}x")
+    if cal.speculative:
+        verdict = (f"speculation on: {METHODS[cal.draft]}{' after prompt lookup' if cal.prompt_lookup else ''}, "
+                   f"E={cal.exit_layer}, K={cal.draft_k}, speedup {cal.measured['speedup']:.2f}")
+    elif cal.prompt_lookup:
+        verdict = f"prompt lookup alone (no model draft), speedup {cal.measured['speedup']:.2f}"
+    else:
+        verdict = f"no speculation: best candidate only {cal.measured['speedup']:.2f}x"
     if args.json:
         print(json.dumps({"speculative": cal.speculative, "draft": cal.draft, "exit_layer": cal.exit_layer, "draft_k": cal.draft_k,
                           "draft_vocab": len(cal.draft_vocab), "prompt_lookup": cal.prompt_lookup, "measured": cal.measured, "candidates": rows, "saved_to": str(where) if where else None}, indent=2))

@@ -110,7 +110,8 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
                "tokens_per_s": n_tokens / statistics.median(secs_runs),
                # one draft step relative to one verify pass: what choose_k weighs K against
                "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        log({"early_exit": "", "adapter": "adapter ", "draft_model": "draft model ", "medusa": "Medusa tree "}[draft] + f"E={e:2d} K={k}"
+        log({"early_exit": "", "adapter": "adapter ", "draft_model": "draft model ", "medusa": "Medusa tree ",
+             "none": "no model draft "}[draft] + f"E={e:2d} K={k}"
             + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
               f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
@@ -148,11 +149,16 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
         rows.append((yield from candidate(best["exit_layer"], best["draft_k"], ranked_ids[:size], draft=best["draft"])))
         if rows[-1]["speedup"] > best["speedup"]:
             best, vocab = rows[-1], ranked_ids[:size]
-    # Then prompt lookup in front of the best early-exit draft.
+    # Then prompt lookup in front of the best model draft, and prompt lookup alone (a plain step where it
+    # finds nothing: with a lean plain step, a model draft's cost may outweigh what it adds).
     rows.append((yield from candidate(best["exit_layer"], best["draft_k"], vocab, lookup=True, draft=best["draft"])))
     lookup = rows[-1]["speedup"] > best["speedup"]
     if lookup:
         best = rows[-1]
+    rows.append((yield from candidate(best["exit_layer"], best["draft_k"], [], lookup=True, draft="none")))
+    alone = rows[-1]["speedup"] > best["speedup"]
+    if alone:
+        best, vocab = rows[-1], []
     engine.set_draft_vocab(loaded_vocab)
     plain_s = statistics.median(plain_runs)
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
@@ -161,9 +167,11 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     # On only where the gain clears the noise: the median beats the margin and even the worst
     # repeat was faster than plain decoding.
     on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
-    cal = Calibration(speculative=on, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                      source="calibrate", measured=measured, draft_vocab=list(vocab), prompt_lookup=lookup,
-                      draft=best["draft"])
+    # Lookup alone is a record without a model draft (speculative off) that keeps prompt lookup on; a
+    # record that is off keeps lookup off too, as it was measured.
+    cal = Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
+                      source="calibrate", measured=measured, draft_vocab=list(vocab),
+                      prompt_lookup=on and (lookup or alone), draft="early_exit" if alone else best["draft"])
     return cal, rows
 
 

@@ -67,7 +67,8 @@ class SamplingParams:
     draft_threshold: float | None = None  # None: calibrated
     prompt_lookup: bool | None = None  # n-gram drafts from the prompt and output; None: calibrated
     # "early_exit" | "adapter" (the trained exit adapter) | "draft_model" (a separate small model)
-    # | "medusa" (Medusa heads and a token tree; greedy only, else the early-exit chain); None: calibrated
+    # | "medusa" (Medusa heads and a token tree; greedy only, else the early-exit chain)
+    # | "none" (no model draft: prompt lookup alone, a plain step where it finds nothing); None: calibrated
     draft: str | None = None
     adaptive_k: bool = True
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
@@ -615,7 +616,9 @@ class Engine:
                 or kind == "medusa" and self.medusa is None):
             kind = "early_exit"
         if not cal.speculative:
-            return "none (speculation does not pay for this model here)" + (" + prompt lookup" if cal.prompt_lookup else "")
+            if cal.prompt_lookup:
+                return "prompt lookup alone (a plain step where it finds nothing)"
+            return "none (speculation does not pay for this model here)"
         if kind == "adapter":
             text = f"exit adapter at layer {self.exit_adapter.exit_layer}, K<={cal.draft_k}"
         elif kind == "draft_model":
@@ -642,11 +645,14 @@ class Engine:
 
     def _speculation(self, params: SamplingParams) -> tuple[bool, int, int, float, bool, str]:
         cal = self.calibration
+        if params.draft == "none":  # no model draft: prompt lookup alone, when it is asked for or calibrated
+            lookup = params.speculative and (cal.prompt_lookup if params.prompt_lookup is None else params.prompt_lookup)
+            return False, cal.exit_layer, max(1, params.draft_k or cal.draft_k), 0.0, lookup, cal.draft
         spec = params.speculative and (cal.speculative or params.exit_layer is not None or params.draft is not None)
         kind = params.draft or cal.draft
         exit_layer = params.exit_layer or cal.exit_layer
         if kind not in ("early_exit", "adapter", "draft_model", "medusa"):
-            raise EngineError(f"unknown draft {kind!r}; use early_exit, adapter, draft_model or medusa")
+            raise EngineError(f"unknown draft {kind!r}; use early_exit, adapter, draft_model, medusa or none")
         if kind == "medusa" and self.medusa is None:
             if params.draft == "medusa":
                 raise EngineError("no Medusa heads are attached to this model; train them with `completiond train-medusa`")
