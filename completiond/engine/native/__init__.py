@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 3
+ABI = 4
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
@@ -147,8 +147,6 @@ def library() -> ctypes.CDLL | None:
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, vp, i32]
     lib.cd_head.restype = i32
-    lib.cd_padded_rows.argtypes = [i32]
-    lib.cd_padded_rows.restype = i32
     _lib = lib
     return lib
 
@@ -259,12 +257,12 @@ class NativeStep:
         t, d = x.shape
         V = w.shape[0]
         packed = self._pack(w, w)
-        out = torch.empty(self.lib.cd_padded_rows(t), V, dtype=torch.float32)  # [tp, V]: rows past t are padding
+        out = torch.empty(t, V, dtype=torch.float32)
         rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), V, _ptr(bias),
                               out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"native head: no scratch memory for {t} positions")
-        return out[:t]
+        return out
 
 
 def bind(fwd: "Forward") -> tuple[NativeStep | None, str | None]:

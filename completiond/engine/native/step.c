@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 3
+#define CD_ABI 4
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -46,10 +46,7 @@ typedef struct {
 
 int cd_abi(void) { return CD_ABI; }
 
-/* Rows a matrix product runs over for t positions: blocks of 4 for the 4-row kernel (the one that
- * shares each weight load most), then a 2- or 1-row rest; a rest of 3 is padded to a block of 4 with
- * a zero row, cheaper than 2 + 1 (measured: 3 rows 1.5x one row, 2 + 1 rows 1.9x). */
-int cd_padded_rows(int t) { return t % 4 == 3 ? t + 1 : t; }
+
 
 /* ------------------------------------------------------------------ small maths */
 
@@ -67,14 +64,6 @@ static inline float hsum8(__m256 v) {
     lo = _mm_add_ps(lo, hi);
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
-static inline float hmax8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_max_ps(lo, hi);
-    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
     return _mm_cvtss_f32(lo);
 }
 
@@ -180,25 +169,36 @@ static inline void store16(__m256 a0, __m256 a1, const float *b, float *yrow, in
     for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
 }
 
+/* Measured on this project's CPU (one core, weights in L2): rows that share a loaded weight vector run
+ * at 110-122 GFLOP/s with 12-16 chains (4x2, 3x2, 2x2), one row at ~60 (it is load-bound), and 4x1's
+ * 8 chains at 79 (fmadd latency-bound). */
 MK(1, 4)
 MK(1, 2)
 MK(1, 1)
 MK(2, 2)
 MK(2, 1)
+MK(3, 2)
+MK(3, 1)
+MK(4, 2)
 MK(4, 1)
 
-/* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns */
+#define ROWS(R, NP_WIDE)                                                                                 \
+    do {                                                                                                 \
+        int p = pa;                                                                                      \
+        for (; p + NP_WIDE <= pb; p += NP_WIDE)                                                          \
+            mk_##R##_##NP_WIDE(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);         \
+        for (; p < pb; p++) mk_##R##_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+    } while (0)
+
+/* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
+ * blocks of 4, then a rest of 3, 2 or 1; which kernel computes a row never changes its bits. */
 static void gemm_panels(const float *x, int t, int in, const float *Wp, int out, const float *b, float *y, int ldy,
                         int pa, int pb) {
     int r = 0;
-    for (; r + 4 <= t; r += 4)
-        for (int p = pa; p < pb; p++) mk_4_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
-    for (; r + 2 <= t; r += 2) {
-        int p = pa;
-        for (; p + 2 <= pb; p += 2) mk_2_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
-        for (; p < pb; p++) mk_2_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
-    }
-    for (; r < t; r++) {
+    for (; r + 4 <= t; r += 4) ROWS(4, 2);
+    if (t - r == 3) ROWS(3, 2);
+    else if (t - r == 2) ROWS(2, 2);
+    else if (t - r == 1) {
         int p = pa;
         for (; p + 4 <= pb; p += 4) mk_1_4(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
         for (; p + 2 <= pb; p += 2) mk_1_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
@@ -234,13 +234,28 @@ static void attend_chunk(const float *q, const float *kb, const float *vb, int h
     float s[CHUNK + 8];
     int n = k1 - k0;
     float mx = -INFINITY;
+    /* scores 8 keys at a time, each key's lanes summed by the same hadd tree whatever its neighbours (a
+     * block past the last key repeats it and drops the copies), so a key's score never depends on n */
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int i = 0; i < n; i += 8) {
+        __m256 a[8];
+        const float *kr[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+            a[j] = _mm256_setzero_ps();
+            kr[j] = kb + (size_t)(k0 + (i + j < n ? i + j : n - 1)) * hd;
+        }
+        for (int e = 0; e < hd; e += 8) {
+            __m256 qv = _mm256_loadu_ps(q + e);
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), a[j]);
+        }
+        __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(dots, sc)); /* s has room for a whole last block */
+    }
     for (int i = 0; i < n; i++) {
-        if (mrow && !mrow[k0 + i]) { s[i] = -INFINITY; continue; }
-        const float *k = kb + (size_t)(k0 + i) * hd;
-        __m256 a = _mm256_setzero_ps();
-        for (int e = 0; e < hd; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(k + e), a);
-        s[i] = hsum8(a) * scale;
-        if (s[i] > mx) mx = s[i];
+        if (mrow && !mrow[k0 + i]) s[i] = -INFINITY;
+        else if (s[i] > mx) mx = s[i];
     }
     float *o = part + 2;
     memset(o, 0, (size_t)hd * sizeof(float));
@@ -314,14 +329,12 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
         row_items[r + 1] = row_items[r] + H * ((keys + CHUNK - 1) / CHUNK);
     }
     const int items = row_items[t];
-    /* matrix products run over tp rows; the padding rows of their inputs stay zero */
-    const int tp = cd_padded_rows(t);
-    size_t nx = (size_t)tp * d, floats = (size_t)nthreads * nx + (size_t)tp * qw + (size_t)tp * H * hd
-                                         + (size_t)tp * 2 * I + (size_t)tp * I + nx + (size_t)items * (hd + 2);
-    float *buf = calloc(floats, sizeof(float));
+    size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
+                                         + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
+    float *buf = malloc(floats * sizeof(float));
     if (!buf) { free(row_items); return -1; }
-    float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)tp * qw, *gu = att + (size_t)tp * H * hd;
-    float *act = gu + (size_t)tp * 2 * I, *y = act + (size_t)tp * I, *parts = y + nx;
+    float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
+    float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -333,7 +346,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
             share_panels(qw, tid, nt, &a, &b);
-            gemm_panels(x, tp, d, L->qkv, qw, L->qkv_b, qkv, qw, a, b);
+            gemm_panels(x, t, d, L->qkv, qw, L->qkv_b, qkv, qw, a, b);
 #pragma omp barrier
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
@@ -380,14 +393,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(att, tp, H * hd, L->o, d, L->o_b, y, d, a, b);
+            gemm_panels(att, t, H * hd, L->o, d, L->o_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
             /* the same gate and up columns in one thread, so their product needs no barrier */
             share_panels(I, tid, nt, &a, &b);
-            gemm_panels(x, tp, d, L->gate, I, L->gate_b, gu, 2 * I, a, b);
-            gemm_panels(x, tp, d, L->up, I, L->up_b, gu + I, 2 * I, a, b);
+            gemm_panels(x, t, d, L->gate, I, L->gate_b, gu, 2 * I, a, b);
+            gemm_panels(x, t, d, L->up, I, L->up_b, gu + I, 2 * I, a, b);
             {
                 int j0 = a * PW, j1 = b * PW < I ? b * PW : I;
                 for (int r = 0; r < t; r++)
@@ -395,7 +408,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(act, tp, I, L->down, d, L->down_b, y, d, a, b);
+            gemm_panels(act, t, I, L->down, d, L->down_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
         }
@@ -406,13 +419,11 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     return 0;
 }
 
-/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [tp, V] (tp = cd_padded_rows(t):
- * the caller's buffer has that many rows; those past t are padding), W packed from [V, d]. */
+/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
 int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const float *W, int V, const float *bias,
             float *out, int nthreads) {
     if (nthreads < 1) nthreads = 1;
-    const int tp = cd_padded_rows(t);
-    float *x = calloc((size_t)tp * d, sizeof(float));
+    float *x = malloc(sizeof(float) * (size_t)t * d);
     if (!x) return -1;
     for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
 #pragma omp parallel num_threads(nthreads)
@@ -420,7 +431,7 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
         const unsigned int csr = denormals_off();
         int a, b;
         share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_panels(x, tp, d, W, V, bias, out, V, a, b);
+        gemm_panels(x, t, d, W, V, bias, out, V, a, b);
         _mm_setcsr(csr);
     }
     free(x);
