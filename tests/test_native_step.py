@@ -9,6 +9,10 @@ without relying on logit gaps).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -255,5 +259,27 @@ def test_the_built_library_is_cached_and_reused(monkeypatch, tmp_path):
         native._reset_for_tests()
         assert native.library() is not None
         assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    finally:
+        native._reset_for_tests()
+
+
+def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    native._reset_for_tests()
+    try:
+        if native.library() is None:
+            pytest.skip(f"native step unavailable here: {native.reason()}")
+        (built,) = tmp_path.glob("completiond/native/step-*.so")
+        damaged = built.with_name("damaged")
+        damaged.write_bytes(b"not an ELF file")
+        os.replace(damaged, built)  # a new file: this process keeps its mapping of the loaded one
+        # a fresh process (this one would be handed its already loaded copy by the dynamic loader)
+        probe = "from completiond.engine import native; lib = native.library(); print(lib is not None, native.reason())"
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+        assert out.stdout.split()[:1] == ["True"], out.stdout + out.stderr
+        assert built.read_bytes()[:4] == b"\x7fELF"
     finally:
         native._reset_for_tests()

@@ -74,6 +74,8 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
         if st.get("tokens_per_s") is not None:
             last.append(f"{st['tokens_per_s']:.0f} tokens/s while decoding")
         lines.append("  last     " + ", ".join(last))
+    if st.get("decode_step"):
+        lines.append(f"  step     {st['decode_step']}")
     if st.get("draft"):
         lines.append(f"  draft    {st['draft']}" + (f" (last request: {st['last_draft']})" if st.get("last_draft") else ""))
     if stats.get("draft_acceptance") is not None:

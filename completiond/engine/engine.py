@@ -608,6 +608,12 @@ class Engine:
         stats.generated_tokens = len(out)
         return Generation(out, finish, stats)
 
+    def decode_step_in_use(self) -> str:
+        """Which forward pass decode steps take, in words (status displays)."""
+        if self.fwd.native is not None:
+            return f"native (engine/native/step.c, {torch.get_num_threads()} threads)"
+        return f"PyTorch ({self.fwd.native_reason})"
+
     def draft_in_use(self) -> str:
         """How requests with default settings draft, in words (status displays)."""
         cal = self.calibration

@@ -317,10 +317,15 @@ class Service:
             "tokens_per_s": self.last.get("tokens_per_s"),
             # How the engine drafts by default (calibrated), and what the last request's rounds drafted with.
             "draft": self._draft_in_use(),
+            "decode_step": self._decode_step(),
             "last_draft": self.last.get("draft"),
             "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
+
+    def _decode_step(self) -> str | None:
+        describe = getattr(self.engine, "decode_step_in_use", None)  # a remote backend has none
+        return describe() if callable(describe) else None
 
     def _draft_in_use(self) -> str | None:
         describe = getattr(self.engine, "draft_in_use", None)  # a remote backend has none

@@ -135,7 +135,11 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         path = _build(cc)
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # a damaged cached file (a full disk, say): build it once more
+            lib = ctypes.CDLL(str(_build(cc)))
         if lib.cd_abi() != ABI:
             raise RuntimeError(f"{path} has ABI {lib.cd_abi()}, expected {ABI}")
     except (OSError, RuntimeError) as exc:
