@@ -283,3 +283,45 @@ def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
         assert built.read_bytes()[:4] == b"\x7fELF"
     finally:
         native._reset_for_tests()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("vocab", [False, True])
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_native_greedy_draft_equals_the_python_draft_loop(bundled, vocab, stop_early):
+    """cd_draft_greedy against EarlyExitDraft's own loop (a subclass keeps it off the fused path): the same
+    tokens, the same layer-E states and the same K/V, bit for bit; with a confidence threshold that
+    stops the draft part-way, at the same step."""
+    _need_native()
+    from completiond.engine import sampling
+    from completiond.engine.draft import EarlyExitDraft
+
+    class Looped(EarlyExitDraft):
+        pass
+
+    bundled.set_draft_vocab(range(0, 8192, 2) if vocab else [])
+    try:
+        prompt = _ids(bundled, TEXT * 2, 120)
+        warp = sampling.Warp(0.0, 0, 1.0)
+        threshold, stop_at = 0.0, 6
+        if stop_early:  # a threshold between the least sure step after the first and the steps before it
+            seq = bundled.new_sequence(140)
+            bundled.prefill(seq, prompt[:-1], None)
+            p = Looped(bundled, 3).propose(seq, prompt[-1], [], 6, 0.0, warp, None, None, 6)
+            tops = [float(torch.softmax(bundled.draft_head(p.exit_states[:, i:i + 1]), -1).max()) for i in range(6)]
+            stop_at = min(range(1, 6), key=lambda i: tops[i])
+            assert tops[stop_at] < min(tops[:stop_at]), tops
+            threshold = (tops[stop_at] + min(tops[:stop_at])) / 2
+        out = []
+        for cls in (EarlyExitDraft, Looped):
+            seq = bundled.new_sequence(140)
+            bundled.prefill(seq, prompt[:-1], None)
+            p = cls(bundled, 3).propose(seq, prompt[-1], [], 6, threshold, warp, None, None, 6)
+            out.append((p, seq.k[:3, :, seq.length:seq.length + 6].clone()))
+        (a, ka), (b, kb) = out
+        assert a.tokens == b.tokens and len(a.tokens) == stop_at
+        assert torch.equal(a.exit_states, b.exit_states) and a.exit_layer == b.exit_layer == 3
+        n = a.exit_states.shape[1]
+        assert torch.equal(ka[:, :, :n], kb[:, :, :n])
+    finally:
+        bundled.set_draft_vocab([])

@@ -81,6 +81,17 @@ class EarlyExitDraft:
 
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
+        native = eng.fwd.native
+        if (native is not None and warp.greedy and constraint is None and type(self) is EarlyExitDraft
+                and seq.k.is_contiguous()):
+            # The whole greedy draft in one native call: the same steps (K/V of layers < E, states at E),
+            # without Python between them, which on a lean step cost more than the draft's own layers.
+            full = eng.draft_head_weight is None
+            tokens, states = native.draft_greedy(
+                pending, self.exit_layer, seq.length, k_max, threshold, seq,
+                eng.fwd.head_w if full else eng.draft_head_weight, eng.fwd.head_b if full else None,
+                None if full else eng.draft_ids, eng.eos_ids_tensor)
+            return Proposal(tokens, None, [None] * len(tokens), states, exit_layer=self.exit_layer, kind=self.kind)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         masks: list = []

@@ -210,6 +210,7 @@ class Engine:
         window = self.adapter.sliding_window or 1 << 30
         self.max_context = int(min(getattr(cfg, "max_position_embeddings", 4096), window))
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_ids_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)  # [n] for native drafts
         # Longest context the model was trained on, when it says (the bundled model's
         # completiond.json does); prompt builders budget against this, not max_context.
         self.train_context = min(self.max_context, self.info.train_context or self.max_context)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 4
+ABI = 5
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
@@ -151,6 +151,9 @@ def library() -> ctypes.CDLL | None:
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, vp, i32]
     lib.cd_head.restype = i32
+    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, ctypes.c_int64, i32, i32, i32, f32, vp, f32, vp, i32,
+                                    vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
+    lib.cd_draft_greedy.restype = i32
     _lib = lib
     return lib
 
@@ -267,6 +270,29 @@ class NativeStep:
         if rc != 0:
             raise MemoryError(f"native head: no scratch memory for {t} positions")
         return out
+
+
+    def draft_greedy(self, token: int, exit_layer: int, pos: int, k_max: int, threshold: float, seq: "KVSequence",
+                     head_w: torch.Tensor, head_b: torch.Tensor | None, ids: torch.Tensor | None,
+                     eos: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Up to k_max greedy early-exit draft tokens after token (step.c's cd_draft_greedy: no Python between
+        the draft's steps); returns them and the layer-E states [1, n_fed, d] of the tokens it fed."""
+        fwd = self.fwd
+        fwd.rope(pos, k_max)
+        d = self.model.d
+        states = torch.empty(k_max, d, dtype=torch.float32)  # [k_max, d]
+        tokens = torch.empty(k_max, dtype=torch.int64)
+        fed = ctypes.c_int(0)
+        packed = self._pack(head_w, head_w)
+        k = self.lib.cd_draft_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), int(token), exit_layer, pos,
+                                     k_max, float(threshold), fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(),
+                                     head_w.shape[0], _ptr(head_b), _ptr(ids), eos.data_ptr(), eos.numel(),
+                                     seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2], fwd._cos.data_ptr(),
+                                     fwd._sin.data_ptr(), torch.get_num_threads(), tokens.data_ptr(),
+                                     states.data_ptr(), ctypes.byref(fed))
+        if k < 0:
+            raise MemoryError(f"native draft: no scratch memory at position {pos}")
+        return tokens[:k].tolist(), states[:fed.value][None]  # [1, n_fed, d]
 
 
 def bind(fwd: "Forward") -> tuple[NativeStep | None, str | None]:

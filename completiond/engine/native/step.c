@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 4
+#define CD_ABI 5
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -436,4 +436,56 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
     }
     free(x);
     return 0;
+}
+
+/* Greedy early-exit drafting in one call: up to k_max tokens after `token`, each fed through layers
+ * [0, E) at slots pos, pos+1, ... (their K/V written: the verifier keeps them, as it would have written
+ * the same) and scored by the final norm and the head rows Wp (the draft vocabulary; ids maps a row to
+ * its token id, NULL: row j is id j). Stops when the top probability falls below threshold (the state
+ * fed last is kept, with no token for it) and after an eos id. states [k_max, d]: the layer-E state of
+ * each fed token. Returns the number of tokens drafted (and *n_fed), or -1 without scratch memory. */
+int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E, int pos, int k_max, float threshold,
+                    const float *norm_w, float norm_eps, const float *Wp, int Vd, const float *bias, const int64_t *ids,
+                    const int64_t *eos, int n_eos, float *kc, float *vc, int cap, const float *cos_t,
+                    const float *sin_t, int nthreads, int64_t *tokens, float *states, int *n_fed) {
+    const int d = m->d;
+    float *logits = malloc(sizeof(float) * (size_t)(Vd + 8));
+    if (!logits) return -1;
+    int k = 0, fed = 0, rc = 0;
+    int64_t x = token;
+    for (int i = 0; i < k_max; i++) {
+        float *h = states + (size_t)i * d;
+        memcpy(h, embed + (size_t)x * d, sizeof(float) * (size_t)d);
+        if (cd_layers(m, h, 1, 0, E, pos + i, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads) != 0 ||
+            cd_head(h, 1, d, norm_w, norm_eps, Wp, Vd, bias, logits, nthreads) != 0) {
+            rc = -1;
+            break;
+        }
+        fed++;
+        int j = 0;
+        for (int v = 1; v < Vd; v++)
+            if (logits[v] > logits[j]) j = v; /* the first of equal maxima, as torch.argmax */
+        if (threshold > 0.0f) {
+            /* top probability = 1 / sum_v exp(l_v - l_j) */
+            const float top_logit = logits[j];
+            int n8 = (Vd + 7) & ~7;
+            for (int v = Vd; v < n8; v++) logits[v] = -INFINITY;
+            __m256 acc = _mm256_setzero_ps(), mx = _mm256_set1_ps(top_logit);
+            for (int v = 0; v < n8; v += 8) {
+                __m256 lv = _mm256_loadu_ps(logits + v);
+                __m256 live = _mm256_cmp_ps(lv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                acc = _mm256_add_ps(acc, _mm256_and_ps(exp8(_mm256_sub_ps(lv, mx)), live));
+            }
+            if (1.0f / hsum8(acc) < threshold) break; /* unsure: the verifier takes over from this state */
+        }
+        int64_t tok = ids ? ids[j] : (int64_t)j;
+        tokens[k++] = tok;
+        int stop = 0;
+        for (int e = 0; e < n_eos; e++) stop |= tok == eos[e];
+        if (stop) break;
+        x = tok;
+    }
+    free(logits);
+    *n_fed = fed;
+    return rc ? -1 : k;
 }
