@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 5
+#define CD_ABI 6
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -226,70 +226,94 @@ static void share_items(int n, int tid, int nt, int *a, int *b) {
 }
 
 /* ------------------------------------------------------------------ attention
- * One chunk of keys [k0, k1) for one query row and head: its max m, sum l of exp(s - m), and
- * o = sum exp(s - m) * v; chunks are merged in key order (merge()). */
+ * One chunk of keys of one head, for every row of the pass that sees into it (row r sees n_r keys:
+ * pos + r + 1, or all pos + t under a tree mask): each key block is read from memory once and scored
+ * against all those rows from L1. Per row, the chunk's max m, sum l of exp(s - m) and o = sum
+ * exp(s - m) * v (merged over chunks in key order by merge()). A row's arithmetic is the same whichever
+ * other rows share the chunk: its scores come from the same per-key hadd tree, its exp and sums run
+ * in groups of 8 from the chunk start, its o is one fmadd chain per lane over its keys in order. */
 
-static void attend_chunk(const float *q, const float *kb, const float *vb, int hd, float scale, int k0, int k1,
-                         const uint8_t *mrow, float *part) {
-    float s[CHUNK + 8];
-    int n = k1 - k0;
-    float mx = -INFINITY;
-    /* scores 8 keys at a time, each key's lanes summed by the same hadd tree whatever its neighbours (a
-     * block past the last key repeats it and drops the copies), so a key's score never depends on n */
+#define ROW_GROUP 16 /* rows scored together (the stack holds their scores) */
+#define VSUB 32      /* keys per pass over v: one block of v rows stays in L1 for all rows */
+
+static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *const *mrow, int nr, const float *kb,
+                        const float *vb, int hd, float scale, int k0, float *const *part) {
+    float s[ROW_GROUP][CHUNK + 8];
+    int n[ROW_GROUP], kmax = 0;
+    for (int r = 0; r < nr; r++) {
+        int k1 = k0 + CHUNK < nkeys[r] ? k0 + CHUNK : nkeys[r];
+        n[r] = k1 - k0;
+        if (k1 > kmax) kmax = k1;
+    }
+    const int nmax = kmax - k0;
     const __m256 sc = _mm256_set1_ps(scale);
-    for (int i = 0; i < n; i += 8) {
-        __m256 a[8];
+    for (int i = 0; i < nmax; i += 8) {
         const float *kr[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
-            a[j] = _mm256_setzero_ps();
-            kr[j] = kb + (size_t)(k0 + (i + j < n ? i + j : n - 1)) * hd;
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = kb + (size_t)(k0 + (i + j < nmax ? i + j : nmax - 1)) * hd;
+        for (int r = 0; r < nr; r++) {
+            if (i >= n[r]) continue;
+            __m256 a[8];
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int e = 0; e < hd; e += 8) {
+                __m256 qv = _mm256_loadu_ps(q[r] + e);
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), a[j]);
+            }
+            __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+            _mm256_storeu_ps(s[r] + i, _mm256_mul_ps(dots, sc));
         }
-        for (int e = 0; e < hd; e += 8) {
-            __m256 qv = _mm256_loadu_ps(q + e);
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), a[j]);
+    }
+    float mx[ROW_GROUP];
+    for (int r = 0; r < nr; r++) {
+        float *o = part[r] + 2;
+        memset(o, 0, (size_t)hd * sizeof(float));
+        mx[r] = -INFINITY;
+        for (int i = 0; i < n[r]; i++) {
+            if (mrow[r] && !mrow[r][k0 + i]) s[r][i] = -INFINITY;
+            else if (s[r][i] > mx[r]) mx[r] = s[r][i];
         }
-        __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-        _mm256_storeu_ps(s + i, _mm256_mul_ps(dots, sc)); /* s has room for a whole last block */
-    }
-    for (int i = 0; i < n; i++) {
-        if (mrow && !mrow[k0 + i]) s[i] = -INFINITY;
-        else if (s[i] > mx) mx = s[i];
-    }
-    float *o = part + 2;
-    memset(o, 0, (size_t)hd * sizeof(float));
-    if (mx == -INFINITY) { part[0] = -INFINITY; part[1] = 0.0f; return; }
-    int n8 = (n + 7) & ~7;
-    for (int i = n; i < n8; i++) s[i] = -INFINITY;
-    __m256 lsum = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx);
-    for (int i = 0; i < n8; i += 8) {
-        __m256 sv = _mm256_loadu_ps(s + i);
-        __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sv, m8)), live); /* masked keys weigh exactly 0 */
-        _mm256_storeu_ps(s + i, p);
-        lsum = _mm256_add_ps(lsum, p);
-    }
-    int e = 0;
-    for (; e + 64 <= hd; e += 64) { /* 8 independent chains over the keys */
-        __m256 acc[8];
-        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
-        for (int i = 0; i < n; i++) {
-            __m256 p = _mm256_set1_ps(s[i]);
-            const float *vr = vb + (size_t)(k0 + i) * hd + e;
-            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
-                acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+        part[r][0] = mx[r];
+        part[r][1] = 0.0f;
+        if (mx[r] == -INFINITY) continue;
+        int n8 = (n[r] + 7) & ~7;
+        for (int i = n[r]; i < n8; i++) s[r][i] = -INFINITY;
+        __m256 lsum = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx[r]);
+        for (int i = 0; i < n8; i += 8) {
+            __m256 sv = _mm256_loadu_ps(s[r] + i);
+            __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sv, m8)), live); /* masked keys weigh exactly 0 */
+            _mm256_storeu_ps(s[r] + i, p);
+            lsum = _mm256_add_ps(lsum, p);
         }
-        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + e + 8 * v, acc[v]);
+        part[r][1] = hsum8(lsum);
     }
-    for (; e < hd; e += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int i = 0; i < n; i++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(vb + (size_t)(k0 + i) * hd + e), acc);
-        _mm256_storeu_ps(o + e, acc);
+    /* o += p * v, one block of VSUB v rows at a time for every row, each row's chains kept in its o */
+    for (int b0 = 0; b0 < nmax; b0 += VSUB) {
+        for (int r = 0; r < nr; r++) {
+            if (mx[r] == -INFINITY || b0 >= n[r]) continue;
+            int b1 = b0 + VSUB < n[r] ? b0 + VSUB : n[r];
+            float *o = part[r] + 2;
+            int e = 0;
+            for (; e + 64 <= hd; e += 64) {
+                __m256 acc[8];
+                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + e + 8 * v);
+                for (int i = b0; i < b1; i++) {
+                    __m256 p = _mm256_set1_ps(s[r][i]);
+                    const float *vr = vb + (size_t)(k0 + i) * hd + e;
+                    _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
+                        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+                }
+                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + e + 8 * v, acc[v]);
+            }
+            for (; e < hd; e += 8) {
+                __m256 acc = _mm256_loadu_ps(o + e);
+                for (int i = b0; i < b1; i++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r][i]), _mm256_loadu_ps(vb + (size_t)(k0 + i) * hd + e), acc);
+                _mm256_storeu_ps(o + e, acc);
+            }
+        }
     }
-    part[0] = mx;
-    part[1] = hsum8(lsum);
 }
 
 static void merge(const float *parts, int nch, int hd, float *out) {
@@ -329,6 +353,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
         row_items[r + 1] = row_items[r] + H * ((keys + CHUNK - 1) / CHUNK);
     }
     const int items = row_items[t];
+    const int nch = ((mask ? width : pos + t) + CHUNK - 1) / CHUNK, ngroups = (t + ROW_GROUP - 1) / ROW_GROUP;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
     float *buf = malloc(floats * sizeof(float));
@@ -373,16 +398,26 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                 }
             }
 #pragma omp barrier
-            share_items(items, tid, nt, &a, &b);
+            /* work items: (head, chunk, group of rows); a row has a part for each chunk it sees into */
+            share_items(H * nch * ngroups, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
-                int r = 0;
-                while (row_items[r + 1] <= it) r++;
-                int per_head = (row_items[r + 1] - row_items[r]) / H, local = it - row_items[r];
-                int head = local / per_head, c = local % per_head, g = head / group;
-                int keys = mask ? width : pos + r + 1, k0 = c * CHUNK, k1 = k0 + CHUNK < keys ? k0 + CHUNK : keys;
+                int head = it / (nch * ngroups), c = (it / ngroups) % nch, grp = it % ngroups, g = head / group;
+                const float *qs[ROW_GROUP];
+                const uint8_t *ms[ROW_GROUP];
+                float *ps[ROW_GROUP];
+                int nk[ROW_GROUP], nr = 0;
+                for (int r = grp * ROW_GROUP; r < t && r < (grp + 1) * ROW_GROUP; r++) {
+                    int keys = mask ? width : pos + r + 1;
+                    if (keys <= c * CHUNK) continue;
+                    int per_head = (row_items[r + 1] - row_items[r]) / H;
+                    qs[nr] = qkv + (size_t)r * qw + (size_t)head * hd;
+                    ms[nr] = mask ? mask + (size_t)r * width : NULL;
+                    ps[nr] = parts + (size_t)(row_items[r] + head * per_head + c) * (hd + 2);
+                    nk[nr++] = keys;
+                }
+                if (nr == 0) continue;
                 const float *kb = kc + ((size_t)li * KV + g) * cap * hd, *vb = vc + ((size_t)li * KV + g) * cap * hd;
-                attend_chunk(qkv + (size_t)r * qw + (size_t)head * hd, kb, vb, hd, m->scale, k0, k1,
-                             mask ? mask + (size_t)r * width : NULL, parts + (size_t)it * (hd + 2));
+                attend_rows(qs, nk, ms, nr, kb, vb, hd, m->scale, c * CHUNK, ps);
             }
 #pragma omp barrier
             share_items(t * H, tid, nt, &a, &b);
