@@ -485,12 +485,17 @@ def test_draft_none_is_prompt_lookup_alone_whatever_the_calibration(engine):
         alone = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=True, draft="none", ignore_eos=True))
         nothing = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=False, draft="none",
                                                          ignore_eos=True))
+        one = engine.generate(prompt, SamplingParams(max_tokens=48, prompt_lookup=True, draft="none", draft_k=1,
+                                                     ignore_eos=True))
     finally:
         engine.calibration = saved
     assert alone.tokens == plain.tokens == nothing.tokens
     assert alone.stats.lookup_rounds > 0 and alone.stats.drafted == alone.stats.lookup_drafted > 0
     assert alone.stats.draft == "" and alone.stats.exit_layer == engine.num_layers
     assert nothing.stats.drafted == 0 and nothing.stats.rounds == len(plain.tokens)
+    # alone, lookup's K is the request's: at most one token a round with draft_k=1, more with the default
+    assert one.tokens == plain.tokens and 0 < one.stats.lookup_drafted <= one.stats.lookup_rounds
+    assert alone.stats.lookup_drafted > alone.stats.lookup_rounds
 
 
 def test_prompt_lookup_sampling_is_reproducible_and_on_support(engine):

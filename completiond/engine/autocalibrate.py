@@ -155,10 +155,14 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     lookup = rows[-1]["speedup"] > best["speedup"]
     if lookup:
         best = rows[-1]
-    rows.append((yield from candidate(best["exit_layer"], best["draft_k"], [], lookup=True, draft="none")))
-    alone = rows[-1]["speedup"] > best["speedup"]
+    alone_rows = []
+    for k in draft_ks:  # alone, K is lookup's own
+        alone_rows.append((yield from candidate(best["exit_layer"], k, [], lookup=True, draft="none")))
+    rows += alone_rows
+    best_alone = max(alone_rows, key=lambda r: r["speedup"])
+    alone = best_alone["speedup"] > best["speedup"]
     if alone:
-        best, vocab = rows[-1], []
+        best, vocab = best_alone, []
     engine.set_draft_vocab(loaded_vocab)
     plain_s = statistics.median(plain_runs)
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],

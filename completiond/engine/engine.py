@@ -535,7 +535,9 @@ class Engine:
             stats.draft = kind
         room = k_max if tree is None else tree.max_nodes  # most tokens a round may write ahead of the committed ones
         if lookup:
-            draft = LookupDraft(self, draft)
+            # In front of a model draft, lookup proposes up to LOOKUP_K (K belongs to the model draft); alone,
+            # K is its own (calibrated: a verify pass over more positions costs more here)
+            draft = LookupDraft(self, draft) if draft is not None else LookupDraft(self, None, k=k_max)
             room = max(k_max, draft.k)
 
         t0 = time.perf_counter()
