@@ -59,6 +59,8 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert result["draft_gain"] == pytest.approx(result["decode_ms_per_token"]["plain"]["median"]
                                                  / result["decode_ms_per_token"]["spec"]["median"])
     assert result["verify_cost"]["k"] == 3 and result["verify_cost_ratio"] > 0
+    assert [v["k"] for v in result["verify_cost_by_k"]] == list(range(1, 9))
+    assert all(v["ratio"] > 0 and v["pass_ms"] > 0 for v in result["verify_cost_by_k"])
     # the native step's gain is measured beside it (plain decoding on the PyTorch path), same outputs
     if result["native_step"]["used"]:
         assert result["native_gain"] == pytest.approx(result["decode_ms_per_token"]["plain_torch"]["median"]

@@ -323,6 +323,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     expected = (1 - alpha ** (mean_k + 1)) / (1 - alpha) if alpha < 1 else mean_k + 1
     predicted = expected / (1 + mean_k * c)
     vc = verify_cost(engine, prompts[0], 3)
+    vc_by_k = [verify_cost(engine, prompts[0], k, repeats=20) for k in range(1, 9)]
 
     # time to first token: cold 2,000-token prompt, then the same text plus one character (medians)
     text = long_text(files, engine.tokenizer, 2000)
@@ -419,6 +420,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "verify_ms_per_pass": verify_pass_ms,
         "verify_cost_ratio": vc["ratio"],
         "verify_cost": vc,
+        "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"]} for v in vc_by_k],
         "ttft_cold_ms": 1000 * t_cold,
         "ttft_warm_ms": 1000 * t_warm,
         "ttft_prompt_tokens": len(cold_ids),
