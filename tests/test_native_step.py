@@ -245,25 +245,9 @@ def test_a_broken_compiler_falls_back_with_a_reason(tiny_model_dir, monkeypatch,
         native._reset_for_tests()
 
 
-def test_the_built_library_is_cached_and_reused(monkeypatch, tmp_path):
-    if native._compiler() is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native._reset_for_tests()
-    try:
-        if native.library() is None:
-            pytest.skip(f"native step unavailable here: {native.reason()}")
-        built = list(tmp_path.glob("completiond/native/step-*.so"))
-        assert len(built) == 1 and not list(tmp_path.glob("completiond/native/.step-*"))
-        mtime = built[0].stat().st_mtime_ns
-        native._reset_for_tests()
-        assert native.library() is not None
-        assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
-    finally:
-        native._reset_for_tests()
-
-
-def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
+@pytest.fixture
+def built_in_tmp(monkeypatch, tmp_path):
+    """The native library built into an empty cache under tmp_path: its path."""
     if native._compiler() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -272,17 +256,29 @@ def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path):
         if native.library() is None:
             pytest.skip(f"native step unavailable here: {native.reason()}")
         (built,) = tmp_path.glob("completiond/native/step-*.so")
-        damaged = built.with_name("damaged")
-        damaged.write_bytes(b"not an ELF file")
-        os.replace(damaged, built)  # a new file: this process keeps its mapping of the loaded one
-        # a fresh process (this one would be handed its already loaded copy by the dynamic loader)
-        probe = "from completiond.engine import native; lib = native.library(); print(lib is not None, native.reason())"
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
-        assert out.stdout.split()[:1] == ["True"], out.stdout + out.stderr
-        assert built.read_bytes()[:4] == b"\x7fELF"
+        yield built
     finally:
         native._reset_for_tests()
+
+
+def test_the_built_library_is_cached_and_reused(built_in_tmp):
+    assert not list(built_in_tmp.parent.glob(".step-*"))  # no temporary file left behind
+    mtime = built_in_tmp.stat().st_mtime_ns
+    native._reset_for_tests()
+    assert native.library() is not None
+    assert built_in_tmp.stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_a_damaged_cached_library_is_built_again(built_in_tmp, tmp_path):
+    damaged = built_in_tmp.with_name("damaged")
+    damaged.write_bytes(b"not an ELF file")
+    os.replace(damaged, built_in_tmp)  # a new file: this process keeps its mapping of the loaded one
+    # a fresh process (this one would be handed its already loaded copy by the dynamic loader)
+    probe = "from completiond.engine import native; lib = native.library(); print(lib is not None, native.reason())"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert out.stdout.split()[:1] == ["True"], out.stdout + out.stderr
+    assert built_in_tmp.read_bytes()[:4] == b"\x7fELF"
 
 
 @torch.inference_mode()
