@@ -32,9 +32,10 @@ async def test_four_editors_typing_real_daemon(tiny_model_dir, tmp_path):
     assert report["max_queued"] <= report["documents"], report        # at most one queued request per document
     assert report["queue_samples"] >= 20
     # The daemon saw each request at most once (the LSP answers some itself: a suggestion the user is
-    # typing through), and latest-wins dropped most of them rather than queueing.
+    # typing through). Whether latest-wins had anything to drop depends on the engine's speed: with the
+    # native step the tiny model keeps up with 20 keys/s, so the slow-engine case is its own test below.
     handled = report["daemon_completed"] + report["daemon_superseded"] + report["daemon_cancelled"]
-    assert 0 < handled <= report["requests"] and report["daemon_superseded"] > 0, report
+    assert 0 < handled <= report["requests"], report
     assert report["latest_requests"] > 0 and report["latest_p99_ms"] is not None
     assert report["latest_p99_ms"] < 5000, report                      # generous: shared 2-core CI machine
 

@@ -243,6 +243,7 @@ class BackgroundCalibration:
         self._max_tokens = max_tokens
         self._repeats = repeats
         self._steps: Steps | None = None
+        self.message = ""  # how it ended, set before the state says it has
 
     def cancel(self) -> None:
         """From any thread: no further step runs, and the running one stops at its next round."""
@@ -302,7 +303,8 @@ class BackgroundCalibration:
         return self.state == "running"
 
     def _finish(self, state: str, reason: str = "") -> None:
-        self.state = state
+        # The state changes last: a reader that sees it ended also sees its message (the status thread
+        # reads both without a lock).
         engine = self.engine
         if state == "done" and self.result is not None:
             try:
@@ -315,7 +317,9 @@ class BackgroundCalibration:
             message = (f"calibrated {engine.name} in the background: " +
                        (f"speculation on (E={c.exit_layer}, K={c.draft_k}"
                         f"{', prompt lookup' if c.prompt_lookup else ''}), {c.measured['speedup']:.2f}x plain decoding"
-                        if c.speculative else f"no speculation (best candidate {c.measured['speedup']:.2f}x)")
+                        if c.speculative else
+                        f"prompt lookup alone (no model draft), {c.measured['speedup']:.2f}x plain decoding"
+                        if c.prompt_lookup else f"no speculation (best candidate {c.measured['speedup']:.2f}x)")
                        + f"; saved to {where}")
         elif state == "gave up":
             self._steps = None
@@ -325,5 +329,7 @@ class BackgroundCalibration:
             self._steps = None
             message = f"background calibration of {engine.name} {state}" + (f": {reason}" if reason else "")
         log.info("%s", message)
+        self.message = message
         if self._on_done is not None:
             self._on_done(message)
+        self.state = state

@@ -244,6 +244,14 @@ class Service:
         log.info("%s", self.calibration_message)
         self.scheduler.set_idle(job.step)
 
+    def _calibration_status(self) -> dict | None:
+        job = self.calibration_job
+        if job is None:
+            return None
+        state = job.state  # read first: a job that has ended has its message already (it is set before)
+        ended = state not in ("pending", "running")
+        return {"state": state, "message": job.message if ended and job.message else self.calibration_message}
+
     def _calibrated(self, job: Any, message: str) -> None:
         if job is self.calibration_job:
             self.calibration_message = message
@@ -304,8 +312,7 @@ class Service:
             "model": self.model_name or (self.cfg.model or "(bundled default)"),
             "model_id": self.model_id,
             "warnings": list(self.load_warnings),
-            "calibration": ({"state": self.calibration_job.state, "message": self.calibration_message}
-                            if self.calibration_job is not None else None),
+            "calibration": self._calibration_status(),
             "device": getattr(self.engine, "device", self.cfg.device),
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
