@@ -323,19 +323,16 @@ class Service:
             "draft_acceptance": self.last.get("draft_acceptance"),
             "tokens_per_s": self.last.get("tokens_per_s"),
             # How the engine drafts by default (calibrated), and what the last request's rounds drafted with.
-            "draft": self._draft_in_use(),
-            "decode_step": self._decode_step(),
+            "draft": self._engine_says("draft_in_use"),
+            "decode_step": self._engine_says("decode_step_in_use"),
             "last_draft": self.last.get("draft"),
             "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
 
-    def _decode_step(self) -> str | None:
-        describe = getattr(self.engine, "decode_step_in_use", None)  # a remote backend has none
-        return describe() if callable(describe) else None
-
-    def _draft_in_use(self) -> str | None:
-        describe = getattr(self.engine, "draft_in_use", None)  # a remote backend has none
+    def _engine_says(self, method: str) -> str | None:
+        """The local engine's own description (draft_in_use, decode_step_in_use); a remote backend has none."""
+        describe = getattr(self.engine, method, None)
         return describe() if callable(describe) else None
 
     def stats(self) -> dict[str, Any]:

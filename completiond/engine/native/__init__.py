@@ -204,30 +204,39 @@ class NativeStep:
         self.lib = lib
         self.fwd = fwd
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, packed w): LM heads
+        self._bound: dict[int, tuple] = {}  # id(FusedLayer) -> (layer, its packed matrices and split biases)
         self.bind()
 
-    def _pack(self, key: object, w: torch.Tensor) -> torch.Tensor:
-        """w packed, once per weight tensor (keyed by the object it belongs to and checked by identity)."""
-        hit = self._packed.get(id(key))
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        """w packed, once per weight tensor (the entry holds w, so its id is not reused while cached)."""
+        hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
             hit = (w, pack(w))
-            self._packed[id(key)] = hit
+            self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
                 del self._packed[next(iter(self._packed))]
         return hit[1]
 
-    def bind(self) -> None:
-        """(Re)read the layers' weights: after Forward.add_layer, or a replaced exit adapter."""
-        fwd = self.fwd
-        layers = (_Layer * len(fwd.layers))()
-        keep = []
-        for i, L in enumerate(fwd.layers):
+    def _packed_layer(self, L) -> tuple:
+        """L's matrices packed and its gate/up bias split, once per layer: an attached exit adapter
+        packs only itself."""
+        hit = self._bound.get(id(L))
+        if hit is None or hit[0] is not L:
             inter = L.down.shape[1]
             gate_b = up_b = None
             if L.gate_up_bias is not None:
                 gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
             mats = (pack(L.qkv), pack(L.o), pack(L.gate_up[:inter]), pack(L.gate_up[inter:]), pack(L.down))
-            keep.append((mats, gate_b, up_b))
+            hit = (L, mats, gate_b, up_b)
+        return hit
+
+    def bind(self) -> None:
+        """(Re)read the layers' weights: after Forward.add_layer, or a replaced exit adapter."""
+        fwd = self.fwd
+        layers = (_Layer * len(fwd.layers))()
+        bound = {}
+        for i, L in enumerate(fwd.layers):
+            _, mats, gate_b, up_b = bound[id(L)] = self._packed_layer(L)
             values = (L.ln1, mats[0], L.qkv_bias, mats[1], L.o_bias, L.ln2, mats[2], gate_b, mats[3], up_b,
                       mats[4], L.down_bias, L.q_norm, L.k_norm)
             for name, t in zip(_LAYER_FIELDS, values):
@@ -235,7 +244,7 @@ class NativeStep:
                     raise ValueError(f"layer {i}: {name} is not a contiguous float32 tensor")
                 setattr(layers[i], name, _ptr(t))
         L0 = fwd.layers[0]
-        self._keep = keep  # the packed copies the struct points into
+        self._bound = bound  # the packed copies the struct points into (a replaced adapter's are dropped)
         self._layers = layers
         self.model = _Model(d=L0.ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0.down.shape[1],
                             n_layers=len(fwd.layers), eps=L0.eps, scale=float(fwd.scaling), layers=layers)
@@ -263,7 +272,7 @@ class NativeStep:
         x = h[0].contiguous()  # [t, d]
         t, d = x.shape
         V = w.shape[0]
-        packed = self._pack(w, w)
+        packed = self._pack(w)
         out = torch.empty(t, V, dtype=torch.float32)
         rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), V, _ptr(bias),
                               out.data_ptr(), torch.get_num_threads())
@@ -283,7 +292,7 @@ class NativeStep:
         states = torch.empty(k_max, d, dtype=torch.float32)  # [k_max, d]
         tokens = torch.empty(k_max, dtype=torch.int64)
         fed = ctypes.c_int(0)
-        packed = self._pack(head_w, head_w)
+        packed = self._pack(head_w)
         k = self.lib.cd_draft_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), int(token), exit_layer, pos,
                                      k_max, float(threshold), fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(),
                                      head_w.shape[0], _ptr(head_b), _ptr(ids), eos.data_ptr(), eos.numel(),
