@@ -18,6 +18,7 @@ from pygls.exceptions import JsonRpcException
 from pytest_lsp import make_test_lsp_client
 
 from completiond.serving import paths
+from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -191,10 +192,17 @@ async def test_open_type_complete(start, model_dir, tmp_path):
     assert any(st.get("state") == "ready" for st in s.status)
 
 
-async def test_cancel_mid_generation(start, tiny_model_dir):
-    # The random tiny model never ends a line, so the generation is still running when we cancel
+@pytest.fixture(scope="module")
+def slow_model_dir(tmp_path_factory) -> Path:
+    """A random model large enough that 1000 tokens take seconds: the tiny one generates them in ~0.1 s
+    with the native step, between two polls of the test below."""
+    return make_tiny_model(tmp_path_factory.mktemp("slow-llama"), layers=8, hidden=512)
+
+
+async def test_cancel_mid_generation(start, slow_model_dir):
+    # A random model never ends a line, so the generation is still running when we cancel
     # (a trained model may finish before the cancel gets there).
-    s = await start(settings_for(tiny_model_dir, maxTokens=1000, multiline="always", maxLines=200))
+    s = await start(settings_for(slow_model_dir, maxTokens=1000, multiline="always", maxLines=200))
     await s.open()
     await s.wait_ready()
     msg_id = "inline-1"
