@@ -326,3 +326,69 @@ def test_native_greedy_draft_equals_the_python_draft_loop(bundled, vocab, stop_e
         assert torch.equal(ka[:, :, :n], kb[:, :, :n])
     finally:
         bundled.set_draft_vocab([])
+
+
+def test_bf16_panels_hold_the_weights_exactly():
+    """The bf16 panel layout, widened as step.c's LOAD_BF16 does (a shift and a mask per 32-bit lane),
+    gives back every weight in its column; float32 values that are not bf16 are not bf16_exact."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 24, generator=g).to(torch.bfloat16).to(torch.float32)  # [out, in]: a padded last panel
+    assert native.bf16_exact(w)
+    assert not native.bf16_exact(w + 1e-3)
+    lanes = native.pack(w, bf16=True).view(torch.int32)  # [panels, in, 8]: two halves per lane
+    lo = (lanes << 16).view(torch.float32)  # columns 0-7 of each panel
+    hi = (lanes & -65536).view(torch.float32)  # columns 8-15
+    widened = torch.cat([lo, hi], dim=-1)  # [panels, in, 16]
+    assert torch.equal(widened, native.pack(w))
+    assert torch.equal(widened.transpose(1, 2).reshape(-1, 24)[:37], w)
+
+
+@torch.inference_mode()
+def test_bf16_weights_are_read_as_bf16_and_give_the_float32_bits(bundled):
+    """The bundled model ships bf16: the native step reads its bf16 panels (half the bytes) and every
+    pass, head and draft returns exactly what float32 panels of the same values return."""
+    _need_native()
+    fast = bundled.fwd.native
+    assert fast.weights() == "bf16" and "bf16 weights" in bundled.decode_step_in_use()
+    plain = native.NativeStep(native.library(), bundled.fwd, bf16=False)
+    assert plain.weights() == "float32"
+    prompt = _ids(bundled, TEXT * 2, 300)
+    results = {}
+    for name, step in (("bf16", fast), ("float32", plain)):
+        bundled.fwd.native = step
+        try:
+            out = []
+            for rows in (1, 3, 7):
+                seq = bundled.new_sequence(320)
+                bundled.prefill(seq, prompt[:-rows], None)
+                out.append(_pass(bundled, seq, prompt[-rows:]))
+                out.append(seq.k[:, :, :seq.length + rows].clone())
+            seq = bundled.new_sequence(320)
+            bundled.prefill(seq, prompt[:-1], None)
+            tokens, states = step.draft_greedy(prompt[-1], 3, seq.length, 4, 0.0, seq, bundled.fwd.head_w, None,
+                                               None, bundled.eos_ids_tensor)
+            out += [torch.tensor(tokens), states]
+            results[name] = out
+        finally:
+            bundled.fwd.native = fast
+    for a, b in zip(results["bf16"], results["float32"]):
+        assert torch.equal(a, b)
+
+
+@torch.inference_mode()
+def test_a_float32_model_keeps_float32_panels_and_a_bf16_valued_one_gets_bf16(tmp_path):
+    _need_native()
+    d = make_tiny_model(tmp_path / "rounded", layers=2, seed=7)
+    from safetensors.torch import load_file, save_file
+    w = load_file(d / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16).to(torch.float32) for k, v in w.items()}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    rounded = Engine.load(d, device="cpu", dtype="float32")
+    assert rounded.fwd.native.weights() == "bf16"
+    prompt = _ids(rounded, TEXT, 30)
+    ref = rounded.model(torch.tensor([prompt])).logits[0, -3:].float()
+    seq = rounded.new_sequence(40)
+    rounded.prefill(seq, prompt[:-3], None)
+    torch.testing.assert_close(_pass(rounded, seq, prompt[-3:]), ref, rtol=1e-4, atol=1e-4)
+    random = Engine.load(make_tiny_model(tmp_path / "random", layers=2, seed=7), device="cpu", dtype="float32")
+    assert random.fwd.native.weights() == "float32"

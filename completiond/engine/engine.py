@@ -614,7 +614,8 @@ class Engine:
     def decode_step_in_use(self) -> str:
         """Which forward pass decode steps take, in words (status displays)."""
         if self.fwd.native is not None:
-            return f"native (engine/native/step.c, {torch.get_num_threads()} threads)"
+            return (f"native (engine/native/step.c, {torch.get_num_threads()} threads, "
+                    f"{self.fwd.native.weights()} weights)")
         return f"PyTorch ({self.fwd.native_reason})"
 
     def draft_in_use(self) -> str:

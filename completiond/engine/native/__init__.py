@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 6
+ABI = 7
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
@@ -43,10 +43,13 @@ COMPILE_TIMEOUT_S = 120
 _LAYER_FIELDS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate", "gate_b", "up", "up_b", "down", "down_b",
                  "q_norm", "k_norm")
 PANEL = 16  # output columns per panel of a packed matrix (step.c's PW)
+# a bf16 panel row stores column c at half 2c (c < 8) and 2(c - 8) + 1: step.c widens it with one shift
+# and one mask (LOAD_BF16)
+_BF16_ORDER = [c for i in range(8) for c in (i, i + 8)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [("wbf16", ctypes.c_int32)]
 
 
 class _Model(ctypes.Structure):
@@ -149,9 +152,9 @@ def library() -> ctypes.CDLL | None:
     i32, f32, vp = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
     lib.cd_layers.restype = i32
-    lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, vp, i32]
+    lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, i32, vp, vp, i32]
     lib.cd_head.restype = i32
-    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, ctypes.c_int64, i32, i32, i32, f32, vp, f32, vp, i32,
+    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, ctypes.c_int64, i32, i32, i32, f32, vp, f32, vp, i32, i32,
                                     vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
     lib.cd_draft_greedy.restype = i32
     _lib = lib
@@ -171,14 +174,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of w is a bfloat16 widened to float32 (a model shipped in bf16 and run in
+    float32): then its bf16 copy is lossless and step.c computes the very same products from half the bytes."""
+    return bool(torch.equal(w.to(torch.bfloat16).to(torch.float32), w))
+
+
+def pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """A linear's weight [out, in] as step.c reads it: panels of PANEL output columns, each [in, PANEL]
-    row-major, so a kernel streams its panel front to back; zero columns pad the last one."""
+    row-major, so a kernel streams its panel front to back; zero columns pad the last one. bf16: the
+    same panels as bfloat16 bits (int16), columns in step.c's LOAD_BF16 order; w must be bf16_exact."""
     out, inp = w.shape
     panels = -(-out // PANEL)
     padded = torch.zeros(panels * PANEL, inp, dtype=torch.float32)
     padded[:out] = w
-    return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()  # [panels, in, PANEL]
+    packed = padded.view(panels, PANEL, inp).transpose(1, 2)  # [panels, in, PANEL]
+    if not bf16:
+        return packed.contiguous()
+    return packed[..., _BF16_ORDER].to(torch.bfloat16).contiguous().view(torch.int16)  # [panels, in, PANEL]
 
 
 def unsupported(fwd: "Forward") -> str | None:
@@ -200,18 +213,23 @@ def unsupported(fwd: "Forward") -> str | None:
 class NativeStep:
     """step.c bound to one Forward's weights. Callers check rows <= MAX_ROWS, float32 and a contiguous cache."""
 
-    def __init__(self, lib: ctypes.CDLL, fwd: "Forward"):
+    def __init__(self, lib: ctypes.CDLL, fwd: "Forward", bf16: bool = True):
         self.lib = lib
         self.fwd = fwd
+        # bf16 panels for every matrix whose float32 values are all bf16 (bf16_exact): same bits, half
+        # the bytes; bf16=False keeps float32 panels throughout (the tests compare the two)
+        self.bf16 = bf16
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, packed w): LM heads
         self._bound: dict[int, tuple] = {}  # id(FusedLayer) -> (layer, its packed matrices and split biases)
         self.bind()
 
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        """w packed, once per weight tensor (the entry holds w, so its id is not reused while cached)."""
+    def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """w packed and whether as bf16, once per weight tensor (the entry holds w, so its id is not
+        reused while cached)."""
         hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
-            hit = (w, pack(w))
+            as_bf16 = self.bf16 and bf16_exact(w)
+            hit = (w, (pack(w, as_bf16), as_bf16))
             self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
                 del self._packed[next(iter(self._packed))]
@@ -226,8 +244,10 @@ class NativeStep:
             gate_b = up_b = None
             if L.gate_up_bias is not None:
                 gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
-            mats = (pack(L.qkv), pack(L.o), pack(L.gate_up[:inter]), pack(L.gate_up[inter:]), pack(L.down))
-            hit = (L, mats, gate_b, up_b)
+            full = (L.qkv, L.o, L.gate_up[:inter], L.gate_up[inter:], L.down)
+            as_bf16 = self.bf16 and all(bf16_exact(w) for w in full)  # one layout per layer (step.c's wbf16)
+            mats = tuple(pack(w, as_bf16) for w in full)
+            hit = (L, mats, gate_b, up_b, as_bf16)
         return hit
 
     def bind(self) -> None:
@@ -236,19 +256,28 @@ class NativeStep:
         layers = (_Layer * len(fwd.layers))()
         bound = {}
         for i, L in enumerate(fwd.layers):
-            _, mats, gate_b, up_b = bound[id(L)] = self._packed_layer(L)
+            _, mats, gate_b, up_b, as_bf16 = bound[id(L)] = self._packed_layer(L)
             values = (L.ln1, mats[0], L.qkv_bias, mats[1], L.o_bias, L.ln2, mats[2], gate_b, mats[3], up_b,
                       mats[4], L.down_bias, L.q_norm, L.k_norm)
             for name, t in zip(_LAYER_FIELDS, values):
-                if t is not None and not (t.is_contiguous() and t.dtype == torch.float32):
-                    raise ValueError(f"layer {i}: {name} is not a contiguous float32 tensor")
+                if t is not None and not (t.is_contiguous() and t.dtype in (torch.float32, torch.int16)):
+                    raise ValueError(f"layer {i}: {name} is not a contiguous float32 (or packed bf16) tensor")
                 setattr(layers[i], name, _ptr(t))
+            layers[i].wbf16 = int(as_bf16)
         L0 = fwd.layers[0]
         self._bound = bound  # the packed copies the struct points into (a replaced adapter's are dropped)
         self._layers = layers
         self.model = _Model(d=L0.ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0.down.shape[1],
                             n_layers=len(fwd.layers), eps=L0.eps, scale=float(fwd.scaling), layers=layers)
         self.n_layers = len(fwd.layers)
+
+    def weights(self) -> str:
+        """The packed layers' weight format, in words: "bf16" (every layer's weights are bf16 values, read
+        as such), "float32", or how many of each."""
+        n = sum(layer.wbf16 for layer in self._layers)
+        if n == len(self._layers):
+            return "bf16"
+        return "float32" if n == 0 else f"bf16 in {n} of {len(self._layers)} layers, float32 in the rest"
 
     def layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence", write: bool,
                rope_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
@@ -272,9 +301,9 @@ class NativeStep:
         x = h[0].contiguous()  # [t, d]
         t, d = x.shape
         V = w.shape[0]
-        packed = self._pack(w)
+        packed, as_bf16 = self._pack(w)
         out = torch.empty(t, V, dtype=torch.float32)
-        rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), V, _ptr(bias),
+        rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), int(as_bf16), V, _ptr(bias),
                               out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"native head: no scratch memory for {t} positions")
@@ -292,10 +321,10 @@ class NativeStep:
         states = torch.empty(k_max, d, dtype=torch.float32)  # [k_max, d]
         tokens = torch.empty(k_max, dtype=torch.int64)
         fed = ctypes.c_int(0)
-        packed = self._pack(head_w)
+        packed, as_bf16 = self._pack(head_w)
         k = self.lib.cd_draft_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), int(token), exit_layer, pos,
                                      k_max, float(threshold), fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(),
-                                     head_w.shape[0], _ptr(head_b), _ptr(ids), eos.data_ptr(), eos.numel(),
+                                     int(as_bf16), head_w.shape[0], _ptr(head_b), _ptr(ids), eos.data_ptr(), eos.numel(),
                                      seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2], fwd._cos.data_ptr(),
                                      fwd._sin.data_ptr(), torch.get_num_threads(), tokens.data_ptr(),
                                      states.data_ptr(), ctypes.byref(fed))

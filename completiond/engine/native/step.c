@@ -30,12 +30,23 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 6
+#define CD_ABI 7
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
-    /* matrices packed in panels (see gemm_panels); norms and biases plain */
-    const float *ln1, *qkv, *qkv_b, *o, *o_b, *ln2, *gate, *gate_b, *up, *up_b, *down, *down_b, *q_norm, *k_norm;
+    /* matrices packed in panels (see gemm_panels), float32 or bf16 as wbf16 says; norms and biases plain */
+    const float *ln1;
+    const void *qkv;
+    const float *qkv_b;
+    const void *o;
+    const float *o_b, *ln2;
+    const void *gate;
+    const float *gate_b;
+    const void *up;
+    const float *up_b;
+    const void *down;
+    const float *down_b, *q_norm, *k_norm;
+    int32_t wbf16; /* the five matrices' layout: 1 bf16, 0 float32 */
 } cd_layer;
 
 typedef struct {
@@ -123,21 +134,37 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
 
 #define PW 16 /* panel width */
 
-#define MK(R, NP)                                                                                       \
-    static inline void mk_##R##_##NP(const float *x, int in, const float *Wp, int p0, const float *b,   \
-                                     float *y, int ldy, int out) {                                      \
+/* Two ways a panel row of 16 weights is stored. float32: 16 floats. bf16: 16 halves, column c at
+ * half 2c for c < 8 and at half 2(c-8)+1 above, so one 32-byte load widens to columns 0-7 by a
+ * shift and to 8-15 by a mask. A bf16 weight widened to float32 is exactly the float32 weight the
+ * model holds (the pack is only chosen when every weight survives the round trip), so both layouts
+ * give the same bits; bf16 streams half the bytes, and a decode step is bound by those bytes. */
+#define LOAD_F32(w, k, lo, hi)                                                                          \
+    do {                                                                                                \
+        const float *wk_ = (const float *)(w) + (size_t)(k) * PW;                                       \
+        lo = _mm256_loadu_ps(wk_);                                                                      \
+        hi = _mm256_loadu_ps(wk_ + 8);                                                                  \
+    } while (0)
+#define LOAD_BF16(w, k, lo, hi)                                                                         \
+    do {                                                                                                \
+        __m256i raw_ = _mm256_loadu_si256((const __m256i *)((const uint16_t *)(w) + (size_t)(k) * PW)); \
+        lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw_, 16));                                          \
+        hi = _mm256_castsi256_ps(_mm256_and_si256(raw_, _mm256_set1_epi32((int)0xFFFF0000u)));          \
+    } while (0)
+
+#define MK(NAME, ELT, LOAD, R, NP)                                                                      \
+    static inline void NAME##_##R##_##NP(const float *x, int in, const void *Wp, int p0, const float *b, \
+                                         float *y, int ldy, int out) {                                  \
         __m256 acc[R][NP][2];                                                                           \
         const size_t ps = (size_t)in * PW;                                                              \
+        const ELT *pan[NP];                                                                             \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const ELT *)Wp + (size_t)(p0 + n) * ps; \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
                 acc[r][n][0] = acc[r][n][1] = _mm256_setzero_ps();                                      \
         for (int k = 0; k < in; k++) {                                                                  \
             __m256 w0[NP], w1[NP];                                                                      \
-            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
-                const float *w = Wp + (size_t)(p0 + n) * ps + (size_t)k * PW;                           \
-                w0[n] = _mm256_loadu_ps(w);                                                             \
-                w1[n] = _mm256_loadu_ps(w + 8);                                                         \
-            }                                                                                           \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) LOAD(pan[n], k, w0[n], w1[n]);         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 __m256 xv = _mm256_broadcast_ss(x + (size_t)r * in + k);                                \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
@@ -169,40 +196,63 @@ static inline void store16(__m256 a0, __m256 a1, const float *b, float *yrow, in
     for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
 }
 
-/* Measured on this project's CPU (one core, weights in L2): rows that share a loaded weight vector run
- * at 110-122 GFLOP/s with 12-16 chains (4x2, 3x2, 2x2), one row at ~60 (it is load-bound), and 4x1's
- * 8 chains at 79 (fmadd latency-bound). */
-MK(1, 4)
-MK(1, 2)
-MK(1, 1)
-MK(2, 2)
-MK(2, 1)
-MK(3, 2)
-MK(3, 1)
-MK(4, 2)
-MK(4, 1)
+/* Kernels R rows x NP panels. AVX2 has 16 vector registers: R * NP * 2 accumulators, NP * 2 widened
+ * weights, a broadcast and the bf16 mask must fit, or accumulators spill and every k goes through a
+ * store-to-load round trip (4x2 did). Measured here in whole verify passes of the bundled model (bf16
+ * panels, medians in one run, pass time over a one-row step): 4x2 spilled and cost 1.08 at t = 4, 1.35 at
+ * t = 6, 1.75 at t = 8; 4x1, 6x1 and 6x1 + 2x2 cost 1.03, 1.13 and 1.53; 3x1 (six chains) beats 3x2
+ * (spilling) at t = 3, 0.87 against 0.97 of a one-row step's time. */
+#define KERNELS(NAME, ELT, LOAD)                                                                        \
+    MK(NAME, ELT, LOAD, 1, 4)                                                                           \
+    MK(NAME, ELT, LOAD, 1, 2)                                                                           \
+    MK(NAME, ELT, LOAD, 1, 1)                                                                           \
+    MK(NAME, ELT, LOAD, 2, 2)                                                                           \
+    MK(NAME, ELT, LOAD, 2, 1)                                                                           \
+    MK(NAME, ELT, LOAD, 3, 1)                                                                           \
+    MK(NAME, ELT, LOAD, 4, 1)                                                                           \
+    MK(NAME, ELT, LOAD, 5, 1)                                                                           \
+    MK(NAME, ELT, LOAD, 6, 1)
+KERNELS(mkf, float, LOAD_F32)
+KERNELS(mkb, uint16_t, LOAD_BF16)
 
-#define ROWS(R, NP_WIDE)                                                                                 \
+#define ROWS(NAME, R, NP_WIDE)                                                                           \
     do {                                                                                                 \
-        int p = pa;                                                                                      \
-        for (; p + NP_WIDE <= pb; p += NP_WIDE)                                                          \
-            mk_##R##_##NP_WIDE(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);         \
-        for (; p < pb; p++) mk_##R##_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+        int p = qa;                                                                                      \
+        for (; p + NP_WIDE <= qb; p += NP_WIDE)                                                          \
+            NAME##_##R##_##NP_WIDE(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);     \
+        for (; p < qb; p++) NAME##_##R##_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
     } while (0)
 
+#define GEMM(NAME)                                                                                       \
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {                                                      \
+        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;                                    \
+        int r = 0;                                                                                       \
+        for (; r + 6 <= t; r += 6) ROWS(NAME, 6, 1);                                                     \
+        if (t - r == 5) ROWS(NAME, 5, 1);                                                                \
+        else if (t - r == 4) ROWS(NAME, 4, 1);                                                           \
+        else if (t - r == 3) ROWS(NAME, 3, 1);                                                           \
+        else if (t - r == 2) ROWS(NAME, 2, 2);                                                           \
+        else if (t - r == 1) {                                                                           \
+            int p = qa;                                                                                  \
+            for (; p + 4 <= qb; p += 4) NAME##_1_4(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+            for (; p + 2 <= qb; p += 2) NAME##_1_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+            for (; p < qb; p++) NAME##_1_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+        }                                                                                                \
+    }
+
+/* Panels per group: a group's weights are read from memory once and stay in L1/L2 while every block
+ * of rows goes over them (before, each block of 4 rows streamed the whole matrix again, so 5 rows cost
+ * two weight reads). */
+#define PANEL_GROUP 4
+
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
- * blocks of 4, then a rest of 3, 2 or 1; which kernel computes a row never changes its bits. */
-static void gemm_panels(const float *x, int t, int in, const float *Wp, int out, const float *b, float *y, int ldy,
-                        int pa, int pb) {
-    int r = 0;
-    for (; r + 4 <= t; r += 4) ROWS(4, 2);
-    if (t - r == 3) ROWS(3, 2);
-    else if (t - r == 2) ROWS(2, 2);
-    else if (t - r == 1) {
-        int p = pa;
-        for (; p + 4 <= pb; p += 4) mk_1_4(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
-        for (; p + 2 <= pb; p += 2) mk_1_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
-        for (; p < pb; p++) mk_1_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+ * blocks of 6, then a rest of 5, 4, 3, 2 or 1; which kernel computes a row never changes its bits. */
+static void gemm_panels(const float *x, int t, int in, const void *Wp, int bf16, int out, const float *b, float *y,
+                        int ldy, int pa, int pb) {
+    if (bf16) {
+        GEMM(mkb)
+    } else {
+        GEMM(mkf)
     }
 }
 
@@ -371,7 +421,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
             share_panels(qw, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->qkv, qw, L->qkv_b, qkv, qw, a, b);
+            gemm_panels(x, t, d, L->qkv, L->wbf16, qw, L->qkv_b, qkv, qw, a, b);
 #pragma omp barrier
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
@@ -428,14 +478,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(att, t, H * hd, L->o, d, L->o_b, y, d, a, b);
+            gemm_panels(att, t, H * hd, L->o, L->wbf16, d, L->o_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
             /* the same gate and up columns in one thread, so their product needs no barrier */
             share_panels(I, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->gate, I, L->gate_b, gu, 2 * I, a, b);
-            gemm_panels(x, t, d, L->up, I, L->up_b, gu + I, 2 * I, a, b);
+            gemm_panels(x, t, d, L->gate, L->wbf16, I, L->gate_b, gu, 2 * I, a, b);
+            gemm_panels(x, t, d, L->up, L->wbf16, I, L->up_b, gu + I, 2 * I, a, b);
             {
                 int j0 = a * PW, j1 = b * PW < I ? b * PW : I;
                 for (int r = 0; r < t; r++)
@@ -443,7 +493,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(act, t, I, L->down, d, L->down_b, y, d, a, b);
+            gemm_panels(act, t, I, L->down, L->wbf16, d, L->down_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
         }
@@ -455,8 +505,8 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
 }
 
 /* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
-int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const float *W, int V, const float *bias,
-            float *out, int nthreads) {
+int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wbf16, int V,
+            const float *bias, float *out, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     float *x = malloc(sizeof(float) * (size_t)t * d);
     if (!x) return -1;
@@ -466,7 +516,7 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
         const unsigned int csr = denormals_off();
         int a, b;
         share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_panels(x, t, d, W, V, bias, out, V, a, b);
+        gemm_panels(x, t, d, W, wbf16, V, bias, out, V, a, b);
         _mm_setcsr(csr);
     }
     free(x);
@@ -480,7 +530,7 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
  * fed last is kept, with no token for it) and after an eos id. states [k_max, d]: the layer-E state of
  * each fed token. Returns the number of tokens drafted (and *n_fed), or -1 without scratch memory. */
 int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E, int pos, int k_max, float threshold,
-                    const float *norm_w, float norm_eps, const float *Wp, int Vd, const float *bias, const int64_t *ids,
+                    const float *norm_w, float norm_eps, const void *Wp, int wbf16, int Vd, const float *bias, const int64_t *ids,
                     const int64_t *eos, int n_eos, float *kc, float *vc, int cap, const float *cos_t,
                     const float *sin_t, int nthreads, int64_t *tokens, float *states, int *n_fed) {
     const int d = m->d;
@@ -492,7 +542,7 @@ int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E,
         float *h = states + (size_t)i * d;
         memcpy(h, embed + (size_t)x * d, sizeof(float) * (size_t)d);
         if (cd_layers(m, h, 1, 0, E, pos + i, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads) != 0 ||
-            cd_head(h, 1, d, norm_w, norm_eps, Wp, Vd, bias, logits, nthreads) != 0) {
+            cd_head(h, 1, d, norm_w, norm_eps, Wp, wbf16, Vd, bias, logits, nthreads) != 0) {
             rc = -1;
             break;
         }
