@@ -392,3 +392,31 @@ def test_a_float32_model_keeps_float32_panels_and_a_bf16_valued_one_gets_bf16(tm
     torch.testing.assert_close(_pass(rounded, seq, prompt[-3:]), ref, rtol=1e-4, atol=1e-4)
     random = Engine.load(make_tiny_model(tmp_path / "random", layers=2, seed=7), device="cpu", dtype="float32")
     assert random.fwd.native.weights() == "float32"
+
+
+@torch.inference_mode()
+def test_native_plain_greedy_steps_equal_the_python_step(bundled):
+    """Plain greedy steps take one native call (embed, layers, head, argmax); a constraint that allows
+    everything sends each step through the Python path instead: the tokens and the cache agree."""
+    _need_native()
+    prompt = _ids(bundled, TEXT * 2, 200)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, speculative=False, prompt_lookup=False)
+    calls = []
+    real = bundled.fwd.native.draft_greedy
+
+    def counting(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
+
+    bundled.fwd.native.draft_greedy = counting
+    try:
+        fast = bundled.generate(prompt, params, constraint=None).tokens
+        assert calls and set(calls) == {bundled.num_layers}  # every step through all layers, natively
+        n = len(calls)
+        slow = bundled.generate(prompt, params, constraint=lambda toks: None).tokens
+        assert len(calls) == n  # the constrained run never took the native step
+    finally:
+        del bundled.fwd.native.draft_greedy
+    assert fast == slow and len(fast) == 40
+    with _torch_only(bundled):
+        assert bundled.generate(prompt, params).tokens == fast
