@@ -151,7 +151,10 @@ def test_edit_prompts_hold_the_real_suffix(peaked_dir, tmp_path):
     from completiond.engine.engine import Engine
 
     engine = Engine.load(peaked_dir, device="cpu")
-    path = Path(_prompt_files(tmp_path)[0])
+    # A file of its own, short enough that every prefix fits the prompt budget whole (a longer prefix
+    # is cut at a chunk boundary, and one more line can then make the prompt shorter)
+    path = tmp_path / "edited.py"
+    path.write_text("".join(f"x{i} = {i}\n" for i in range(64)))  # edit_prompts skips files under 60 lines
     prompts = edit_prompts(engine, [path], 1, lines=3)
     assert len(prompts) == 3
     lines = path.read_text().splitlines(keepends=True)
