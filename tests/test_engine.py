@@ -498,6 +498,17 @@ def test_draft_none_is_prompt_lookup_alone_whatever_the_calibration(engine):
     assert alone.stats.lookup_drafted > alone.stats.lookup_rounds
 
 
+def test_sampled_prompt_lookup_alone_verifies_rounds_without_a_match(engine):
+    """Sampling with lookup alone: a round whose lookup finds nothing verifies the bare pending token
+    (greedy takes a plain step instead); such rounds happen, and a seed still reproduces the run."""
+    prompt = ids(engine, PROMPT * 4)
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=11, prompt_lookup=True, draft="none",
+                            ignore_eos=True)
+    a, b = engine.generate(prompt, params), engine.generate(prompt, params)
+    assert a.tokens == b.tokens and len(a.tokens) == 48
+    assert 0 < a.stats.lookup_rounds < a.stats.rounds  # some rounds matched, some had nothing to verify
+
+
 def test_prompt_lookup_sampling_is_reproducible_and_on_support(engine):
     prompt = ids(engine, PROMPT * 4)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, prompt_lookup=True, exit_layer=2)

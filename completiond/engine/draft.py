@@ -44,7 +44,9 @@ class Proposal:
     tokens: list[int]  # k drafted ids
     probs: torch.Tensor | None  # [k, V] warped draft distributions q (None when greedy)
     masks: list  # the constraint mask used at each of the k positions (or None)
-    exit_states: torch.Tensor  # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1
+    # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1. None: nothing drafted
+    # and nothing computed (prompt lookup alone, without a match)
+    exit_states: torch.Tensor | None
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
     kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
 
@@ -173,4 +175,4 @@ class LookupDraft:
             return Proposal(tokens, probs, masks, eng.embed([pending] + tokens), exit_layer=0, kind="lookup")
         if self.fallback is not None:
             return self.fallback.propose(seq, pending, generated, k_max, threshold, warp, rng, constraint, limit)
-        return Proposal([], None, [], eng.embed([pending]), exit_layer=0, kind="none")
+        return Proposal([], None, [], None, exit_layer=0, kind="none")  # the engine takes a plain step

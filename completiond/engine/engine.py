@@ -475,15 +475,17 @@ class Engine:
             return None
         t1 = time.perf_counter()
         k = len(proposal.tokens)
-        if k == 0 and proposal.exit_layer == 0 and draft.tap_layer is None and warp.greedy:
-            # Nothing to verify and nothing computed yet (prompt lookup found no match): a plain step,
-            # which takes the native path where it can
-            nxt = self.plain_step(seq, pending, gen_tokens, warp, rng, constraint)
-            stats.rounds += 1
-            stats.draft_ms += 1000 * (t1 - t0)
-            stats.verify_ms += 1000 * (time.perf_counter() - t1)
-            return [nxt]
         exit_states = proposal.exit_states  # [1, k+1, d]: pending and each draft token at layer E
+        if exit_states is None:
+            # Nothing drafted and nothing computed (prompt lookup alone found no match). Greedy: a plain
+            # step, which takes the native path where it can; sampling verifies the bare pending token.
+            if warp.greedy:
+                nxt = self.plain_step(seq, pending, gen_tokens, warp, rng, constraint)
+                stats.rounds += 1
+                stats.draft_ms += 1000 * (t1 - t0)
+                stats.verify_ms += 1000 * (time.perf_counter() - t1)
+                return [nxt]
+            exit_states = self.embed([pending])  # [1, 1, d]
         if exit_states.shape[1] < k + 1:
             # The last draft token was never fed to the draft: its layers < E run here, once.
             h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, proposal.exit_layer, seq.length + k, seq)
