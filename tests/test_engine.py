@@ -443,8 +443,24 @@ def test_ngram_index_follows_growth_and_crops():
     index = NgramIndex()
     arr = np.array(stream[:-1], dtype=np.int64)
     index.sync(arr, len(arr))
-    assert index.propose(stream[-4:], 3) == [4, 7, 8]      # "1 2 3" last followed by "4 7 8"
+    assert index.propose([1, 2, 3, 4], 3) == [7, 8, 5]     # the 4-gram "1 2 3 4" last followed by "7 8 5"
+    assert index.propose(stream[-4:], 3) == [4, 7]          # "1 2 3": a shorter match proposes SHORT_MATCH_K
     assert index.propose([42, 43], 3) == []                 # nothing to continue
+
+
+def test_ngram_proposal_prefers_an_occurrence_with_a_full_continuation():
+    import numpy as np
+
+    from completiond.engine.lookup import NgramIndex
+
+    # period-5 text: the latest "1 2 3 4" ends one token before the stream's end, the one before it
+    # has a whole period after it
+    stream = [9, 8] + [1, 2, 3, 4, 0] * 3 + [1, 2, 3, 4]
+    index = NgramIndex()
+    arr = np.array(stream[:-1], dtype=np.int64)
+    index.sync(arr, len(arr))
+    assert index.propose(stream[-4:], 5) == [0, 1, 2, 3, 4]
+    assert index.propose(stream[-4:], 1) == [0]
 
 
 @pytest.mark.parametrize("early_exit", [False, True])
