@@ -262,6 +262,17 @@ def small_functions(files, max_body_lines: int = 8, limit: int = 60, seed: int =
     return out[:limit]
 
 
+def end_token_prob(model, prompt: list[int], middle: list[int], eot: int) -> tuple[float, bool]:
+    """Teacher-forced: the probability of the end token right after the true middle, and whether it
+    is the model's first choice there. Greedy stopping needs it first at exactly that point, so this
+    shows progress towards the stop target before greedy decoding gets there."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + middle])).logits[0, -1].float()
+    return float(logits.softmax(-1)[eot]), bool(int(logits.argmax()) == eot)
+
+
 def fim_bodies(model, tok, files, n: int, max_new: int = 128):
     eot = tok.convert_tokens_to_ids(EOT)
     res = {}
@@ -270,8 +281,12 @@ def fim_bodies(model, tok, files, n: int, max_new: int = 128):
     for order in ("spm", "psm"):
         stopped = exact = 0
         sim = 0.0
+        end_p = end_top = 0.0
         for rel, prefix, body, suffix in funcs:
-            g, hit = greedy(model, encode_fim(tok, prefix, suffix, order), max_new, stop_ids=(eot,))
+            prompt = encode_fim(tok, prefix, suffix, order)
+            p_end, top = end_token_prob(model, prompt, tok(body, add_special_tokens=False)["input_ids"], eot)
+            end_p, end_top = end_p + p_end, end_top + top
+            g, hit = greedy(model, prompt, max_new, stop_ids=(eot,))
             text = tok.decode(g)
             stopped += int(hit)
             exact += int(hit and text.rstrip() == body.rstrip())
@@ -281,7 +296,8 @@ def fim_bodies(model, tok, files, n: int, max_new: int = 128):
                            "suffix_head": "".join(suffix.splitlines(keepends=True)[:3]), "truth": body,
                            "completion": text}
         k = max(1, len(funcs))
-        res[order] = {"stops_at_eot": stopped / k, "exact_match": exact / k, "char_similarity": sim / k}
+        res[order] = {"stops_at_eot": stopped / k, "exact_match": exact / k, "char_similarity": sim / k,
+                      "end_token_prob": end_p / k, "end_token_top": end_top / k}
     return res, len(funcs), example
 
 
@@ -719,10 +735,14 @@ real line (trailing whitespace ignored). Baseline: the previous line's indentati
 {r['fim_functions']} held-out functions of at most 8 body lines, body removed (docstring kept in the prefix),
 greedy up to 128 tokens.
 
-| order | stops at the end token | exact body | char similarity |
-|---|---|---|---|
-| SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} |
-| PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} |
+| order | stops at the end token | exact body | char similarity | p(end token) after the true body | end token first there |
+|---|---|---|---|---|---|
+| SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} | {fb['spm'].get('end_token_prob', float('nan')):.3f} | {fb['spm'].get('end_token_top', float('nan')):.1%} |
+| PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} | {fb['psm'].get('end_token_prob', float('nan')):.3f} | {fb['psm'].get('end_token_top', float('nan')):.1%} |
+
+The last two columns are teacher-forced: the prompt plus the true body, then the model's next-token
+distribution. Greedy decoding stops only where the end token is first at the body's end (and the
+model got the body right up to there), so these show progress before the stop rate moves.
 
 ## Targets
 
