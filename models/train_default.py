@@ -742,7 +742,12 @@ def train(a: argparse.Namespace, log=print) -> int:
     with open(log_path.with_suffix(".tmp"), "w") as f:
         f.write("".join(l + "\n" for l in kept))
     log_path.with_suffix(".tmp").replace(log_path)
-    logf = open(log_path, "a")
+
+    def append_log(rec):
+        # reopened per record: a checkout or rebase that replaces the file under a long run must not
+        # send the records to an unlinked inode (that lost steps 6,440-7,240 once)
+        with open(log_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     stop = {"signal": None}
 
@@ -784,8 +789,7 @@ def train(a: argparse.Namespace, log=print) -> int:
                     if "packages" in ev:
                         rec["heldout_packages_exit_losses"] = ev["packages"]
                     step_t = time.time()  # evaluation is not training time
-                logf.write(json.dumps(rec) + "\n")
-                logf.flush()
+                append_log(rec)
                 if not a.no_progress:
                     log(f"step {tr.step}/{tr.total_steps} tokens {tr.tokens:,} loss {rec['loss']} "
                         f"kl {rec['distill_kl']} lr {r['lr']:.2e} {tr.tokens / max(1e-9, tr.seconds):.0f} tok/s"
@@ -802,7 +806,7 @@ def train(a: argparse.Namespace, log=print) -> int:
                    "final": True, "heldout_exit_losses": ev["stdlib"]}
             if "packages" in ev:
                 rec["heldout_packages_exit_losses"] = ev["packages"]
-            logf.write(json.dumps(rec) + "\n")
+            append_log(rec)
         failed = False
     finally:
         # after a failure the state may be half-updated: the last periodic checkpoint stays
@@ -810,7 +814,6 @@ def train(a: argparse.Namespace, log=print) -> int:
             stage.update(end_step=tr.step, end_tokens=tr.tokens, stop_reason=reason,
                          ended=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             tr.save(ckpt)
-        logf.close()
         for s, h in old.items():
             signal.signal(s, h)
     log(f"stopped ({reason}): step {tr.step} of {tr.total_steps}, {tr.tokens:,} tokens, "

@@ -362,6 +362,16 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
             if line.startswith("step 3/") or time.time() > deadline:
                 break
         assert any(line.startswith("step 3/") for line in lines), "".join(lines)
+        # a git checkout replaces the log under the running trainer: later records must reach the new file
+        log_path = run / "train_log.jsonl"
+        replacement = run / "train_log.replacement"
+        replacement.write_text(log_path.read_text())
+        os.replace(replacement, log_path)
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 6/") or time.time() > deadline:
+                break
+        assert any(line.startswith("step 6/") for line in lines), "".join(lines)
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=120)
     finally:
@@ -369,7 +379,9 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
             proc.kill()
     assert proc.returncode == 0, "".join(lines) + rest
     st = torch.load(run / "ckpt.pt", weights_only=False)
-    assert st["stages"][-1]["stop_reason"] == "SIGTERM" and st["step"] >= 3
+    assert st["stages"][-1]["stop_reason"] == "SIGTERM" and st["step"] >= 6
+    logged = [json.loads(line)["step"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert {4, 5, 6} <= set(logged), logged
     from completiond.models.train_default import main
 
     assert main(["--resume", "--run-dir", str(run), "--data", str(data), "--no-progress", "--max-steps",
