@@ -523,6 +523,21 @@ def _data_md(data: dict, t: dict, manifest: dict | None) -> str:
 """
 
 
+_RECIPE_NAMES = {"distill": "distillation weight", "distill_other": "relative KL weight of other exits",
+                 "draft_exits": "draft exits"}
+
+
+def _recipe_changes_md(st: dict) -> str:
+    """A stage's changes to the distillation recipe (train-default --resume --distill/--draft-exits)."""
+    changes = st.get("recipe_changes") or {}
+
+    def show(v):
+        return ", ".join(str(x) for x in v) if isinstance(v, list) else str(v)
+
+    return "".join(f"; {_RECIPE_NAMES.get(k, k)} changed from {show(was)} to {show(now)}"
+                   for k, (was, now) in changes.items())
+
+
 def _training_md(t: dict) -> str:
     """The training section for a model trained by the resumable trainer (summary has "cfg")."""
     c = t["cfg"]
@@ -531,8 +546,10 @@ def _training_md(t: dict) -> str:
         f"{st['start_step']:,} to {st.get('end_step', st['start_step']):,}, tokens {st['start_tokens']:,} to "
         f"{st.get('end_tokens', st['start_tokens']):,}, {st.get('started', '?')} to {st.get('ended', '?')}, "
         f"{st.get('precision')} on {st.get('device')} ({st.get('threads')} threads), stopped: "
-        f"{st.get('stop_reason', 'checkpoint')}"
+        f"{st.get('stop_reason', 'checkpoint')}{_recipe_changes_md(st)}"
         for i, st in enumerate(t["stages"]))
+    changed = any(st.get("recipe_changes") for st in t["stages"])
+    as_of = " (the last stage's values; the stages above say where they changed)" if changed else ""
     probe_md = ""
     if t.get("scaling_probe"):
         rows = "\n".join(
@@ -576,11 +593,11 @@ def _training_md(t: dict) -> str:
   training only (no rescaling; off at inference): p = [{drop}].
   Early-exit loss through the shared final norm and LM head, weights `e_scale * sum(i for i <= l)` for l < L-1
   and `L-1` for the last layer, e_scale = {t['exit_scale']}, normalized: [{weights}]. Each step scores the
-  exits the engine drafts from ({', '.join(str(e) for e in t['draft_exits'])}) and {t['rotating_exits']} other exits
+  exits the engine drafts from ({', '.join(str(e) for e in t['draft_exits'])}){as_of} and {t['rotating_exits']} other exits
   chosen at random (rotational curriculum), on a random {t['exit_frac']:.3g} of the positions (CPU budget); the last
   layer on all.
 * **Self-distillation**: each scored exit is also trained toward the final layer's detached distribution,
-  KL(p_final || p_exit), weight 1 for the draft exits and {t['distill_other']} for the others, times {t['distill']}.
+  KL(p_final || p_exit), weight 1 for the draft exits and {t['distill_other']} for the others, times {t['distill']}{as_of}.
 * **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), inside one file's
   window. Every middle ends at a boundary an editor completion should stop at: before a newline (the rest of
   the cursor's line plus 0-3 lines, or the indented block after a line: a function or loop body), or where the

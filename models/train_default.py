@@ -67,7 +67,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 DEFAULTS = dict(hidden=192, layers=10, heads=3, kv_heads=3, intermediate=512, seq_len=512,
                 batch_size=8, lr=2e-3, min_lr_ratio=0.1, warmup=100, weight_decay=0.1,
                 layer_dropout=0.1, exit_scale=0.1, exit_frac=0.125, fim_rate=0.5, spm_rate=0.5,
-                empty_middle=0.1, distill=0.3, distill_other=0.1, rotating_exits=2, total_tokens=40_000_000)
+                empty_middle=0.1, distill=0.3, distill_other=0.1, rotating_exits=2, total_tokens=40_000_000,
+                draft_exits="2,3,4")
+# The distillation knobs a resumed run may change (recorded on the stage that changed them): they weight
+# losses, not shapes or data, so the checkpoint's weights, optimiser and data position stay valid.
+RESUME_RECIPE = ("distill", "distill_other", "draft_exits")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SPECIALS = ("<|endoftext|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>")
@@ -111,12 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exit-scale", type=float, default=d["exit_scale"], help="LayerSkip e_scale")
     parser.add_argument("--exit-frac", type=float, default=d["exit_frac"],
                         help="fraction of positions scored at the intermediate exits each step")
-    parser.add_argument("--draft-exits", default="2,3,4", help="1-based exits the engine drafts from")
+    parser.add_argument("--draft-exits", default=None,
+                        help=f"1-based exits the engine drafts from (default {d['draft_exits']}; with --resume: "
+                             f"changes the checkpoint's from this stage on)")
     parser.add_argument("--rotating-exits", type=int, default=d["rotating_exits"],
                         help="other early exits scored per step, chosen at random")
-    parser.add_argument("--distill", type=float, default=d["distill"], help="weight of the exit KL toward the final layer")
-    parser.add_argument("--distill-other", type=float, default=d["distill_other"],
-                        help="relative KL weight of exits that are not draft exits")
+    parser.add_argument("--distill", type=float, default=None,
+                        help=f"weight of the exit KL toward the final layer (default {d['distill']}; with --resume: "
+                             f"changes the checkpoint's from this stage on)")
+    parser.add_argument("--distill-other", type=float, default=None,
+                        help=f"relative KL weight of exits that are not draft exits (default {d['distill_other']}; "
+                             f"with --resume: changes the checkpoint's from this stage on)")
     parser.add_argument("--fim-rate", type=float, default=d["fim_rate"])
     parser.add_argument("--spm-rate", type=float, default=d["spm_rate"], help="share of FIM samples in SPM order")
     parser.add_argument("--empty-middle", type=float, default=d["empty_middle"], help="share of FIM middles that are empty")
@@ -647,6 +656,27 @@ def load_checkpoint(path: Path) -> dict:
 
 # ----------------------------------------------------------------------------- commands
 
+def _parse_exits(text) -> list[int]:
+    try:
+        exits = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--draft-exits {text!r}: expected 1-based layer numbers separated by commas") from None
+    if not exits or min(exits) < 1:
+        raise ValueError(f"--draft-exits {text!r}: expected at least one layer number >= 1")
+    return exits
+
+
+def _recipe_from_args(a: argparse.Namespace, fill_defaults: bool) -> dict:
+    """The RESUME_RECIPE values given on the command line (all of them, defaults filled, for a new run)."""
+    given = {k: getattr(a, k, None) for k in RESUME_RECIPE}
+    if fill_defaults:
+        given = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
+    out = {k: v for k, v in given.items() if v is not None}
+    if "draft_exits" in out:
+        out["draft_exits"] = _parse_exits(out["draft_exits"])
+    return out
+
+
 def _cfg_from_args(a: argparse.Namespace) -> dict:
     return {
         "arch": {"hidden": a.hidden, "layers": a.layers, "heads": a.heads, "kv_heads": a.kv_heads,
@@ -654,8 +684,8 @@ def _cfg_from_args(a: argparse.Namespace) -> dict:
         "seq_len": a.seq_len, "batch_size": a.batch_size, "lr": a.lr, "min_lr_ratio": a.min_lr_ratio,
         "warmup": a.warmup, "weight_decay": a.weight_decay, "layer_dropout": a.layer_dropout,
         "exit_scale": a.exit_scale, "exit_frac": a.exit_frac,
-        "draft_exits": [int(v) for v in str(a.draft_exits).split(",") if v.strip()],
-        "rotating_exits": a.rotating_exits, "distill": a.distill, "distill_other": a.distill_other,
+        **_recipe_from_args(a, fill_defaults=True),
+        "rotating_exits": a.rotating_exits,
         "fim_rate": a.fim_rate, "spm_rate": a.spm_rate, "empty_middle": a.empty_middle, "seed": a.seed,
         "total_tokens": a.total_tokens or DEFAULTS["total_tokens"], "precision": a.precision,
     }
@@ -708,6 +738,11 @@ def train(a: argparse.Namespace, log=print) -> int:
             log(f"planned total changed from {cfg['total_tokens']:,} to {a.total_tokens:,} tokens: the schedule "
                 f"continues from step {st['step']} on the new cosine")
             cfg["total_tokens"] = a.total_tokens
+        recipe_changes = {k: [cfg.get(k), v] for k, v in _recipe_from_args(a, fill_defaults=False).items()
+                          if cfg.get(k) != v}
+        for k, (was, now) in recipe_changes.items():
+            log(f"{k} changed from {was} to {now} for this stage on")
+            cfg[k] = now
         tokenizer_dir = tok_dir
     else:
         if ckpt.exists():
@@ -715,6 +750,7 @@ def train(a: argparse.Namespace, log=print) -> int:
         cfg = _cfg_from_args(a)
         tokenizer_dir = a.tokenizer
         st = None
+        recipe_changes = {}
     a.tokenizer = tokenizer_dir
     data = _ensure_data(a, log)
     tok, ids = load_tokenizer(tokenizer_dir)
@@ -759,6 +795,8 @@ def train(a: argparse.Namespace, log=print) -> int:
              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "precision": tr.precision,
              "device": device, "threads": a.threads, "pid": os.getpid(), "resume": bool(a.resume),
              "torch": torch.__version__}
+    if recipe_changes:
+        stage["recipe_changes"] = recipe_changes
     tr.stages.append(stage)
     t0 = time.time()
     last_save = t0

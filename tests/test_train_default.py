@@ -305,9 +305,13 @@ def test_train_stop_resume_and_export_end_to_end(prepared, tmp_path):
     assert st["step"] == 4 and st["stages"][0]["stop_reason"] == "max steps"
     with pytest.raises(FileExistsError):
         main(common + arch)
-    assert main(common + ["--resume"]) == 0
+    # the second stage changes the distillation recipe: the checkpoint's cfg and that stage record it
+    assert main(common + ["--resume", "--distill", "0.5", "--draft-exits", "3"]) == 0
     st = torch.load(run / "ckpt.pt", weights_only=False)
     assert st["step"] == 8 and [s["stop_reason"] for s in st["stages"]] == ["max steps", "total reached"]
+    assert st["cfg"]["distill"] == 0.5 and st["cfg"]["draft_exits"] == [3]
+    assert "recipe_changes" not in st["stages"][0]
+    assert st["stages"][1]["recipe_changes"] == {"distill": [0.3, 0.5], "draft_exits": [[2, 3, 4], [3]]}
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if not r.get("final")] == [2, 4, 6, 8]
     assert log[-1]["final"] and len(log[-1]["heldout_exit_losses"]) == 4
@@ -388,3 +392,23 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
                  str(st["step"] + 2)]) == 0
     st2 = torch.load(run / "ckpt.pt", weights_only=False)
     assert st2["step"] == st["step"] + 2 and len(st2["stages"]) == 2 and st2["stages"][1]["resume"]
+
+
+def test_resume_recipe_arguments_are_checked_and_shown_on_the_card():
+    import argparse
+
+    from completiond.models.model_card import _recipe_changes_md
+    from completiond.models.train_default import _recipe_from_args
+
+    def ns(**kw):
+        return argparse.Namespace(**{"distill": None, "distill_other": None, "draft_exits": None, **kw})
+
+    assert _recipe_from_args(ns(), fill_defaults=False) == {}
+    assert _recipe_from_args(ns(), fill_defaults=True) == {"distill": 0.3, "distill_other": 0.1, "draft_exits": [2, 3, 4]}
+    assert _recipe_from_args(ns(draft_exits="4, 5"), fill_defaults=False) == {"draft_exits": [4, 5]}
+    for bad in ("four", "0,1", ","):
+        with pytest.raises(ValueError, match="--draft-exits"):
+            _recipe_from_args(ns(draft_exits=bad), fill_defaults=False)
+    md = _recipe_changes_md({"recipe_changes": {"distill": [0.3, 1.0], "draft_exits": [[2, 3, 4], [4, 5]]}})
+    assert md == "; distillation weight changed from 0.3 to 1.0; draft exits changed from 2, 3, 4 to 4, 5"
+    assert _recipe_changes_md({}) == ""
