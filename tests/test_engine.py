@@ -267,6 +267,62 @@ def test_accept_sampled_reproduces_p_by_sampling():
     assert torch.all((freq - p).abs() < bound), (freq, p)
 
 
+def test_accept_sampled_resident_reproduces_p_and_the_bonus_by_sampling():
+    """The on-device accept step: an accepted or resampled first token is distributed as p[0]; after an
+    accepted draft, the bonus token as p[1]."""
+    v, draws = 6, 30000
+    p, q = _random_dists(v, 11)
+    p2, _ = _random_dists(v, 12)
+    p, q, p2 = p.float(), q.float(), p2.float()
+    gen = torch.Generator().manual_seed(0)
+    first, bonus = torch.zeros(v), torch.zeros(v)
+    draft = torch.multinomial(q, draws, replacement=True, generator=gen)
+    target = torch.stack([p, p2])
+    for x in draft:
+        m, nxt = sampling.accept_sampled_resident(x.view(1), q[None], target, gen).tolist()
+        assert m in (0, 1)
+        first[int(x) if m == 1 else nxt] += 1
+        if m == 1:
+            bonus[nxt] += 1
+    for counts, want in ((first, p), (bonus, p2)):
+        n = counts.sum()
+        assert n > draws / 10  # (the bonus: rounds that accepted, ~18% of them with these p, q)
+        bound = 5 * torch.sqrt(want * (1 - want) / n)
+        assert torch.all((counts / n - want).abs() < bound), (counts / n, want)
+    # nothing drafted: one draw from p[0]
+    m, nxt = sampling.accept_sampled_resident(torch.zeros(0, dtype=torch.long), None, p[None], gen).tolist()
+    assert m == 0 and 0 <= nxt < v
+
+
+@pytest.mark.parametrize("exit_layer,k", [(1, 1), (2, 3), (3, 6), (5, 2)])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.99])
+def test_resident_draft_proposes_what_the_read_per_token_loop_proposes(resident, exit_layer, k, threshold):
+    """Same tokens and exit states as the loop that reads each token, whatever the threshold cuts; and
+    speculative greedy through it equals plain greedy."""
+    from completiond.engine.draft import EarlyExitDraft
+
+    engine = resident
+    prompt = ids(engine)
+    draft = EarlyExitDraft(engine, exit_layer)
+    warp = sampling.Warp()
+    got = {}
+    for on_device in (False, True):
+        engine.resident_ids = on_device
+        seq = engine.new_sequence(len(prompt) + k + 2)
+        with torch.inference_mode():
+            engine.prefill(seq, prompt[:-1], None)
+            got[on_device] = draft.propose(seq, prompt[-1], [], k, threshold, warp, None, None)
+    a, b = got[False], got[True]
+    assert a.tokens == b.tokens and b.token_ids.tolist() == b.tokens
+    torch.testing.assert_close(a.exit_states, b.exit_states, rtol=0, atol=0)
+    engine.resident_ids = True
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40, speculative=False))
+    spec = engine.generate(prompt, SamplingParams(max_tokens=40, exit_layer=exit_layer, draft_k=k,
+                                                  draft_threshold=threshold))
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0 or threshold > 0  # (a high threshold may leave this tiny model unsure throughout)
+
+
 def test_warp_top_k_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     pr = sampling.probs(logits, sampling.Warp(temperature=1.0, top_p=0.8))
@@ -329,8 +385,29 @@ def test_draft_vocab_subset_stays_exact(engine):
     assert sub.tokens == plain.tokens
 
 
-def test_sampled_speculation_matches_target_distribution(engine):
+@pytest.fixture
+def resident(engine):
+    """The engine as on an accelerator: draft ids and the accept test stay on the device."""
+    engine.resident_ids = True
+    try:
+        yield engine
+    finally:
+        engine.resident_ids = False
+        engine._pending_dev = None
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["read-per-token", "resident"])
+def test_sampled_speculation_matches_target_distribution(engine, on_device):
     """First two tokens under sampling: speculative and plain frequencies agree (chi-square-like bound)."""
+    engine.resident_ids = on_device
+    try:
+        _sampled_matches_target(engine)
+    finally:
+        engine.resident_ids = False
+        engine._pending_dev = None
+
+
+def _sampled_matches_target(engine):
     prompt = ids(engine)
     n = 300
     counts_plain, counts_spec = {}, {}

@@ -49,6 +49,7 @@ class Proposal:
     exit_states: torch.Tensor | None
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
     kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
+    token_ids: torch.Tensor | None = None  # [k] the same ids on the device, where the draft made them there
 
 
 class Draft(Protocol):
@@ -94,6 +95,8 @@ class EarlyExitDraft:
                 eng.fwd.head_w if full else eng.draft_head_weight, eng.fwd.head_b if full else None,
                 None if full else eng.draft_ids, eng.eos_ids_tensor)
             return Proposal(tokens, None, [None] * len(tokens), states, exit_layer=self.exit_layer, kind=self.kind)
+        if eng.resident_ids and constraint is None and type(self) is EarlyExitDraft:
+            return self._propose_resident(seq, pending, k_max, threshold, warp, rng)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         masks: list = []
@@ -129,6 +132,49 @@ class EarlyExitDraft:
             x = tok
         return Proposal(tokens, torch.stack(probs) if probs else None, masks, torch.cat(states, dim=1),
                         exit_layer=self.exit_layer, kind=self.kind)
+
+    def _propose_resident(self, seq, pending, k_max, threshold, warp, rng) -> Proposal:
+        """The loop above without a read per token (accelerators): each drafted id is fed on from the
+        device, k_max steps always, and one read at the end finds where the loop above stops (the first
+        token under the threshold, or just after an end token). The steps past that point leave only
+        scratch K/V past the committed length, as a rejected draft does; the tokens are the same."""
+        eng = self.engine
+        ids = eng.draft_ids  # [Vd] or None
+        x = eng.pending_on_device(pending)  # [1]
+        toks, confs, states, qs = [], [], [], []
+        for i in range(k_max):
+            h = eng.run_layers(eng.fwd.embed(x.view(1, 1)), 0, self.exit_layer, seq.length + i, seq)  # [1, 1, d]
+            states.append(h)
+            logits = self.draft_logits(seq, h, seq.length + i)  # [Vd]
+            if warp.greedy:
+                j = torch.argmax(logits)  # []
+                confs.append(torch.exp(logits[j] - torch.logsumexp(logits, dim=-1)) if threshold > 0 else None)
+            else:
+                q_sub = sampling.probs(logits[None], warp)[0]  # [Vd]
+                j = torch.multinomial(q_sub, 1, generator=rng)[0]
+                confs.append(q_sub.max())
+                qs.append(q_sub)
+            x = (j if ids is None else ids[j]).view(1)
+            toks.append(x)
+        drafted = torch.cat(toks)  # [K]
+        checked = confs[0] is not None
+        read = torch.cat([drafted.double(), torch.stack(confs).double()] if checked else [drafted.double()])
+        read = read.tolist()  # the draft's one read: K ids (exact in float64), then K confidences
+        got, n, stopped_unsure = [int(v) for v in read[:k_max]], 0, False
+        while n < k_max:
+            if checked and read[k_max + n] < threshold:
+                stopped_unsure = True  # the loop above breaks here, after this step's state
+                break
+            n += 1
+            if got[n - 1] in eng.eos_token_ids:
+                break
+        used = n + 1 if stopped_unsure else n  # the states the loop above would have made
+        probs = None
+        if qs and n:
+            q = torch.stack(qs[:n])  # [n, Vd]
+            probs = q if ids is None else torch.zeros(n, eng.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, ids, q)
+        return Proposal(got[:n], probs, [None] * n, torch.cat(states[:used], dim=1), exit_layer=self.exit_layer,
+                        kind=self.kind, token_ids=drafted[:n])
 
 
 class LookupDraft:

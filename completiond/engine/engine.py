@@ -218,6 +218,11 @@ class Engine:
             cache_bytes = default_cache_bytes(device)
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
+        # On an accelerator every read of a device value stalls the host until the queue drains, and a
+        # host int fed back costs a copy the other way: there the early-exit draft and the accept test keep
+        # token ids on the device and a round reads once, what it commits (tests switch this on for the CPU).
+        self.resident_ids = torch.device(device).type != "cpu"
+        self._pending_dev: tuple[int, torch.Tensor] | None = None  # the last committed token, kept on the device
         self.exit_adapter: ExitAdapter | None = None
         self.draft_model: "Engine | None" = None  # a separate draft model (attach_draft_model)
         self.medusa: medusa_mod.Medusa | None = None  # Medusa heads (attach_medusa)
@@ -388,6 +393,14 @@ class Engine:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # [1, t]
         return self.fwd.embed(ids)  # [1, t, d]
 
+    def pending_on_device(self, token: int) -> torch.Tensor:
+        """token as a [1] device tensor: the one the last round left on the device when it is that token
+        (no host-to-device copy), else a fresh one."""
+        kept = self._pending_dev
+        if kept is not None and kept[0] == token:
+            return kept[1]
+        return torch.tensor([token], dtype=torch.long, device=self.device)
+
     def new_sequence(self, capacity: int) -> KVSequence:
         a = self.adapter
         slots = len(self.fwd.layers)  # the model's layers, and an exit adapter's when one is attached
@@ -451,7 +464,9 @@ class Engine:
             return token
         tap = getattr(draft, "tap_layer", None) if before else None
         if tap is None:
-            h = self.run_layers(self.embed(ids), 0, self.num_layers, pos, seq)
+            x = self.fwd.embed(self.pending_on_device(pending).view(1, 1)) if self.resident_ids and not before \
+                else self.embed(ids)  # [1, t, d]
+            h = self.run_layers(x, 0, self.num_layers, pos, seq)
             seq.commit(ids)
         else:
             h_tap = self.run_layers(self.embed(ids), 0, tap, pos, seq)
@@ -460,8 +475,13 @@ class Engine:
             draft.observe(seq, pos, h_tap)
         logits = sampling.mask_logits(self.head(h[:, -1:])[-1], _mask(constraint, gen_tokens))
         if warp.greedy:
-            return int(torch.argmax(logits))
-        return sampling.sample(sampling.probs(logits[None], warp)[0], rng)
+            nxt = torch.argmax(logits).view(1)  # [1]
+        else:
+            nxt = torch.multinomial(sampling.probs(logits[None], warp)[0], 1, generator=rng)  # [1]
+        token = int(nxt)  # the step's one read
+        if self.resident_ids:
+            self._pending_dev = (token, nxt)
+        return token
 
     def speculative_round(self, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, k_max: int,
                           threshold: float, warp: sampling.Warp, rng: torch.Generator,
@@ -488,7 +508,9 @@ class Engine:
             exit_states = self.embed([pending])  # [1, 1, d]
         if exit_states.shape[1] < k + 1:
             # The last draft token was never fed to the draft: its layers < E run here, once.
-            h_last = self.run_layers(self.embed(proposal.tokens[-1:]), 0, proposal.exit_layer, seq.length + k, seq)
+            x_last = (self.fwd.embed(proposal.token_ids[-1:].view(1, 1)) if proposal.token_ids is not None
+                      else self.embed(proposal.tokens[-1:]))  # [1, 1, d]
+            h_last = self.run_layers(x_last, 0, proposal.exit_layer, seq.length + k, seq)
             exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
         tap = draft.tap_layer
         if tap is not None and proposal.exit_layer < tap:
@@ -502,7 +524,16 @@ class Engine:
         if any(m is not None for m in masks):
             logits = torch.stack([sampling.mask_logits(logits[i], masks[i]) for i in range(k + 1)])
         if warp.greedy:
-            m, nxt = sampling.accept_greedy(proposal.tokens, torch.argmax(logits, dim=-1).tolist())
+            target = torch.argmax(logits, dim=-1)  # [k+1]
+            m, nxt = sampling.accept_greedy(proposal.tokens, target.tolist())  # the round's one read
+            if self.resident_ids:
+                self._pending_dev = (nxt, target[m:m + 1])
+        elif self.resident_ids:
+            drafted = (proposal.token_ids if proposal.token_ids is not None
+                       else torch.tensor(proposal.tokens, dtype=torch.long, device=self.device))  # [k]
+            out = sampling.accept_sampled_resident(drafted, proposal.probs, sampling.probs(logits, warp), rng)  # [2]
+            m, nxt = out.tolist()  # the round's one read
+            self._pending_dev = (nxt, out[1:])
         else:
             m, nxt = sampling.accept_sampled(proposal.tokens, proposal.probs, sampling.probs(logits, warp), rng)
         p0 = seq.length

@@ -84,6 +84,31 @@ def accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torc
     return len(draft), sample(p[len(draft)], gen)
 
 
+def accept_sampled_resident(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                            gen: torch.Generator) -> torch.Tensor:
+    """accept_sampled without reading anything back: the same test and the same distributions,
+    computed on the device, for accelerators where each read stalls the host.
+
+    draft: [k] drafted ids; q: [k, V] (None when k == 0); p: [k+1, V]. Returns [2] on the device:
+    (m accepted, next token). All k uniforms are drawn at once (those past the first rejection go
+    unused, which leaves the output's distribution unchanged: they are independent of it)."""
+    k, vocab = draft.numel(), p.shape[-1]
+    if k == 0:
+        return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), torch.multinomial(p[0], 1, generator=gen)])
+    rows = torch.arange(k, device=p.device)
+    u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype)
+    rejected = u >= torch.clamp(p[rows, draft] / q[rows, draft], max=1.0)  # [k]: not min(1, p(x)/q(x))
+    m = torch.where(rejected.any(), rejected.to(torch.long).argmax(), torch.tensor(k, device=p.device))  # first one, else k
+    # Row k of q is zero: with every draft accepted, the "residual" of p[k] is p[k] itself, the bonus.
+    q_ext = torch.cat([q.to(p.dtype), p.new_zeros(1, vocab)])  # [k+1, V]
+    at = m.view(1)
+    p_m = p.index_select(0, at)[0]  # [V]
+    r = torch.clamp(p_m - q_ext.index_select(0, at)[0], min=0.0)
+    total = r.sum()
+    dist = torch.where(total > 0, r / torch.where(total > 0, total, 1.0), p_m)  # residual's float-noise case: p
+    return torch.cat([m.view(1), torch.multinomial(dist, 1, generator=gen)])
+
+
 def accept_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:
     """Greedy: keep the longest prefix of the draft equal to the target's argmax.
 
