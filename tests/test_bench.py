@@ -260,3 +260,25 @@ def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
     assert all(r["greedy_identical"] for r in rows.values()) and result["greedy_identical"] is True
     assert rows["spec_draft_model"]["alpha"] == 1.0  # the model drafting for itself
     assert result["best_draft_gain"] == max(r["draft_gain"] for r in rows.values())
+
+
+def test_device_report_runs_on_the_cpu(peaked_dir):
+    """`completiond bench --device-report` (prepared for a lent GPU) end to end here: a random-weight
+    shape and a model directory, every figure present, greedy early exit identical to plain, and a
+    directory that is not a model reported without stopping the run."""
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "bench", "--device-report", "--json", "--repeats", "1",
+         "--max-tokens", "12", "--model", f"tiny-qwen2,{peaked_dir},/nonexistent/model"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["device"] == "cpu" and r["copy_bandwidth_gbs"] > 0 and "not built" in r["cuda_graphs"]
+    shape, tiny, missing = r["models"]
+    assert shape["model"] == "tiny-qwen2 (random weights)" and shape["layers"] == 4
+    assert "does not exist" in missing["error"]
+    for m in (shape, tiny):
+        assert m["weight_bytes"] > 0 and m["plain_ms_per_token"] > 0 and m["bandwidth_bound_ms_per_token"] > 0
+        assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
+        assert all(v > 0 for v in m["verify_cost_by_k"].values())
+        assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]
+    assert tiny["early_exit"]["greedy_identical"] is True  # peaked weights: no near ties to flip

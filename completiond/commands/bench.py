@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --typing: also replay it against this team server (see README, For teams)")
     p.add_argument("--backend", choices=("openai", "llamacpp-infill"), default="openai", help="with --endpoint")
     p.add_argument("--endpoint-model", default="", help="with --endpoint: the served model name")
+    p.add_argument("--device-report", action="store_true",
+                   help="accelerator figures (commands/bench_device.py): plain ms/token against the bandwidth bound, "
+                        "verify cost for K = 1..8, sampling at 0.8, for --model (comma-separated: 'bundled', a "
+                        "directory or a random-weight shape; default: bundled,qwen2.5-coder-1.5b)")
 
 
 def source_lines(files: list[Path] | None):
@@ -176,6 +180,8 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
     the LM head, at the same context, interleaved; medians of `repeats`."""
     import torch
 
+    from completiond.commands.bench_device import synchronize
+
     seq = engine.new_sequence(len(prompt) + k + 2)
     one, many = [], []
     with torch.inference_mode():
@@ -184,11 +190,14 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
         for _ in range(3):  # warm-up
             engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))
             engine.head(engine.run_layers(x1, 0, engine.num_layers, seq.length, seq))
+        synchronize(engine.device)
         for _ in range(repeats):
             t0 = time.perf_counter()
             engine.head(engine.run_layers(x1, 0, engine.num_layers, seq.length, seq))
+            synchronize(engine.device)  # an accelerator queues the pass: time its end, not its launch
             t1 = time.perf_counter()
             engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))
+            synchronize(engine.device)
             t2 = time.perf_counter()
             one.append(t1 - t0)
             many.append(t2 - t1)
@@ -435,6 +444,12 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if args.device_report:
+        from completiond.commands import bench_device
+
+        return bench_device.run(argparse.Namespace(
+            models=args.model or ",".join(bench_device.DEFAULT_MODELS), device=args.device, dtype=args.dtype,
+            repeats=args.repeats, max_tokens=args.max_tokens, max_k=8, bandwidth_mb=1024, json=args.json))
     if args.typing:
         from completiond.commands.bench_typing import run_typing_bench
 
