@@ -36,7 +36,9 @@ Metrics:
   whole (models/data_prep.py), read from the prepared data (--data, default
   runs/data/) when it was tokenised with this model's tokenizer;
 * draft cost per exit: FLOPs of the first l layers plus the LM head over a full
-  step (`completiond calibrate` measures the real ratio per machine).
+  step, and, with --bench (a `completiond bench --json` output of this model), the
+  cost the engine measured per exit (draft_cost_by_exit). --from-results rewrites
+  the card from eval_results.json without evaluating again.
 """
 
 from __future__ import annotations
@@ -633,12 +635,18 @@ def write_card(model_dir: Path, r: dict) -> None:
     t = r["training"]
     data = r["data"]
     L = t["layers"]
+    measured = {d["exit_layer"]: d["cost"] for d in (r.get("measured_draft_cost") or {}).get("by_exit", [])}
     rows = "\n".join(
         f"| {l + 1}{' (full)' if l == L - 1 else ''} | {r['heldout_loss'][l]:.3f} | "
         f"{_fmt(r.get('heldout_packages_loss'), l)} | {r['alpha'][l]:.3f} | "
         f"{draft_cost(t, l + 1, r.get('draft_vocab_size', 0)):.2f} | "
+        f"{f'{measured[l + 1]:.2f}' if l + 1 in measured else ('1.00' if l == L - 1 and measured else 'not measured')} | "
         f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
         for l in range(L))
+    mdc = r.get("measured_draft_cost")
+    measured_md = (f" Measured draft cost: one greedy draft token at that exit (the engine's own step, {mdc['step']}) "
+                   f"÷ one plain greedy step, at the same context, medians of {mdc['repeats']} (`completiond bench --json`, "
+                   f"`draft_cost_by_exit`; {mdc['when']})." if mdc else "")
     nl = r["next_line"]
     fb = r["fim_bodies"]
     first_07 = next((l + 1 for l in range(L - 1) if r["alpha"][l] >= 0.7), None)
@@ -721,10 +729,10 @@ Loss: mean cross-entropy (nats) on {r['heldout_windows']} windows of {t['seq_len
 ln({t['vocab']}) = {r['uniform_loss']:.2f}. Greedy acceptance alpha: fraction of positions, along the full
 model's greedy continuation of {r['alpha_prompts']} held-out prompts ({r['alpha_positions']} positions), where the
 exit layer's argmax equals the full model's. K=4 rounds simulated exactly (greedy self-speculation:
-accept the longest matching draft prefix, then one token from the full model).
+accept the longest matching draft prefix, then one token from the full model).{measured_md}
 
-| exit layer | held-out loss (stdlib) | held-out loss (packages) | alpha (greedy agreement) | draft cost (FLOPs, {r.get('draft_vocab_size') or t['vocab']}-id draft head) | accepted / round (K=4) | tokens / round |
-|---|---|---|---|---|---|---|
+| exit layer | held-out loss (stdlib) | held-out loss (packages) | alpha (greedy agreement) | draft cost (FLOPs, {r.get('draft_vocab_size') or t['vocab']}-id draft head) | draft cost (measured) | accepted / round (K=4) | tokens / round |
+|---|---|---|---|---|---|---|---|
 {rows}
 
 {"First exit layer with alpha >= 0.7: **" + str(first_07) + f"** of {L}." if first_07 else "**No early exit layer reaches alpha >= 0.7.**"}
@@ -851,6 +859,19 @@ def heldout_packages_loss(model, data_dir: Path, model_dir: Path, seq_len: int, 
     return [v / x.shape[0] for v in sums], manifest or data.manifest
 
 
+def measured_draft_cost(bench_json: Path) -> dict:
+    """The draft costs a `completiond bench --json` run measured per exit layer (draft_cost_by_exit)."""
+    try:
+        b = json.loads(Path(bench_json).read_text())
+        by_exit = [{"exit_layer": int(d["exit_layer"]), "cost": float(d["cost"])} for d in b["draft_cost_by_exit"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"model_card: {bench_json} is not a `completiond bench --json` output with "
+                         f"draft_cost_by_exit: {exc}") from None
+    step = (b.get("native_step") or {}).get("used")
+    return {"by_exit": by_exit, "repeats": 20, "step": "native" if step else "PyTorch",
+            "when": f"{b.get('date', 'date not recorded')}, {b.get('cpu') or b.get('device', '')}".strip(", ")}
+
+
 def main(argv=None) -> int:
     import sys
 
@@ -865,7 +886,20 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data", type=Path, default=Path("runs/data"),
                    help="prepared data (train-default --prepare) for the held-out packages loss")
+    p.add_argument("--bench", type=Path, default=None,
+                   help="a `completiond bench --json` output of this model: its draft_cost_by_exit becomes the card's "
+                        "measured draft cost")
+    p.add_argument("--from-results", action="store_true",
+                   help="rewrite the card from the model's eval_results.json (no evaluation; with --bench: add its costs)")
     a = p.parse_args(argv)
+    if a.from_results:
+        res = json.loads((a.model / "eval_results.json").read_text())
+        if a.bench:
+            res["measured_draft_cost"] = measured_draft_cost(a.bench)
+        (a.model / "eval_results.json").write_text(json.dumps(res, indent=2) + "\n")
+        write_card(a.model, res)
+        print(f"wrote {a.model / 'MODEL_CARD.md'} from {a.model / 'eval_results.json'}", flush=True)
+        return 0
     torch.set_num_threads(a.threads)
     import transformers
 
@@ -911,6 +945,8 @@ def main(argv=None) -> int:
         "fim_bodies": fb, "fim_functions": n_fb, "fim_example": fim_example,
         "samples": smp, "eval_seconds": time.time() - t0,
     }
+    if a.bench:
+        res["measured_draft_cost"] = measured_draft_cost(a.bench)
     if (d / "train_log.jsonl").is_file():
         plot(d / "train_log.jsonl", d / "loss_curves.png", L)
     (d / "eval_results.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -61,6 +61,8 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert result["verify_cost"]["k"] == 3 and result["verify_cost_ratio"] > 0
     assert [v["k"] for v in result["verify_cost_by_k"]] == list(range(1, 9))
     assert all(v["ratio"] > 0 and v["pass_ms"] > 0 for v in result["verify_cost_by_k"])
+    assert [d["exit_layer"] for d in result["draft_cost_by_exit"]] == [1, 2, 3]  # every exit of the 4 layers
+    assert all(d["cost"] > 0 and d["draft_ms"] > 0 and d["step_ms"] > 0 for d in result["draft_cost_by_exit"])
     # the native step's gain is measured beside it (plain decoding on the PyTorch path), same outputs
     if result["native_step"]["used"]:
         assert result["native_gain"] == pytest.approx(result["decode_ms_per_token"]["plain_torch"]["median"]
@@ -282,3 +284,25 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert all(v > 0 for v in m["verify_cost_by_k"].values())
         assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]
     assert tiny["early_exit"]["greedy_identical"] is True  # peaked weights: no near ties to flip
+
+
+def test_model_card_takes_the_measured_draft_costs_of_a_bench_run(tmp_path):
+    """`model_card --from-results --bench`: the card's measured column comes from draft_cost_by_exit; a file
+    that is not a bench output is refused with its name."""
+    import shutil
+
+    from completiond.models import default_model_dir
+    from completiond.models.model_card import main
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_dir(), model)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"draft_cost_by_exit": [{"exit_layer": 4, "cost": 0.3125, "draft_ms": 1, "step_ms": 3}],
+                                 "native_step": {"used": True}, "date": "2026-12-03", "cpu": "x86_64"}))
+    assert main(["--model", str(model), "--from-results", "--bench", str(bench)]) == 0
+    card = (model / "MODEL_CARD.md").read_text()
+    assert "| 4 | " in card and "| 0.33 | 0.31 |" in card and "draft_cost_by_exit" in card
+    assert json.loads((model / "eval_results.json").read_text())["measured_draft_cost"]["by_exit"][0]["cost"] == 0.3125
+    bench.write_text("{}")
+    with pytest.raises(SystemExit, match="bench.json"):
+        main(["--model", str(model), "--from-results", "--bench", str(bench)])

@@ -205,6 +205,51 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
             "step_ms": 1000 * statistics.median(one), "pass_ms": 1000 * statistics.median(many)}
 
 
+def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20) -> list[dict]:
+    """Per exit layer E: one greedy early-exit draft step (layers < E and the draft head, as the engine
+    drafts: native where it can, the calibrated draft vocabulary) ÷ one plain greedy step, both at the
+    same context; a draft of k tokens timed beside a plain step, medians of `repeats`."""
+    import torch
+
+    from completiond.commands.bench_device import synchronize
+    from completiond.engine.draft import EarlyExitDraft
+    from completiond.engine.engine import sampling
+
+    warp = sampling.Warp()
+    seq = engine.new_sequence(len(prompt) + k + 2)
+    out = []
+    with torch.inference_mode():
+        engine.prefill(seq, prompt[:-1], None)
+        n0, pending = seq.length, prompt[-1]
+
+        def plain() -> float:
+            t = time.perf_counter()
+            engine.plain_step(seq, pending, [], warp, None, None)
+            synchronize(engine.device)
+            dt = time.perf_counter() - t
+            seq.crop(n0)  # the step committed its token: back to the same context
+            return dt
+
+        for e in range(1, engine.num_layers):
+            draft = EarlyExitDraft(engine, e)
+
+            def drafted() -> float:
+                t = time.perf_counter()
+                got = draft.propose(seq, pending, [], k, 0.0, warp, None, None)  # writes scratch K/V only
+                synchronize(engine.device)
+                return (time.perf_counter() - t) / max(1, len(got.tokens))
+
+            for _ in range(3):  # warm-up
+                plain(), drafted()
+            steps, drafts = [], []
+            for _ in range(repeats):
+                steps.append(plain())
+                drafts.append(drafted())
+            out.append({"exit_layer": e, "cost": statistics.median(drafts) / statistics.median(steps),
+                        "draft_ms": 1000 * statistics.median(drafts), "step_ms": 1000 * statistics.median(steps)})
+    return out
+
+
 def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | None, draft_k: int | None,
             skip_hf: bool, log=print, repeats: int = 5, workload: str = "prompts") -> dict:
     """Every method warmed up, then timed `repeats` times in rotating order over the same prompts.
@@ -333,6 +378,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     predicted = expected / (1 + mean_k * c)
     vc = verify_cost(engine, prompts[0], 3)
     vc_by_k = [verify_cost(engine, prompts[0], k, repeats=20) for k in range(1, 9)]
+    costs_by_exit = draft_cost_by_exit(engine, prompts[0])
 
     # time to first token: cold 2,000-token prompt, then the same text plus one character (medians)
     text = long_text(files, engine.tokenizer, 2000)
@@ -393,6 +439,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "dtype": str(engine.dtype).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d"),
         "workload": workload,
         "prompts": len(prompts),
         "max_tokens": max_tokens,
@@ -430,6 +477,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "verify_cost_ratio": vc["ratio"],
         "verify_cost": vc,
         "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"]} for v in vc_by_k],
+        # one drafted token at each exit ÷ one plain step (the model card's measured draft cost)
+        "draft_cost_by_exit": costs_by_exit,
         "ttft_cold_ms": 1000 * t_cold,
         "ttft_warm_ms": 1000 * t_warm,
         "ttft_prompt_tokens": len(cold_ids),
