@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "complete": ("completiond.commands.complete", "print the suggestion for FILE:LINE:COL"),
     "generate": ("completiond.commands.generate", "continue a prompt (the external losslessness check)"),
     "bench": ("completiond.commands.bench", "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path"),
+    "bench-device": ("completiond.commands.bench_device", "accelerator figures: plain ms/token against the bandwidth bound, verify cost K=1..8, sampling (prepared for a lent GPU)"),
     "pull": ("completiond.commands.pull", "download a hub model (safetensors and tokenizer only) into the local cache"),
     "calibrate": ("completiond.commands.calibrate", "measure acceptance and speed per exit layer and K; store the best"),
     "eval": ("completiond.commands.eval", "completion quality on deterministic cursor positions in a directory"),

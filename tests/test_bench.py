@@ -265,12 +265,12 @@ def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
 
 
 def test_device_report_runs_on_the_cpu(peaked_dir):
-    """`completiond bench --device-report` (prepared for a lent GPU) end to end here: a random-weight
+    """`completiond bench-device` (prepared for a lent GPU) end to end here: a random-weight
     shape and a model directory, every figure present, greedy early exit identical to plain, and a
     directory that is not a model reported without stopping the run."""
     out = subprocess.run(
-        [sys.executable, "-m", "completiond.cli", "bench", "--device-report", "--json", "--repeats", "1",
-         "--max-tokens", "12", "--model", f"tiny-qwen2,{peaked_dir},/nonexistent/model"],
+        [sys.executable, "-m", "completiond.cli", "bench-device", "--json", "--repeats", "1",
+         "--max-tokens", "12", "--bandwidth-mb", "64", "--models", f"tiny-qwen2,{peaked_dir},/nonexistent/model"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)

@@ -50,10 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --typing: also replay it against this team server (see README, For teams)")
     p.add_argument("--backend", choices=("openai", "llamacpp-infill"), default="openai", help="with --endpoint")
     p.add_argument("--endpoint-model", default="", help="with --endpoint: the served model name")
-    p.add_argument("--device-report", action="store_true",
-                   help="accelerator figures (commands/bench_device.py): plain ms/token against the bandwidth bound, "
-                        "verify cost for K = 1..8, sampling at 0.8, for --model (comma-separated: 'bundled', a "
-                        "directory or a random-weight shape; default: bundled,qwen2.5-coder-1.5b)")
+
 
 
 def source_lines(files: list[Path] | None):
@@ -169,6 +166,17 @@ def _timed(engine, ids, params, cold: bool = True):
     return gen, time.perf_counter() - t
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queue: timings of asynchronous devices mean nothing without it."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
 def _spread(values: list[float]) -> dict:
     """Median, min, max and (max - min) / median of repeated measurements."""
     med = statistics.median(values)
@@ -179,8 +187,6 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
     """One forward pass over k+1 positions ÷ one single-token step, both through every layer and
     the LM head, at the same context, interleaved; medians of `repeats`."""
     import torch
-
-    from completiond.commands.bench_device import synchronize
 
     seq = engine.new_sequence(len(prompt) + k + 2)
     one, many = [], []
@@ -211,7 +217,6 @@ def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20)
     same context; a draft of k tokens timed beside a plain step, medians of `repeats`."""
     import torch
 
-    from completiond.commands.bench_device import synchronize
     from completiond.engine.draft import EarlyExitDraft
     from completiond.engine.engine import sampling
 
@@ -493,12 +498,6 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    if args.device_report:
-        from completiond.commands import bench_device
-
-        return bench_device.run(argparse.Namespace(
-            models=args.model or ",".join(bench_device.DEFAULT_MODELS), device=args.device, dtype=args.dtype,
-            repeats=args.repeats, max_tokens=args.max_tokens, max_k=8, bandwidth_mb=1024, json=args.json))
     if args.typing:
         from completiond.commands.bench_typing import run_typing_bench
 

@@ -1,4 +1,4 @@
-"""`completiond bench --device-report`: the figures an accelerator owes the engine-speed work, in one run.
+"""`completiond bench-device`: the figures an accelerator owes the engine-speed work, in one run.
 
 For each model (the bundled one, and randomly initialised models shaped like real ones, so that no
 download is needed: the machine a GPU is lent on reaches nothing outside):
@@ -16,7 +16,7 @@ download is needed: the machine a GPU is lent on reaches nothing outside):
 Prepared for the device tool (see README, Performance), from the repository root:
 
     python3 -m pip install -q --no-deps --no-build-isolation -e . && \\
-        python3 -m completiond.commands.bench_device --json > $OUT/device.json
+        python3 -m completiond.cli bench-device --json > $OUT/device.json
 
 It runs on a CPU as well (tests use a tiny shape there).
 """
@@ -57,20 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def synchronize(device) -> None:
-    """Wait for the device's queue: timings of asynchronous devices mean nothing without it."""
-    import torch
-
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize()
-    elif kind == "mps":
-        torch.mps.synchronize()
-
-
 def copy_bandwidth(device, megabytes: int, repeats: int = 5) -> float:
     """Bytes read plus bytes written per second by a device-to-device copy (median of repeats), GB/s."""
     import torch
+
+    from completiond.commands.bench import synchronize
 
     n = max(1, megabytes << 20) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
@@ -172,7 +163,7 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from completiond.commands.bench import prompt_texts
+    from completiond.commands.bench import prompt_texts, synchronize
     from completiond.engine.engine import Engine, EngineError, pick_device
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -229,7 +220,7 @@ def _print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="completiond bench --device-report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="completiond bench-device", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 
