@@ -644,7 +644,9 @@ def write_card(model_dir: Path, r: dict) -> None:
         f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
         for l in range(L))
     mdc = r.get("measured_draft_cost")
-    measured_md = (f" Measured draft cost: one greedy draft token at that exit (the engine's own step, {mdc['step']}) "
+    heads = {d.get("draft_vocab", 0) for d in mdc["by_exit"]} if mdc else set()
+    head_md = (f"{heads.pop() or t['vocab']}-id draft head, " if len(heads) == 1 else "")
+    measured_md = (f" Measured draft cost: one greedy draft token at that exit (the engine's own step, {head_md}{mdc['step']}) "
                    f"÷ one plain greedy step, at the same context, medians of {mdc['repeats']} (`completiond bench --json`, "
                    f"`draft_cost_by_exit`; {mdc['when']})." if mdc else "")
     nl = r["next_line"]
@@ -863,7 +865,8 @@ def measured_draft_cost(bench_json: Path) -> dict:
     """The draft costs a `completiond bench --json` run measured per exit layer (draft_cost_by_exit)."""
     try:
         b = json.loads(Path(bench_json).read_text())
-        by_exit = [{"exit_layer": int(d["exit_layer"]), "cost": float(d["cost"])} for d in b["draft_cost_by_exit"]]
+        by_exit = [{"exit_layer": int(d["exit_layer"]), "cost": float(d["cost"]), "draft_vocab": int(d.get("draft_vocab", 0))}
+                   for d in b["draft_cost_by_exit"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"model_card: {bench_json} is not a `completiond bench --json` output with "
                          f"draft_cost_by_exit: {exc}") from None

@@ -251,6 +251,7 @@ def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20)
                 steps.append(plain())
                 drafts.append(drafted())
             out.append({"exit_layer": e, "cost": statistics.median(drafts) / statistics.median(steps),
+                        "draft_vocab": 0 if engine.draft_ids is None else int(engine.draft_ids.numel()),
                         "draft_ms": 1000 * statistics.median(drafts), "step_ms": 1000 * statistics.median(steps)})
     return out
 
