@@ -635,7 +635,8 @@ def write_card(model_dir: Path, r: dict) -> None:
     t = r["training"]
     data = r["data"]
     L = t["layers"]
-    measured = {d["exit_layer"]: d["cost"] for d in (r.get("measured_draft_cost") or {}).get("by_exit", [])}
+    mdc = r.get("measured_draft_cost")
+    measured = {d["exit_layer"]: d["cost"] for d in mdc["by_exit"]} if mdc else {}
     rows = "\n".join(
         f"| {l + 1}{' (full)' if l == L - 1 else ''} | {r['heldout_loss'][l]:.3f} | "
         f"{_fmt(r.get('heldout_packages_loss'), l)} | {r['alpha'][l]:.3f} | "
@@ -643,7 +644,6 @@ def write_card(model_dir: Path, r: dict) -> None:
         f"{f'{measured[l + 1]:.2f}' if l + 1 in measured else ('1.00' if l == L - 1 and measured else 'not measured')} | "
         f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
         for l in range(L))
-    mdc = r.get("measured_draft_cost")
     heads = {d.get("draft_vocab", 0) for d in mdc["by_exit"]} if mdc else set()
     head_md = (f"{heads.pop() or t['vocab']}-id draft head, " if len(heads) == 1 else "")
     measured_md = (f" Measured draft cost: one greedy draft token at that exit (the engine's own step, {head_md}{mdc['step']}) "
@@ -865,13 +865,15 @@ def measured_draft_cost(bench_json: Path) -> dict:
     """The draft costs a `completiond bench --json` run measured per exit layer (draft_cost_by_exit)."""
     try:
         b = json.loads(Path(bench_json).read_text())
-        by_exit = [{"exit_layer": int(d["exit_layer"]), "cost": float(d["cost"]), "draft_vocab": int(d.get("draft_vocab", 0))}
+        by_exit = [{"exit_layer": int(d["exit_layer"]), "cost": float(d["cost"]), "draft_vocab": int(d.get("draft_vocab", 0)),
+                    # bench runs from before the count was recorded timed 20 repeats (draft_cost_by_exit's default)
+                    "repeats": int(d.get("repeats", 20))}
                    for d in b["draft_cost_by_exit"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"model_card: {bench_json} is not a `completiond bench --json` output with "
                          f"draft_cost_by_exit: {exc}") from None
     step = (b.get("native_step") or {}).get("used")
-    return {"by_exit": by_exit, "repeats": 20, "step": "native" if step else "PyTorch",
+    return {"by_exit": by_exit, "repeats": min((d["repeats"] for d in by_exit), default=0), "step": "native" if step else "PyTorch",
             "when": f"{b.get('date', 'date not recorded')}, {b.get('cpu') or b.get('device', '')}".strip(", ")}
 
 

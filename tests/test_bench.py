@@ -62,7 +62,8 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert [v["k"] for v in result["verify_cost_by_k"]] == list(range(1, 9))
     assert all(v["ratio"] > 0 and v["pass_ms"] > 0 for v in result["verify_cost_by_k"])
     assert [d["exit_layer"] for d in result["draft_cost_by_exit"]] == [1, 2, 3]  # every exit of the 4 layers
-    assert all(d["cost"] > 0 and d["draft_ms"] > 0 and d["step_ms"] > 0 for d in result["draft_cost_by_exit"])
+    assert all(d["cost"] > 0 and d["draft_ms"] > 0 and d["step_ms"] > 0 and d["repeats"] == 20
+               for d in result["draft_cost_by_exit"])
     # the native step's gain is measured beside it (plain decoding on the PyTorch path), same outputs
     if result["native_step"]["used"]:
         assert result["native_gain"] == pytest.approx(result["decode_ms_per_token"]["plain_torch"]["median"]

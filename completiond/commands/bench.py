@@ -52,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-model", default="", help="with --endpoint: the served model name")
 
 
-
 def source_lines(files: list[Path] | None):
     """The lines of each readable file of at least 60 lines (default: the held-out stdlib files), in order."""
     if files is None:
@@ -251,7 +250,7 @@ def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20)
                 steps.append(plain())
                 drafts.append(drafted())
             out.append({"exit_layer": e, "cost": statistics.median(drafts) / statistics.median(steps),
-                        "draft_vocab": 0 if engine.draft_ids is None else int(engine.draft_ids.numel()),
+                        "draft_vocab": 0 if engine.draft_ids is None else int(engine.draft_ids.numel()), "repeats": repeats,
                         "draft_ms": 1000 * statistics.median(drafts), "step_ms": 1000 * statistics.median(steps)})
     return out
 

@@ -99,13 +99,14 @@ def random_model(shape: str, directory: Path, dtype: str, device: str) -> Path:
 
 
 def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, list[list[int]]]:
+    from completiond.commands.bench import _timed
+
     times, outs = [], []
     for r in range(repeats):
         total_ms = tokens = 0
         outs = []
         for ids in prompts:
-            engine.cache.clear()
-            gen = engine.generate(ids, params)
+            gen, _ = _timed(engine, ids, params)  # cold cache, as bench times each method
             total_ms += gen.stats.decode_ms
             tokens += len(gen.tokens)
             outs.append(gen.tokens)
