@@ -60,7 +60,15 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
                                                  / result["decode_ms_per_token"]["spec"]["median"])
     assert result["verify_cost"]["k"] == 3 and result["verify_cost_ratio"] > 0
     assert [v["k"] for v in result["verify_cost_by_k"]] == list(range(1, 9))
-    assert all(v["ratio"] > 0 and v["pass_ms"] > 0 for v in result["verify_cost_by_k"])
+    assert all(v["ratio"] > 0 and v["pass_ms"] > 0 and v["pass_gflops"] > 0 for v in result["verify_cost_by_k"])
+    # the rates come from the arithmetic and the times beside them
+    vc = result["verify_cost"]
+    assert vc["context"] > 0 and vc["pass_mflops"] > vc["step_mflops"] > 0
+    assert vc["step_gflops"] == pytest.approx(vc["step_mflops"] / vc["step_ms"])  # MFLOP per ms is GFLOP/s
+    assert vc["pass_gflops"] == pytest.approx(vc["pass_mflops"] / vc["pass_ms"])
+    assert result["matmul_peak_gflops"] > 0
+    for row in result["drafts"]:
+        assert 0 <= row["history_accepted"] and 0 <= row["history_rounds"] <= row["lookup_rounds"]
     assert [d["exit_layer"] for d in result["draft_cost_by_exit"]] == [1, 2, 3]  # every exit of the 4 layers
     assert all(d["cost"] > 0 and d["draft_ms"] > 0 and d["step_ms"] > 0 and d["repeats"] == 20
                for d in result["draft_cost_by_exit"])
@@ -188,7 +196,7 @@ class _ScriptedEngine:
     def set_draft_vocab(self, ids):
         pass
 
-    def generate(self, ids, params):
+    def generate(self, ids, params, cancel=None, history=None):
         from completiond.engine.engine import Generation
 
         s = self._stats(drafted=4, accepted=3, rejected=1, rounds=2, draft_ms=1.0, verify_ms=4.0)
@@ -219,7 +227,7 @@ def test_calibrate_picks_lookup_alone_when_it_beats_every_model_draft():
     from completiond.commands.calibrate import calibrate
 
     class Scripted(_ScriptedEngine):
-        def generate(self, ids, params):
+        def generate(self, ids, params, cancel=None, history=None):
             gen = super().generate(ids, params)
             if params.speculative and params.max_tokens > 8 and params.draft == "none":
                 gen.stats.decode_ms = 10.0 / self.alone
@@ -307,3 +315,19 @@ def test_model_card_takes_the_measured_draft_costs_of_a_bench_run(tmp_path):
     bench.write_text("{}")
     with pytest.raises(SystemExit, match="bench.json"):
         main(["--model", str(model), "--from-results", "--bench", str(bench)])
+
+
+def test_pass_flops_counts_the_models_parameters(peaked_dir):
+    """One position at no context is twice the layers' and head's weights (a multiply-add each) plus
+    attention over its own key; each further position and cached key adds what the formula says."""
+    from completiond.commands.bench import pass_flops
+    from completiond.engine.engine import Engine
+
+    eng = Engine.load(str(peaked_dir), device="cpu", dtype="float32")
+    layers = eng.model.model.layers
+    weights = sum(p.numel() for L in layers for name, p in L.named_parameters() if "proj" in name and "weight" in name)
+    head = eng.model.lm_head.weight.numel()
+    H, hd, n = eng.fwd.H, eng.fwd.hd, eng.num_layers
+    assert pass_flops(eng, 1, 0) == 2 * weights + 2 * head + n * 4 * H * hd
+    # 3 positions after 10 cached tokens see 11, 12 and 13 keys
+    assert pass_flops(eng, 3, 10) == 3 * (2 * weights + 2 * head) + n * 4 * H * hd * (11 + 12 + 13)

@@ -44,9 +44,11 @@ def ids(engine: Engine, text: str = PROMPT) -> list[int]:
 def test_draft_model_greedy_equals_plain_greedy(engine, k, lookup):
     prompt = ids(engine)
     engine.cache.clear()
-    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False))
+    # history=None: the same prompt's plain output would otherwise be drafted whole from the output
+    # history (tests/test_output_history.py), and this test is about the model draft
+    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False), history=None)
     spec = engine.generate(prompt, SamplingParams(max_tokens=48, draft="draft_model", draft_k=k, adaptive_k=False,
-                                                  prompt_lookup=lookup))
+                                                  prompt_lookup=lookup), history=None)
     assert spec.tokens == plain.tokens
     assert spec.stats.draft == "draft_model" and spec.stats.drafted - spec.stats.lookup_drafted > 0
     follow = prompt + plain.tokens[:9]
@@ -160,3 +162,4 @@ def test_status_names_the_draft_in_use(engine):
     assert _last_draft(gen.stats.to_dict()) == "draft_model"
     assert _last_draft({"drafted": 3, "lookup_drafted": 3}) == "prompt_lookup"
     assert _last_draft({"drafted": 0}) is None
+    assert _last_draft({"drafted": 3, "lookup_drafted": 3, "history_rounds": 1}) == "prompt_lookup+output_history"

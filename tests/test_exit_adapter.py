@@ -73,9 +73,11 @@ def test_identity_ignores_the_adapter_file(model_dir):
 def test_adapter_greedy_equals_plain_greedy(engine, k, lookup):
     prompt = ids(engine)
     engine.cache.clear()
-    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False))
+    # history=None: the same prompt's plain output would otherwise be drafted whole from the output
+    # history (tests/test_output_history.py), and this test is about the model draft
+    plain = engine.generate(prompt, SamplingParams(max_tokens=48, speculative=False), history=None)
     spec = engine.generate(prompt, SamplingParams(max_tokens=48, draft="adapter", draft_k=k, adaptive_k=False,
-                                                  prompt_lookup=lookup))
+                                                  prompt_lookup=lookup), history=None)
     assert spec.tokens == plain.tokens
     assert spec.stats.draft == "adapter" and spec.stats.exit_layer == E
     assert spec.stats.drafted - spec.stats.lookup_drafted > 0  # the adapter itself drafted

@@ -157,11 +157,13 @@ def _hf_generate(engine, ids: list[int], max_tokens: int, early_exit: dict | Non
     return out[0, len(ids):].tolist(), time.perf_counter() - t
 
 
-def _timed(engine, ids, params, cold: bool = True):
+def _timed(engine, ids, params, cold: bool = True, history=None):
+    """One generation, timed. `history`: the output history it drafts from (engine.lookup.OutputHistory);
+    None, none, so that no measurement drafts from an earlier run of its own prompt."""
     if cold:
         engine.cache.clear()
     t = time.perf_counter()
-    gen = engine.generate(ids, params)
+    gen = engine.generate(ids, params, history=history)
     return gen, time.perf_counter() - t
 
 
@@ -182,9 +184,39 @@ def _spread(values: list[float]) -> dict:
     return {"median": med, "min": min(values), "max": max(values), "spread": (max(values) - min(values)) / med if med else None}
 
 
+def pass_flops(engine, positions: int, context: int) -> int:
+    """Arithmetic of one forward pass over `positions` new tokens after `context` cached ones, through
+    every layer and the full LM head: 2 FLOPs per multiply-add of the projections, of attention's
+    scores and weighted sum over each query's visible keys, and of the head (norms, RoPE and
+    activations are left out: O(d) per position)."""
+    fwd = engine.fwd
+    weights = sum(L.qkv.numel() + L.o.numel() + L.gate_up.numel() + L.down.numel()
+                  for L in fwd.layers[:engine.num_layers])
+    visible = sum(context + i + 1 for i in range(positions))  # query i sees keys 0..context+i
+    attention = engine.num_layers * 2 * 2 * fwd.H * fwd.hd * visible
+    return 2 * weights * positions + attention + 2 * fwd.head_w.numel() * positions
+
+
+def matmul_peak_gflops(repeats: int = 7, n: int = 1024) -> float:
+    """What this machine's matrix multiply reaches on one large float32 n×n×n product with the engine's
+    threads (median of `repeats`): the ceiling a compute-bound verify pass is measured against."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
 def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
     """One forward pass over k+1 positions ÷ one single-token step, both through every layer and
-    the LM head, at the same context, interleaved; medians of `repeats`."""
+    the LM head, at the same context, interleaved; medians of `repeats`. With the arithmetic each
+    does (pass_flops), the rate each ran at: a step that is bound by memory or overheads runs far
+    below the machine's matmul rate, a pass over more positions nearer it."""
     import torch
 
     seq = engine.new_sequence(len(prompt) + k + 2)
@@ -206,8 +238,13 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
             t2 = time.perf_counter()
             one.append(t1 - t0)
             many.append(t2 - t1)
-    return {"k": k, "ratio": statistics.median(many) / statistics.median(one),
-            "step_ms": 1000 * statistics.median(one), "pass_ms": 1000 * statistics.median(many)}
+    step_s, pass_s = statistics.median(one), statistics.median(many)
+    context = seq.length
+    return {"k": k, "ratio": pass_s / step_s, "step_ms": 1000 * step_s, "pass_ms": 1000 * pass_s,
+            "context": context, "step_mflops": pass_flops(engine, 1, context) / 1e6,
+            "pass_mflops": pass_flops(engine, k + 1, context) / 1e6,
+            "step_gflops": pass_flops(engine, 1, context) / step_s / 1e9,
+            "pass_gflops": pass_flops(engine, k + 1, context) / pass_s / 1e9}
 
 
 def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20) -> list[dict]:
@@ -267,6 +304,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     import torch
 
     from completiond.engine.engine import CancelToken, SamplingParams
+    from completiond.engine.lookup import OutputHistory
 
     if workload == "edit":
         prompts = edit_prompts(engine, files, n_prompts)
@@ -289,9 +327,14 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         _patch_hf_early_exit()
 
     def ours(params):
+        # Each method drafts from its own output history, emptied at every repeat: a repeat replays
+        # the prompts as one editing session would, and never sees a previous repeat's outputs.
+        history = OutputHistory()
+
         def go(ids):
-            gen, total = _timed(engine, ids, params)
+            gen, total = _timed(engine, ids, params, history=history)
             return gen.tokens, gen.stats.decode_ms / 1000, total, gen.stats
+        go.history = history
         return go
 
     def hf(early_exit):
@@ -310,6 +353,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                 return go(ids)
             finally:
                 engine.fwd.native = saved
+        run_.history = go.history
         return run_
 
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
@@ -350,6 +394,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
         dec = {n: 0.0 for n in names}
         tot = {n: 0.0 for n in names}
+        for name in names:
+            if hasattr(methods[name], "history"):
+                methods[name].history.clear()
         for i, ids in enumerate(prompts):
             for name in order:
                 tokens, d, total, stats = methods[name](ids)
@@ -384,6 +431,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     vc = verify_cost(engine, prompts[0], 3)
     vc_by_k = [verify_cost(engine, prompts[0], k, repeats=20) for k in range(1, 9)]
     costs_by_exit = draft_cost_by_exit(engine, prompts[0])
+    peak = matmul_peak_gflops()
 
     # time to first token: cold 2,000-token prompt, then the same text plus one character (medians)
     text = long_text(files, engine.tokenizer, 2000)
@@ -405,7 +453,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                             ignore_eos=True)
 
     def worker():
-        result["gen"] = engine.generate(prompts[0], long_p, cancel=cancel)
+        result["gen"] = engine.generate(prompts[0], long_p, cancel=cancel, history=None)
         result["end"] = time.perf_counter()
 
     engine.cache.clear()
@@ -428,6 +476,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                 "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
                 "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
                 "lookup_rounds": sum(s.lookup_rounds for s in ss), "rounds": rounds_,
+                # of the lookup rounds, those drafted from the repeat's earlier outputs, and what they committed
+                "history_rounds": sum(s.history_rounds for s in ss),
+                "history_accepted": sum(s.history_accepted for s in ss),
                 "lookup_alpha": (sum(s.lookup_accepted for s in ss) /
                                  max(1, sum(s.lookup_accepted for s in ss) + sum(s.lookup_rejected for s in ss))),
                 "draft_gain": med["plain"] / med[name] if med[name] else None,
@@ -481,7 +532,10 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "verify_ms_per_pass": verify_pass_ms,
         "verify_cost_ratio": vc["ratio"],
         "verify_cost": vc,
-        "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"]} for v in vc_by_k],
+        "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"],
+                              "pass_gflops": v["pass_gflops"]} for v in vc_by_k],
+        # one large float32 matmul on this machine, the engine's threads: the rate verify passes approach
+        "matmul_peak_gflops": peak,
         # one drafted token at each exit ÷ one plain step (the model card's measured draft cost)
         "draft_cost_by_exit": costs_by_exit,
         "ttft_cold_ms": 1000 * t_cold,

@@ -79,7 +79,9 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     if st.get("draft"):
         lines.append(f"  draft    {st['draft']}" + (f" (last request: {st['last_draft']})" if st.get("last_draft") else ""))
     if stats.get("draft_acceptance") is not None:
-        lines.append(f"  drafts   {stats['draft_acceptance']:.2f} of draft tokens accepted (per token, all requests)")
+        lines.append(f"  drafts   {stats['draft_acceptance']:.2f} of draft tokens accepted (per token, all requests)"
+                     + (f"; {stats['history_accepted']:.0f} of them from earlier suggestions' text"
+                        if stats.get("history_accepted") else ""))
     if stats.get("cache_served_fraction") is not None:
         lines.append(f"  cache    {stats['cache_served_fraction']:.2f} of prompt tokens served from the KV cache")
     lines.append(f"  socket   {paths.socket_path(directory)}")

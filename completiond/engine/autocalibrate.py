@@ -68,7 +68,8 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
         token = cancel() if cancel is not None else None
         for ids in prompts:
             engine.cache.clear()
-            gen = engine.generate(ids, params, cancel=token) if token is not None else engine.generate(ids, params)
+            # history=None: no candidate drafts from another's (or its own earlier) outputs of these prompts
+            gen = engine.generate(ids, params, cancel=token, history=None)
             if gen.finish_reason == "cancelled":
                 raise Preempted()
             s = gen.stats

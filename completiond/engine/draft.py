@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from completiond.engine import sampling
-from completiond.engine.lookup import NGRAM_SIZES, NgramIndex
+from completiond.engine.lookup import OutputHistory, lookup_for
 
 # Most tokens a lookup proposes: free to draft, so bounded only by what a wider verify pass costs.
 LOOKUP_K = 6
@@ -50,6 +50,7 @@ class Proposal:
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
     kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
     token_ids: torch.Tensor | None = None  # [k] the same ids on the device, where the draft made them there
+    from_history: bool = False  # a lookup proposal found in the output history (for stats)
 
 
 class Draft(Protocol):
@@ -185,10 +186,12 @@ class LookupDraft:
     and the verifier runs every layer on them in one pass.
     """
 
-    def __init__(self, engine: "Engine", fallback: "Draft | None", k: int = LOOKUP_K):
+    def __init__(self, engine: "Engine", fallback: "Draft | None", k: int = LOOKUP_K,
+                 history: OutputHistory | None = None):
         self.engine = engine
         self.fallback = fallback
         self.k = k
+        self.history = history  # earlier requests' outputs (greedy requests only; see OutputHistory)
         self.tap_layer = getattr(fallback, "tap_layer", None)
 
     def observe(self, seq, pos, states, eager=False) -> None:
@@ -197,11 +200,8 @@ class LookupDraft:
 
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
-        if seq.lookup is None:
-            seq.lookup = NgramIndex()
-        seq.lookup.sync(seq.tokens, seq.length)
-        tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1):seq.length].tolist() + [pending]
-        found = seq.lookup.propose(tail, min(self.k, limit if limit is not None else self.k))
+        found, from_history = lookup_for(seq, pending, min(self.k, limit if limit is not None else self.k),
+                                         self.history)
         tokens: list[int] = []
         masks: list = []
         for tok in found:
@@ -218,7 +218,8 @@ class LookupDraft:
                 # deterministic proposal: q is one-hot
                 probs = torch.zeros(len(tokens), eng.vocab_size, device=eng.device)
                 probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-            return Proposal(tokens, probs, masks, eng.embed([pending] + tokens), exit_layer=0, kind="lookup")
+            return Proposal(tokens, probs, masks, eng.embed([pending] + tokens), exit_layer=0, kind="lookup",
+                            from_history=from_history)
         if self.fallback is not None:
             return self.fallback.propose(seq, pending, generated, k_max, threshold, warp, rng, constraint, limit)
         return Proposal([], None, [], None, exit_layer=0, kind="none")  # the engine takes a plain step

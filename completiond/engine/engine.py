@@ -36,6 +36,7 @@ from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, f
 from completiond.engine import medusa as medusa_mod
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
+from completiond.engine.lookup import OutputHistory
 from completiond.engine.model_info import ModelInfo
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
@@ -93,6 +94,8 @@ class Stats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     lookup_rejected: int = 0
+    history_rounds: int = 0     # of the lookup rounds, those whose draft came from earlier requests' outputs
+    history_accepted: int = 0
 
     @property
     def alpha(self) -> float:
@@ -217,6 +220,7 @@ class Engine:
         if cache_bytes is None:
             cache_bytes = default_cache_bytes(device)
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
+        self.history = OutputHistory()  # what greedy requests generated, for later requests' lookup drafts
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
         # On an accelerator every read of a device value stalls the host until the queue drains, and a
         # host int fed back costs a copy the other way: there the early-exit draft and the accept test keep
@@ -550,6 +554,9 @@ class Engine:
             stats.lookup_drafted += k
             stats.lookup_accepted += m
             stats.lookup_rejected += int(m < k)
+            if proposal.from_history:
+                stats.history_rounds += 1
+                stats.history_accepted += m
         stats.draft_ms += 1000 * (t1 - t0)
         stats.verify_ms += 1000 * (t2 - t1)
         return proposal.tokens[:m] + [nxt]
@@ -557,12 +564,22 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                  cancel: CancelToken | None = None, on_round: Callable[[list[int]], None] | None = None,
-                 stop: StopFn | None = None, constraint: ConstraintFn | None = None) -> Generation:
+                 stop: StopFn | None = None, constraint: ConstraintFn | None = None,
+                 history: OutputHistory | None | bool = True) -> Generation:
+        """`history`: the output history this request drafts from and adds its output to; True, the
+        engine's own (earlier requests' outputs); None or False, none. Read by greedy requests only."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
         stats = Stats(prompt_tokens=len(prompt))
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
+        if history is True:
+            history = self.history
+        elif history is False:
+            history = None
+        # Sampled requests neither read it (see OutputHistory) nor add to it (their text is a draw,
+        # not what a greedy request would repeat).
+        history = history if warp.greedy else None
         # On the logits' device: torch.multinomial refuses a generator of another device.
         rng = torch.Generator(device=self.device).manual_seed(int(params.seed))
         spec, exit_layer, k_max, threshold, lookup, kind = self._speculation(params)
@@ -573,7 +590,7 @@ class Engine:
             kind = "early_exit"  # the tree walk is exact for greedy decoding only: the chain is exact always
         if spec:
             if kind == "medusa":
-                tree = medusa_mod.TreeDecoder(self, self.medusa, lookup)
+                tree = medusa_mod.TreeDecoder(self, self.medusa, lookup, history=history)
                 lookup = False  # its proposal is a branch of the tree
             elif kind == "adapter":
                 draft = AdapterDraft(self, self.exit_adapter)
@@ -587,7 +604,8 @@ class Engine:
         if lookup:
             # In front of a model draft, lookup proposes up to LOOKUP_K (K belongs to the model draft); alone,
             # K is its own (calibrated: a verify pass over more positions costs more here)
-            draft = LookupDraft(self, draft) if draft is not None else LookupDraft(self, None, k=k_max)
+            draft = (LookupDraft(self, draft, history=history) if draft is not None
+                     else LookupDraft(self, None, k=k_max, history=history))
             room = max(k_max, draft.k)
 
         t0 = time.perf_counter()
@@ -659,6 +677,8 @@ class Engine:
         finally:
             self.cache.release(seq)
         stats.generated_tokens = len(out)
+        if history is not None:
+            history.add(prompt, out)
         return Generation(out, finish, stats)
 
     def decode_step_in_use(self) -> str:

@@ -7,6 +7,10 @@ alike. It follows the sequence as it grows, is cut back when the prefix cache cr
 sequence to a new prompt's shared prefix, and so stays incremental across keystrokes:
 a one-character edit re-indexes only the few tokens after the edit.
 
+`OutputHistory` keeps what the engine generated for earlier requests. Typing through a
+suggestion, or past a line the model already guessed, makes the next request generate text
+that the previous one did, and that text is in no prompt (it was ghost text, never typed).
+
 A lookup proposal is deterministic, a one-hot q: speculative sampling's accept test
 min(1, p(x)/q(x)) becomes p(x) and the residual max(0, p - q) is p without x, so the
 output is still distributed exactly as the model's.
@@ -14,7 +18,13 @@ output is still distributed exactly as the model's.
 
 from __future__ import annotations
 
+from collections import deque
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from completiond.engine.kvcache import KVSequence
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match predicts its continuation better
 # How far back a proposal looks for an occurrence with a longer continuation (NgramIndex.propose).
@@ -25,6 +35,26 @@ RECENT_OCCURRENCES = 8
 # match 0.59-0.68, 0.23-0.36, 0.16-0.25. Each verified position costs a share of a step (on a CPU about
 # a quarter, arithmetic-bound), so the third token on after a short match costs more than it returns.
 SHORT_MATCH_K = 2
+# Output history: how many generated tokens it keeps, and how many prompt tokens it keeps before each
+# output (so that a 4-gram ending in the output's first tokens can match).
+HISTORY_TOKENS = 8192
+HISTORY_CONTEXT = 3
+HISTORY_N = 4
+
+
+def _best_occurrence(ends: list[int], cont_len, cap: int, skip=lambda e: False) -> tuple[int, int]:
+    """(continuation length, start) of the occurrence a proposal continues: the most recent one with
+    `cap` tokens after it, else, of the last RECENT_OCCURRENCES, the longest (the most recent on ties)."""
+    best = (0, 0)
+    for e in reversed(ends[-RECENT_OCCURRENCES:]):
+        if skip(e):
+            continue
+        got = min(cap, cont_len(e))
+        if got > best[0]:
+            best = (got, e + 1)
+            if got == cap:
+                break
+    return best
 
 
 class NgramIndex:
@@ -74,9 +104,9 @@ class NgramIndex:
                     got.append(p)
         self.length = length
 
-    def propose(self, tail: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest indexed n-gram equal to the end of `tail`.
-        `tail` ends with tokens not yet indexed (the pending token).
+    def propose(self, tail: list[int], k: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+        """Up to k tokens that followed the longest indexed n-gram equal to the end of `tail` (of `sizes`,
+        default all). `tail` ends with tokens not yet indexed (the pending token).
 
         The occurrence is the most recent one with k tokens after it, else, of the last
         RECENT_OCCURRENCES, the one with the longest continuation (the most recent on ties): in
@@ -85,22 +115,107 @@ class NgramIndex:
         one a period earlier continues the same way for longer. A match shorter than the longest
         n-gram proposes at most SHORT_MATCH_K tokens."""
         stream_end = self.length + len(tail) - min(len(tail), max(self.sizes))
-        for n in self.sizes:
+        for n in self.sizes if sizes is None else sizes:
             if len(tail) < n:
                 continue
             ends = self.ends.get(tuple(tail[-n:]))
             if not ends:
                 continue
             cap = k if n == max(self.sizes) else min(k, SHORT_MATCH_K)
-            best = (0, 0)  # (continuation length, start)
-            for e in reversed(ends[-RECENT_OCCURRENCES:]):
-                if e + 1 >= stream_end + n - 1 and e + 1 >= self.length:
-                    continue  # the occurrence is the tail itself
-                got = min(cap, self.length - e - 1)
-                if got > best[0]:
-                    best = (got, e + 1)
-                    if got == cap:
-                        break
+            best = _best_occurrence(ends, lambda e: self.length - e - 1, cap,
+                                    # the occurrence that is the tail itself
+                                    skip=lambda e: e + 1 >= stream_end + n - 1 and e + 1 >= self.length)
             if best[0]:
                 return self.tokens[best[1]:best[1] + best[0]].tolist()
         return []
+
+
+class OutputHistory:
+    """The last HISTORY_TOKENS tokens the engine generated, each output after the HISTORY_CONTEXT
+    prompt tokens before it, indexed by their n-grams (n = HISTORY_N only: an output is short, and a
+    shorter match into another request's text is right too rarely to pay for its verify positions).
+
+    Read by greedy requests only. Under sampling the draft decides which random numbers a round
+    draws, so a seeded request would give another text depending on what ran before it; a greedy
+    request's text is the model's argmax chain whatever drafts it. Measurements use their own
+    history (Engine.generate's `history`), so no run drafts from an earlier run of the same prompt.
+    Not thread-safe: the engine runs one generation at a time."""
+
+    SEP = -1  # between outputs: no n-gram or continuation crosses it (token ids are >= 0)
+
+    def __init__(self, capacity: int = HISTORY_TOKENS, n: int = HISTORY_N):
+        self.capacity, self.n = capacity, n
+        self.outputs: deque[list[int]] = deque()
+        self.size = 0  # tokens in self.outputs
+        self.stream: list[int] = []  # the outputs in order, each followed by SEP
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> ascending end positions in stream
+
+    def __len__(self) -> int:
+        return self.size
+
+    def clear(self) -> None:
+        self.outputs.clear()
+        self.size = 0
+        self.stream = []
+        self.ends = {}
+
+    def add(self, context: list[int], output: list[int]) -> None:
+        """Record one request's output with the prompt tokens just before it."""
+        seg = [int(t) for t in context[len(context) - min(len(context), HISTORY_CONTEXT):]] + [int(t) for t in output]
+        if not output or len(seg) <= self.n or (self.outputs and self.outputs[-1] == seg):
+            return  # nothing to continue from, or the same request again (a re-request at one cursor)
+        self.outputs.append(seg)
+        self.size += len(seg)
+        if self.size > self.capacity:
+            # Drop the oldest outputs down to 3/4 of capacity and index again: amortised, a rebuild
+            # every quarter capacity of new tokens.
+            while self.outputs and self.size > self.capacity * 3 // 4:
+                self.size -= len(self.outputs.popleft())
+            self.stream, self.ends = [], {}
+            for old in self.outputs:
+                self._index(old)
+        else:
+            self._index(seg)
+
+    def _index(self, seg: list[int]) -> None:
+        base, n = len(self.stream), self.n
+        self.stream.extend(seg)
+        self.stream.append(self.SEP)
+        for i in range(n - 1, len(seg)):
+            self.ends.setdefault(tuple(seg[i - n + 1:i + 1]), []).append(base + i)
+
+    def _continuation(self, e: int) -> int:
+        """Tokens after position e up to the end of its output."""
+        j = e + 1
+        while self.stream[j] != self.SEP:
+            j += 1
+        return j - e - 1
+
+    def propose(self, tail: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the last n tokens of `tail` in an earlier output."""
+        if len(tail) < self.n or k < 1:
+            return []
+        ends = self.ends.get(tuple(int(t) for t in tail[-self.n:]))
+        if not ends:
+            return []
+        got, start = _best_occurrence(ends, self._continuation, k)
+        return self.stream[start:start + got]
+
+
+def lookup_for(seq: "KVSequence", pending: int, k: int, history: OutputHistory | None = None) -> tuple[list[int], bool]:
+    """A lookup proposal of up to k tokens after `pending` for one sequence, and whether it came from the
+    output history. Order: the sequence's own longest n-gram, then the history's, then the sequence's
+    shorter n-grams (a 4-gram match anywhere beats a 2-gram match here)."""
+    if seq.lookup is None:
+        seq.lookup = NgramIndex()
+    index = seq.lookup
+    index.sync(seq.tokens, seq.length)
+    tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1):seq.length].tolist() + [pending]
+    found = index.propose(tail, k, index.sizes[:1])
+    if found:
+        return found, False
+    if history is not None:
+        found = history.propose(tail, k)
+        if found:
+            return found, True
+    return index.propose(tail, k, index.sizes[1:]), False

@@ -156,23 +156,20 @@ class TreeDecoder:
 
     kind = "medusa"
 
-    def __init__(self, engine: "Engine", medusa: Medusa, lookup: bool, width: int = 2):
+    def __init__(self, engine: "Engine", medusa: Medusa, lookup: bool, width: int = 2, history=None):
         self.engine = engine
         self.medusa = medusa
         self.lookup = lookup
+        self.history = history  # engine.lookup.OutputHistory: the tree walk is greedy, so it may read it
         self.width = max(width, 1 + max(p[-1] for p in medusa.tree))
         self.h_prev: torch.Tensor | None = None  # [1, 1, d] final state that chose `pending`
         self.max_nodes = len(medusa.tree) + 1 + (8 if lookup else 0)
 
     def _lookup_chain(self, seq, pending: int, limit: int) -> list[int]:
-        from completiond.engine.lookup import NGRAM_SIZES, NgramIndex
         from completiond.engine.draft import LOOKUP_K
+        from completiond.engine.lookup import lookup_for
 
-        if seq.lookup is None:
-            seq.lookup = NgramIndex()
-        seq.lookup.sync(seq.tokens, seq.length)
-        tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1):seq.length].tolist() + [pending]
-        return seq.lookup.propose(tail, min(LOOKUP_K, limit))
+        return lookup_for(seq, pending, min(LOOKUP_K, limit), self.history)[0]
 
     def candidates(self, seq, pending: int, depth: int) -> list[list[int]]:
         """Per depth 1..depth, the ids to try there, best first (from the heads)."""

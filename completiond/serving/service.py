@@ -109,7 +109,7 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[st
                          draft_model=cfg.draft_model or None,
                          progress=phase if progress is not None else None, download_progress=download, warn=warn)
     phase("warm-up")
-    engine.generate([0], SamplingParams(max_tokens=2, speculative=True))
+    engine.generate([0], SamplingParams(max_tokens=2, speculative=True), history=None)
     engine.cache.clear()  # the warm-up's sequence is no prefix of anything real
     phase("ready")
     return engine
@@ -157,7 +157,7 @@ class Service:
         self.stats_counts: dict[str, float] = dict(
             requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0, expired=0,
             wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0,
-            draft_accepted=0, draft_rejected=0)
+            draft_accepted=0, draft_rejected=0, history_accepted=0)
         self.last: dict[str, Any] = {}
         # What users did with the suggestions they saw, as their editors report it (never sent anywhere).
         self.suggestion_counts: dict[str, int] = dict(shown=0, accepted_full=0, accepted_word=0, accepted_line=0,
@@ -684,6 +684,7 @@ class Service:
                 c["generated_tokens"] += stats.get("generated_tokens", 0) or 0
                 c["draft_accepted"] += stats.get("accepted", 0) or 0
                 c["draft_rejected"] += stats.get("rejected", 0) or 0
+                c["history_accepted"] += stats.get("history_accepted", 0) or 0
             if outcome.status == OK:
                 c["completed"] += 1
                 c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
@@ -711,6 +712,8 @@ def _last_draft(stats: dict[str, Any]) -> str | None:
         parts.append(str(stats.get("draft") or "early_exit"))
     if stats.get("lookup_drafted"):
         parts.append("prompt_lookup")
+    if stats.get("history_rounds"):
+        parts.append("output_history")
     return "+".join(parts) or None
 
 
