@@ -14,6 +14,15 @@ from pathlib import Path
 # Set before torch loads, so server subprocesses started by tests inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# The user's cache holds calibration records (`completiond calibrate` writes one per model to
+# ~/.cache/completiond/calibration/): a test that loads the bundled model must see its shipped
+# defaults, not what a calibration run on this machine stored. CI runs where sessions calibrated.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="completiond-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import pytest
 

@@ -67,6 +67,9 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
     assert vc["step_gflops"] == pytest.approx(vc["step_mflops"] / vc["step_ms"])  # MFLOP per ms is GFLOP/s
     assert vc["pass_gflops"] == pytest.approx(vc["pass_mflops"] / vc["pass_ms"])
     assert result["matmul_peak_gflops"] > 0
+    if result["native_step"]["used"]:  # the engine's own one-call step and verify pass, timed beside
+        assert vc["native_ratio"] == pytest.approx(vc["native_pass_ms"] / vc["native_step_ms"])
+        assert all(v["native_ratio"] > 0 for v in result["verify_cost_by_k"])
     for row in result["drafts"]:
         assert 0 <= row["history_accepted"] and 0 <= row["history_rounds"] <= row["lookup_rounds"]
     assert [d["exit_layer"] for d in result["draft_cost_by_exit"]] == [1, 2, 3]  # every exit of the 4 layers

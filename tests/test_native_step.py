@@ -420,3 +420,67 @@ def test_native_plain_greedy_steps_equal_the_python_step(bundled):
     assert fast == slow and len(fast) == 40
     with _torch_only(bundled):
         assert bundled.generate(prompt, params).tokens == fast
+
+
+def _verify_matches_the_python_pass(eng: Engine) -> None:
+    prompt = _ids(eng, TEXT * 3, 150)
+    drafts = prompt[40:49]  # 9 drafted tokens: a 10-row pass
+    caches = []
+    for how in ("native", "python"):
+        seq = eng.new_sequence(200)
+        eng.prefill(seq, prompt[:-1], None)
+        n0 = seq.length
+        with torch.inference_mode():
+            if how == "native":
+                got = eng.fwd.native.verify_greedy([prompt[-1]] + drafts, eng.num_layers, n0, seq, eng.fwd.head_w,
+                                                   eng.fwd.head_b)
+            else:
+                want = torch.argmax(_pass(eng, seq, [prompt[-1]] + drafts), dim=-1).tolist()
+        caches.append((seq.k[:eng.num_layers, :, n0:n0 + 10].clone(), seq.v[:eng.num_layers, :, n0:n0 + 10].clone()))
+    assert got == want and len(got) == 10
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_native_greedy_verify_is_the_python_pass_and_its_argmax(bundled):
+    """cd_verify_greedy (embed, layers, head and argmax in one call) picks each row's argmax of the Python
+    pass over the same tokens, and writes the same K/V: the row-for-row contract of the native step."""
+    _need_native()
+    _verify_matches_the_python_pass(bundled)
+
+
+def test_native_greedy_verify_in_every_family(tiny):
+    _need_native()
+    _verify_matches_the_python_pass(tiny)
+
+
+def test_greedy_lookup_rounds_verify_natively_and_equal_plain_decoding(bundled):
+    """Prompt lookup rounds (greedy, no constraint) verify in one native call; the tokens are plain
+    decoding's, and those of the same rounds verified through the Python pass (a constraint that
+    allows everything)."""
+    _need_native()
+    prompt = _ids(bundled, TEXT * 4, 220)
+    params = SamplingParams(max_tokens=48, ignore_eos=True, prompt_lookup=True, draft="none", draft_k=8,
+                            adaptive_k=False)
+    calls = []
+    real = bundled.fwd.native.verify_greedy
+
+    def counting(*a, **kw):
+        calls.append(len(a[0]))
+        return real(*a, **kw)
+
+    bundled.fwd.native.verify_greedy = counting
+    try:
+        bundled.cache.clear()
+        fast = bundled.generate(prompt, params, history=None)
+        assert calls and max(calls) > 1  # multi-row passes took the native verify
+        n = len(calls)
+        bundled.cache.clear()
+        slow = bundled.generate(prompt, params, constraint=lambda toks: None, history=None)
+        assert len(calls) == n  # the constrained run verified through the Python pass
+    finally:
+        del bundled.fwd.native.verify_greedy
+    bundled.cache.clear()
+    plain = bundled.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True, speculative=False,
+                                                    prompt_lookup=False), history=None)
+    assert fast.tokens == slow.tokens == plain.tokens
+    assert fast.stats.rounds == slow.stats.rounds < 48 and fast.stats.lookup_accepted == slow.stats.lookup_accepted > 0

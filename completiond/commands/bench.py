@@ -216,8 +216,12 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
     """One forward pass over k+1 positions ÷ one single-token step, both through every layer and
     the LM head, at the same context, interleaved; medians of `repeats`. With the arithmetic each
     does (pass_flops), the rate each ran at: a step that is bound by memory or overheads runs far
-    below the machine's matmul rate, a pass over more positions nearer it."""
+    below the machine's matmul rate, a pass over more positions nearer it. Where the native step runs,
+    also the engine's one-call plain step and greedy verify pass (native_ratio): the costs a greedy round
+    of prompt lookup actually weighs against each other."""
     import torch
+
+    from completiond.engine import native as native_mod
 
     seq = engine.new_sequence(len(prompt) + k + 2)
     one, many = [], []
@@ -240,7 +244,27 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
             many.append(t2 - t1)
     step_s, pass_s = statistics.median(one), statistics.median(many)
     context = seq.length
-    return {"k": k, "ratio": pass_s / step_s, "step_ms": 1000 * step_s, "pass_ms": 1000 * pass_s,
+    native = engine.fwd.native
+    extra = {}
+    if native is not None and k + 1 <= native_mod.MAX_ROWS:
+        # What a greedy round really pays on the native step: a plain step and a verify pass each in one
+        # call (embed, layers, head, argmax), with no Python between their parts (engine.speculative_round)
+        L, head_w, head_b = engine.num_layers, engine.fwd.head_w, engine.fwd.head_b
+        ids = prompt[-(k + 1):]
+        n_one, n_many = [], []
+        with torch.inference_mode():
+            for i in range(repeats + 3):
+                t0 = time.perf_counter()
+                native.draft_greedy(prompt[-1], L, context, 1, 0.0, seq, head_w, head_b, None, engine.eos_ids_tensor)
+                t1 = time.perf_counter()
+                native.verify_greedy(ids, L, context, seq, head_w, head_b)
+                t2 = time.perf_counter()
+                if i >= 3:  # the first three warm up
+                    n_one.append(t1 - t0)
+                    n_many.append(t2 - t1)
+        extra = {"native_step_ms": 1000 * statistics.median(n_one), "native_pass_ms": 1000 * statistics.median(n_many),
+                 "native_ratio": statistics.median(n_many) / statistics.median(n_one)}
+    return {"k": k, "ratio": pass_s / step_s, "step_ms": 1000 * step_s, "pass_ms": 1000 * pass_s, **extra,
             "context": context, "step_mflops": pass_flops(engine, 1, context) / 1e6,
             "pass_mflops": pass_flops(engine, k + 1, context) / 1e6,
             "step_gflops": pass_flops(engine, 1, context) / step_s / 1e9,
@@ -533,7 +557,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "verify_cost_ratio": vc["ratio"],
         "verify_cost": vc,
         "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"],
-                              "pass_gflops": v["pass_gflops"]} for v in vc_by_k],
+                              "pass_gflops": v["pass_gflops"], "native_ratio": v.get("native_ratio")} for v in vc_by_k],
         # one large float32 matmul on this machine, the engine's threads: the rate verify passes approach
         "matmul_peak_gflops": peak,
         # one drafted token at each exit ÷ one plain step (the model card's measured draft cost)

@@ -44,8 +44,8 @@ class Proposal:
     tokens: list[int]  # k drafted ids
     probs: torch.Tensor | None  # [k, V] warped draft distributions q (None when greedy)
     masks: list  # the constraint mask used at each of the k positions (or None)
-    # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1. None: nothing drafted
-    # and nothing computed (prompt lookup alone, without a match)
+    # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1. None: nothing computed,
+    # the verifier starts from the embeddings (a lookup proposal; with no tokens, nothing drafted at all)
     exit_states: torch.Tensor | None
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
     kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
@@ -218,8 +218,8 @@ class LookupDraft:
                 # deterministic proposal: q is one-hot
                 probs = torch.zeros(len(tokens), eng.vocab_size, device=eng.device)
                 probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-            return Proposal(tokens, probs, masks, eng.embed([pending] + tokens), exit_layer=0, kind="lookup",
-                            from_history=from_history)
+            # no states: the verifier embeds these tokens itself, or runs embed to argmax in one native call
+            return Proposal(tokens, probs, masks, None, exit_layer=0, kind="lookup", from_history=from_history)
         if self.fallback is not None:
             return self.fallback.propose(seq, pending, generated, k_max, threshold, warp, rng, constraint, limit)
         return Proposal([], None, [], None, exit_layer=0, kind="none")  # the engine takes a plain step

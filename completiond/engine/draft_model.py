@@ -132,5 +132,5 @@ class DraftModelDraft:
             h = dr.run_layers(dr.embed([tok]), 0, dr.num_layers, p0 + 1 + i, d)
             fed.append(tok)
         self._fed = (p0, fed)
-        return Proposal(tokens, torch.stack(probs) if probs else None, masks, eng.embed([pending] + tokens),
-                        exit_layer=0, kind=self.kind)
+        # no states: its tokens enter the verifier at layer 0, embedded there (or in one native greedy call)
+        return Proposal(tokens, torch.stack(probs) if probs else None, masks, None, exit_layer=0, kind=self.kind)

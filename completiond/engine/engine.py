@@ -34,6 +34,7 @@ from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
 from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
 from completiond.engine import medusa as medusa_mod
+from completiond.engine import native as native_mod
 from completiond.engine.forward import Forward
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.lookup import OutputHistory
@@ -500,23 +501,35 @@ class Engine:
         t1 = time.perf_counter()
         k = len(proposal.tokens)
         exit_states = proposal.exit_states  # [1, k+1, d]: pending and each draft token at layer E
+        tap = draft.tap_layer
+        native = self.fwd.native
+        if exit_states is None and k == 0 and warp.greedy:
+            # Nothing drafted and nothing computed (prompt lookup alone found no match): a plain step,
+            # which takes the native path where it can.
+            nxt = self.plain_step(seq, pending, gen_tokens, warp, rng, constraint)
+            stats.rounds += 1
+            stats.draft_ms += 1000 * (t1 - t0)
+            stats.verify_ms += 1000 * (time.perf_counter() - t1)
+            return [nxt]
+        if (exit_states is None and native is not None and warp.greedy and constraint is None and tap is None
+                and k + 1 <= native_mod.MAX_ROWS and seq.k.is_contiguous() and not self.resident_ids):
+            # A lookup proposal, greedy: embed, every layer, head and argmax in one native call (the plain
+            # step's own arithmetic per row), without the Python and tensors between them.
+            target = native.verify_greedy([pending] + proposal.tokens, self.num_layers, seq.length, seq,
+                                          self.fwd.head_w, self.fwd.head_b)
+            m, nxt = sampling.accept_greedy(proposal.tokens, target)
+            seq.commit([pending] + proposal.tokens[:m])
+            return self._count_round(proposal, m, nxt, stats, t0, t1)
         if exit_states is None:
-            # Nothing drafted and nothing computed (prompt lookup alone found no match). Greedy: a plain
-            # step, which takes the native path where it can; sampling verifies the bare pending token.
-            if warp.greedy:
-                nxt = self.plain_step(seq, pending, gen_tokens, warp, rng, constraint)
-                stats.rounds += 1
-                stats.draft_ms += 1000 * (t1 - t0)
-                stats.verify_ms += 1000 * (time.perf_counter() - t1)
-                return [nxt]
-            exit_states = self.embed([pending])  # [1, 1, d]
+            # the proposal enters at layer 0: pending and the drafts as embeddings (sampling with no match:
+            # the bare pending token)
+            exit_states = self.embed([pending] + proposal.tokens)  # [1, k+1, d]
         if exit_states.shape[1] < k + 1:
             # The last draft token was never fed to the draft: its layers < E run here, once.
             x_last = (self.fwd.embed(proposal.token_ids[-1:].view(1, 1)) if proposal.token_ids is not None
                       else self.embed(proposal.tokens[-1:]))  # [1, 1, d]
             h_last = self.run_layers(x_last, 0, proposal.exit_layer, seq.length + k, seq)
             exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
-        tap = draft.tap_layer
         if tap is not None and proposal.exit_layer < tap:
             # The draft wants these positions' states at its tap layer: stop there on the way up.
             exit_states = self.run_layers(exit_states, proposal.exit_layer, tap, seq.length, seq)
@@ -544,6 +557,13 @@ class Engine:
         seq.commit([pending] + proposal.tokens[:m])
         if tap is not None and proposal.exit_layer <= tap:
             draft.observe(seq, p0, exit_states[:, :m + 1])
+        return self._count_round(proposal, m, nxt, stats, t0, t1)
+
+    @staticmethod
+    def _count_round(proposal, m: int, nxt: int, stats: Stats, t0: float, t1: float) -> list[int]:
+        """A verified round's stats (drafted from t0, verified from t1 until now); returns the tokens it
+        adds: the m accepted drafts and the verifier's own next one."""
+        k = len(proposal.tokens)
         t2 = time.perf_counter()
         stats.rounds += 1
         stats.drafted += k

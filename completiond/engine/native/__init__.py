@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 7
+ABI = 8
 # Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
 # with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
 MAX_ROWS = 16
@@ -157,6 +157,9 @@ def library() -> ctypes.CDLL | None:
     lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, ctypes.c_int64, i32, i32, i32, f32, vp, f32, vp, i32, i32,
                                     vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
     lib.cd_draft_greedy.restype = i32
+    lib.cd_verify_greedy.argtypes = [ctypes.POINTER(_Model), vp, vp, i32, i32, i32, vp, f32, vp, i32, i32, vp,
+                                     vp, vp, i32, vp, vp, i32, vp]
+    lib.cd_verify_greedy.restype = i32
     _lib = lib
     return lib
 
@@ -331,6 +334,25 @@ class NativeStep:
         if k < 0:
             raise MemoryError(f"native draft: no scratch memory at position {pos}")
         return tokens[:k].tolist(), states[:fed.value][None]  # [1, n_fed, d]
+
+    def verify_greedy(self, tokens: list[int], last: int, pos: int, seq: "KVSequence", head_w: torch.Tensor,
+                      head_b: torch.Tensor | None) -> list[int]:
+        """The argmax after each of tokens (pending, then the drafts) fed at slots pos.. through layers
+        [0, last), their K/V written (step.c's cd_verify_greedy: one call for embed, layers, head and argmax)."""
+        fwd = self.fwd
+        t = len(tokens)
+        fwd.rope(pos, t)
+        ids = torch.tensor(tokens, dtype=torch.int64)  # [t]
+        out = torch.empty(t, dtype=torch.int64)
+        packed, as_bf16 = self._pack(head_w)
+        rc = self.lib.cd_verify_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), ids.data_ptr(), t, last, pos,
+                                       fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(), int(as_bf16),
+                                       head_w.shape[0], _ptr(head_b), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
+                                       fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), out.data_ptr())
+        if rc != 0:
+            raise MemoryError(f"native verify: no scratch memory for a {t}-position pass at position {pos}")
+        return out.tolist()
+
 
 
 def bind(fwd: "Forward") -> tuple[NativeStep | None, str | None]:

@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 7
+#define CD_ABI 8
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -573,4 +573,36 @@ int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E,
     free(logits);
     *n_fed = fed;
     return rc ? -1 : k;
+}
+
+/* A greedy verify pass in one call: tokens [t] (the pending token, then the drafted ones) embedded, fed
+ * through layers [0, last) at slots pos.. (their K/V written), the final norm and the head, and each row's
+ * argmax into out [t] (the first of equal maxima, as torch.argmax). The same cd_layers and cd_head a
+ * plain step runs, so row r's argmax is what a plain step at slot pos + r would pick. Returns 0, or -1
+ * without scratch memory (the K/V of the slots may then be partly written: they are past the sequence's
+ * valid length, so nothing reads them). */
+int cd_verify_greedy(const cd_model *m, const float *embed, const int64_t *tokens, int t, int last, int pos,
+                     const float *norm_w, float norm_eps, const void *W, int wbf16, int V, const float *bias,
+                     float *kc, float *vc, int cap, const float *cos_t, const float *sin_t, int nthreads, int64_t *out) {
+    const int d = m->d;
+    float *h = malloc(sizeof(float) * (size_t)t * d);
+    float *logits = malloc(sizeof(float) * (size_t)t * V);
+    int rc = -1;
+    if (h && logits) {
+        for (int r = 0; r < t; r++) memcpy(h + (size_t)r * d, embed + (size_t)tokens[r] * d, sizeof(float) * (size_t)d);
+        rc = cd_layers(m, h, t, 0, last, pos, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads);
+        if (rc == 0) rc = cd_head(h, t, d, norm_w, norm_eps, W, wbf16, V, bias, logits, nthreads);
+        if (rc == 0) {
+            for (int r = 0; r < t; r++) {
+                const float *row = logits + (size_t)r * V;
+                int j = 0;
+                for (int v = 1; v < V; v++)
+                    if (row[v] > row[j]) j = v;
+                out[r] = j;
+            }
+        }
+    }
+    free(h);
+    free(logits);
+    return rc;
 }
