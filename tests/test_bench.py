@@ -71,7 +71,10 @@ def test_bench_json_has_every_figure(peaked_dir, tmp_path):
         assert vc["native_ratio"] == pytest.approx(vc["native_pass_ms"] / vc["native_step_ms"])
         assert all(v["native_ratio"] > 0 for v in result["verify_cost_by_k"])
     for row in result["drafts"]:
-        assert 0 <= row["history_accepted"] and 0 <= row["history_rounds"] <= row["lookup_rounds"]
+        assert 0 <= row["history_accepted"] <= row["accepted"] <= row["drafted"]
+        assert 0 <= row["history_rounds"] <= row["lookup_rounds"] <= row["rounds"]
+        # a round commits its accepted drafts and one token of the verifier's (the last may be cut to max_tokens)
+        assert row["rounds"] <= row["generated"] <= row["accepted"] + row["rounds"]
     assert [d["exit_layer"] for d in result["draft_cost_by_exit"]] == [1, 2, 3]  # every exit of the 4 layers
     assert all(d["cost"] > 0 and d["draft_ms"] > 0 and d["step_ms"] > 0 and d["repeats"] == 20
                for d in result["draft_cost_by_exit"])

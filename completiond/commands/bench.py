@@ -500,6 +500,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                 "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
                 "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
                 "lookup_rounds": sum(s.lookup_rounds for s in ss), "rounds": rounds_,
+                "drafted": dr, "accepted": acc, "generated": sum(s.generated_tokens for s in ss),
                 # of the lookup rounds, those drafted from the repeat's earlier outputs, and what they committed
                 "history_rounds": sum(s.history_rounds for s in ss),
                 "history_accepted": sum(s.history_accepted for s in ss),
