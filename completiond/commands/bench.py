@@ -264,11 +264,10 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
                     n_many.append(t2 - t1)
         extra = {"native_step_ms": 1000 * statistics.median(n_one), "native_pass_ms": 1000 * statistics.median(n_many),
                  "native_ratio": statistics.median(n_many) / statistics.median(n_one)}
+    step_f, pass_f = pass_flops(engine, 1, context), pass_flops(engine, k + 1, context)
     return {"k": k, "ratio": pass_s / step_s, "step_ms": 1000 * step_s, "pass_ms": 1000 * pass_s, **extra,
-            "context": context, "step_mflops": pass_flops(engine, 1, context) / 1e6,
-            "pass_mflops": pass_flops(engine, k + 1, context) / 1e6,
-            "step_gflops": pass_flops(engine, 1, context) / step_s / 1e9,
-            "pass_gflops": pass_flops(engine, k + 1, context) / pass_s / 1e9}
+            "context": context, "step_mflops": step_f / 1e6, "pass_mflops": pass_f / 1e6,
+            "step_gflops": step_f / step_s / 1e9, "pass_gflops": pass_f / pass_s / 1e9}
 
 
 def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20) -> list[dict]:
@@ -350,15 +349,17 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     if not skip_hf:
         _patch_hf_early_exit()
 
+    # Each of our methods drafts from its own output history, emptied at every repeat: a repeat replays
+    # the prompts as one editing session would, and never sees a previous repeat's outputs.
+    histories: list[OutputHistory] = []
+
     def ours(params):
-        # Each method drafts from its own output history, emptied at every repeat: a repeat replays
-        # the prompts as one editing session would, and never sees a previous repeat's outputs.
         history = OutputHistory()
+        histories.append(history)
 
         def go(ids):
             gen, total = _timed(engine, ids, params, history=history)
             return gen.tokens, gen.stats.decode_ms / 1000, total, gen.stats
-        go.history = history
         return go
 
     def hf(early_exit):
@@ -377,7 +378,6 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
                 return go(ids)
             finally:
                 engine.fwd.native = saved
-        run_.history = go.history
         return run_
 
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
@@ -418,9 +418,8 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
         dec = {n: 0.0 for n in names}
         tot = {n: 0.0 for n in names}
-        for name in names:
-            if hasattr(methods[name], "history"):
-                methods[name].history.clear()
+        for history in histories:
+            history.clear()
         for i, ids in enumerate(prompts):
             for name in order:
                 tokens, d, total, stats = methods[name](ids)

@@ -523,6 +523,14 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
     return 0;
 }
 
+/* index of the largest of n logits: the first of equal maxima, as torch.argmax */
+static inline int argmax_row(const float *row, int n) {
+    int j = 0;
+    for (int v = 1; v < n; v++)
+        if (row[v] > row[j]) j = v;
+    return j;
+}
+
 /* Greedy early-exit drafting in one call: up to k_max tokens after `token`, each fed through layers
  * [0, E) at slots pos, pos+1, ... (their K/V written: the verifier keeps them, as it would have written
  * the same) and scored by the final norm and the head rows Wp (the draft vocabulary; ids maps a row to
@@ -547,9 +555,7 @@ int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E,
             break;
         }
         fed++;
-        int j = 0;
-        for (int v = 1; v < Vd; v++)
-            if (logits[v] > logits[j]) j = v; /* the first of equal maxima, as torch.argmax */
+        int j = argmax_row(logits, Vd);
         if (threshold > 0.0f) {
             /* top probability = 1 / sum_v exp(l_v - l_j) */
             const float top_logit = logits[j];
@@ -577,7 +583,7 @@ int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E,
 
 /* A greedy verify pass in one call: tokens [t] (the pending token, then the drafted ones) embedded, fed
  * through layers [0, last) at slots pos.. (their K/V written), the final norm and the head, and each row's
- * argmax into out [t] (the first of equal maxima, as torch.argmax). The same cd_layers and cd_head a
+ * argmax into out [t] (argmax_row). The same cd_layers and cd_head a
  * plain step runs, so row r's argmax is what a plain step at slot pos + r would pick. Returns 0, or -1
  * without scratch memory (the K/V of the slots may then be partly written: they are past the sequence's
  * valid length, so nothing reads them). */
@@ -592,15 +598,8 @@ int cd_verify_greedy(const cd_model *m, const float *embed, const int64_t *token
         for (int r = 0; r < t; r++) memcpy(h + (size_t)r * d, embed + (size_t)tokens[r] * d, sizeof(float) * (size_t)d);
         rc = cd_layers(m, h, t, 0, last, pos, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads);
         if (rc == 0) rc = cd_head(h, t, d, norm_w, norm_eps, W, wbf16, V, bias, logits, nthreads);
-        if (rc == 0) {
-            for (int r = 0; r < t; r++) {
-                const float *row = logits + (size_t)r * V;
-                int j = 0;
-                for (int v = 1; v < V; v++)
-                    if (row[v] > row[j]) j = v;
-                out[r] = j;
-            }
-        }
+        if (rc == 0)
+            for (int r = 0; r < t; r++) out[r] = argmax_row(logits + (size_t)r * V, V);
     }
     free(h);
     free(logits);
