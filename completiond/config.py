@@ -54,6 +54,9 @@ SETTINGS: tuple[Setting, ...] = (
             "means the bundled default model."),
     Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps")),
     Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16")),
+    Setting("weights", str, "auto", "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
+            "weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
+            "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8")),
     Setting("draftModel", str, "", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
             "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers."),
     Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load)."),
@@ -316,7 +319,7 @@ def _default(v: Any) -> str:
 
 
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
-ENGINE_KEYS = ("model", "draftModel", "device", "dtype", "trustRemoteCode", "cacheMegabytes",
+ENGINE_KEYS = ("model", "draftModel", "device", "dtype", "weights", "trustRemoteCode", "cacheMegabytes",
                "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout")
 
 # What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP
