@@ -324,6 +324,7 @@ async def test_service_reports_and_recovers(fake, tmp_path):
             break
         await asyncio.sleep(0.05)
     assert service.state == "ready" and service.status()["device"] == "remote"
+    service.notify("c", "workspace", {"folders": [str(tmp_path)]})  # the privacy gate sends workspace files only
     uri = (tmp_path / "a.py").as_uri()
     service.open("c", uri, 1, "x = ", "python")
     fake.plan.mode = "status"
@@ -346,16 +347,30 @@ async def test_service_reports_and_recovers(fake, tmp_path):
 from test_lsp import runtime, start  # noqa: E402,F401  (fixtures)
 
 
+async def open_in_folder(s, folder, text: str) -> str:
+    """Open a document inside the session's workspace folder (the privacy gate sends nothing else to a
+    team server); its URI."""
+    uri = (folder / "example.py").as_uri()
+    await s.open(text, uri=uri)
+    return uri
+
+
+async def inline_at(s, uri: str):
+    return await asyncio.wait_for(s.client.text_document_inline_completion_async(s.inline_params(uri)), 120)
+
+
 @pytest.mark.slow
-async def test_editor_gets_one_message_for_broken_streams(fake, start):
+async def test_editor_gets_one_message_for_broken_streams(fake, start, tmp_path):
     fake.plan.mode, fake.plan.pieces = "die", ["half"]
+    folder = tmp_path / "project"
+    folder.mkdir()
     s = await start({"backend": "openai", "endpoint": fake.url, "endpointModel": "completiond-py-mini",
-                     "maxTokens": 8, "idleTimeout": 60})
-    await s.open("def main():\n    x = ")
+                     "maxTokens": 8, "idleTimeout": 60}, folder=folder)
+    uri = await open_in_folder(s, folder, "def main():\n    x = ")
     await s.wait_ready()
     for ch in "abc":  # one keystroke reaches the server; the next ones fall within the backoff
-        s.type(ch)
-        result = await s.inline()
+        s.type(ch, uri=uri)
+        result = await inline_at(s, uri)
         assert not result.items
     told = [m.message for m in s.client.messages if "completion server" in m.message]
     assert len(told) == 1 and fake.url in told[0] and "retries" in told[0], s.client.messages
@@ -364,8 +379,8 @@ async def test_editor_gets_one_message_for_broken_streams(fake, start):
     # The server is mended: once the backoff has passed, suggestions arrive.
     fake.plan.mode, fake.plan.pieces = "stream", ["1 + 2"]
     for _ in range(100):
-        s.type(" ")
-        result = await s.inline()
+        s.type(" ", uri=uri)
+        result = await inline_at(s, uri)
         if result.items:
             break
         await asyncio.sleep(0.05)
@@ -373,17 +388,19 @@ async def test_editor_gets_one_message_for_broken_streams(fake, start):
 
 
 @pytest.mark.slow
-async def test_changing_the_endpoint_restarts_the_daemon_onto_it(fake, start):
+async def test_changing_the_endpoint_restarts_the_daemon_onto_it(fake, start, tmp_path):
     from test_lsp import wait_for
 
     other = FakeServer()
+    folder = tmp_path / "project"
+    folder.mkdir()
     try:
         fake.plan.pieces, other.plan.pieces = ["1"], ["2"]
         s = await start({"backend": "openai", "endpoint": fake.url, "endpointModel": "completiond-py-mini",
-                         "maxTokens": 8, "idleTimeout": 60})
-        await s.open("def main():\n    x = ")
+                         "maxTokens": 8, "idleTimeout": 60}, folder=folder)
+        uri = await open_in_folder(s, folder, "def main():\n    x = ")
         await s.wait_ready()
-        assert (await s.inline()).items[0].insert_text.endswith("1")
+        assert (await inline_at(s, uri)).items[0].insert_text.endswith("1")
         pid = (await s.stats())["status"]["pid"]
         s.client.workspace_did_change_configuration(types.DidChangeConfigurationParams(
             settings={"completiond": {"backend": "openai", "endpoint": other.url, "endpointModel": "completiond-py-mini"}}))
@@ -395,7 +412,7 @@ async def test_changing_the_endpoint_restarts_the_daemon_onto_it(fake, start):
         await wait_for(moved, "the daemon to restart onto the other endpoint")
         assert any("restarting the shared daemon" in m.message for m in s.client.messages)
         await s.wait_ready()
-        s.type(" ")
-        assert (await s.inline()).items[0].insert_text.endswith("2") and other.plan.requests
+        s.type(" ", uri=uri)
+        assert (await inline_at(s, uri)).items[0].insert_text.endswith("2") and other.plan.requests
     finally:
         other.close()

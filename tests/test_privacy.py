@@ -94,7 +94,7 @@ def test_context_is_scoped_to_the_editor_and_dropped_when_it_leaves(tmp_path):
     w.start()
     try:
         assert w.wait_for(lambda: w.get(a / "lib.py", owner=None) and w.get(b / "lib.py", owner=None))
-        w.did_open(tmp_path / "notes" / "draft.py", "A_UNSAVED_DRAFT = 3\n", "python", owner="A")
+        w.did_open(a / "notes" / "draft.py", "A_UNSAVED_DRAFT = 3\n", "python", owner="A")
         ctx_b = str(w.context(b / "main.py", "python", 10_000, owner="B"))
         assert "B_CODE" in ctx_b and "A_SECRET" not in ctx_b and "A_UNSAVED" not in ctx_b
         ctx_a = str(w.context(a / "main.py", "python", 10_000, owner="A"))
@@ -229,7 +229,7 @@ def test_closed_gitignored_file_leaves_the_context(tmp_path):
     (tmp_path / "local_settings.py").write_text("DB_PASSWORD = 'x'\n")
     w = Workspace([tmp_path], scan=False)
     w.did_open(tmp_path / "local_settings.py", "DB_PASSWORD = 'x'\n", "python")
-    assert "local_settings.py" in context_names(w, tmp_path / "main.py")    # open: the user works on it
+    assert "local_settings.py" not in context_names(w, tmp_path / "main.py")   # open or not: never context (issue 31)
     w.did_close(tmp_path / "local_settings.py")
     assert w.flush()
     assert "local_settings.py" not in context_names(w, tmp_path / "main.py")
@@ -334,3 +334,157 @@ def test_context_exclude_setting_reaches_the_workspace(tmp_path):
     w.did_open(tmp_path / "api.py", "API = 1\n", "python")
     patterns = [p for p in cfg.context_exclude.split(",") if p.strip()]
     assert context_names(w, tmp_path / "main.py", exclude=patterns) == {"api.py"}
+
+
+# --- issue 31, item 1: one gate for everything that enters a prompt, the current document included --------
+
+# (relative path, text, what the user must be told) for each kind of file; "outside" paths lie beside the
+# workspace folder, in a home folder of their own.
+GATED = {
+    ".env": ("project/.env", "AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI\nDB_", "deny-list"),
+    "secrets.py": ("project/app/secrets.py", "DB_PASSWORD = 'hunter2'\nAPI_", "deny-list"),
+    "gitignored": ("project/private.py", "PRIVATE_NOTE = 'gitignored text'\nx = ", ".gitignore"),
+    "hidden": ("project/.hidden/h.py", "HIDDEN_MARK = 'in a hidden folder'\nx = ", "hidden"),
+    "aws credentials": ("home/.aws/credentials", "[default]\naws_secret_access_key = wJalrXUtnFEMI\n", "deny-list"),
+    "outside": ("home/notes/todo.py", "OUTSIDE_MARK = 'beside the workspace'\nx = ", "outside the workspace"),
+}
+
+
+def gated_tree(tmp_path: Path) -> Path:
+    project = tmp_path / "project"
+    (project / "app").mkdir(parents=True)
+    (project / ".gitignore").write_text("private.py\n")
+    for rel, text, _ in GATED.values():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (project / "ordinary.py").write_text("ORDINARY_MARK = 1\n")
+    return project
+
+
+async def remote_service(url: str, backend: str, project: Path):
+    from completiond.serving.service import Service
+
+    cfg, errors = config.merge(config.Config(), {"backend": backend, "endpoint": url, "multiline": "never",
+                                                 "endpointModel": "qwen2.5-coder", "endpointTimeout": 2.0})
+    assert not errors, errors
+    service = Service(cfg)
+    service.start_loading()
+    for _ in range(200):
+        if service.state == "ready":
+            break
+        await asyncio.sleep(0.02)
+    assert service.state == "ready", service.error
+    service.notify("ed", "workspace", {"folders": [str(project)]})
+    assert await asyncio.to_thread(service.workspace.flush)
+    return service
+
+
+def all_sent(server) -> str:
+    return str([r["body"] for r in server.plan.requests])
+
+
+@pytest.mark.parametrize("backend", ["openai", "llamacpp-infill"])
+@pytest.mark.parametrize("kind", sorted(GATED))
+async def test_current_document_of_each_kind_never_reaches_the_server(tmp_path, backend, kind):
+    from remote_servers import FakeServer
+
+    project = gated_tree(tmp_path)
+    rel, text, why = GATED[kind]
+    server = FakeServer()
+    server.plan.pieces = ["42"]
+    service = await remote_service(server.url, backend, project)
+    try:
+        uri = (tmp_path / rel).as_uri()
+        service.open("ed", uri, 1, text, "python")
+        result = await service.complete("ed", 1, uri, 1, len(text))
+        assert result["suggestion"] is None and result["finish_reason"] == "excluded"
+        assert any(why in w for w in result["warnings"]), result["warnings"]
+        assert server.plan.requests == [], all_sent(server)
+        # The same daemon, the same server: an ordinary file of the folder is served (the server works).
+        ok = (project / "ordinary.py").as_uri()
+        service.open("ed", ok, 1, "ORDINARY_MARK = 1\nx = ", "python")
+        assert (await service.complete("ed", 2, ok, 1, 22))["suggestion"]["text"] == "42"
+        sent = all_sent(server)
+        assert len(server.plan.requests) == 1 and "ORDINARY_MARK" in sent
+        for secret in ("wJalrXUtnFEMI", "hunter2", "PRIVATE_NOTE", "HIDDEN_MARK", "OUTSIDE_MARK"):
+            assert secret not in sent, (secret, sent)   # nor as context for the ordinary file
+    finally:
+        service.shutdown()
+        server.close()
+
+
+@pytest.mark.parametrize("backend", ["openai", "llamacpp-infill"])
+async def test_open_restricted_documents_are_never_context_for_another_file(tmp_path, backend):
+    from remote_servers import FakeServer
+
+    project = gated_tree(tmp_path)
+    (project / "data.py").write_text("EXCLUDED_MARK = 1\n")
+    (project / "helper.py").write_text("HELPER_MARK = 1\n")
+    server = FakeServer()
+    server.plan.pieces = ["1"]
+    service = await remote_service(server.url, backend, project)
+    try:
+        for rel, text, _ in GATED.values():   # open in the editor, with unsaved text
+            service.open("ed", (tmp_path / rel).as_uri(), 1, text + "  # unsaved", "python")
+        service.open("ed", (project / "data.py").as_uri(), 1, "EXCLUDED_MARK = 2\n", "python")
+        service.open("ed", (project / "helper.py").as_uri(), 1, "HELPER_MARK = 2\n", "python")
+        uri = (project / "main.py").as_uri()
+        service.open("ed", uri, 1, "x = ", "python")
+        result = await service.complete("ed", 1, uri, 1, 4, {"contextExclude": "data.py"})
+        assert result["suggestion"]["text"] == "1"
+        sent = all_sent(server)
+        assert "HELPER_MARK" in sent                                    # ordinary open files are context
+        for mark in ("wJalrXUtnFEMI", "hunter2", "PRIVATE_NOTE", "HIDDEN_MARK", "OUTSIDE_MARK", "EXCLUDED_MARK"):
+            assert mark not in sent, (mark, sent)
+    finally:
+        service.shutdown()
+        server.close()
+
+
+async def test_the_local_engine_gets_no_secret_file_and_keeps_the_others(tmp_path):
+    from test_scheduler import FakeEngine, ready_service
+
+    project = gated_tree(tmp_path)
+    engine = FakeEngine(continuation="z\n")
+    service = await ready_service(engine)
+    try:
+        service.notify("ed", "workspace", {"folders": [str(project)]})
+        assert await asyncio.to_thread(service.workspace.flush)
+        for kind, (rel, text, why) in sorted(GATED.items()):
+            uri = (tmp_path / rel).as_uri()
+            service.open("ed", uri, 1, text, "python")
+            calls = len(engine.calls)
+            result = await service.complete("ed", 1, uri, 1, len(text))
+            if why == "deny-list":   # no completion at all, locally too, and the editor is told why
+                assert len(engine.calls) == calls and result["finish_reason"] == "excluded", kind
+                assert "deny-list" in result["warnings"][0], kind
+            else:                    # hidden, ignored, outside: the local model completes as ever
+                assert len(engine.calls) == calls + 1 and result["suggestion"]["text"] == "z", kind
+        # A deny-listed file seen through another scheme (a git diff view) is the same file.
+        service.open("ed", "git:/x/project/.env?ref=HEAD", 1, "KEY=", "")
+        result = await service.complete("ed", 1, "git:/x/project/.env?ref=HEAD", 1, 4)
+        assert result["finish_reason"] == "excluded"
+    finally:
+        service.shutdown()
+
+
+def test_classify_names_each_rule(tmp_path):
+    from completiond.completion.privacy import Admission, classify
+
+    project = gated_tree(tmp_path)
+    (project / "link.py").symlink_to(tmp_path / "home" / "notes" / "todo.py")
+    rules = ws_mod.IgnoreRules(str(project))
+    roots = [str(project)]
+
+    def verdict(rel, **kw):
+        return classify(str(tmp_path / rel), roots, ignored=lambda root, p: rules.ignored(p), **kw)
+
+    assert verdict("project/ordinary.py").admission is Admission.LOCAL_AND_REMOTE
+    assert classify(None, roots).admission is Admission.LOCAL_AND_REMOTE             # an untitled buffer
+    for rel in ("project/.env", "project/app/secrets.py", "home/.aws/credentials", "project/id_rsa"):
+        assert verdict(rel).admission is Admission.DENIED, rel
+    for rel in ("project/private.py", "project/.hidden/h.py", "project/.eslintrc.js", "home/notes/todo.py",
+                "project/node_modules/x/index.js", "project/link.py"):
+        assert verdict(rel).admission is Admission.LOCAL_ONLY, rel
+    assert verdict("project/data.py", exclude=["data.py"]).admission is Admission.LOCAL_ONLY
+    assert "outside" in verdict("project/link.py").reason

@@ -148,19 +148,26 @@ def test_server_stopped_mid_stream(binary, gguf, tmp_path):
         server.stop()
 
 
+async def inline_at(s: Session, uri: str) -> types.InlineCompletionList:
+    return await asyncio.wait_for(s.client.text_document_inline_completion_async(s.inline_params(uri)), 120)
+
+
 async def test_editor_is_told_when_the_server_goes_and_recovers_when_it_is_back(start, binary, gguf, tmp_path):
     server = LlamaServer(binary, gguf, tmp_path / "first.log")
     try:
+        folder = tmp_path / "project"
+        folder.mkdir()
         s: Session = await start({"backend": "openai", "endpoint": server.url, "endpointModel": server.alias,
-                                  "maxTokens": 8, "idleTimeout": 60, "endpointTimeout": 5})
-        await s.open("def add(a, b):\n    return a + b\n\n\ndef main():\n    x = ")
+                                  "maxTokens": 8, "idleTimeout": 60, "endpointTimeout": 5}, folder=folder)
+        uri = (folder / "example.py").as_uri()  # a workspace file: the privacy gate sends no other
+        await s.open("def add(a, b):\n    return a + b\n\n\ndef main():\n    x = ", uri=uri)
         await s.wait_ready()
-        first = await s.inline()
+        first = await inline_at(s, uri)
         assert isinstance(first, types.InlineCompletionList)
         port = server.port
         server.stop()
-        s.type("a")
-        gone = await s.inline()
+        s.type("a", uri=uri)
+        gone = await inline_at(s, uri)
         assert not gone.items
         for _ in range(100):
             if any("cannot reach the completion server" in m.message for m in s.client.messages):
@@ -168,16 +175,16 @@ async def test_editor_is_told_when_the_server_goes_and_recovers_when_it_is_back(
             await asyncio.sleep(0.05)
         told = [m.message for m in s.client.messages if "completion server" in m.message]
         assert told and server.url in told[0], s.client.messages
-        s.type("b")
-        await s.inline()  # within the backoff: answered at once, and the editor is not told again
+        s.type("b", uri=uri)
+        await inline_at(s, uri)  # within the backoff: answered at once, and the editor is not told again
         assert len([m for m in s.client.messages if "cannot reach" in m.message]) == 1
         stats = await s.stats()
         assert stats["status"]["state"] in ("ready", "busy") and stats["errors"] >= 1
         # The server comes back on the same port; after the backoff, completions work again.
         server = LlamaServer(binary, gguf, tmp_path / "second.log", port=port)
         for _ in range(200):
-            s.type(" ")
-            back = await s.inline()
+            s.type(" ", uri=uri)
+            back = await inline_at(s, uri)
             if (await s.stats())["completed"] > stats["completed"]:
                 break
             await asyncio.sleep(0.1)

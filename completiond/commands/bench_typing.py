@@ -100,7 +100,11 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
     text = file.read_bytes().decode("utf-8")
     lines = text.split("\n")
     targets = pick_lines(text, keystrokes)
-    uri = (runtime_dir / URI_NAME).as_uri()
+    # The document lies in a workspace folder the editor announces: a remote backend is sent workspace
+    # files only (the privacy gate, completion/privacy.py).
+    folder = runtime_dir / "workspace"
+    folder.mkdir(exist_ok=True)
+    uri = (folder / URI_NAME).as_uri()
     init = {"model": model or "", "device": device, "maxTokens": max_tokens, "multiline": "never",
             "idleTimeout": 30, **(settings or {})}
 
@@ -156,7 +160,8 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         await client.initialize_async(types.InitializeParams(
             process_id=os.getpid(), capabilities=types.ClientCapabilities(
                 general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])),
-            initialization_options={"completiond": init}))
+            initialization_options={"completiond": init},
+            workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")]))
         client.initialized(types.InitializedParams())
         version = 1
         client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(

@@ -25,8 +25,6 @@ the context block's KV stays cached across keystrokes.
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import logging
 import os
 import queue
@@ -39,7 +37,11 @@ from typing import Any, Callable, Hashable, Iterable
 
 import pathspec
 
+from completiond.completion import retrieval
 from completiond.fileio import read_at_most
+from completiond.completion.privacy import (  # noqa: F401  (re-exported: the deny-list's old home)
+    ALWAYS_SKIPPED_DIRS, CONFIG_SECRET_DIRS, SECRET_DIRS, SECRET_NAMES, Admission, Verdict, _inside, classify,
+    secret_match)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ LANGUAGES: dict[str, tuple[str, str]] = {
     ".yml": ("yaml", "#"), ".vim": ("vim", '"'), ".zig": ("zig", "//"), ".nim": ("nim", "#"),
 }
 COMMENTS = {lang: comment for lang, comment in LANGUAGES.values()}
-ALWAYS_SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache",
-                                 ".pytest_cache", ".tox"})
 
 
 def language_of(path: str | os.PathLike) -> str | None:
@@ -73,56 +73,8 @@ def comment_for(language: str | None) -> str | None:
 DISK = None   # owner of the entries read from disk: visible to every editor whose folders contain them
 LOCAL = 0     # the owner when one editor uses the workspace alone (in-process LSP, eval, tests)
 
-# Never context, whoever asks and whatever the settings say (contextExclude can only add to these).
-# Matched case-insensitively against every path component below the workspace folder.
-SECRET_NAMES: tuple[str, ...] = (
-    ".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kdbx",
-    "*.gpg", "*.asc", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "*credential*", "*secret*", ".netrc",
-    "_netrc", ".npmrc", ".pypirc", ".pgpass", ".git-credentials", ".htpasswd", ".vault-token", "*.tfvars",
-    "*.tfstate", "*.tfstate.*",
-)
-# Folders of credentials (SSH, GnuPG, cloud and container CLIs), matched anywhere in the absolute path,
-# so opening one of them (or a file inside) as a workspace still keeps its files out.
-SECRET_DIRS = frozenset({".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store",
-                         ".terraform.d", ".oci", ".gcloud"})
-CONFIG_SECRET_DIRS = frozenset({"gh", "gcloud", "hub", "op", "doctl", "rclone", "sops", "gcloud-sdk"})  # ~/.config/*
-
+# The deny-list and the gate live in privacy.py (one rule for the current document and for context).
 MAX_IGNORE_FILE_BYTES = 1 << 20
-
-
-def secret_match(path: str, root: str | None = None, extra: Iterable[str] = (), builtin: bool = True) -> str | None:
-    """The deny-list entry (built-in, or from `extra`) that keeps `path` out of every prompt, or None."""
-    found = _builtin_secret(path, root) if builtin else None
-    return found if found is not None else _pattern_match(path, root, tuple(extra))
-
-
-@functools.lru_cache(maxsize=4096)  # checked on every keystroke of an open document
-def _builtin_secret(path: str, root: str | None) -> str | None:
-    parts = path.split(os.sep)
-    for i, part in enumerate(parts[:-1]):
-        if part in SECRET_DIRS:
-            return f"{part}/"
-        if part == ".config" and i + 1 < len(parts) - 1 and parts[i + 1] in CONFIG_SECRET_DIRS:
-            return f".config/{parts[i + 1]}/"
-    return _pattern_match(path, root, SECRET_NAMES)
-
-
-def _pattern_match(path: str, root: str | None, patterns: tuple[str, ...]) -> str | None:
-    if not patterns:
-        return None
-    rel = os.path.relpath(path, root) if root and _inside(path, root) else os.path.basename(path)
-    rel_posix = rel.replace(os.sep, "/").lower()
-    names = rel_posix.split("/")
-    for pattern in patterns:
-        p = pattern.strip().lower()
-        if not p:
-            continue
-        if "/" in p.strip("/"):
-            if fnmatch.fnmatchcase(rel_posix, p.strip("/")):
-                return pattern
-        elif any(fnmatch.fnmatchcase(name, p.strip("/")) for name in names):
-            return pattern
-    return None
 
 
 class Unreadable(Exception):
@@ -308,7 +260,7 @@ class Workspace:
     def __init__(self, folders: Iterable[str | os.PathLike] = (), max_bytes: int = 8 << 20,
                  max_file_bytes: int = 256 << 10, scan: bool = True, max_scan_files: int = 5000,
                  snippet_lines: int = 60, max_files: int = 4, max_watched_dirs: int | None = None,
-                 max_watched_folders: int = 32, max_scan_dirs: int = 20000):
+                 max_watched_folders: int = 32, max_scan_dirs: int = 20000, max_index_chunks: int = 200_000):
         self.max_bytes = int(max_bytes)
         self.max_file_bytes = int(max_file_bytes)
         self.scan_on_start = scan
@@ -329,6 +281,12 @@ class Workspace:
         self._watches: dict[str, tuple[object, int]] = {}                # folder -> (watch, directories)
         self._unwatched: set[str] = set()                                # folders refused a watch (logged once)
         self._token_counts: OrderedDict[str, int] = OrderedDict()
+        # Retrieval: chunks of the texts admitted as context (see _indexable), updated with them.
+        self.index = retrieval.RetrievalIndex(max_chunks=max_index_chunks)
+        self.selector = retrieval.Selector()
+        self.block_changes = 0          # retrieval blocks that differed from the last one for the same file
+        self._last_block: dict[tuple, tuple] = {}
+        self.scan_progress: dict[str, Any] = {"found": 0, "indexed": 0, "done": True}
         self._io: queue.SimpleQueue = queue.SimpleQueue()
         self._io_thread: threading.Thread | None = None
         self._closed = False
@@ -408,6 +366,7 @@ class Workspace:
             for key in [k for k, e in self._entries.items() if e.owner is DISK and _inside(e.path, root)
                         and self._rules_for(e.path) is None]:
                 self._drop(key)
+            self._reindex_open()
             self._bump()
         done = self._submit(self._rewatch)
         if wait:
@@ -478,6 +437,7 @@ class Workspace:
             owners.add(owner)
             if new:
                 self._folders[root] = IgnoreRules(root)
+                self._reindex_open()
             started = self._observer is not None
         if new and started:
             self._rewatch()
@@ -551,6 +511,15 @@ class Workspace:
         if inside:
             self._submit(self._disk_changed, path)
 
+    def forget(self, path: str | os.PathLike, owner: Hashable = LOCAL) -> None:
+        """Drop the editor's copy without re-reading the disk's (eval: the document it opened per position)."""
+        path = os.path.abspath(os.fspath(path))
+        with self._lock:
+            if (owner, path) in self._entries:
+                self._drop((owner, path))
+                self.selector.forget((owner, path))
+                self._bump()
+
     # -- queries ---------------------------------------------------------
     def get(self, path: str | os.PathLike, owner: Hashable = LOCAL) -> str | None:
         """`owner`'s open copy of the file, else the disk copy."""
@@ -583,8 +552,13 @@ class Workspace:
 
     def context(self, current_path: str | os.PathLike | None, language: str | None, budget_tokens: int,
                 count_tokens: Callable[[str], int] | None = None, owner: Hashable = LOCAL,
-                exclude: Iterable[str] = ()) -> list[tuple[str, str]]:
-        """(relative path, snippet) pairs for the prompt's context block, ordered by path.
+                exclude: Iterable[str] = (), text: str | None = None, offset: int | None = None,
+                mode: str = "recent", window_tokens: tuple[int, int] = (1024, 256)) -> list[tuple[str, str]]:
+        """(relative path, snippet) pairs for the prompt's context block.
+
+        mode "retrieval" (with the document's `text` and cursor `offset`): the chunks the code
+        around the cursor needs, from the repository index (see `retrieve`). Otherwise ("recent"):
+        snippets of recently touched files, ordered by path, as described below.
 
         Picks, among `owner`'s open documents and the disk files under `owner`'s folders, the
         most recently touched files of `language` other than the current one (open documents
@@ -600,6 +574,8 @@ class Workspace:
         if language is None and current is not None:
             language = language_of(current)
         exclude = tuple(exclude)
+        if mode == "retrieval" and text is not None and offset is not None:
+            return self.retrieve(current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens)
         with self._lock:
             mine = [root for root, owners in self._owners.items() if owner in owners]
             visible: dict[str, _Entry] = {}
@@ -611,14 +587,15 @@ class Workspace:
                 elif who is DISK and path not in visible and any(_inside(path, root) for root in mine):
                     visible[path] = e
             candidates = sorted(visible.values(), key=lambda e: (not e.open, -e.touched, e.path))
-            picked = []
-            for e in candidates:
-                if len(picked) >= self.max_files:
-                    break
-                # The built-in deny-list was applied when the entry was stored; the setting's patterns here.
-                if exclude and secret_match(e.path, self._root_of(e.path), exclude, builtin=False) is not None:
-                    continue
-                picked.append((e, self._snippet(e)))
+        picked = []
+        for e in candidates:  # outside the lock: the gate may read a folder's .gitignore files
+            if len(picked) >= self.max_files:
+                break
+            # The one gate (privacy.py): an open hidden, ignored, excluded or outside document is the
+            # editor's own business, never context for another file.
+            if not self._admit(e.path, mine, exclude).remote_ok:
+                continue
+            picked.append((e, self._snippet(e)))
         chosen: list[tuple[str, str]] = []
         used = 0
         for e, snippet in picked:
@@ -636,6 +613,79 @@ class Workspace:
         chosen.sort()
         return chosen
 
+    def admission(self, path: str | os.PathLike | None, owner: Hashable = LOCAL, exclude: Iterable[str] = (),
+                  roots: Iterable[str] = ()) -> Verdict:
+        """The privacy gate's verdict (privacy.classify) on `path` for `owner`: its workspace folders (plus
+        `roots`, folders the caller knows of that may not be registered yet) and their ignore rules."""
+        if path is None:
+            return classify(None, ())
+        with self._lock:
+            mine = [root for root, owners in self._owners.items() if owner in owners]
+        mine += [os.path.abspath(r) for r in roots if os.path.abspath(r) not in mine]
+        return self._admit(os.path.abspath(os.fspath(path)), mine, tuple(exclude))
+
+    def _admit(self, path: str, roots: list[str], exclude: Iterable[str]) -> Verdict:
+        def ignored(root: str, p: str) -> bool:
+            rules = self._folders.get(root) or IgnoreRules(root)  # a folder still being set up: read its rules now
+            return rules.ignored(p)
+        return classify(path, roots, exclude=exclude, ignored=ignored)
+
+    def retrieve(self, current: str | None, language: str | None, text: str, offset: int, budget_tokens: int,
+                 count: Callable[[str], int], owner: Hashable = LOCAL, exclude: tuple[str, ...] = (),
+                 window_tokens: tuple[int, int] = (1024, 256)) -> list[tuple[str, str]]:
+        """(relative path, chunk) pairs for the cursor at `offset` in `text` (the current document).
+
+        Candidates are the index's chunks of `language` that `owner` may see: its own open
+        documents and the disk files under its folders (a disk copy gives way to the editor's),
+        minus the contextExclude patterns; the current file's own chunks count, except those the
+        prompt's window (window_tokens before and after the cursor) already shows, and never its
+        disk copy (the request's text is the current version). Definitions of the names at the
+        cursor come first, then BM25 over the identifiers around the cursor; the block is sticky
+        (retrieval.Selector), so typing changes it only when its chunks change.
+        """
+        before_chars, after_chars = (4 * max(0, int(t)) for t in window_tokens)
+        lo = text.count("\n", 0, max(0, offset - before_chars))
+        hi = text.count("\n", 0, min(len(text), offset + after_chars)) + 1
+        query = retrieval.make_query(text, offset)
+        query.window = (lo, hi)
+        with self._lock:
+            mine = [root for root, owners in self._owners.items() if owner in owners]
+            cur_key = (owner, current) if current is not None and (owner, current) in self._entries else None
+            verdicts: dict[Hashable, bool] = {}
+
+            def allowed(c: retrieval.Chunk) -> bool:
+                ok = verdicts.get(c.key)
+                if ok is None:
+                    ok = verdicts[c.key] = self._retrievable(c, owner, current, language, mine, exclude)
+                return ok
+
+            def cost(c: retrieval.Chunk) -> int:
+                return count(f"{self._relpath(c.path)}\n{c.text}") + 2
+
+            chosen = self.selector.select(self.index, (owner, current), query, allowed, cur_key, cost, budget_tokens)
+            block = tuple(c.id for c in chosen)
+            if self._last_block.get((owner, current), ()) != block:
+                self.block_changes += 1
+                self._last_block[(owner, current)] = block
+                if len(self._last_block) > 256:
+                    self._last_block.pop(next(iter(self._last_block)))
+            out = [(self._relpath(c.path), c.text) for c in chosen]
+            for c in chosen:
+                log.debug("context for %s (editor %s): %s lines %d-%d", current, owner, c.path, c.start + 1, c.end)
+        return out
+
+    def _retrievable(self, c: "retrieval.Chunk", owner: Hashable, current: str | None, language: str | None,
+                     mine: list[str], exclude: tuple[str, ...]) -> bool:
+        who, path = c.key
+        if language is not None and c.language != language:
+            return False
+        if who is DISK:
+            if path == current or (owner, path) in self._entries or not any(_inside(path, r) for r in mine):
+                return False
+        elif who != owner:
+            return False
+        return not (exclude and secret_match(path, self._root_of(path), exclude, builtin=False) is not None)
+
     # -- internals -------------------------------------------------------
     def _counter(self, count_tokens: Callable[[str], int] | None) -> Callable[[str], int]:
         if count_tokens is None:
@@ -646,7 +696,7 @@ class Workspace:
             if n is None:
                 n = count_tokens(s)
                 self._token_counts[s] = n
-                if len(self._token_counts) > 256:
+                if len(self._token_counts) > 2048:
                     self._token_counts.popitem(last=False)
             else:
                 self._token_counts.move_to_end(s)
@@ -697,16 +747,43 @@ class Workspace:
         self.version += 1
         self._changed.notify_all()
 
-    def _drop(self, key: tuple[Hashable, str]) -> None:
+    def _drop(self, key: tuple[Hashable, str], index: bool = True) -> None:
         e = self._entries.pop(key, None)
         if e is not None:
             self._bytes -= e.nbytes
+        if index:
+            self.index.remove(key)
+
+    def _indexable(self, owner: Hashable, path: str) -> bool:
+        """Whether an entry's text may be retrieved as context: a disk file was admitted when it was
+        read (inside a folder, not ignored or hidden, not on the deny-list); an editor's document
+        only under the same rules (an open hidden, ignored or outside file stays out of the index)."""
+        if owner is DISK:
+            return True
+        rules = self._rules_for(path)
+        if rules is None or os.path.basename(path).startswith("."):
+            return False
+        return not rules.ignored(path) and secret_match(path, rules.root) is None
+
+    def _reindex_open(self) -> None:
+        """Folders or ignore rules changed: re-decide which open documents the index may hold."""
+        for key, e in list(self._entries.items()):
+            if e.open:
+                if self._indexable(e.owner, e.path):
+                    if key not in self.index.by_key:
+                        self.index.update(key, e.path, e.language, e.text)
+                else:
+                    self.index.remove(key)
 
     def _put(self, owner: Hashable, path: str, text: str, language: str | None, edit_line: int | None,
              touched: float | None = None) -> None:
         language = language or language_of(path)
         nbytes = len(text.encode("utf-8", errors="replace"))
         key = (owner, path)
+        # Chunked (and, for a disk file, tokenized) here, outside the lock: a scan never holds it long.
+        prepared = None
+        if language is not None and nbytes <= self.max_file_bytes:
+            prepared = retrieval.prepare(text, self.index.max_chunks_per_file, parse=owner is DISK)
         with self._lock:
             old = self._entries.get(key)
             if (language is None or nbytes > self.max_file_bytes or nbytes > self.max_bytes
@@ -718,10 +795,14 @@ class Workspace:
             if old is not None:
                 if edit_line is None and old.text == text:
                     edit_line = old.edit_line
-                self._drop(key)
+                self._drop(key, index=False)
             self._entries[key] = _Entry(owner, path, language, text, nbytes,
                                         touched if touched is not None else time.time(), edit_line)
             self._bytes += nbytes
+            if self._indexable(owner, path):
+                self.index.update(key, path, language, text, prepared)
+            else:
+                self.index.remove(key)
             self._evict()
             self._bump()
 
@@ -760,6 +841,8 @@ class Workspace:
             rules = self._rules_for(path)
             if rules is not None:
                 rules.invalidate(os.path.dirname(path))
+                with self._lock:
+                    self._reindex_open()
             return
         with self._lock:
             doomed = [k for k, e in self._entries.items()
@@ -775,6 +858,7 @@ class Workspace:
                       if not e.open and _inside(e.path, rules.root) and rules.ignored(e.path)]
             for k in doomed:
                 self._drop(k)
+            self._reindex_open()
             if doomed:
                 self._bump()
 
@@ -863,6 +947,3 @@ def _count_dirs(root: str, limit: int) -> int:
             continue
     return n
 
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)

@@ -406,14 +406,20 @@ class Service:
         except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
             log.debug("workspace update for %s failed: %s", uri, exc)
 
+    def _admission(self, client: Hashable, cfg: Any, path: str | None) -> Any:
+        """The privacy gate's verdict on a document of `client` (privacy.classify: its folders, ignore rules
+        and contextExclude). Folders the editor announced count before the workspace has set them up."""
+        return self._ws().admission(path, owner=client, exclude=_exclude_patterns(cfg),
+                                    roots=self._client_folders.get(client, ()))
+
     def _context(self, client: Hashable, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
         if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
             return []
         tokenizer = getattr(self.engine, "tokenizer", None)
         count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
-        exclude = [p for p in str(getattr(cfg, "context_exclude", "") or "").split(",") if p.strip()]
         try:
-            return self.workspace.context(path, language, cfg.context_tokens, count, owner=client, exclude=exclude)
+            return self.workspace.context(path, language, cfg.context_tokens, count, owner=client,
+                                          exclude=_exclude_patterns(cfg))
         except (OSError, ValueError) as exc:
             log.debug("workspace context for %s failed: %s", path, exc)
             return []
@@ -535,6 +541,7 @@ class Service:
             raise ServiceError(Code.NOT_READY, self.error)
         cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
         text, path, language = doc.text, _uri_path(uri), doc.language_id or None
+        gate_path = _gate_path(uri)
         future: asyncio.Future = self.loop.create_future()
         loop = self.loop
 
@@ -545,7 +552,8 @@ class Service:
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
 
         job = Job(key=(client, uri), client=client, request_id=(client, request_id),
-                  run=lambda token: self._run(text, offset, cfg, token, path, language, client), done=deliver)
+                  run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gate_path),
+                  done=deliver)
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -582,13 +590,20 @@ class Service:
         return result
 
     def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
-             language: str | None = None, client: Hashable = None) -> dict[str, Any]:
+             language: str | None = None, client: Hashable = None, gate_path: str | None = None) -> dict[str, Any]:
         """On the worker thread."""
         from completiond.completion.suggest import prompt_warnings, suggest_alternatives
 
+        # The privacy gate (completion/privacy.py) on the document itself, before any engine or server sees it.
+        verdict = self._admission(client, cfg, gate_path or path)
+        if not verdict.local_ok:
+            return _withheld(f"no completions: {verdict.reason}")
         if self.engine is None:
             raise RuntimeError(self.error or "model not loaded")
         if getattr(self.engine, "kind", "") == "remote":
+            if not verdict.remote_ok:
+                return _withheld(f"not sent to the completion server ({cfg.backend}): {verdict.reason}; "
+                                 "such files get local completions only (backend = local)")
             return self._run_remote(text, offset, cfg, token, path, language, client)
         start = time.perf_counter()
         rounds = 0
@@ -723,6 +738,26 @@ def _uri_path(uri: str) -> str | None:
 
         return unquote(urlparse(uri).path)
     return None
+
+
+def _gate_path(uri: str) -> str | None:
+    """The path the privacy gate judges: a file's, and another scheme's too (a `git:` diff of `.env` is
+    the deny-listed file all the same, and outside the workspace folders); None for an untitled buffer."""
+    from urllib.parse import unquote, urlparse
+
+    path = unquote(urlparse(uri).path)
+    return path if path.startswith("/") else None
+
+
+def _withheld(message: str) -> dict[str, Any]:
+    """The answer for a document the privacy gate keeps from the model in use: no suggestion, and why
+    (the editor tells the user once per file)."""
+    return {"suggestion": None, "suggestions": [], "finish_reason": "excluded", "stats": {}, "latency_ms": 0.0,
+            "warnings": [message]}
+
+
+def _exclude_patterns(cfg: Any) -> list[str]:
+    return [p for p in str(getattr(cfg, "context_exclude", "") or "").split(",") if p.strip()]
 
 
 def _int(params: dict[str, Any], key: str) -> int:
