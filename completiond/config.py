@@ -338,7 +338,7 @@ def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list
     each as `key=wanted (daemon: actual)`. Local model directories compare by absolute path, as the
     daemon stores them."""
     def norm(key: str, value: Any) -> Any:
-        if key == "model" and isinstance(value, str) and value and os.path.isdir(value):
+        if key in ("model", "draftModel") and isinstance(value, str) and value and os.path.isdir(value):
             return os.path.abspath(value)
         return value
 

@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--draft-model", help="separate draft model: directory or hub id (default: none)")
+    parser.add_argument("--weights", help="weight format of the native CPU step (auto, bf16, int8)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
     parser.add_argument("--cache-mb", type=int, help="prefix KV cache budget in MiB")
     parser.add_argument("--idle-timeout", type=float, help="seconds to stay up with no client connected")
@@ -44,7 +46,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
                  "idleTimeout": int(args.idle_timeout) if args.idle_timeout is not None and args.idle_timeout >= 5 else None,
                  "logLevel": args.log_level, "backend": args.backend, "endpoint": args.endpoint,
                  "endpointModel": args.endpoint_model, "apiKeyEnv": args.api_key_env, "apiKeyFile": args.api_key_file,
-                 "endpointCaFile": args.endpoint_ca_file, "endpointTimeout": args.endpoint_timeout}
+                 "endpointCaFile": args.endpoint_ca_file, "endpointTimeout": args.endpoint_timeout,
+                 "draftModel": resolve_model(args.draft_model) if args.draft_model else None}
+    if args.weights is not None:
+        overrides["weights"] = args.weights
     cfg, more = config_mod.merge(cfg, overrides)
     return cfg, errors + more
 

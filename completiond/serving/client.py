@@ -170,11 +170,14 @@ REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpoint
 
 def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "completiond.cli", "serve"]
-    model = settings.get("model") or ""
-    if model:
-        cmd += ["--model", os.path.abspath(model) if os.path.isdir(model) else model]
-    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("cacheMegabytes", "--cache-mb"),
-                      ("logLevel", "--log-level")):
+    # Every engine setting (config.ENGINE_KEYS) goes on the command line: one left out would load the
+    # daemon's default instead, and the editor would warn about "different settings" for good.
+    for key, flag in (("model", "--model"), ("draftModel", "--draft-model")):
+        model = settings.get(key) or ""
+        if model:
+            cmd += [flag, os.path.abspath(model) if os.path.isdir(model) else model]
+    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("weights", "--weights"),
+                      ("cacheMegabytes", "--cache-mb"), ("logLevel", "--log-level")):
         if settings.get(key) not in (None, ""):
             cmd += [flag, str(settings[key])]
     if settings.get("trustRemoteCode"):
