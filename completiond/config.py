@@ -41,73 +41,132 @@ class Setting:
     maximum: float | None = None
     check: Any = None  # optional: check(value) raises ValueError with the reason (beyond type, enum and range)
     scope: str = "window"  # VS Code's configuration scope; "machine": user settings only, never a workspace's
+    # Where editors list it (a key of GROUPS): everyday settings first, decoding internals under "advanced".
+    group: str = "advanced"
+    # One line per enum value, in enum order (VS Code shows them in the setting's dropdown).
+    enum_descriptions: tuple[str, ...] | None = None
+    # It names a model, a draft model, a path, an endpoint or code to run: an untrusted workspace must not
+    # choose it. VS Code lists it in restrictedConfigurations unless it is machine-scoped already; the
+    # Neovim doc says which settings to keep out of project-local config (exrc).
+    restricted: bool = False
 
     @property
     def attr(self) -> str:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", self.key).lower()
 
 
+# Editors' sections, in display order: (key, title). VS Code shows each as a titled part of the settings.
+GROUPS: tuple[tuple[str, str], ...] = (
+    ("general", "General"),
+    ("prompt", "Prompt and context"),
+    ("team", "Team server"),
+    ("advanced", "Advanced: model and decoding"),
+)
+
 SETTINGS: tuple[Setting, ...] = (
-    Setting("enable", bool, True, "Show inline completions."),
+    Setting("enable", bool, True, "Show inline completions.", group="general"),
     Setting("model", str, "", "Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short "
             "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
-            "means the bundled default model."),
-    Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps")),
-    Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16")),
+            "means the bundled default model.", group="general", restricted=True),
+    Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps"), group="general",
+            enum_descriptions=(
+                "CUDA if there is a GPU, else Apple MPS, else the CPU.",
+                "The CPU (float32 weights).",
+                "An NVIDIA GPU.",
+                "The GPU of an Apple Silicon Mac.",
+            )),
+    Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16"),
+            enum_descriptions=(
+                "bfloat16 on a GPU, float32 on the CPU.",
+                "Full precision: the CPU default, twice the memory of bfloat16.",
+                "Half the memory of float32; needs a GPU or CPU with bfloat16 support to be fast.",
+                "Half the memory of float32, for GPUs without bfloat16 (before Ampere).",
+            )),
     Setting("weights", str, "auto", "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
             "weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
-            "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8")),
+            "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8"),
+            enum_descriptions=(
+                "The model's own values (bf16 panels for bf16 weights).",
+                "Float32 weights rounded to bfloat16: half the bytes per token.",
+                "Weights quantised to 8 bits per output channel: smallest and fastest, slightly less accurate.",
+            )),
     Setting("draftModel", str, "", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
-            "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers."),
-    Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load)."),
-    Setting("maxTokens", int, 64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024),
-    Setting("temperature", float, 0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0),
+            "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.", restricted=True),
+    Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load).", restricted=True),
+    Setting("maxTokens", int, 64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024, group="general"),
+    Setting("temperature", float, 0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general"),
     Setting("topP", float, 1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0),
     Setting("topK", int, 0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000),
     Setting("seed", int, 0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1),
     Setting("alternatives", int, 1, "Most different suggestions offered at once, to cycle through with the editor's next/previous "
             "keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best "
-            "first token, sampling a run with its own seed.", minimum=1, maximum=8),
+            "first token, sampling a run with its own seed.", minimum=1, maximum=8, group="general"),
     Setting("speculation", bool, True, "Self-speculative decoding (lossless: same output distribution, faster)."),
     Setting("exitLayer", int, 0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024),
     Setting("draftTokens", int, 0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32),
     Setting("draftThreshold", float, 0.0, "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.", minimum=0.0, maximum=1.0),
-    Setting("multiline", str, "auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never")),
-    Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200),
+    Setting("multiline", str, "auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never"), group="general",
+            enum_descriptions=(
+                "Several lines after a block opener (a line ending in : { ( [) or on an empty line; one line elsewhere.",
+                "Always allow several lines.",
+                "One line at most.",
+            )),
+    Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general"),
     Setting("fimTemplate", str, "auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
-            enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")),
-    Setting("tokenHealing", bool, True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text."),
-    Setting("prefixTokens", int, 1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768),
-    Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768),
-    Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language."),
-    Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768),
+            enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
+            enum_descriptions=(
+                "Detected from the tokenizer's special tokens.",
+                "The bundled model's own layout.",
+                "Qwen2.5-Coder's <|fim_prefix|> layout.",
+                "StarCoder's <fim_prefix> layout.",
+                "DeepSeek-Coder's layout.",
+                "Code Llama's <PRE> <SUF> <MID> layout.",
+                "Codestral's [SUFFIX] [PREFIX] layout.",
+                "No fill-in-the-middle: the text before the cursor only.",
+            )),
+    Setting("tokenHealing", bool, True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text.", group="prompt"),
+    Setting("prefixTokens", int, 1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768, group="prompt"),
+    Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt"),
+    Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language.", group="prompt"),
+    Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt"),
     Setting("contextExclude", str, "", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
             "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
             ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",
-            check=lambda value: _check_exclude(value)),
+            check=lambda value: _check_exclude(value), group="prompt"),
     Setting("cacheMegabytes", int, 0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20),
     Setting("idleTimeout", int, 900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600),
-    Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug")),
+    Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug"),
+            enum_descriptions=(
+                "Errors only.",
+                "Errors and warnings.",
+                "Also loads, connections and settings changes.",
+                "Also each request and the files its context came from.",
+            )),
     # A team server instead of the local model (completiond/backends/remote.py). Editors offer these as
     # machine settings (VS Code scope "machine"): a repository's own workspace settings cannot send its
     # reader's code to a server of its choosing.
     Setting("backend", str, "local", "Where suggestions are generated: local (the model in the daemon), openai (an "
             "OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill "
             "(llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets "
-            "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine"),
+            "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine", group="team", restricted=True,
+            enum_descriptions=(
+                "The model in the daemon on this machine: nothing leaves it.",
+                "An OpenAI-compatible /v1/completions server (vLLM, SGLang, TGI, llama-server).",
+                "llama.cpp's native /infill endpoint.",
+            )),
     Setting("endpoint", str, "", "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
-            "TLS certificates are verified.", check=lambda value: _check_url(value), scope="machine"),
+            "TLS certificates are verified.", check=lambda value: _check_url(value), scope="machine", group="team", restricted=True),
     Setting("endpointModel", str, "", "The model name the server serves it under (the request's model field; "
-            "with fimTemplate auto it also picks the FIM template).", scope="machine"),
+            "with fimTemplate auto it also picks the FIM template).", scope="machine", group="team", restricted=True),
     Setting("apiKeyEnv", str, "", "Name of the environment variable that holds the server's API key (the key itself is "
-            "never a setting).", scope="machine"),
+            "never a setting).", scope="machine", group="team", restricted=True),
     Setting("apiKeyFile", str, "", "File that holds the server's API key on one line; it must be readable by you "
-            "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine"),
+            "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine", group="team", restricted=True),
     Setting("endpointCaFile", str, "", "PEM file of the certificate authority that signed the server's certificate, "
-            "for a private CA (verification stays on).", scope="machine"),
+            "for a private CA (verification stays on).", scope="machine", group="team", restricted=True),
     Setting("endpointTimeout", float, 10.0, "Seconds to wait for the completion server (to connect, or between two "
             "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
-            scope="machine"),
+            scope="machine", group="team"),
 )
 
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
@@ -275,15 +334,24 @@ def to_settings(cfg: Any) -> dict[str, Any]:
 def schema() -> list[dict[str, Any]]:
     """Machine-readable SETTINGS for the editor plugins and the README table."""
     out = []
+    in_group: dict[str, int] = {}
     for s in SETTINGS:
+        in_group[s.group] = in_group.get(s.group, 0) + 1
         item: dict[str, Any] = {
             "key": s.key,
             "type": {bool: "boolean", int: "integer", float: "number", str: "string"}[s.type],
             "default": s.default,
             "description": s.description,
+            # The editors' section (GROUPS) and the place in it: SETTINGS order within each group.
+            "group": s.group,
+            "order": in_group[s.group],
         }
         if s.enum is not None:
             item["enum"] = list(s.enum)
+        if s.enum_descriptions is not None:
+            item["enumDescriptions"] = list(s.enum_descriptions)
+        if s.restricted:
+            item["restricted"] = True
         if s.minimum is not None:
             item["minimum"] = s.minimum
         if s.maximum is not None:
@@ -292,6 +360,11 @@ def schema() -> list[dict[str, Any]]:
             item["scope"] = s.scope
         out.append(item)
     return out
+
+
+def groups() -> list[dict[str, Any]]:
+    """GROUPS as editors read them (`completiond settings --schema` carries them per setting)."""
+    return [{"key": key, "title": title, "order": i + 1} for i, (key, title) in enumerate(GROUPS)]
 
 
 def markdown_table() -> str:

@@ -49,7 +49,7 @@ VIMDOC_END = "END GENERATED SETTINGS"
 
 def load_schema(from_cli: bool = False) -> list[dict]:
     if from_cli:
-        out = subprocess.run(["completiond", "settings"], check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(["completiond", "settings", "--schema"], check=True, capture_output=True, text=True).stdout
         return json.loads(out)
     sys.path.insert(0, str(ROOT))
     from completiond import config
@@ -60,35 +60,87 @@ def load_schema(from_cli: bool = False) -> list[dict]:
 # ---------------------------------------------------------------- VS Code
 
 
+# Client-only settings (`completiond.<part>.<key>`) live in VS Code's package.json alone: the section
+# each is listed in (the server's groups come from completiond/config.py GROUPS).
+CLIENT_GROUP = ("client", "Language server (this editor)")
+CLIENT_SETTING_GROUPS = {"completiond.editor.disabledLanguages": "general"}
+
+
 def vscode_property(item: dict) -> dict:
     prop: dict = {"type": item["type"], "default": item["default"], "description": item["description"]}
     if "enum" in item:
         prop["enum"] = list(item["enum"])
+    if "enumDescriptions" in item:
+        prop["enumDescriptions"] = list(item["enumDescriptions"])
     if "minimum" in item:
         prop["minimum"] = item["minimum"]
     if "maximum" in item:
         prop["maximum"] = item["maximum"]
     # One daemon serves every workspace; "machine" settings (a team backend) come from user settings only.
     prop["scope"] = item.get("scope", "window")
+    if "order" in item:
+        prop["order"] = item["order"]
     return prop
 
 
-def vscode_properties(schema: list[dict], current: dict) -> dict:
-    """Server settings in schema order, then the client-only ones already there."""
-    props = {PREFIX + item["key"]: vscode_property(item) for item in schema}
-    for key, value in current.items():
-        if key.startswith(PREFIX) and "." in key[len(PREFIX):]:
-            props[key] = value
+def load_groups(schema: list[dict], from_cli: bool = False) -> list[tuple[str, str]]:
+    """(key, title) of the server's setting groups, in display order."""
+    if from_cli:  # an installed server's schema names each setting's group; the titles live in config.GROUPS
+        keys = list(dict.fromkeys(item.get("group", "advanced") for item in schema))
+        return [(key, key.capitalize()) for key in keys]
+    sys.path.insert(0, str(ROOT))
+    from completiond import config
+
+    return [(g["key"], g["title"]) for g in config.groups()]
+
+
+def flat_properties(configuration) -> dict:
+    """contributes.configuration's properties, whether it is one object or a list of sections."""
+    sections = configuration if isinstance(configuration, list) else [configuration]
+    props: dict = {}
+    for section in sections:
+        props.update(section.get("properties", {}))
     return props
 
 
-def sync_package_json(schema: list[dict], check: bool) -> list[str]:
+def vscode_configuration(schema: list[dict], groups: list[tuple[str, str]], current: dict) -> list[dict]:
+    """One titled section per group (basic settings first, advanced decoding last), each in schema order;
+    the client-only settings already there keep their values, in their own section. The first section is
+    titled with the extension's name, so VS Code lists its settings directly under the extension."""
+    order = [key for key, _ in groups]
+    titles = dict(groups)
+    where = order.index("advanced") if "advanced" in order else len(order)
+    order.insert(where, CLIENT_GROUP[0])
+    titles[CLIENT_GROUP[0]] = CLIENT_GROUP[1]
+    props: dict = {key: {} for key in order}
+    for item in schema:
+        props[item.get("group", "advanced")][PREFIX + item["key"]] = vscode_property(item)
+    for key, value in current.items():
+        if key.startswith(PREFIX) and "." in key[len(PREFIX):]:
+            group = props[CLIENT_SETTING_GROUPS.get(key, CLIENT_GROUP[0])]
+            group[key] = {**value, "order": len(group) + 1}
+    return [{"id": f"completiond.{key}", "title": "completiond" if i == 0 else titles[key],
+             "order": i + 1, "properties": props[key]}
+            for i, key in enumerate(order) if props[key]]
+
+
+def restricted_configurations(schema: list[dict], current: list[str]) -> list[str]:
+    """What VS Code's Restricted Mode reads from user settings only: every setting that names a model, a
+    path, an endpoint or code to run (schema `restricted`) and that a workspace could set (not
+    machine-scoped), after the client-only ones already listed (the server command)."""
+    client = [key for key in current if key.startswith(PREFIX) and "." in key[len(PREFIX):]]
+    server = [PREFIX + item["key"] for item in schema if item.get("restricted") and item.get("scope", "window") != "machine"]
+    return client + server
+
+
+def sync_package_json(schema: list[dict], check: bool, groups: list[tuple[str, str]]) -> list[str]:
     text = PACKAGE_JSON.read_text()
     pkg = json.loads(text)
     contributes = pkg.setdefault("contributes", {})
-    configuration = contributes.setdefault("configuration", {"title": "completiond", "properties": {}})
-    current = configuration.get("properties", {})
-    wanted = vscode_properties(schema, current)
+    configuration = contributes.get("configuration", {"title": "completiond", "properties": {}})
+    current = flat_properties(configuration)
+    wanted_sections = vscode_configuration(schema, groups, current)
+    wanted = flat_properties(wanted_sections)
     problems = []
     for key in sorted(set(current) | set(wanted)):
         if key not in current:
@@ -97,10 +149,16 @@ def sync_package_json(schema: list[dict], check: bool) -> list[str]:
             problems.append(f"package.json: {key} is not a server setting (client-only settings need a dot after '{PREFIX}')")
         elif not _same(current[key], wanted[key]):
             problems.append(f"package.json: {key} differs: has {json.dumps(current[key])}, schema says {json.dumps(wanted[key])}")
-    if list(current) != list(wanted) and not problems:
-        problems.append("package.json: settings are not in schema order")
+    if not problems and not _same(configuration, wanted_sections):
+        problems.append("package.json: the settings' sections or their order differ from the server schema's groups")
+    trust = pkg.setdefault("capabilities", {}).setdefault("untrustedWorkspaces", {"supported": "limited"})
+    restricted = restricted_configurations(schema, trust.get("restrictedConfigurations", []))
+    if trust.get("restrictedConfigurations") != restricted:
+        problems.append("package.json: capabilities.untrustedWorkspaces.restrictedConfigurations differs from the "
+                        f"schema's restricted settings: wants {restricted}")
     if problems and not check:
-        configuration["properties"] = wanted
+        contributes["configuration"] = wanted_sections
+        trust["restrictedConfigurations"] = restricted
         PACKAGE_JSON.write_text(json.dumps(pkg, indent=2, ensure_ascii=False) + "\n")
     return problems
 
@@ -271,7 +329,7 @@ def sync_vscode_readme(check: bool) -> list[str]:
 def sync(check: bool = False, from_cli: bool = False) -> list[str]:
     schema = load_schema(from_cli)
     problems = []
-    problems += sync_package_json(schema, check)
+    problems += sync_package_json(schema, check, load_groups(schema, from_cli))
     problems += sync_lua(schema, check)
     problems += sync_vimdoc(schema, check)
     problems += sync_markdown(schema, check)

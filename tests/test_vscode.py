@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,21 +55,87 @@ def protocol_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vscode-tiny"), seed=1, peaked=True)
 
 
+def contributed_settings(pkg: dict) -> dict:
+    """Every setting of contributes.configuration (a list of titled sections, or one object)."""
+    configuration = pkg["contributes"]["configuration"]
+    props: dict = {}
+    for section in configuration if isinstance(configuration, list) else [configuration]:
+        props.update(section["properties"])
+    return props
+
+
 def test_contributes_configuration_mirrors_server_settings():
-    """Every server setting is `completiond.<key>` with the same type, default, description, enum and range."""
+    """Every server setting is `completiond.<key>` with the same type, default, description, enum (and its
+    descriptions) and range, in the section of its group."""
     from completiond import config
 
-    props = json.loads((EXT / "package.json").read_text())["contributes"]["configuration"]["properties"]
+    pkg = json.loads((EXT / "package.json").read_text())
+    props = contributed_settings(pkg)
     server_keys = [k for k in props if "." not in k[len("completiond."):]]
-    assert server_keys == ["completiond." + item["key"] for item in config.schema()]
+    assert sorted(server_keys) == sorted("completiond." + item["key"] for item in config.schema())
+    section_of = {key: i for i, section in enumerate(pkg["contributes"]["configuration"]) for key in section["properties"]}
+    group_index = {g["key"]: g["order"] for g in config.groups()}
     for item in config.schema():
         prop = props["completiond." + item["key"]]
         assert prop["type"] == item["type"]
         assert prop["default"] == item["default"] and type(prop["default"]) in ((int, float) if item["type"] == "number" else (type(item["default"]),))
         assert prop["description"] == item["description"]
         assert prop.get("enum") == item.get("enum")
+        assert prop.get("enumDescriptions") == item.get("enumDescriptions")
         assert prop.get("minimum") == item.get("minimum")
         assert prop.get("maximum") == item.get("maximum")
+        assert prop["order"] == item["order"]
+        # Sections follow the groups' order (the editor's client-only section may sit between two).
+        assert section_of["completiond." + item["key"]] >= group_index[item["group"]] - 1
+
+
+def test_settings_layout_groups_and_enum_descriptions():
+    """Issue 30: basic settings first, decoding internals grouped as advanced, enumDescriptions on every enum."""
+    from completiond import config
+
+    by_key = {s.key: s for s in config.SETTINGS}
+    assert [key for key, _ in config.GROUPS][0] == "general" and config.GROUPS[-1][0] == "advanced"
+    for key in ("enable", "model"):
+        assert by_key[key].group == "general"
+    for key in ("exitLayer", "draftTokens", "draftThreshold", "seed", "topP", "topK", "speculation"):
+        assert by_key[key].group == "advanced", key
+    for s in config.SETTINGS:
+        assert s.group in dict(config.GROUPS), s.key
+        if s.enum is not None:
+            assert s.enum_descriptions is not None and len(s.enum_descriptions) == len(s.enum), s.key
+            assert all(d.strip() for d in s.enum_descriptions), s.key
+    assert subprocess.run([sys.executable, str(ROOT / "editors" / "sync_settings.py"), "--check"],
+                          capture_output=True, text=True).returncode == 0
+
+
+# A setting that may name something to load or run, by its name or its description: a model (or draft
+# model), a file or directory, an endpoint or URL, or code. Such a setting must never come from an
+# untrusted workspace, and must say so in config.py (restricted=True) rather than rely on this guess.
+_NAMES_SOMETHING = re.compile(r"model|path|file|dir|endpoint|url|remote|code|command|backend", re.IGNORECASE)
+
+
+def test_restricted_mode_covers_every_setting_that_names_a_model_path_endpoint_or_code():
+    """Issue 31 item 3: every setting that names a model, a draft model, a path, an endpoint or remote code
+    is machine-scoped or in capabilities.untrustedWorkspaces.restrictedConfigurations (draftModel was
+    neither). The list is config.py's metadata, checked against what the settings' names say."""
+    from completiond import config
+
+    pkg = json.loads((EXT / "package.json").read_text())
+    props = contributed_settings(pkg)
+    restricted_list = pkg["capabilities"]["untrustedWorkspaces"]["restrictedConfigurations"]
+    assert pkg["capabilities"]["untrustedWorkspaces"]["supported"] == "limited"
+    flagged = [s for s in config.SETTINGS if s.restricted]
+    assert {"model", "draftModel", "trustRemoteCode", "endpoint", "apiKeyFile", "endpointCaFile"} <= {s.key for s in flagged}
+    for s in config.SETTINGS:
+        # Free-form text is what can hold a path or a hub id; enums and numbers cannot (fimTemplate etc.).
+        looks_like_one = _NAMES_SOMETHING.search(s.key) and (s.type is bool or (s.type is str and s.enum is None))
+        if looks_like_one:
+            assert s.restricted, f"completiond.{s.key} names a model, path, endpoint or code: mark it restricted in config.py"
+    for s in flagged:
+        key = "completiond." + s.key
+        assert props[key]["scope"] == "machine" or key in restricted_list, key
+    for key in ("completiond.server.path", "completiond.server.python", "completiond.server.args"):
+        assert key in restricted_list or props[key]["scope"] == "machine", key
 
 
 def test_engines_and_types_pinned_together():

@@ -37,6 +37,20 @@ export function serverSettingKeys(schema: Record<string, unknown>): string[] {
     .map((k) => k.slice(prefix.length));
 }
 
+/**
+ * Every contributed setting of package.json's `contributes.configuration`, which is one object or (as
+ * here: basic settings first, advanced ones in their own titled sections) a list of sections.
+ */
+export function contributedSettings(configuration: unknown): Record<string, unknown> {
+  const sections = Array.isArray(configuration) ? configuration : [configuration];
+  const out: Record<string, unknown> = {};
+  for (const section of sections) {
+    const props = (section as { properties?: unknown } | null | undefined)?.properties;
+    if (props && typeof props === 'object') Object.assign(out, props);
+  }
+  return out;
+}
+
 export type Environment = Pick<ResolveOptions, 'env' | 'platform' | 'home' | 'isFile' | 'isDir'>;
 
 export class Controller implements Disposable {

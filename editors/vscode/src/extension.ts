@@ -4,7 +4,7 @@ import * as os from 'os';
 import * as path from 'path';
 import * as vscode from 'vscode';
 import { LanguageClient, LanguageClientOptions, ServerOptions, TransportKind } from 'vscode-languageclient/node';
-import { Controller, SECTION } from './controller';
+import { contributedSettings, Controller, SECTION } from './controller';
 import { ClientFactory, Host, LspClient, StatusBar } from './host';
 
 let controller: Controller | undefined;
@@ -67,7 +67,7 @@ function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChann
       return config().update(key, value, target);
     },
     onDidChangeSettings: (listener) => vscode.workspace.onDidChangeConfiguration((e) => listener((s) => e.affectsConfiguration(s))),
-    settingsSchema: () => context.extension.packageJSON?.contributes?.configuration?.properties ?? {},
+    settingsSchema: () => contributedSettings(context.extension.packageJSON?.contributes?.configuration),
     registerCommand: (id, run) => vscode.commands.registerCommand(id, run),
     executeCommand: (id, ...args) => vscode.commands.executeCommand(id, ...args),
     showError: (message, ...actions) => vscode.window.showErrorMessage(message, ...actions),

@@ -26,7 +26,7 @@ export interface Host {
   updateSetting(key: string, value: unknown): Thenable<void>;
   /** Called with a predicate like `ConfigurationChangeEvent.affectsConfiguration`. */
   onDidChangeSettings(listener: (affects: (section: string) => boolean) => void): Disposable;
-  /** `contributes.configuration.properties` of this extension's package.json */
+  /** every setting in `contributes.configuration` of this extension's package.json (all its sections) */
   settingsSchema(): Record<string, unknown>;
   registerCommand(id: string, run: (...args: unknown[]) => unknown): Disposable;
   executeCommand(id: string, ...args: unknown[]): Thenable<unknown>;

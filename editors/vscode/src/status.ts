@@ -14,14 +14,31 @@ export interface StatusParams {
   lastDraft?: string | null;
   tokensPerSecond?: number | null;
   message?: string | null;
-  /** loading progress in [0, 1], when the server reports one */
-  progress?: number | null;
+  /** while loading: the phase, its percentage (0-100) and what it does (older servers: a fraction in [0, 1]) */
+  progress?: LoadProgress | number | null;
   model?: string | null;
   device?: string | null;
   /** what users did with the suggestions (counted on this machine only) */
   suggestions?: SuggestionCounts | null;
   /** non-empty while the daemon serves other engine settings (model, device...) than this editor's */
   modelMismatch?: string | null;
+}
+
+/** The load's progress as the server sends it (`completiond/status` while `state` is loading). */
+export interface LoadProgress {
+  phase?: string | null;
+  percentage?: number | null;
+  message?: string | null;
+}
+
+/** The load's percentage (0-100) and what it is doing, from either form of `progress`. */
+export function loadProgress(progress: LoadProgress | number | null | undefined): { percent?: number; message?: string } {
+  if (num(progress)) return { percent: Math.round(Math.max(0, Math.min(1, progress)) * 100) };
+  if (!progress || typeof progress !== 'object') return {};
+  const percent = num(progress.percentage) ? Math.round(Math.max(0, Math.min(100, progress.percentage))) : undefined;
+  const message = typeof progress.message === 'string' && progress.message ? progress.message
+    : typeof progress.phase === 'string' && progress.phase ? progress.phase : undefined;
+  return { percent, message };
 }
 
 /** As in `completiond.stats` (snake_case) or in the status notification (camelCase). */
@@ -110,8 +127,10 @@ export function statusView(last: StatusParams | undefined, client: ClientState |
   switch (state) {
     case 'starting':
     case 'loading': {
-      const pct = num(last?.progress) ? ` ${Math.round(Math.max(0, Math.min(1, last!.progress!)) * 100)}%` : '';
-      return { text: `$(loading~spin) completiond${pct}`, tooltip: `completiond: loading the model${pct}…${message}`, error: false };
+      const load = loadProgress(last?.progress);
+      const pct = load.percent !== undefined ? ` ${load.percent}%` : '';
+      const phase = load.message ? `\n${load.message}` : '';
+      return { text: `$(loading~spin) completiond${pct}`, tooltip: `completiond: loading the model${pct}…${phase}${message}`, error: false };
     }
     case 'busy':
       return { text: `$(sync~spin) completiond${m ? ' ' + m : ''}`, tooltip: `completiond: generating…${message}\n${click}`, error: false };

@@ -197,6 +197,43 @@ test('keybindings: only our accept-word on the key VS Code uses for it; nothing 
   }
   const word = packageJson.contributes.keybindings.find((kb: { command: string }) => kb.command === COMMANDS.acceptWord);
   assert.deepEqual([word.key, word.mac], ['ctrl+right', 'cmd+right']);
+  // One line of the suggestion: the line counterpart of the word key, only while a suggestion shows.
+  const line = packageJson.contributes.keybindings.find((kb: { command: string }) => kb.command === COMMANDS.acceptLine);
+  assert.ok(line, 'no key accepts one line');
+  assert.deepEqual([line.key, line.mac], ['ctrl+down', 'cmd+down']);
+  assert.match(line.when, /inlineSuggestionVisible && editorTextFocus && !editorReadonly/);
+});
+
+test('settings layout: basic settings first, decoding internals in an advanced section, every enum described', () => {
+  const sections: { title: string; order: number; properties: Record<string, any> }[] = packageJson.contributes.configuration;
+  assert.ok(Array.isArray(sections) && sections.length >= 3, 'settings are one flat list');
+  assert.deepEqual(sections.map((s) => s.order), sections.map((_, i) => i + 1));
+  // Titled with the extension's name, the first section's settings show right under the extension.
+  assert.equal(sections[0].title, packageJson.displayName);
+  for (const key of ['enable', 'model']) assert.ok(`completiond.${key}` in sections[0].properties, key);
+  const advanced = sections.find((s) => /advanced/i.test(s.title));
+  assert.ok(advanced, 'no advanced section');
+  assert.equal(advanced, sections[sections.length - 1]);
+  for (const key of ['exitLayer', 'draftTokens', 'draftThreshold', 'seed', 'topP', 'topK', 'speculation']) {
+    assert.ok(`completiond.${key}` in advanced.properties, key);
+    assert.ok(!(`completiond.${key}` in sections[0].properties), key);
+  }
+  for (const section of sections) {
+    const orders = Object.values(section.properties).map((p) => p.order);
+    assert.deepEqual(orders, orders.map((_, i) => i + 1), section.title);
+  }
+  for (const [key, prop] of Object.entries(schema)) {
+    if (!prop.enum) continue;
+    assert.ok(Array.isArray(prop.enumDescriptions), `${key} has no enumDescriptions`);
+    assert.equal(prop.enumDescriptions.length, prop.enum.length, key);
+    assert.ok(prop.enumDescriptions.every((d: unknown) => typeof d === 'string' && d.length > 0), key);
+  }
+});
+
+test('the server.python setting says how to install completiond from a clone (it is not on PyPI)', () => {
+  const text = schema['completiond.server.python'].markdownDescription;
+  assert.doesNotMatch(text, /pip install completiond/);
+  assert.match(text, /pip install -e \./);
 });
 
 test('package.json: packaging builds and bundles first; Restricted Mode keeps workspaces from choosing what runs', () => {
@@ -205,7 +242,7 @@ test('package.json: packaging builds and bundles first; Restricted Mode keeps wo
   assert.match(packageJson.scripts.bundle, /^esbuild .*--bundle.*--external:vscode/);
   const trust = packageJson.capabilities.untrustedWorkspaces;
   assert.equal(trust.supported, 'limited');
-  for (const key of ['server.path', 'server.python', 'server.args', 'model', 'trustRemoteCode']) {
+  for (const key of ['server.path', 'server.python', 'server.args', 'model', 'draftModel', 'trustRemoteCode']) {
     assert.ok(trust.restrictedConfigurations.includes(`completiond.${key}`), key);
   }
   for (const [key, prop] of Object.entries(schema)) {

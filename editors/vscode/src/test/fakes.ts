@@ -1,11 +1,12 @@
 /** Plain-object stand-ins for the VS Code API (Host) and the language client. */
 import * as fs from 'fs';
 import * as path from 'path';
+import { contributedSettings } from '../controller';
 import { ClientFactory, ClientOptions, Disposable, Host, LspClient } from '../host';
 
 export const PACKAGE_JSON = path.resolve(__dirname, '..', '..', 'package.json');
 export const packageJson = JSON.parse(fs.readFileSync(PACKAGE_JSON, 'utf8'));
-export const schema: Record<string, any> = packageJson.contributes.configuration.properties;
+export const schema: Record<string, any> = contributedSettings(packageJson.contributes.configuration);
 
 /** The defaults VS Code would return for every contributed setting. */
 export function defaultSettings(): Map<string, unknown> {

@@ -24,7 +24,20 @@ test('ready before any completion shows no metrics', () => {
   assert.equal(statusView({ state: 'ready', latencyMs: null, alpha: null }, undefined, true).text, '$(sparkle) completiond');
 });
 
-test('loading shows progress and the message', () => {
+test('loading shows the percentage and phase of the progress object the server sends', () => {
+  // lsp/server.py send_status: progress is {phase, percentage (0-100), message} while loading.
+  const v = statusView({ state: 'loading', progress: { phase: 'weights', percentage: 37, message: 'loading the weights' } }, undefined, true);
+  assert.equal(v.text, '$(loading~spin) completiond 37%');
+  assert.match(v.tooltip, /loading the model 37%…\nloading the weights/);
+  const download = statusView({ state: 'loading', progress: { phase: 'download', percentage: 12, message: 'downloading x: 3 of 30 MB' } }, undefined, true);
+  assert.equal(download.text, '$(loading~spin) completiond 12%');
+  assert.match(download.tooltip, /downloading x: 3 of 30 MB/);
+  assert.equal(statusView({ state: 'loading', progress: { phase: 'tokenizer' } }, undefined, true).text, '$(loading~spin) completiond');
+  assert.equal(statusView({ state: 'loading', progress: { percentage: 250 } }, undefined, true).text, '$(loading~spin) completiond 100%');
+  assert.equal(statusView({ state: 'loading', progress: null }, undefined, true).text, '$(loading~spin) completiond');
+});
+
+test('loading shows progress and the message (a fraction, as older servers sent it)', () => {
   const v = statusView({ state: 'loading', progress: 0.456, message: 'reading weights' }, undefined, true);
   assert.equal(v.text, '$(loading~spin) completiond 46%');
   assert.match(v.tooltip, /reading weights/);
