@@ -33,9 +33,9 @@ RANK = {
 SOURCES = {"completiond": ROOT / "completiond", "completiond.lsp": ROOT / "lsp", "completiond.models": ROOT / "models"}
 
 
-def modules() -> dict[str, Path]:
+def modules(sources: dict[str, Path] | None = None) -> dict[str, Path]:
     found = {}
-    for package, folder in SOURCES.items():
+    for package, folder in (SOURCES if sources is None else sources).items():
         for path in folder.rglob("*.py"):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
@@ -60,16 +60,16 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports(module: str, path: Path) -> set[str]:
+def imports(module: str, path: Path, type_checking: bool = False, known: dict[str, Path] | None = None) -> set[str]:
     """Project modules `module` imports at run time (function-level imports included; imports
-    under `if TYPE_CHECKING:` are annotations only and left out)."""
+    under `if TYPE_CHECKING:` are annotations only and left out unless type_checking is set)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
                 for sub in child.orelse:
                     visit(sub)
                 continue
@@ -87,7 +87,7 @@ def imports(module: str, path: Path) -> set[str]:
             visit(child)
 
     visit(tree)
-    known = modules()
+    known = modules() if known is None else known
     return {m for m in out if m in known and m != module}
 
 
@@ -98,11 +98,12 @@ def test_every_module_has_a_layer():
 
 def test_imports_run_downward():
     wrong = []
-    for module, path in modules().items():
+    known = modules()
+    for module, path in known.items():
         mine = layer(module)
         if mine is None:
             continue
-        for target in imports(module, path):
+        for target in imports(module, path, known=known):
             theirs = layer(target)
             if theirs is None or theirs == mine:
                 continue
@@ -111,28 +112,92 @@ def test_imports_run_downward():
     assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
 
 
-def test_no_import_cycles():
-    graph = {m: imports(m, p) for m, p in modules().items()}
-    # A package's __init__ is imported with each of its modules: ignore those edges.
-    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
+def import_graph(sources: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Every import between project modules, the module-level, function-level and `if TYPE_CHECKING:`
+    ones alike: a circle that only type checkers follow still ties the two modules into one unit."""
+    known = modules(sources)
+    graph = {m: imports(m, p, type_checking=True, known=known) for m, p in known.items()}
+    # Importing a module imports its package's __init__ first: edges to an enclosing package say nothing.
+    return {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
 
-    def walk(m: str) -> None:
-        state[m] = 1
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of modules (Tarjan), each as a -> b -> ... -> a."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def connect(m: str) -> None:
+        index[m] = low[m] = len(index)
         stack.append(m)
+        on_stack.add(m)
         for t in sorted(graph.get(m, ())):
-            if state.get(t) == 1:
-                cycle = stack[stack.index(t):] + [t]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if t not in state:
-                walk(t)
-        stack.pop()
-        state[m] = 2
+            if t not in index:
+                connect(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                t = stack.pop()
+                on_stack.discard(t)
+                group.append(t)
+                if t == m:
+                    break
+            if len(group) > 1:
+                groups.append(group)
 
     for m in sorted(graph):
-        if m not in state:
-            walk(m)
+        if m not in index:
+            connect(m)
+    return [_cycle_in(sorted(g), graph) for g in groups]
+
+
+def _cycle_in(group: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the group's first module, for the failure message."""
+    inside = set(group)
+    start = group[0]
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for t in sorted(graph.get(m, set()) & inside):
+                if t == start:
+                    return paths[m] + [start]
+                if t not in paths:
+                    paths[t] = paths[m] + [t]
+                    nxt.append(t)
+        frontier = nxt
+    return group + [start]
+
+
+def test_no_import_cycles():
+    """No module imports itself back through others, inside a package or across packages (issue 28)."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_checker_catches_a_planted_cycle(tmp_path):
+    """A package whose modules import each other back, once through a TYPE_CHECKING import and once
+    through a function-level one: the checker names both circles; without them it finds none."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from pkg.sub import leaf\n")  # an __init__ importing its own module
+    (pkg / "sub" / "leaf.py").write_text("import os\n")
+    (pkg / "engine.py").write_text("from pkg import draft\n")
+    (pkg / "draft.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.engine import Engine\n")
+    (pkg / "forward.py").write_text("from pkg.sub import leaf\nfrom pkg import native\n")
+    (pkg / "native.py").write_text("def bind():\n    from pkg import forward\n    return forward\n")
+    cycles = import_cycles(import_graph({"pkg": pkg}))
+    assert sorted(cycles) == [["pkg.draft", "pkg.engine", "pkg.draft"], ["pkg.forward", "pkg.native", "pkg.forward"]]
+    (pkg / "draft.py").write_text("from pkg.sub import leaf\n")
+    (pkg / "native.py").write_text("def bind():\n    return None\n")
+    assert import_cycles(import_graph({"pkg": pkg})) == []
 
 
 def test_shipped_code_never_imports_tests():
@@ -189,3 +254,67 @@ def test_install_puts_no_generic_top_level_package(tmp_path):
     out = subprocess.run([str(py), "-c", probe], cwd=other, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "site-packages/completiond/models/completiond-py-mini" in out.stdout
+
+
+# --- the drafts' interface (issue 28): drafts use the model through engine/runner.py's Runner ---------------------
+
+DRAFT_MODULES = ("draft", "draft_model", "exit_adapter", "medusa")
+# The names the draft modules give the runner they hold (the target model, or a draft model's engine).
+RUNNER_NAMES = {"engine", "eng", "drafter", "dr"}
+
+
+def _class_members(path: Path, cls: str) -> set[str]:
+    """Methods, annotated fields and `self.x = ...` attributes of class cls in the file at path."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    out = set()
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            out.add(item.target.id)
+    for sub in ast.walk(node):
+        targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(sub, ast.AnnAssign) else []
+        for t in targets:
+            for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    out.add(e.attr)
+    return out
+
+
+def runner_uses(path: Path) -> set[str]:
+    """Attributes a draft module reads off the runner it holds (`engine.x`, `eng.x`, `self.engine.x`, ...)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id in RUNNER_NAMES) or (
+                isinstance(v, ast.Attribute) and v.attr in RUNNER_NAMES and isinstance(v.value, ast.Name)
+                and v.value.id == "self"):
+            used.add(node.attr)
+    return used
+
+
+def test_drafts_use_only_the_runner_interface():
+    """The drafts reach for nothing of the engine but what Runner names, and Engine provides all of it;
+    none of them imports the engine module, not even for type checking."""
+    engine_dir = ROOT / "completiond" / "engine"
+    protocol = _class_members(engine_dir / "runner.py", "Runner")
+    engine = _class_members(engine_dir / "engine.py", "Engine")
+    assert protocol - engine == set(), f"Runner members Engine lacks: {sorted(protocol - engine)}"
+    known = modules()
+    for name in DRAFT_MODULES:
+        path = engine_dir / f"{name}.py"
+        outside = runner_uses(path) - protocol
+        assert not outside, f"completiond/engine/{name}.py uses {sorted(outside)} of the engine, which Runner does not name"
+        imported = imports(f"completiond.engine.{name}", path, type_checking=True, known=known)
+        assert "completiond.engine.engine" not in imported, f"completiond/engine/{name}.py imports the engine module"
+
+
+def test_runner_checker_sees_an_engine_attribute(tmp_path):
+    planted = tmp_path / "draft.py"
+    planted.write_text("class D:\n    def propose(self):\n        eng = self.engine\n"
+                       "        return eng.cache, self.engine.fwd, self.drafter.tokenizer\n")
+    assert runner_uses(planted) == {"cache", "fwd", "tokenizer"}
+    assert not {"cache", "tokenizer"} & _class_members(ROOT / "completiond" / "engine" / "runner.py", "Runner")

@@ -22,7 +22,7 @@ from completiond.engine.lookup import OutputHistory, lookup_for
 LOOKUP_K = 6
 
 if TYPE_CHECKING:
-    from completiond.engine.engine import Engine
+    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
 
 
@@ -72,7 +72,7 @@ class EarlyExitDraft:
     kind = "early_exit"
     tap_layer: int | None = None
 
-    def __init__(self, engine: "Engine", exit_layer: int):
+    def __init__(self, engine: "Runner", exit_layer: int):
         self.engine = engine
         self.exit_layer = exit_layer
 
@@ -186,7 +186,7 @@ class LookupDraft:
     and the verifier runs every layer on them in one pass.
     """
 
-    def __init__(self, engine: "Engine", fallback: "Draft | None", k: int = LOOKUP_K,
+    def __init__(self, engine: "Runner", fallback: "Draft | None", k: int = LOOKUP_K,
                  history: OutputHistory | None = None):
         self.engine = engine
         self.fallback = fallback

@@ -1,8 +1,8 @@
 """A separate draft model: a smaller model with the target's tokenizer proposes, the target verifies.
 
-The draft model runs on its own fused weights (its own `Engine`, whose forward pass is used
-and nothing else) and keeps its own K/V in a `KVSequence` that rides on the target's sequence
-(`seq.companion`): the target's prefix cache crops, copies and evicts it together with the
+The draft model runs on its own fused weights (a second `Runner`, engine/runner.py: its own
+engine, whose forward pass is used and nothing else) and keeps its own K/V in a `KVSequence`
+that rides on the target's sequence (`seq.companion`): the target's prefix cache crops, copies and evicts it together with the
 target's, so a keystroke that reuses the target's prefix reuses the draft's too, and the
 cancel points are the target's. The companion may lag behind the target (lookup rounds, a
 rejected draft, a sequence cached before the draft model was attached); each round first
@@ -23,7 +23,7 @@ from completiond.engine import sampling
 from completiond.engine.draft import Proposal
 
 if TYPE_CHECKING:
-    from completiond.engine.engine import Engine
+    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
 
 CATCH_UP_CHUNK = 256
@@ -52,7 +52,7 @@ class DraftModelDraft:
     exit_layer = 0
     tap_layer = None
 
-    def __init__(self, engine: "Engine", drafter: "Engine"):
+    def __init__(self, engine: "Runner", drafter: "Runner"):
         self.engine = engine
         self.drafter = drafter
         self.vocab = engine.vocab_size

@@ -33,7 +33,7 @@ from completiond.engine.draft import EarlyExitDraft, first_usable
 from completiond.models.exit_adapter import ADAPTER_FILE, AdapterFileError, build_layer, read_adapter
 
 if TYPE_CHECKING:
-    from completiond.engine.engine import Engine
+    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def adapter_paths(model_dir: Path | None, model_id: str) -> list[Path]:
     return paths
 
 
-def attach(engine: "Engine", path: Path) -> ExitAdapter:
+def attach(engine: "Runner", path: Path) -> ExitAdapter:
     """Read, check and fuse the adapter at path into the engine (raises AdapterFileError)."""
     record = read_adapter(path, engine.model_id, engine.model.config)
     layer = build_layer(engine.model, record)
@@ -72,7 +72,7 @@ def attach(engine: "Engine", path: Path) -> ExitAdapter:
     return ExitAdapter(record.exit_layer, slot, Path(path), record.training)
 
 
-def find_and_attach(engine: "Engine", model_dir: Path | None) -> ExitAdapter | None:
+def find_and_attach(engine: "Runner", model_dir: Path | None) -> ExitAdapter | None:
     adapter = first_usable(adapter_paths(model_dir, engine.model_id), lambda p: attach(engine, p), AdapterFileError,
                            "exit adapter", log)
     if adapter is not None:
@@ -85,7 +85,7 @@ class AdapterDraft(EarlyExitDraft):
 
     kind = "adapter"
 
-    def __init__(self, engine: "Engine", adapter: ExitAdapter):
+    def __init__(self, engine: "Runner", adapter: ExitAdapter):
         super().__init__(engine, adapter.exit_layer)
         self.slot = adapter.slot
         self.tap_layer = adapter.exit_layer

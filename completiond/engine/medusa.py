@@ -31,7 +31,7 @@ from completiond.engine.draft import first_usable
 from completiond.models.medusa import MEDUSA_FILE, MedusaFileError, read_heads
 
 if TYPE_CHECKING:
-    from completiond.engine.engine import Engine
+    from completiond.engine.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,14 @@ def user_medusa_path(model_id: str) -> Path:
     return Path(root) / "completiond" / "medusa" / f"{model_id}.safetensors"
 
 
-def attach(engine: "Engine", path: Path) -> Medusa:
+def attach(engine: "Runner", path: Path) -> Medusa:
     rec = read_heads(path, engine.model_id, engine.model.config)
     to = dict(device=engine.device, dtype=engine.dtype)
     tree = tuple(p for p in DEFAULT_TREE if len(p) <= rec.num_heads)
     return Medusa([w.to(**to) for w in rec.weights], [b.to(**to) for b in rec.biases], Path(path), rec.training, tree)
 
 
-def find_and_attach(engine: "Engine", model_dir: Path | None) -> Medusa | None:
+def find_and_attach(engine: "Runner", model_dir: Path | None) -> Medusa | None:
     paths = [user_medusa_path(engine.model_id)] + ([Path(model_dir) / MEDUSA_FILE] if model_dir is not None else [])
     medusa = first_usable(paths, lambda p: attach(engine, p), MedusaFileError, "Medusa heads", log)
     if medusa is not None:
@@ -72,7 +72,7 @@ def find_and_attach(engine: "Engine", model_dir: Path | None) -> Medusa | None:
     return medusa
 
 
-def candidates(engine: "Engine", medusa: Medusa, h: torch.Tensor, depth: int, width: int) -> list[list[int]]:
+def candidates(engine: "Runner", medusa: Medusa, h: torch.Tensor, depth: int, width: int) -> list[list[int]]:
     """Top-`width` ids per depth 1..depth from the heads, for the final state h [1, 1, d] (pre-norm)."""
     hn = engine.fwd.norm(h)  # [1, 1, d]
     rows = engine.draft_head_weight if engine.draft_head_weight is not None else engine.fwd.head_w  # [Vd, d]
@@ -156,7 +156,7 @@ class TreeDecoder:
 
     kind = "medusa"
 
-    def __init__(self, engine: "Engine", medusa: Medusa, lookup: bool, width: int = 2, history=None):
+    def __init__(self, engine: "Runner", medusa: Medusa, lookup: bool, width: int = 2, history=None):
         self.engine = engine
         self.medusa = medusa
         self.lookup = lookup
