@@ -291,6 +291,11 @@ def vimdoc_section(schema: list[dict]) -> list[str]:
         lines.append("    " + head)
         for wrapped in textwrap.wrap(item["description"], 74):
             lines.append("    " + wrapped)
+        for value, text in zip(item.get("enum", []), item.get("enumDescriptions", [])):
+            for i, wrapped in enumerate(textwrap.wrap(f'"{value}": {text}', 72)):
+                lines.append(("    - " if i == 0 else "      ") + wrapped)
+        if item.get("restricted"):
+            lines.append("    Restricted: set it in your own config only, see |completiond-trust|.")
         lines.append("")
     return lines
 

@@ -219,6 +219,25 @@ def test_generated_parts_are_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_trust_section_names_every_restricted_setting():
+    """Issue 31 item 3: the Neovim plugin documents its Restricted Mode equivalent (no project file is read;
+    exrc needs :trust), naming every setting config.py marks restricted, each also marked in the reference."""
+    from completiond import config
+
+    doc = (PLUGIN / "doc" / "completiond.txt").read_text()
+    start = doc.index("*completiond-trust*")
+    section = doc[start:doc.index("=" * 78, start)]
+    assert ":trust" in section and "exrc" in section
+    restricted = [s.key for s in config.SETTINGS if s.restricted]
+    assert "draftModel" in restricted
+    for key in restricted + ["cmd", "python", "args"]:
+        assert re.search(rf"\b{key}\b", section), key
+    for key in restricted:
+        entry = doc[doc.index(f"*completiond-settings.{key}*"):]
+        entry = entry[:entry.index("\n\n")]
+        assert "Restricted: " in entry and "|completiond-trust|" in entry, key
+
+
 def test_setup_validation_and_server_section(nvim):
     n = nvim()
     out = n.lua("""
@@ -454,9 +473,53 @@ def test_checkhealth_advice_renders_cleanly(nvim):
     n.request("nvim_command", "checkhealth completiond")
     lines = n.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)")
     advice = [line.strip() for line in lines if line.strip().startswith("- ") and "ADVICE" not in line][-3:]
-    assert advice == ["- Install it: in a completiond checkout, pip install -e .",
+    assert advice == ["- Install it: run `pip install -e .` in a completiond checkout",
                       "- Or pass cmd or python to require('completiond').setup()",
                       "- Details: :help |completiond-install|"], lines
+
+
+def test_not_found_message_reads_as_sentences(nvim, tmp_path):
+    """Issue 30: "not found on $PATH" messages ended "pip install -e .. Or pass ..." (a double period)."""
+    n = nvim({"PATH": str(tmp_path / "empty-bin"), "HOME": str(tmp_path / "home")})
+    messages = n.lua("""
+        local seen = {}
+        vim.notify = function(msg) table.insert(seen, msg) end
+        require('completiond').setup({})
+        vim.cmd('enew')
+        vim.bo.filetype = 'python'
+        require('completiond').attach(0)
+        return seen""")
+    not_found = [m for m in messages if "not found on $PATH" in m]
+    assert len(not_found) == 1, messages
+    assert ".." not in not_found[0] and not_found[0].endswith("completiond-install."), not_found[0]
+    assert "pip install -e ." in not_found[0]
+
+
+def test_checkhealth_renderer_lines_agree(nvim):
+    """Issue 30: :checkhealth said `renderer = "builtin"` next to `renderer: fallback`; it says one true thing."""
+    n = nvim()
+    for opt in ("auto", "builtin", "fallback"):
+        n.lua(f"require('completiond').setup({{ renderer = '{opt}', cmd = {{ 'false' }} }})")
+        actual = n.lua("return require('completiond').renderer")
+        n.request("nvim_command", "checkhealth completiond")
+        text = "\n".join(n.lua("return vim.api.nvim_buf_get_lines(0, 0, -1, false)"))
+        n.request("nvim_command", "bwipeout!")
+        mentions = re.findall(r"renderer[:=]? *\"?(builtin|fallback)", text)
+        assert mentions and mentions[0] == actual, (opt, text)
+        assert f'renderer = "{opt}"' in text, text
+        # The renderer in use is named once; `renderer = "..."` is only ever the option that was set.
+        assert len(re.findall(r"renderer: (builtin|fallback)", text)) == 1, text
+        assert set(re.findall(r'renderer = "(\w+)"', text)) == {opt}, text
+
+
+def test_format_stats_and_status_lines_never_print_vim_nil(nvim):
+    """Issue 30: JSON nulls (vim.NIL) showed up raw in :CompletiondStatus."""
+    n = nvim()
+    text = n.lua("return require('completiond.util').format_stats({ a = vim.NIL, b = { c = vim.NIL }, d = { 1, vim.NIL } })")
+    assert "vim.NIL" not in text and "a: none" in text, text
+    stripped = n.lua("""local s = require('completiond.util').strip_nil({ model = vim.NIL, n = 1, sub = { x = vim.NIL } })
+                        return { model = s.model == nil, n = s.n, sub = s.sub.x == nil }""")
+    assert stripped == {"model": True, "n": 1, "sub": True}
 
 
 # ---------------------------------------------------------------- scripted server: what is shown is what is inserted
@@ -781,6 +844,55 @@ def test_controls_trigger_cycle_word_status_and_health(nvim, tmp_path):
     assert "ready, but not with your settings: the daemon serves other settings than yours: model" in text, text
     assert "Run :CompletiondRestart" in text, text
     assert not re.search(r"OK client \d+: ready", text), text
+
+
+def _child_pids(parent: int, needle: str) -> list[int]:
+    """Pids of `parent`'s children whose command line contains `needle` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and needle in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the server's pid")
+def test_status_when_the_server_is_killed_and_with_json_nulls(nvim, tmp_path):
+    """Issue 30: after the server was killed the statusline said `ready` until the next keystroke, and
+    :CompletiondStatus printed raw vim.NIL values. The exit is told at once (User CompletiondStatus with
+    state "stopped", a statusline redraw), and nulls read as missing."""
+    n = nvim()
+    opts = {"cmd": scripted_cmd(tmp_path), "debounce_ms": 600000}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "killed.py"
+    source.write_text("x = 1\n")
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.wait_for("return require('completiond').statusline() == 'completiond ready'", 60, "the ready status")
+    # The server's status with nulls, as pygls sends None: no "vim.NIL" anywhere in :CompletiondStatus.
+    n.lua("""local c = require('completiond')
+             local id = c.clients(0)[1].id
+             c.on_status(nil, { state = 'ready', model = vim.NIL, device = vim.NIL, latencyMs = vim.NIL,
+                                message = vim.NIL, draftAcceptance = vim.NIL, suggestions = vim.NIL,
+                                modelMismatch = vim.NIL }, { client_id = id })""")
+    out = n.request("nvim_exec2", "CompletiondStatus", {"output": True})["output"]
+    assert "vim.NIL" not in out and "state: ready" in out, out
+    n.lua("""_G.seen_states = {}
+             vim.api.nvim_create_autocmd('User', { pattern = 'CompletiondStatus',
+               callback = function(ev) table.insert(_G.seen_states, ev.data.state) end })""")
+    pids = _child_pids(n.proc.pid, "--scripted-server")
+    assert len(pids) == 1, pids
+    os.kill(pids[0], 9)
+    # No keystroke from here on: the exit alone must update what statuslines show.
+    n.wait_for("return vim.tbl_contains(_G.seen_states, 'stopped')", 30, "the stopped event")
+    assert n.lua("return require('completiond').statusline()") == "completiond stopped", n.lua("return require('completiond').exited")
 
 
 def test_filetypes_map(nvim):

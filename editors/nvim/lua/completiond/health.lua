@@ -11,10 +11,11 @@ function M.check()
     health.error("Neovim " .. version .. " is too old: completiond.nvim needs 0.10 or later")
     return
   end
+  -- What this Neovim offers; which renderer is in use is said once, under setup.
   if vim.lsp.inline_completion then
-    health.ok("Neovim " .. version .. ": built-in vim.lsp.inline_completion available (renderer = \"builtin\")")
+    health.ok("Neovim " .. version .. ": vim.lsp.inline_completion is available")
   else
-    health.ok("Neovim " .. version .. ": completiond's own ghost text (vim.lsp.inline_completion needs 0.12)")
+    health.ok("Neovim " .. version .. ": no vim.lsp.inline_completion (it needs 0.12)")
   end
 
   local core = require("completiond")
@@ -23,7 +24,7 @@ function M.check()
     health.warn("require('completiond').setup() was not called", { "Add require('completiond').setup({}) to your config" })
     return
   end
-  health.ok(("renderer: %s (option: %s)"):format(core.renderer, core.config.renderer))
+  health.ok(core.renderer_line())
   if core.renderer == "builtin" then
     health.info("Neovim's renderer asks the server 200 ms after a change: debounce_ms and the trigger key do not apply")
   end

@@ -43,6 +43,17 @@ function M.pick_renderer(opt)
   return "fallback", "vim.lsp.inline_completion needs Neovim >= 0.12: using completiond's own ghost text"
 end
 
+--- The renderer in use, in words (:checkhealth, :CompletiondStatus).
+function M.renderer_line()
+  local opt = M.config and M.config.renderer or "auto"
+  if M.renderer == "builtin" then
+    return ('renderer: builtin, Neovim\'s vim.lsp.inline_completion (renderer = "%s")'):format(opt)
+  end
+  local why = opt == "builtin" and "vim.lsp.inline_completion needs Neovim >= 0.12"
+    or "the option builtin draws with Neovim's own on 0.12"
+  return ('renderer: fallback, completiond\'s own ghost text (renderer = "%s"; %s)'):format(opt, why)
+end
+
 --- The command that starts the language server.
 ---@param cfg table
 ---@return string[]|nil cmd
@@ -89,12 +100,18 @@ end
 
 -- One plain sentence each: :checkhealth turns ":help tag" into a link up to the next blank, so the
 -- tag must end its line.
+-- No sentence ends in a period of its own (`pip install -e .` would read "..." once joined).
 M.NOT_FOUND_ADVICE = {
-  "Install it: in a completiond checkout, pip install -e .",
+  "Install it: run `pip install -e .` in a completiond checkout",
   "Or pass cmd or python to require('completiond').setup()",
   "Details: :help completiond-install",
 }
-M.NOT_FOUND_HINT = table.concat(M.NOT_FOUND_ADVICE, ". ")
+M.NOT_FOUND_HINT = table.concat(M.NOT_FOUND_ADVICE, "; ")
+
+--- The message when no server command was found: why, then what to do (one period per sentence).
+function M.not_found_message(err)
+  return ("completiond: %s. %s."):format((err:gsub("%.+$", "")), M.NOT_FOUND_HINT)
+end
 
 --- How the daemon's model (device, dtype...) differs from what this editor's settings ask for, or
 --- nil: the server's status says so (`modelMismatch`), e.g. while another editor's settings hold.
@@ -137,12 +154,37 @@ function M.filetype_enabled(bufnr)
   return M.config ~= nil and config.filetype_enabled(M.config, vim.bo[bufnr].filetype)
 end
 
-local function on_status(_, params, ctx)
+--- Tell statuslines that the status changed: the User CompletiondStatus event (for statusline plugins)
+--- and a redraw of the built-in statusline, so it changes without waiting for a keystroke.
+local function status_changed(data)
+  vim.api.nvim_exec_autocmds("User", { pattern = "CompletiondStatus", modeline = false, data = data })
+  pcall(vim.cmd.redrawstatus, { bang = true })
+end
+
+--- The `completiond/status` handler. JSON nulls become absent fields (no "vim.NIL" in messages).
+function M.on_status(_, params, ctx)
   if type(params) ~= "table" then
     return
   end
+  params = util.strip_nil(params)
   M.status[ctx.client_id] = params
-  vim.api.nvim_exec_autocmds("User", { pattern = "CompletiondStatus", modeline = false, data = params })
+  M.exited = nil
+  status_changed(params)
+end
+
+--- The language server process ended (killed, crashed, or stopped): forget its status at once and say so,
+--- instead of leaving the statusline at its last state ("ready") until the next keystroke.
+function M.on_exit(code, signal, client_id)
+  M.status[client_id] = nil
+  -- A kill shows as signal 9 with code 0; SIGTERM (15) is how Neovim force-stops a client itself.
+  local crashed = code ~= 0 or (signal ~= 0 and signal ~= 15)
+  M.exited = { code = code, signal = signal, crashed = crashed }
+  vim.schedule(function()
+    if crashed then
+      vim.notify(("completiond: the language server exited (code %s, signal %s); see :LspLog"):format(code, signal), vim.log.levels.WARN)
+    end
+    status_changed({ state = "stopped", code = code, signal = signal })
+  end)
 end
 
 local function on_attach(client, bufnr)
@@ -166,7 +208,7 @@ function M.attach(bufnr)
   if not cmd then
     if not warned_not_found then
       warned_not_found = true
-      vim.notify(("completiond: %s. %s"):format(err, M.NOT_FOUND_HINT), vim.log.levels.ERROR)
+      vim.notify(M.not_found_message(err), vim.log.levels.ERROR)
     end
     return nil
   end
@@ -178,7 +220,7 @@ function M.attach(bufnr)
     root_dir = root,
     init_options = { completiond = section },
     settings = { completiond = section },
-    handlers = { [M.STATUS_METHOD] = on_status },
+    handlers = { [M.STATUS_METHOD] = M.on_status },
     on_init = function(client)
       -- The server also answers textDocument/completion (for editors without inline
       -- completions). Completion plugins would then ask it on every keystroke, and
@@ -188,12 +230,7 @@ function M.attach(bufnr)
     end,
     on_attach = on_attach,
     on_exit = function(code, signal, client_id)
-      M.status[client_id] = nil
-      if code ~= 0 and signal ~= 15 then
-        vim.schedule(function()
-          vim.notify(("completiond: the language server exited (code %s, signal %s); see :LspLog"):format(code, signal), vim.log.levels.WARN)
-        end)
-      end
+      M.on_exit(code, signal, client_id)
     end,
   }, { bufnr = bufnr })
 end
@@ -410,14 +447,17 @@ end
 
 --- One line for a statusline: "completiond ready 80 ms".
 function M.statusline()
-  local clients = M.clients()
+  local clients = vim.tbl_filter(function(c)
+    return not c:is_stopped()
+  end, M.clients())
   if #clients == 0 then
-    return ""
+    -- The server went away (killed, crashed): say so rather than nothing, until one starts again.
+    return M.exited and M.exited.crashed and "completiond stopped" or ""
   end
   if not M.enabled() then
     return "completiond off"
   end
-  local s = M.status[clients[1].id]
+  local s = util.strip_nil(M.status[clients[1].id])
   if not s then
     return "completiond starting"
   end
@@ -441,7 +481,7 @@ function M.status_lines()
     table.insert(lines, cmd and ("no server running (would start: %s)"):format(table.concat(cmd, " ")) or ("no server: " .. err))
   end
   for _, client in ipairs(clients) do
-    local s = M.status[client.id] or {}
+    local s = util.strip_nil(M.status[client.id]) or {}
     table.insert(lines, ("client %d (%s): %s"):format(client.id, client.config.root_dir or "?", table.concat(client.config.cmd or {}, " ")))
     table.insert(lines, ("  state: %s%s"):format(s.state or "starting", s.message and s.message ~= "" and (" — " .. s.message) or ""))
     if s.model then

@@ -179,10 +179,34 @@ function M.replace(bufnr, range, text)
 end
 
 --- Stats as indented "key: value" lines.
+--- A copy of a decoded JSON value with JSON null (vim.NIL) removed: fields become absent (nil), so
+--- that `s.model or "?"` and friends read them as missing instead of printing "vim.NIL".
+function M.strip_nil(value)
+  if value == vim.NIL then
+    return nil
+  end
+  if type(value) ~= "table" then
+    return value
+  end
+  local out = {}
+  for k, v in pairs(value) do
+    out[k] = M.strip_nil(v)
+  end
+  return out
+end
+
+--- How a stats value reads: JSON null as "none", never "vim.NIL".
+local function stat_text(v)
+  if v == vim.NIL or v == nil then
+    return "none"
+  end
+  return tostring(v)
+end
+
 function M.format_stats(value, indent)
   indent = indent or ""
   if type(value) ~= "table" then
-    return indent .. tostring(value)
+    return indent .. stat_text(value)
   end
   local keys = vim.tbl_keys(value)
   table.sort(keys, function(a, b)
@@ -195,11 +219,11 @@ function M.format_stats(value, indent)
       table.insert(lines, ("%s%s:"):format(indent, k))
       table.insert(lines, M.format_stats(v, indent .. "  "))
     elseif type(v) == "table" then
-      table.insert(lines, ("%s%s: %s"):format(indent, k, table.concat(vim.tbl_map(tostring, v), ", ")))
+      table.insert(lines, ("%s%s: %s"):format(indent, k, table.concat(vim.tbl_map(stat_text, v), ", ")))
     elseif type(v) == "number" and v ~= math.floor(v) then
       table.insert(lines, ("%s%s: %.4g"):format(indent, k, v))
     else
-      table.insert(lines, ("%s%s: %s"):format(indent, k, tostring(v)))
+      table.insert(lines, ("%s%s: %s"):format(indent, k, stat_text(v)))
     end
   end
   return table.concat(lines, "\n")
