@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -251,7 +252,32 @@ def test_pull_needs_a_model_and_lists_the_short_names():
                           "'--list']); assert 'torch' not in sys.modules, 'pull imported torch'; sys.exit(rc)"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "`qwen2.5-coder-0.5b` | `Qwen/Qwen2.5-Coder-0.5B`" in out.stdout
+    assert out.stdout.startswith("short name") and "\nqwen2.5-coder-0.5b " in out.stdout
+    assert "Qwen/Qwen2.5-Coder-0.5B" in out.stdout
+
+
+@pytest.mark.torch_free
+def test_pull_list_is_a_terminal_table_of_loadable_models():
+    """Issue 30: `pull --list` printed Markdown rows up to 251 characters and listed starcoder2-3b as if it
+    could load. Now: aligned rows within 100 columns, loadable models only, the others with the reason."""
+    from completiond.commands.pull import catalog_text
+
+    text = catalog_text()
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    assert not any(line.startswith("|") for line in lines)
+    table, _, rest = text.partition("not loadable yet")
+    for e in hub.CATALOG:
+        if e.supported:
+            assert re.search(rf"^{re.escape(e.name)}  ", table, re.M), e.name
+            assert e.repo in table
+        else:
+            assert e.name not in table and f"{e.name} ({e.repo}): the engine has no `{e.family}` layout" in rest
+    # The rows line up: every row's parameter count ends in the same column as the header's.
+    header = lines[0]
+    end = header.index("params") + len("params")
+    rows = [line for line in lines[1:] if line and not line.startswith(" ") and " B " in line]
+    assert rows and all(row[:end].endswith(" B") for row in rows), rows
 
 
 @pytest.mark.torch_free
@@ -310,6 +336,22 @@ def test_names_short_names_and_revisions():
     assert hub.display_name("org/m", "v1", COMMIT) == f"org/m@v1 ({COMMIT[:12]})"
     assert hub.name_for_path(Path("/c/models--org--m/snapshots") / COMMIT) == f"org/m@{COMMIT[:12]}"
     assert hub.name_for_path(Path("/home/me/models/m")) is None
+
+
+@pytest.mark.torch_free
+def test_revisions_must_match_a_strict_pattern(tmp_path, monkeypatch):
+    """A revision is joined into the cache's refs/ path, for reading and for writing (issue 31, item 5)."""
+    for good in ("main", "v1.0", "refs/pr/1", "release_2024-01", COMMIT, "v2+build"):
+        assert hub.parse(f"org/m@{good}") == ("org/m", good)
+    for bad in ("../../../../tmp/x", "../x", "a/../b", "/etc/passwd", "x//y", ".hidden", "a/.b", "main.lock", "a.",
+                "v1 0", "x\\y", "a\x00b", "~user", "a" * 200):
+        with pytest.raises(hub.HubError, match="is not a revision"):
+            hub.parse(f"a/b@{bad}")
+    # Nor does the cache lookup read a file outside refs/ for one that slipped past parse.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "x").write_text(COMMIT)
+    (tmp_path / "models--a--b" / "refs").mkdir(parents=True)
+    assert hub._ref(tmp_path / "models--a--b", "../../x") is None  # noqa: SLF001
 
 
 @pytest.mark.torch_free

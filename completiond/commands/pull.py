@@ -43,11 +43,58 @@ class TerminalBar:
             self.bar.close()
 
 
+LIST_WIDTH = 100  # `pull --list` fits a 100-column terminal (the README keeps the full Markdown table)
+
+
+def catalog_text() -> str:
+    """`pull --list`: the models the engine can load, one aligned row each and a line of details under
+    it; the catalog's others after, with the reason they cannot load yet."""
+    from completiond.engine import hub
+
+    head = ("short name", "params", "GB bf16 / fp32", "CPU (fp32)", "GPU (bf16)")
+    rows, details, unsupported = [], [], []
+    for e in hub.CATALOG:
+        if not e.supported:
+            unsupported.append(f"  {e.name} ({e.repo}): the engine has no `{e.family}` layout yet")
+            continue
+        bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
+        rows.append((e.name, f"{e.params_b:.2f} B", f"{bf16 / 1e9:.1f} / {fp32 / 1e9:.1f}",
+                     hub._speed_class(1000 * fp32 / hub.CPU_BANDWIDTH), hub._speed_class(1000 * bf16 / hub.GPU_BANDWIDTH)))
+        extra = [f"FIM {e.fim}" if e.fim else "no FIM", f"early exits: {e.early_exit}"]
+        if e.gated:
+            extra.append("gated: accept its licence on the hub, then log in")
+        details.append(f"    {e.repo}; " + "; ".join(extra))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells) -> str:
+        # Names and speeds read left to right, sizes line up on the right.
+        return "  ".join(c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(head)]
+    for row, detail in zip(rows, details):
+        out += [line(row), detail]
+    if unsupported:
+        out += ["", "In the catalog but not loadable yet:", *unsupported]
+    out += ["", "Speeds are estimates (weight bytes / memory bandwidth per token), before speculation.",
+            "Pull one: completiond pull NAME (or use NAME as the model setting: it is pulled on first use)"]
+    return "\n".join(_fit(text, LIST_WIDTH) for text in out) + "\n"
+
+
+def _fit(text: str, width: int) -> str:
+    """One line wrapped under `width` (continuations indented like a details line)."""
+    import textwrap
+
+    if len(text) <= width:
+        return text
+    indent = " " * (len(text) - len(text.lstrip()))
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent + "  ", break_on_hyphens=False))
+
+
 def run(args: argparse.Namespace) -> int:
     from completiond.engine import hub
 
     if args.list:
-        print(hub.catalog_table(), end="")
+        print(catalog_text(), end="")
         return 0
     if not args.model:
         print("completiond pull: give a hub id (org/name) or a short name; `completiond pull --list` shows them",
