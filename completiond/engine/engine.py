@@ -278,12 +278,21 @@ class Engine:
                 raise EngineError(f"cannot load model {model!r}: {exc}") from None
             local, name = pulled.path, pulled.name
             check_weights(local)
+        # Before anything is allocated or read by a library: side files are regular files under a cap,
+        # config.json's sizes within bounds, and the model it describes fits the memory there is.
         try:
-            hub.check_config(name, json.loads((local / "config.json").read_text(encoding="utf-8")), trust_remote_code)
+            config = hub.read_json(local / "config.json")
         except (OSError, ValueError) as exc:
-            raise EngineError(f"cannot load model {name}: config.json is unreadable: {exc}") from exc
+            raise EngineError(f"cannot load model {name}: config.json is unreadable: {exc}") from None
+        try:
+            hub.check_side_files(local)
+            hub.check_config(name, config if isinstance(config, dict) else {}, trust_remote_code)
         except hub.HubError as exc:
             raise EngineError(f"cannot use model {name}: {exc}") from None
+        refusal = memory.config_fit_error(name, config, local, torch.tensor([], dtype=torch_dtype).element_size(),
+                                          str(torch_dtype).removeprefix("torch."), device)
+        if refusal:
+            raise EngineError(refusal)
         budget = cache_bytes if cache_bytes is not None else default_cache_bytes(device)
         warning = memory.fit_warning(name, local, torch.tensor([], dtype=torch_dtype).element_size(),
                                      str(torch_dtype).removeprefix("torch."), device, budget)
