@@ -1,13 +1,20 @@
-"""Reading a file descriptor without trusting its size (base layer: imports nothing of ours).
+"""Reading files without trusting their size or their kind (base layer: imports nothing of ours).
 
 A file can grow between fstat and read, or claim a size it does not have (/dev/zero, a FIFO):
 read at most one byte past the limit, so "over the limit" is always detected and never
-costs more than limit + 1 bytes of memory.
+costs more than limit + 1 bytes of memory. `read_file` is how every side file of a model
+(config, tokenizer, completiond.json, calibration records) is read: a regular file (a
+symlink may lead to one: the hub cache is made of them), under a size cap, or an error at once.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+
+
+class UnsafeFile(OSError):
+    """A file that is not a regular file, or is larger than its cap; the message names it and why."""
 
 
 def read_at_most(fd: int, limit: int) -> bytes | None:
@@ -20,3 +27,47 @@ def read_at_most(fd: int, limit: int) -> bytes | None:
         chunks.append(chunk)
         size += len(chunk)
     return None if size > limit else b"".join(chunks)
+
+
+def read_file(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file at `path` (symlinks followed), at most `limit` of them.
+
+    Raises FileNotFoundError (and other OSErrors) as open does, and UnsafeFile for a device, FIFO,
+    socket or directory (opened non-blocking and checked on the descriptor, so nothing waits on a
+    writer and nothing is read from /dev/zero) or a file over the limit, before reading more than
+    limit + 1 bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{path} is not a regular file ({_kind(st.st_mode)}{_target(path)}); refusing to read it")
+        if st.st_size > limit:
+            raise UnsafeFile(f"{path} is {st.st_size} bytes, over the {limit}-byte limit for this file")
+        data = read_at_most(fd, limit)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise UnsafeFile(f"{path} grew over the {limit}-byte limit for this file while being read")
+    return data
+
+
+def check_file(path: str | os.PathLike, limit: int) -> None:
+    """That `path` (symlinks followed) is a regular file of at most `limit` bytes, without reading it:
+    for files another library reads (a tokenizer's), checked first. Raises as read_file does."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(f"{path} is not a regular file ({_kind(st.st_mode)}{_target(path)}); refusing to read it")
+    if st.st_size > limit:
+        raise UnsafeFile(f"{path} is {st.st_size} bytes, over the {limit}-byte limit for this file")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _target(path: str | os.PathLike) -> str:
+    return f", a link to {os.path.realpath(path)}" if os.path.islink(path) else ""

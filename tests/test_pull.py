@@ -339,6 +339,22 @@ def test_names_short_names_and_revisions():
 
 
 @pytest.mark.torch_free
+def test_revisions_must_match_a_strict_pattern(tmp_path, monkeypatch):
+    """A revision is joined into the cache's refs/ path, for reading and for writing (issue 31, item 5)."""
+    for good in ("main", "v1.0", "refs/pr/1", "release_2024-01", COMMIT, "v2+build"):
+        assert hub.parse(f"org/m@{good}") == ("org/m", good)
+    for bad in ("../../../../tmp/x", "../x", "a/../b", "/etc/passwd", "x//y", ".hidden", "a/.b", "main.lock", "a.",
+                "v1 0", "x\\y", "a\x00b", "~user", "a" * 200):
+        with pytest.raises(hub.HubError, match="is not a revision"):
+            hub.parse(f"a/b@{bad}")
+    # Nor does the cache lookup read a file outside refs/ for one that slipped past parse.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "x").write_text(COMMIT)
+    (tmp_path / "models--a--b" / "refs").mkdir(parents=True)
+    assert hub._ref(tmp_path / "models--a--b", "../../x") is None  # noqa: SLF001
+
+
+@pytest.mark.torch_free
 def test_parameters_are_counted_from_the_headers_alone(tmp_path):
     header = json.dumps({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
                          "b": {"dtype": "BF16", "shape": [5], "data_offsets": [48, 58]}}).encode()

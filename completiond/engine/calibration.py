@@ -15,10 +15,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from completiond.engine.model_info import ModelInfo
+from completiond.fileio import read_file
 
 log = logging.getLogger(__name__)
 
 DRAFTS = ("early_exit", "adapter", "draft_model", "medusa")
+RECORD_LIMIT = 1 << 20  # a record is a few hundred bytes
 
 
 @dataclass
@@ -76,7 +78,8 @@ def load_calibration(model_id: str, info: ModelInfo | None, num_layers: int) -> 
     """The user's record for this model, else the model's shipped defaults, else the heuristic."""
     path = record_path(model_id)
     try:
-        return Calibration.from_dict(json.loads(path.read_text()), num_layers, f"user calibration ({path})")
+        # A regular file under a cap (a link to /dev/zero is refused at once, not read).
+        return Calibration.from_dict(json.loads(read_file(path, RECORD_LIMIT)), num_layers, f"user calibration ({path})")
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from completiond.errors import CompletionError
+from completiond.fileio import check_file, read_file
 from completiond.models.adapters import FAMILIES
 
 # One metadata request decides whether the hub is reachable: an editor waiting for its first
@@ -51,6 +52,26 @@ INDEX_FILE = "model.safetensors.index.json"
 DRAFT_FILES = frozenset({"exit_adapter.safetensors", "medusa_heads.safetensors"})
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+# Every side file is read as a regular file under a cap (fileio.read_file): a symlink to /dev/zero or a
+# FIFO, or a multi-gigabyte "config", fails at once with its name instead of exhausting memory. The caps
+# are far above real files (Qwen2.5's tokenizer.json: 7 MB; a 405B model's weight index: 100 kB).
+SIDE_FILE_LIMITS: dict[str, int] = {
+    "config.json": 1 << 20, "generation_config.json": 1 << 20, "completiond.json": 1 << 20,
+    INDEX_FILE: 16 << 20, "tokenizer.json": 64 << 20, "tokenizer_config.json": 16 << 20,
+    "special_tokens_map.json": 1 << 20, "added_tokens.json": 16 << 20, "vocab.json": 32 << 20,
+    "merges.txt": 32 << 20, "tokenizer.model": 32 << 20, "chat_template.jinja": 1 << 20,
+}
+REF_LIMIT = 256  # refs/<revision>: one commit hash
+
+# config.json values the engine accepts, checked before anything is allocated from them: each bound is
+# far beyond any released model (Llama 3.1 405B: 126 layers, hidden 16,384, intermediate 53,248, 128 heads;
+# Gemma: vocabulary 256,000; Llama 4 Scout: 10M positions) and keeps one value from asking for terabytes.
+CONFIG_LIMITS: tuple[tuple[str, int], ...] = (
+    ("num_hidden_layers", 1024), ("hidden_size", 65_536), ("num_attention_heads", 1024),
+    ("num_key_value_heads", 1024), ("head_dim", 4096), ("vocab_size", 1 << 21),
+    ("intermediate_size", 1 << 20), ("max_position_embeddings", 1 << 24),
+)
 
 
 class HubError(CompletionError):
@@ -125,6 +146,15 @@ def catalog_table() -> str:
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# A revision is joined into the cache's refs/ path: a branch, tag or commit name of path components that
+# each start with a letter, digit or underscore (so never "." or ".."), like refs/pr/1, and nothing else.
+_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(?:/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$")
+MAX_REVISION = 128
+
+
+def valid_revision(revision: str) -> bool:
+    return (len(revision) <= MAX_REVISION and _REVISION.match(revision) is not None and ".." not in revision
+            and not revision.endswith((".lock", ".")))
 
 
 def parse(model: str) -> tuple[str, str | None]:
@@ -136,6 +166,9 @@ def parse(model: str) -> tuple[str, str | None]:
         short = ", ".join(CATALOG_BY_NAME)
         raise HubError(f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
                        f"@revision), nor a short name ({short}). A local directory must start with '.', '/' or '~'.")
+    if revision and not valid_revision(revision):
+        raise HubError(f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
+                       f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)")
     return repo, revision or None
 
 
@@ -186,11 +219,48 @@ def repo_folder(repo: str) -> Path:
 # --- the local cache ------------------------------------------------------------------------
 
 
+def read_json(path: Path, limit: int | None = None):
+    """A side file's JSON, read as a regular file under its cap (SIDE_FILE_LIMITS; 1 MiB for others).
+    Raises OSError (UnsafeFile for a device, FIFO or oversized file) or ValueError."""
+    data = read_file(path, limit if limit is not None else SIDE_FILE_LIMITS.get(Path(path).name, 1 << 20))
+    return json.loads(data.decode("utf-8"))
+
+
+def check_side_files(directory: Path) -> None:
+    """That each side file a load reads (config, tokenizer, completiond.json, weight index) is a regular
+    file under its cap, before the tokenizer library opens them. Raises HubError naming the file."""
+    for name, limit in SIDE_FILE_LIMITS.items():
+        path = Path(directory) / name
+        if os.path.lexists(path):
+            try:
+                check_file(path, limit)
+            except FileNotFoundError:
+                raise HubError(f"{path} is a link to {os.path.realpath(path)}, which does not exist") from None
+            except OSError as exc:
+                raise HubError(str(exc)) from None
+
+
+def check_sizes(repo: str, config: dict) -> None:
+    """Refuse config.json values past CONFIG_LIMITS (or not positive integers) before anything is built from them."""
+    for key, limit in CONFIG_LIMITS:
+        value = config.get(key)
+        if value is None:
+            continue  # transformers' default for the family (all small) applies
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise HubError(f"refusing {repo}: its config.json has {key} = {value!r}; the engine accepts a whole "
+                           f"number from 1 to {limit:,}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
+        raise HubError(f"refusing {repo}: its config.json has num_key_value_heads = {kv} > num_attention_heads = {heads}")
+
+
 def _ref(folder: Path, revision: str) -> str | None:
     if _COMMIT.match(revision):
         return revision
+    if not valid_revision(revision):
+        return None
     try:
-        commit = (folder / "refs" / revision).read_text(encoding="utf-8").strip()
+        commit = read_file(folder / "refs" / revision, REF_LIMIT).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
     return commit if _COMMIT.match(commit) else None
@@ -204,7 +274,7 @@ def missing_files(snapshot: Path) -> list[str]:
     index = snapshot / INDEX_FILE
     if index.is_file():
         try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            shards = sorted(set(read_json(index)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return missing + [f"{INDEX_FILE} (unreadable)"]
         missing += [s for s in shards if not (snapshot / s).is_file()]
@@ -265,10 +335,11 @@ def check_config(repo: str, config: dict, trust_remote_code: bool = False) -> No
     if family not in FAMILIES:
         raise HubError(f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
                        f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)")
+    check_sizes(repo, config)
 
 
 def shards(snapshot: Path) -> list[str]:
-    index = json.loads((snapshot / INDEX_FILE).read_text(encoding="utf-8"))
+    index = read_json(snapshot / INDEX_FILE)
     return sorted(set(index["weight_map"].values()))
 
 
@@ -418,9 +489,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     total = sum(sizes.get(f, 0) for f in chosen)
     config_path = fetch("config.json")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config = read_json(config_path)
     except (OSError, ValueError) as exc:
-        raise HubError(f"{repo}: config.json is not valid JSON: {exc}") from None
+        raise HubError(f"{repo}: config.json is unreadable: {exc}") from None
     check_config(repo, config if isinstance(config, dict) else {}, trust_remote_code)
     for f in small:
         if f != "config.json":
@@ -441,7 +512,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     # The hub writes refs only when it resolves a branch itself; downloads by commit leave that to us,
     # and the next load finds the model through refs/<revision> without asking the hub.
     if not (revision and _COMMIT.match(revision)):
-        ref = folder / "refs" / (revision or "main")  # a branch may hold slashes (refs/pr/1)
+        ref = folder / "refs" / (revision or "main")  # a branch may hold slashes (refs/pr/1); parse checked it
+        if not _inside_folder(ref, folder / "refs"):
+            raise HubError(f"{repo}: revision {revision!r} leads out of {folder / 'refs'}")
         ref.parent.mkdir(parents=True, exist_ok=True)
         tmp = ref.with_name(f".{ref.name}.tmp")
         tmp.write_text(commit, encoding="utf-8")
@@ -456,9 +529,13 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
+def _inside_folder(path: Path, folder: Path) -> bool:
+    return os.path.abspath(path).startswith(os.path.abspath(folder) + os.sep)
+
+
 def _check_local(repo: str, snapshot: Path, trust_remote_code: bool) -> None:
     try:
-        config = json.loads((snapshot / "config.json").read_text(encoding="utf-8"))
+        config = read_json(snapshot / "config.json")
     except (OSError, ValueError) as exc:
         raise HubError(f"{snapshot}/config.json is unreadable: {exc}") from None
     check_config(repo, config if isinstance(config, dict) else {}, trust_remote_code)
@@ -477,6 +554,7 @@ def parameter_count(model_dir: Path) -> int:
              sorted(p for p in model_dir.glob("*.safetensors") if p.name not in DRAFT_FILES))
     total = 0
     for path in files:
+        check_file(path, 1 << 50)  # a regular file (a FIFO here would block the read below)
         with path.open("rb") as f:
             raw = f.read(8)
             if len(raw) != 8:

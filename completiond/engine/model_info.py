@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from completiond.fileio import UnsafeFile, read_file
+
 INFO_FILE = "completiond.json"
+INFO_LIMIT = 1 << 20  # the bundled model's is 1 kB
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +38,11 @@ class ModelInfo:
             return cls()
         path = Path(model_dir) / INFO_FILE
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_file(path, INFO_LIMIT).decode("utf-8"))
         except FileNotFoundError:
             return cls()
+        except UnsafeFile:
+            raise  # a device, FIFO or huge file is no damaged record: the load stops and says why
         except (OSError, ValueError) as exc:
             # A damaged file must not stop the model from loading; it still marks the family.
             log.warning("ignoring the contents of %s: %s", path, exc)
