@@ -1,0 +1,431 @@
+"""Repository retrieval: the chunks of workspace files that the code around the cursor needs.
+
+The workspace (completion/workspace.py) feeds this index every file text it admits as context
+(disk files under the folders' rules, and the editor's own documents that the same rules allow)
+and nothing else; it removes a file's chunks when the file leaves. So the index can hold no
+hidden, ignored, secret or outside file: it never reads a file itself.
+
+* Chunks: about 10-20 lines, cut at definition starts (def/class/function/..., decorators first)
+  where one comes after at least MIN_DEF_LINES lines, else at a blank line once a chunk has
+  MIN_LINES lines, and at MAX_LINES lines in any case. Chunks are keyed by their text's digest,
+  so re-indexing a file after an edit re-tokenizes only the chunks whose text changed, and an
+  unchanged chunk keeps its id (the context block, keyed by ids, stays the same).
+* Terms: identifiers (keywords and one-letter names dropped), scored with BM25 against a query
+  made of the identifiers of the lines around the cursor: the prefix tail and the suffix head.
+* Definitions: each chunk records the names it defines (def/class/function/..., module-level
+  assignments); names at the cursor defined in the workspace are resolved to their definition
+  chunk, preferring the module the current file imports them from.
+* Selection (`Selector`): near-duplicates and chunks overlapping the current window are dropped;
+  the block is sticky per (editor, file): a chunk chosen for the last request stays, in its place,
+  as long as it still ranks in the top 2 x max_chunks, and new chunks are appended after the kept
+  ones. Typing therefore changes the block only when its chunks change, and a change that adds a
+  chunk keeps the block's common prefix (and its KV cache).
+
+Memory bound: the index holds at most `max_chunks` chunks (default 200,000); each chunk keeps its
+text and a term table, about 6-8 times the text's size in CPython (measured: see the README's
+retrieval section), over text the workspace already bounds (its max_bytes). A file past
+`max_chunks_per_file` chunks is indexed up to that many.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable, Sequence
+
+MIN_LINES = 10
+MAX_LINES = 20
+MIN_DEF_LINES = 4
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+DEF_LINE = re.compile(
+    r"^[ \t]*(?:export[ \t]+)?(?:default[ \t]+)?(?:pub(?:\([^)]*\))?[ \t]+)?(?:static[ \t]+)?(?:async[ \t]+)?"
+    r"(?:def|class|function|func|fn|struct|enum|trait|interface|impl|type|module|object)[ \t]+(?:\([^)]*\)[ \t]*)?"
+    r"([A-Za-z_][A-Za-z0-9_]*)")
+DECORATOR = re.compile(r"^[ \t]*@[A-Za-z_]")
+ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")   # module level: no indentation
+FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[A-Za-z0-9_.]*)[ \t]+import[ \t]+\(?([^)#\n]*)", re.M)
+IMPORT = re.compile(r"^[ \t]*import[ \t]+([A-Za-z0-9_.]+)(?:[ \t]+as[ \t]+([A-Za-z_][A-Za-z0-9_]*))?", re.M)
+
+# Words every file has: no signal, and the longest postings lists.
+STOP = frozenset("""
+and as assert async await break class continue def del elif else except finally for from global if import in is
+lambda nonlocal not or pass raise return try while with yield None True False self cls function var let const new
+this null true false undefined typeof instanceof void delete case switch default do goto struct enum union static
+public private protected package interface extends implements throws throw catch super int float double char long
+short bool boolean string str dict list tuple set len print range isinstance fn pub mut impl use mod crate func go
+chan defer select type map make nil end then local begin elsif unless until module require include
+""".split())
+
+
+def terms_of(text: str) -> list[str]:
+    return [t for t in IDENT.findall(text) if len(t) > 1 and t not in STOP]
+
+
+def _is_def_start(line: str) -> bool:
+    return bool(DEF_LINE.match(line) or DECORATOR.match(line))
+
+
+def split_lines(lines: Sequence[str], min_lines: int = MIN_LINES, max_lines: int = MAX_LINES,
+                min_def_lines: int = MIN_DEF_LINES) -> list[tuple[int, int]]:
+    """[start, end) line ranges covering `lines`: cut before a definition start (its decorators
+    included) once the chunk has min_def_lines lines, after a blank line once it has min_lines,
+    and at max_lines lines in any case."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    n = len(lines)
+    for i in range(1, n):
+        size = i - start
+        line = lines[i]
+        cut = False
+        if size >= max_lines:
+            cut = True
+        elif size >= min_def_lines and _is_def_start(line) and not DECORATOR.match(lines[i - 1]):
+            cut = True
+        elif size >= min_lines and not lines[i - 1].strip() and line.strip():
+            cut = True
+        if cut:
+            out.append((start, i))
+            start = i
+    if start < n:
+        out.append((start, n))
+    return out
+
+
+def defined_names(text: str) -> tuple[str, ...]:
+    names = []
+    for line in text.splitlines():
+        m = DEF_LINE.match(line) or ASSIGN.match(line)
+        if m:
+            names.append(m.group(1))
+    return tuple(dict.fromkeys(names))
+
+
+def imports_of(text: str) -> dict[str, str]:
+    """name -> module path ("pkg/mod", relative dots kept as leading dots) for Python imports."""
+    out: dict[str, str] = {}
+    for m in FROM_IMPORT.finditer(text):
+        module = m.group(1)
+        for part in m.group(2).split(","):
+            bits = part.split()
+            if not bits or not IDENT.fullmatch(bits[0]):
+                continue
+            name = bits[2] if len(bits) == 3 and bits[1] == "as" else bits[0]
+            out[name] = module
+            # `from pkg import mod`: the name may be a module itself
+            out.setdefault("\0" + name, (module.rstrip(".") + "." + bits[0]) if module.strip(".") else module + bits[0])
+    for m in IMPORT.finditer(text):
+        module, alias = m.group(1), m.group(2)
+        out["\0" + (alias or module.split(".")[0])] = module if alias else module.split(".")[0]
+    return out
+
+
+@dataclass(eq=False)
+class Chunk:
+    id: int
+    key: Hashable          # the workspace entry: (owner, path)
+    path: str
+    language: str
+    start: int             # first line (0-based) in its file
+    end: int               # line after the last
+    text: str
+    digest: bytes
+    terms: dict[str, int]  # term -> count
+    length: int            # number of terms
+    defines: tuple[str, ...]
+
+
+class _Parsed:
+    __slots__ = ("terms", "length", "defines")
+
+    def __init__(self, text: str):
+        counts = Counter(terms_of(text))
+        self.terms = dict(counts)
+        self.length = sum(counts.values())
+        self.defines = defined_names(text)
+
+
+def prepare(text: str, max_chunks: int = 400, parse: bool = False) -> list[tuple]:
+    """(start line, end line, text, digest, parse or None) of a file's chunks; pure, callable
+    outside any lock (parse=True also tokenizes them there: for a file read from disk, whose
+    chunks are mostly new; an edited document reuses its unchanged chunks' parses instead)."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    for s, e in split_lines(lines)[:max_chunks]:
+        body = "".join(lines[s:e])
+        digest = hashlib.blake2b(body.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+        out.append((s, e, body, digest, _Parsed(body) if parse else None))
+    return out
+
+
+class RetrievalIndex:
+    """Chunks of the admitted workspace texts, an inverted index over their identifiers, and the
+    definitions they hold. Not thread-safe by itself: the workspace calls it under its lock."""
+
+    def __init__(self, max_chunks: int = 200_000, max_chunks_per_file: int = 400):
+        self.max_chunks = max_chunks
+        self.max_chunks_per_file = max_chunks_per_file
+        self.chunks: dict[int, Chunk] = {}
+        self.by_key: dict[Hashable, list[int]] = {}
+        self.postings: dict[str, set[int]] = {}
+        self.defs: dict[str, set[int]] = {}
+        self.total_length = 0
+        self.version = 0
+        self._next = 1
+        self._parsed: OrderedDict[bytes, _Parsed] = OrderedDict()   # digest -> parse, across files and edits
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def files(self) -> int:
+        return len(self.by_key)
+
+    # -- updates ---------------------------------------------------------
+    def update(self, key: Hashable, path: str, language: str, text: str,
+               prepared: list[tuple] | None = None) -> None:
+        """(Re-)index one file; chunks whose text did not change keep their ids."""
+        pieces = prepared if prepared is not None else prepare(text, self.max_chunks_per_file)
+        old = {}
+        for cid in self.by_key.get(key, ()):
+            c = self.chunks[cid]
+            old.setdefault(c.digest, []).append(c)
+        ids: list[int] = []
+        for s, e, body, digest, parsed in pieces[: self.max_chunks_per_file]:
+            same = old.get(digest)
+            if same:
+                c = same.pop()
+                c.start, c.end = s, e                     # the text moved, it did not change
+                ids.append(c.id)
+                continue
+            if len(self.chunks) >= self.max_chunks:
+                break                                     # the bound: the rest of this file is not indexed
+            ids.append(self._add(key, path, language, s, e, body, digest, parsed))
+        for rest in old.values():
+            for c in rest:
+                self._remove(c)
+        if ids:
+            self.by_key[key] = ids
+        else:
+            self.by_key.pop(key, None)
+        self.version += 1
+
+    def remove(self, key: Hashable) -> None:
+        for cid in self.by_key.pop(key, ()):
+            c = self.chunks.get(cid)
+            if c is not None:
+                self._remove(c)
+        self.version += 1
+
+    def _parse(self, body: str, digest: bytes) -> _Parsed:
+        p = self._parsed.get(digest)
+        if p is None:
+            p = _Parsed(body)
+            self._parsed[digest] = p
+            if len(self._parsed) > 4096:
+                self._parsed.popitem(last=False)
+        else:
+            self._parsed.move_to_end(digest)
+        return p
+
+    def _add(self, key, path, language, s, e, body, digest, parsed: _Parsed | None = None) -> int:
+        p = parsed if parsed is not None else self._parse(body, digest)
+        cid = self._next
+        self._next += 1
+        c = Chunk(cid, key, path, language, s, e, body, digest, p.terms, p.length, p.defines)
+        self.chunks[cid] = c
+        for t in c.terms:
+            self.postings.setdefault(t, set()).add(cid)
+        for name in c.defines:
+            self.defs.setdefault(name, set()).add(cid)
+        self.total_length += c.length
+        return cid
+
+    def _remove(self, c: Chunk) -> None:
+        self.chunks.pop(c.id, None)
+        for t in c.terms:
+            ids = self.postings.get(t)
+            if ids is not None:
+                ids.discard(c.id)
+                if not ids:
+                    del self.postings[t]
+        for name in c.defines:
+            ids = self.defs.get(name)
+            if ids is not None:
+                ids.discard(c.id)
+                if not ids:
+                    del self.defs[name]
+        self.total_length -= c.length
+
+    # -- queries ---------------------------------------------------------
+    def bm25(self, query: dict[str, float], allowed: Callable[[Chunk], bool], k1: float = 1.2, b: float = 0.75,
+             max_df_fraction: float = 0.2) -> dict[int, float]:
+        """Chunk id -> BM25 score of `query` (term -> weight), over the chunks `allowed` admits."""
+        n = len(self.chunks)
+        if not n or not query:
+            return {}
+        avg = max(1.0, self.total_length / n)
+        scores: dict[int, float] = {}
+        ok: dict[int, bool] = {}
+        max_df = max(8, int(n * max_df_fraction))
+        for t, w in query.items():
+            ids = self.postings.get(t)
+            if not ids or len(ids) > max_df:      # too common to tell chunks apart (and the longest lists)
+                continue
+            idf = math.log(1.0 + (n - len(ids) + 0.5) / (len(ids) + 0.5))
+            for cid in ids:
+                good = ok.get(cid)
+                c = self.chunks[cid]
+                if good is None:
+                    good = ok[cid] = allowed(c)
+                if not good:
+                    continue
+                tf = c.terms[t]
+                scores[cid] = scores.get(cid, 0.0) + w * idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * c.length / avg))
+        return scores
+
+    def definitions(self, names: Iterable[str], imports: dict[str, str], allowed: Callable[[Chunk], bool],
+                    max_each: int = 3) -> list[int]:
+        """Definition chunks of `names` (in that order), the imported module's first, skipping names
+        defined in more than max_each places that no import disambiguates."""
+        out: list[int] = []
+        for name in names:
+            ids = [cid for cid in self.defs.get(name, ()) if allowed(self.chunks[cid])]
+            if not ids:
+                continue
+            module = imports.get(name)
+            if module is not None:
+                suffix = module.lstrip(".").replace(".", "/")
+                preferred = [cid for cid in ids if _module_match(self.chunks[cid].path, suffix)]
+                if preferred:
+                    ids = preferred
+            if len(ids) > max_each and module is None:
+                continue
+            ids.sort(key=lambda cid: (self.chunks[cid].path, self.chunks[cid].start))
+            out.append(ids[0])
+        return out
+
+
+def _module_match(path: str, suffix: str) -> bool:
+    p = path.replace("\\", "/")
+    if p.endswith(".py") or p.endswith(".pyi"):
+        p = p.rsplit(".", 1)[0]
+    if p.endswith("/__init__"):
+        p = p[: -len("/__init__")]
+    return not suffix or p == suffix or p.endswith("/" + suffix)
+
+
+# -- the query around the cursor -------------------------------------------------
+
+@dataclass
+class Query:
+    terms: dict[str, float]     # term -> weight
+    names: list[str]            # names at the cursor, nearest first (definition look-ups)
+    imports: dict[str, str]
+    window: tuple[int, int]     # [first, last) line of the current window (chunks overlapping it are dropped)
+    line: int                   # cursor line
+
+
+def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int = 4,
+               window_before: int = 40, window_after: int = 12) -> Query:
+    """Identifiers of the prefix tail (the cursor line up to the cursor and `before_lines` lines
+    above it) and the suffix head (`after_lines` lines below), the names at the cursor, the
+    file's imports, and the lines the prompt's own window will likely show."""
+    ls = text.rfind("\n", 0, offset) + 1
+    cur_line = text.count("\n", 0, ls)
+    # The identifier being typed is unfinished: leave it out (it also changes on every keystroke).
+    line_head = text[ls:offset]
+    m = re.search(r"[A-Za-z0-9_]+$", line_head)
+    if m:
+        line_head = line_head[: m.start()]
+    lo = ls
+    for _ in range(before_lines):
+        if lo <= 0:
+            break
+        lo = text.rfind("\n", 0, lo - 1) + 1
+    hi = offset
+    for _ in range(after_lines + 1):
+        nl = text.find("\n", hi)
+        if nl < 0:
+            hi = len(text)
+            break
+        hi = nl + 1
+    weights: dict[str, float] = {}
+    for t in terms_of(text[lo:ls]):
+        weights[t] = weights.get(t, 0.0) + 1.0
+    near = terms_of(line_head)
+    for t in near:
+        weights[t] = weights.get(t, 0.0) + 2.0       # the cursor line says most about what comes next
+    for t in terms_of(text[offset:hi]):
+        weights[t] = weights.get(t, 0.0) + 0.5
+    prev_line_start = text.rfind("\n", 0, max(0, ls - 1)) + 1 if ls else 0
+    names = list(dict.fromkeys(reversed(near + terms_of(text[prev_line_start:ls]))))
+    head = text[: min(len(text), 20000)]
+    return Query(weights, names[:6], imports_of(head), (max(0, cur_line - window_before), cur_line + window_after + 1),
+                 cur_line)
+
+
+def jaccard(a: Iterable[str], b: Iterable[str]) -> float:
+    sa, sb = set(a), set(b)
+    if not sa or not sb:
+        return 0.0
+    return len(sa & sb) / len(sa | sb)
+
+
+class Selector:
+    """Picks and orders the chunks of the context block, sticky per (editor, current file)."""
+
+    def __init__(self, max_chunks: int = 8, dup_threshold: float = 0.7, max_states: int = 64,
+                 max_definitions: int = 2):
+        self.max_chunks = max_chunks
+        self.dup_threshold = dup_threshold
+        self.max_definitions = max_definitions
+        self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self.max_states = max_states
+
+    def select(self, index: RetrievalIndex, state: Hashable, query: Query, allowed: Callable[[Chunk], bool],
+               current_key: Hashable | None, cost: Callable[[Chunk], int], budget: int) -> list[Chunk]:
+        def admitted(c: Chunk) -> bool:
+            if c.key == current_key and c.start < query.window[1] and c.end > query.window[0]:
+                return False           # the prompt shows these lines already
+            return allowed(c)
+
+        defs = index.definitions(query.names, query.imports, admitted)[: self.max_definitions]
+        scores = index.bm25(query.terms, admitted)
+        ranked = sorted(scores, key=lambda cid: (-scores[cid], cid))
+        keep_rank = set(ranked[: 2 * self.max_chunks]) | set(defs)
+        wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))
+        prev = [cid for cid in self._last.get(state, ()) if cid in index.chunks and cid in keep_rank]
+        # Kept chunks first, in their old order; then what is new, definitions before the rest.
+        order = prev + [cid for cid in wanted if cid not in prev]
+        must = set(defs)
+        chosen: list[Chunk] = []
+        used = 0
+        for cid in order:
+            c = index.chunks[cid]
+            if len(chosen) >= self.max_chunks:
+                break
+            if any(jaccard(c.terms, o.terms) >= self.dup_threshold for o in chosen):
+                continue
+            k = cost(c)
+            if used + k > budget:
+                if cid in must:
+                    # A definition the cursor needs displaces the newest kept chunks (from the end,
+                    # so the block's common prefix stays as long as it can).
+                    while chosen and used + k > budget and chosen[-1].id not in must:
+                        used -= cost(chosen.pop())
+                    if used + k <= budget:
+                        chosen.append(c)
+                        used += k
+                continue
+            chosen.append(c)
+            used += k
+        self._last[state] = [c.id for c in chosen]
+        self._last.move_to_end(state)
+        while len(self._last) > self.max_states:
+            self._last.popitem(last=False)
+        return chosen
+
+    def forget(self, state: Hashable) -> None:
+        self._last.pop(state, None)
