@@ -406,6 +406,19 @@ def engine_settings(cfg: Any) -> dict[str, Any]:
     return {k: full[k] for k in ENGINE_KEYS}
 
 
+# The bundled default model, as users see it named (models/ ships it in a directory of this name, and the
+# engine calls it "<name> (bundled)"; a test keeps the three in step).
+BUNDLED_MODEL = "completiond-py-mini"
+
+
+def model_label(value: str, key: str = "model") -> str:
+    """How a model setting reads in messages, status lines and `completiond status`: the one naming of the
+    bundled default (an empty model), "none" for no separate draft model, anything else as written."""
+    if value:
+        return value
+    return f"{BUNDLED_MODEL} (bundled)" if key == "model" else "none (the model drafts from its own layers)"
+
+
 def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
     """The ENGINE_KEYS where `have` (what a daemon serves) differs from `want` (what an editor asked for),
     each as `key=wanted (daemon: actual)`. Local model directories compare by absolute path, as the
@@ -415,5 +428,8 @@ def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list
             return os.path.abspath(value)
         return value
 
-    return [f"{k}={want.get(k)!r} (daemon: {have.get(k)!r})" for k in ENGINE_KEYS
+    def shown(key: str, value: Any) -> str:
+        return repr(model_label(value or "", key)) if key in ("model", "draftModel") else repr(value)
+
+    return [f"{k}={shown(k, want.get(k))} (daemon: {shown(k, have.get(k))})" for k in ENGINE_KEYS
             if norm(k, want.get(k)) != norm(k, have.get(k))]

@@ -102,6 +102,17 @@ def test_missing_model_directory_fails_before_torch_is_imported(tmp_path):
     assert f"model directory {missing} does not exist" in out.stderr
 
 
+def test_a_relative_model_path_is_reported_as_given_and_resolved(tmp_path):
+    """Issue 30: `model = "./nope"` was reported as `nope`. Now as written, and where it was looked for."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "completiond").mkdir()
+    (tmp_path / "completiond" / "config.toml").write_text('model = "./nope"\n')
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", "complete", "a.py:1:1"], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, XDG_CONFIG_HOME=str(tmp_path)))
+    assert out.returncode == 2, out
+    assert f"model directory ./nope does not exist ({tmp_path.resolve() / 'nope'})" in out.stderr, out.stderr
+
+
 # Windows, as far as completiond can tell: no fcntl, no os.getuid, no AF_UNIX.
 AS_IF_WINDOWS = ("import os, socket, sys\n"
                  "sys.modules['fcntl'] = None\n"

@@ -429,6 +429,78 @@ async def test_loading_reports_phases_with_percentages():
     service.shutdown()
 
 
+async def _load_and_log(cfg, loader, monkeypatch) -> tuple[Service, str]:
+    """Load with `loader` while the root logger writes (only) to a buffer set up as the daemon sets up
+    daemon.log (serve: basicConfig, then install_log_rate_limit); the service and what was written."""
+    import io
+    import logging
+
+    from completiond.serving.server import install_log_rate_limit
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "level", logging.INFO)
+    install_log_rate_limit()
+    service = Service(cfg, loader=loader)
+    service.start_loading()
+    for _ in range(500):
+        if service.state in ("ready", "error"):
+            break
+        await asyncio.sleep(0.02)
+    service.shutdown()
+    return service, stream.getvalue()
+
+
+async def test_daemon_log_has_no_traceback_for_a_configuration_error(monkeypatch, tmp_path):
+    """Issue 30: daemon.log held a full traceback for a model directory that is not there. A CompletionError
+    is logged as its message; a bug (any other exception) keeps its traceback."""
+    from completiond.serving.service import load_engine
+
+    monkeypatch.chdir(tmp_path)
+    service, log_text = await _load_and_log(config.Config(model="./nope"), load_engine, monkeypatch)
+    assert service.state == "error"
+    # The path as given and as resolved (a daemon resolves it in its own folder).
+    assert f"model directory ./nope does not exist ({tmp_path / 'nope'})" in service.error
+    assert "Traceback" not in log_text, log_text
+    assert f"./nope does not exist ({tmp_path / 'nope'})" in log_text, log_text
+
+    def buggy(_cfg):
+        raise ZeroDivisionError("a bug in the loader")
+
+    service, log_text = await _load_and_log(config.Config(), buggy, monkeypatch)
+    assert service.state == "error"
+    assert "Traceback" in log_text and "ZeroDivisionError: a bug in the loader" in log_text, log_text
+
+
+def test_the_bundled_model_has_one_name_everywhere(tmp_path):
+    """Issue 30: the model was named three ways: `(bundled default) on auto` while loading, `completiond-py-mini
+    (bundled) on cpu` once loaded, and `(daemon: '')` in the mismatch warning. One name now."""
+    from completiond.commands.status import describe
+    from completiond.models import DEFAULT_MODEL_NAME
+
+    name = f"{DEFAULT_MODEL_NAME} (bundled)"  # what Engine.load names it (test_pull checks the engine's side)
+    assert config.model_label("") == name
+    service = Service(config.Config(), loader=lambda _cfg: FakeEngine())
+    status = service.status()  # before any load
+    assert status["model"] == name
+    mismatch = config.engine_differences(config.engine_settings(config.Config(model="./mine")),
+                                         config.engine_settings(config.Config()))
+    assert mismatch == [f"model='./mine' (daemon: {name!r})"], mismatch
+    draft = config.engine_differences(config.engine_settings(config.Config(draft_model="org/d")),
+                                      config.engine_settings(config.Config()))
+    assert draft == ["draftModel='org/d' (daemon: 'none (the model drafts from its own layers)')"], draft
+    stats = {"status": {**status, "state": "loading", "uptime_s": 1.0},
+             "requests": 0, "completed": 0, "superseded": 0, "cancelled": 0, "errors": 0}
+    lines = describe(stats, tmp_path)
+    model_line = next(line for line in lines if line.strip().startswith("model"))
+    assert name in model_line and "(bundled default)" not in model_line
+    assert not model_line.endswith(" on auto"), model_line  # auto is a setting, not a device
+    service.shutdown()
+
+
 # --- real daemon processes -------------------------------------------------------------------
 
 

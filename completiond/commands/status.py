@@ -51,7 +51,10 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     progress = st.get("progress")
     if st["state"] == "loading" and isinstance(progress, dict):
         lines.append(f"  loading  {progress.get('message')} ({progress.get('percentage')}%)")
-    lines.append(f"  model    {st['model']} on {st['device']}")
+    device = st["device"]
+    if st["state"] in ("starting", "loading") and device == "auto":
+        device = "the device auto picks once loaded"  # not a device's name: none is chosen yet
+    lines.append(f"  model    {st['model']} on {device}")
     for warning in st.get("warnings") or []:
         lines.append(f"  warning  {warning}")
     calibration = st.get("calibration")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from completiond import config as config_mod
+from completiond.errors import CompletionError
 from completiond.serving import paths, wire
 from completiond.serving.service import Service, ServiceError, load_engine
 from completiond.serving.wire import Code
@@ -340,9 +341,27 @@ class RateLimitFilter(logging.Filter):
             return False
 
 
+class PlainErrorFilter(logging.Filter):
+    """Tracebacks are for bugs. A CompletionError (a model that is not there, a setting the model lacks,
+    a hub id offline...) is the user's to fix, and its message says how: the record keeps the message and
+    drops the traceback, which would bury it in daemon.log. Anything else keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, CompletionError):
+            record.msg = f"{record.getMessage()}: {exc}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
 def install_log_rate_limit(burst: int = 20, window: float = 60.0) -> None:
-    """Rate-limit what the root logger's handlers write (idempotent)."""
+    """Rate-limit what the root logger's handlers write, and keep tracebacks for bugs only (PlainErrorFilter)
+    (idempotent)."""
     for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, PlainErrorFilter) for f in handler.filters):
+            handler.addFilter(PlainErrorFilter())
         if not any(isinstance(f, RateLimitFilter) for f in handler.filters):
             handler.addFilter(RateLimitFilter(burst, window))
 

@@ -85,6 +85,10 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[st
         if progress is not None:
             progress("ready", LOAD_PHASES["ready"][0])
         return backend
+    for what, value in (("model", cfg.model), ("draft model", cfg.draft_model)):
+        problem = missing_model(value, what)
+        if problem:  # said before torch loads, and with the path as the user wrote it
+            raise MissingModel(problem)
     from completiond.engine.engine import Engine, SamplingParams
 
     cache = cfg.cache_megabytes * 1024 * 1024 if cfg.cache_megabytes else None
@@ -115,11 +119,17 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[st
     return engine
 
 
-def missing_model(value: str) -> str:
+class MissingModel(CompletionError):
+    """A model setting names a local directory that is not there."""
+
+
+def missing_model(value: str, what: str = "model") -> str:
     """Why `value` cannot be a model, when that is plain without importing torch: a path (it starts with
-    `.`, `/` or `~`, as Engine.load reads it) to nothing. Empty when it may be fine."""
+    `.`, `/` or `~`, as Engine.load reads it) to nothing. Empty when it may be fine. The path is named as
+    given and, when that differs, as resolved here (a daemon resolves a relative one in its own folder)."""
     if value and value.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(value)):
-        return f"model directory {value} does not exist"
+        resolved = os.path.abspath(os.path.expanduser(value))
+        return f"{what} directory {value} does not exist" + (f" ({resolved})" if resolved != value else "")
     return ""
 
 
@@ -277,7 +287,7 @@ class Service:
             self._maybe_calibrate()
         else:
             what = (f"backend {self.cfg.backend} ({self.cfg.endpoint or 'no endpoint'})" if self.cfg.backend != "local"
-                    else f"model {self.cfg.model or '(bundled default)'}")
+                    else f"model {config_mod.model_label(self.cfg.model)}")
             self.error = f"cannot load {what}: {outcome.value}"
             log.error("%s", self.error)
             self._set_state("error")
@@ -309,7 +319,7 @@ class Service:
             "state": self.state,
             "error": self.error,
             # A name users recognise (directory, hub id@revision), never the identity hash (model_id).
-            "model": self.model_name or (self.cfg.model or "(bundled default)"),
+            "model": self.model_name or config_mod.model_label(self.cfg.model),
             "model_id": self.model_id,
             "warnings": list(self.load_warnings),
             "calibration": self._calibration_status(),
