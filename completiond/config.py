@@ -164,6 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
             "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine", group="team", restricted=True),
     Setting("endpointCaFile", str, "", "PEM file of the certificate authority that signed the server's certificate, "
             "for a private CA (verification stays on).", scope="machine", group="team", restricted=True),
+    Setting("apiKeyOverHttp", str, "", "Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which "
+            "the API key may be sent over plain http://, unencrypted. Without this, a key goes over http:// only to "
+            "this machine (localhost, 127.0.0.1, ::1); use https:// for anything else.",
+            check=lambda value: [_check_url(v) for v in value.split(",") if v.strip()], scope="machine", group="team",
+            restricted=True),
     Setting("endpointTimeout", float, 10.0, "Seconds to wait for the completion server (to connect, or between two "
             "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
             scope="machine", group="team"),
@@ -393,7 +398,8 @@ def _default(v: Any) -> str:
 
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
 ENGINE_KEYS = ("model", "draftModel", "device", "dtype", "weights", "trustRemoteCode", "cacheMegabytes",
-               "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout")
+               "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout",
+               "apiKeyOverHttp")
 
 # What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP
 # restarts it by itself only when the user changes them; a daemon another editor started is left alone).

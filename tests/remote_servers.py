@@ -31,6 +31,8 @@ class Misbehaving:
         self.requests: list[dict] = []        # {"path", "headers", "body"} per request
         self.client_closed = threading.Event()  # a handler saw the client hang up mid-stream
         self.release = threading.Event()       # ends a stall
+        self.interim = 0                       # interim `100 Continue` heads sent before the response
+        self.echo_auth = False                 # mode status: the body repeats the Authorization header (a 401 page)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -44,14 +46,24 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         plan.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+        if plan.interim:
+            try:
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n" * plan.interim)
+            except (BrokenPipeError, ConnectionResetError):
+                return
         if plan.mode == "status":
+            payload = plan.body
+            if plan.echo_auth:
+                echoed = self.headers.get("Authorization", "")
+                payload = json.dumps({"error": {"message": f"invalid credentials: got header Authorization: {echoed}"
+                                                           f" ({'x' * 150} {echoed})"}}).encode()
             self.send_response(plan.status)
             for k, v in plan.headers.items():
                 self.send_header(k, v)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(plan.body)))
+            self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(plan.body)
+            self.wfile.write(payload)
             return
         if plan.mode == "json":
             data = json.dumps({"choices": [{"text": "".join(plan.pieces), "finish_reason": "stop"}]}).encode()

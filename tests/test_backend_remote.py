@@ -276,6 +276,52 @@ def test_api_key_from_env_is_sent_and_never_shown(fake, monkeypatch, caplog):
     assert KEY not in str(err.value) and KEY not in caplog.text and KEY not in repr(vars(backend).get("model_id"))
 
 
+def test_a_server_echoing_the_key_never_puts_it_in_a_message_or_the_log(fake, monkeypatch, caplog):
+    """Issue 31, item 5: a 401 page that repeats the Authorization header (whole, and clipped)."""
+    monkeypatch.setenv("TEAM_COMPLETIONS_KEY", KEY)
+    caplog.set_level(logging.DEBUG)
+    backend = RemoteBackend(cfg_for(fake.url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    fake.plan.mode, fake.plan.status, fake.plan.echo_auth = "status", 401, True
+    with pytest.raises(RemoteError) as err:
+        backend.complete(request(), cancel=CancelToken())
+    assert err.value.kind == "unauthorized" and "[API key]" in str(err.value)
+    assert fake.plan.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"   # the server did get it
+    for text in (str(err.value), str(backend.backoff()), caplog.text):
+        assert KEY[:8] not in text, text          # not whole, and no clipped prefix of it either
+    # The same for an error event in the middle of a stream, and a status line that is no HTTP.
+    assert KEY[:8] not in backend.redact(f"boom: {KEY[:12]}…") and backend.redact("no key here") == "no key here"
+
+
+def test_the_key_goes_over_plain_http_only_to_loopback_or_an_endpoint_the_user_named(monkeypatch):
+    monkeypatch.setenv("TEAM_COMPLETIONS_KEY", KEY)
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000", "https://gpu-box:8443"):
+        RemoteBackend(cfg_for(url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    with pytest.raises(RemoteError, match="refusing to send the API key unencrypted to http://gpu-box:8000") as err:
+        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    assert err.value.kind == "config" and "apiKeyOverHttp" in str(err.value)
+    RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY",
+                          apiKeyOverHttp="http://other:1, http://gpu-box:8000/"))          # opted in, per endpoint
+    with pytest.raises(RemoteError, match="unencrypted"):                            # another endpoint's opt-in
+        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://other:8000"))
+    with pytest.raises(RemoteError, match="unencrypted"):                            # another port of the same host
+        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://gpu-box"))
+    RemoteBackend(cfg_for("http://gpu-box:8000"))                                    # no key, nothing to protect
+    schema = {item["key"]: item for item in config_mod.schema()}
+    assert schema["apiKeyOverHttp"].get("scope") == "machine" and "apiKeyOverHttp" in config_mod.ENGINE_KEYS
+
+
+def test_interim_responses_are_bounded_and_arm_the_backoff(fake):
+    """Issue 31, item 5: 5,000 `100 Continue` heads raised RecursionError out of complete(), unhandled."""
+    backend = RemoteBackend(cfg_for(fake.url))
+    fake.plan.interim, fake.plan.pieces = 3, ["ok"]                  # a few are allowed, and skipped
+    assert backend.complete(request(), cancel=CancelToken()).text == "ok"
+    fake.plan.interim = 5000
+    with pytest.raises(RemoteError, match="interim") as err:
+        backend.complete(request(), cancel=CancelToken())
+    assert err.value.kind == "malformed"
+    assert backend.backoff() is err.value                            # the next keystroke does not ask again
+
+
 def test_api_key_file_must_be_private_and_one_line(tmp_path):
     key = tmp_path / "key"
     key.write_text(KEY + "\n")

@@ -29,7 +29,8 @@ def test_every_engine_setting_reaches_the_daemon(tmp_path, monkeypatch):
     want = {"model": "Qwen/Qwen2.5-Coder-1.5B", "draftModel": "draft-model", "device": "cpu", "dtype": "float32",
             "trustRemoteCode": True, "cacheMegabytes": 64, "backend": "openai", "endpoint": "https://gpu-box:8443",
             "endpointModel": "coder", "apiKeyEnv": "TEAM_KEY", "apiKeyFile": str(tmp_path / "key"),
-            "endpointCaFile": str(tmp_path / "ca.pem"), "endpointTimeout": 7.5}
+            "endpointCaFile": str(tmp_path / "ca.pem"), "endpointTimeout": 7.5,
+            "apiKeyOverHttp": "http://gpu-box:8000"}
     if "weights" in config.SETTINGS_BY_KEY:
         want["weights"] = "int8"
     assert set(config.ENGINE_KEYS) <= set(want), "a new engine setting: add it here and to daemon_command"

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 POLL_S = 0.02            # longest wait on the socket between two looks at the cancel flag
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ERROR_BODY = 16 * 1024
+MAX_INTERIM = 8          # interim (1xx) heads skipped before the final one; a server sending more is broken
 
 
 class HttpFailure(Exception):
@@ -145,6 +146,17 @@ class Response:
 
     # -- HTTP -------------------------------------------------------------------------------
     def read_head(self) -> None:
+        """The status line and headers of the final response. Interim heads (1xx: a Continue we did not
+        ask for, Early Hints) are skipped, at most MAX_INTERIM of them: a loop, not recursion, and a
+        bound, so a server streaming `100 Continue` forever ends in HttpFailure("protocol")."""
+        for _ in range(MAX_INTERIM + 1):
+            self._read_one_head()
+            if not (100 <= self.status < 200) or self.status == 101:
+                return
+            self.headers.clear()
+        raise HttpFailure("protocol", f"more than {MAX_INTERIM} interim (1xx) responses before the real one")
+
+    def _read_one_head(self) -> None:
         line = self._read_line(MAX_HEADER_BYTES).decode("latin-1").strip()
         parts = line.split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
@@ -162,9 +174,6 @@ class Response:
             name, sep, value = text.partition(":")
             if sep:
                 self.headers[name.strip().lower()] = value.strip()
-        if self.status == 100:  # a Continue we did not ask for: the real head follows
-            self.headers.clear()
-            self.read_head()
 
     def chunks(self) -> Iterator[bytes]:
         """The body as it arrives (chunked, sized, or up to the close)."""
@@ -211,6 +220,18 @@ class Response:
             self._sock.close()
         except OSError:
             pass
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP literal) is this machine: traffic to it never leaves it."""
+    import ipaddress
+
+    if host.lower().rstrip(".") in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def post(endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *, cancel: Any,

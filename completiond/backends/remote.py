@@ -10,7 +10,9 @@ from 0.5 s up to 30 s, or what a 429's Retry-After asks), and until then answers
 once, so a dead server costs a keystroke nothing and the editor shows the message once.
 
 The API key comes from an environment variable or a file, never from the settings themselves (editors
-sync those); it is sent only as the `Authorization` header to the configured endpoint and never logged.
+sync those); it is sent only as the `Authorization` header to the configured endpoint, over plain http://
+only to this machine (loopback) or to an endpoint the user named in apiKeyOverHttp, and it is cut out of
+every message and log line (a server that echoes the header in its error body included).
 """
 
 from __future__ import annotations
@@ -152,6 +154,13 @@ class RemoteBackend:
         self.served_model = cfg.endpoint_model
         self.timeout_s = float(cfg.endpoint_timeout)
         self._key = read_api_key(cfg.api_key_env, cfg.api_key_file)
+        if self._key and self.endpoint.scheme == "http" and not http.is_loopback(self.endpoint.host):
+            allowed = {_origin(u) for u in str(getattr(cfg, "api_key_over_http", "") or "").split(",") if u.strip()}
+            if _origin(cfg.endpoint) not in allowed:
+                raise RemoteError("config", f"refusing to send the API key unencrypted to {self.endpoint.url()} "
+                                            "(plain http:// to another machine): use an https:// endpoint, or, if "
+                                            "the network is yours, allow this endpoint with completiond.apiKeyOverHttp "
+                                            f"= \"{self.endpoint.url()}\"")
         self._tls = None
         if self.endpoint.scheme == "https":
             try:
@@ -173,7 +182,28 @@ class RemoteBackend:
                 return self._last_error
             return None
 
+    def redact(self, text: str) -> str:
+        """`text` with the API key cut out (as sent, and as JSON would escape it)."""
+        key = self._key
+        if not key or not text:
+            return text
+        for form in {key, json.dumps(key)[1:-1], key.replace("/", "\\/")}:
+            text = text.replace(form, "[API key]")
+            # And what is left of it where someone clipped the text: any run of 8 or more of its first characters.
+            head = form[:min(8, len(form))]
+            at = text.find(head)
+            while at >= 0:
+                end = at + len(head)
+                while end < len(text) and end - at < len(form) and text[end] == form[end - at]:
+                    end += 1
+                text = text[:at] + "[API key]" + text[end:]
+                at = text.find(head, at + len("[API key]"))
+        return text
+
     def _failed(self, error: RemoteError) -> RemoteError:
+        # The last net: every error the user or the log sees passes here (messages built from a server's
+        # words are redacted before they are clipped, so no prefix of the key survives either).
+        error = RemoteError(error.kind, self.redact(str(error)), retry_after=error.retry_after)
         with self._lock:
             self._failures += 1
             delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._failures - 1))
@@ -231,6 +261,8 @@ class RemoteBackend:
             response = http.post(self.endpoint, self.path, payload, headers, cancel=cancel,
                                  connect_s=min(self.timeout_s, 5.0), stall_s=self.timeout_s,
                                  total_s=max(self.timeout_s, 5.0) * TOTAL_FACTOR, tls=self._tls)
+            if response.status == 101:  # we asked for no upgrade: a server that switches protocols is no server of ours
+                raise http.HttpFailure("protocol", "the server switched protocols (HTTP 101)")
             if response.status != 200:
                 raise self._failed(self._status_error(response))
             gen = self._read_stream(response, on_text, stats, start)
@@ -294,9 +326,9 @@ class RemoteBackend:
         try:
             obj = json.loads(data)
         except ValueError:
-            raise self._failed(self._malformed(f"an event is not JSON: {data[:60]!r}")) from None
+            raise self._failed(self._malformed(f"an event is not JSON: {self.redact(data)[:60]!r}")) from None
         if not isinstance(obj, dict):
-            raise self._failed(self._malformed(f"an event is not a JSON object: {data[:60]!r}"))
+            raise self._failed(self._malformed(f"an event is not a JSON object: {self.redact(data)[:60]!r}"))
         return obj
 
     def _event(self, obj: dict[str, Any], stats: dict[str, Any]) -> tuple[str, str | None]:
@@ -305,7 +337,8 @@ class RemoteBackend:
             err = obj["error"]
             message = err.get("message") if isinstance(err, dict) else err
             raise self._failed(RemoteError("server", f"the completion server at {self.endpoint.url()} failed during "
-                                           f"the completion: {_clip(str(message))}; completiond retries with backoff"))
+                                           f"the completion: {_clip(self.redact(str(message)))}; completiond retries "
+                                           "with backoff"))
         usage = obj.get("usage")
         if isinstance(usage, dict):
             for ours, theirs in (("prompt_tokens", "prompt_tokens"), ("generated_tokens", "completion_tokens")):
@@ -369,7 +402,7 @@ class RemoteBackend:
             body = response.read_body().decode("utf-8", errors="replace")
         except (http.HttpFailure, http.Cancelled):
             body = ""
-        detail = _server_message(body)
+        detail = _server_message(self.redact(body))
         status = response.status
         said = f" (the server says: {detail})" if detail else ""
         if status in (401, 403):
@@ -391,6 +424,15 @@ class RemoteBackend:
         return RemoteError("rejected", f"the completion server at {self.url} rejected the request (HTTP {status})"
                                        f"{said}; check endpointModel ({self.served_model or 'unset'}) and backend "
                                        f"({self.api})")
+
+
+def _origin(url: str) -> str:
+    """An endpoint as apiKeyOverHttp compares it: scheme, host and port (the default port spelled out)."""
+    try:
+        e = http.Endpoint.parse(url)
+    except ValueError:
+        return ""
+    return f"{e.scheme}://{e.host.lower()}:{e.port}{e.base_path}"
 
 
 def _clip(text: str, limit: int = 200) -> str:

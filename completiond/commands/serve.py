@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     team.add_argument("--api-key-file", help="file holding the API key (mode 600)")
     team.add_argument("--endpoint-ca-file", help="CA certificate (PEM) for a private CA")
     team.add_argument("--endpoint-timeout", type=float, help="seconds to wait for the server")
+    team.add_argument("--api-key-over-http", help="endpoints to which the API key may go over plain http://")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
@@ -47,6 +48,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
                  "logLevel": args.log_level, "backend": args.backend, "endpoint": args.endpoint,
                  "endpointModel": args.endpoint_model, "apiKeyEnv": args.api_key_env, "apiKeyFile": args.api_key_file,
                  "endpointCaFile": args.endpoint_ca_file, "endpointTimeout": args.endpoint_timeout,
+                 "apiKeyOverHttp": args.api_key_over_http,
                  "draftModel": resolve_model(args.draft_model) if args.draft_model else None}
     if args.weights is not None:
         overrides["weights"] = args.weights

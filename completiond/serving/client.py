@@ -165,7 +165,8 @@ class DaemonClient:
 
 REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpointModel", "--endpoint-model"),
                 ("apiKeyEnv", "--api-key-env"), ("apiKeyFile", "--api-key-file"),
-                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"))
+                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"),
+                ("apiKeyOverHttp", "--api-key-over-http"))
 
 
 def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:

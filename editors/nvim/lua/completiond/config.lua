@@ -121,6 +121,8 @@ M.defaults = {
     apiKeyFile = "",
     -- PEM file of the certificate authority that signed the server's certificate, for a private CA (verification stays on). (string)
     endpointCaFile = "",
+    -- Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which the API key may be sent over plain http://, unencrypted. Without this, a key goes over http:// only to this machine (localhost, 127.0.0.1, ::1); use https:// for anything else. (string)
+    apiKeyOverHttp = "",
     -- Seconds to wait for the completion server (to connect, or between two parts of its answer) before reporting it and retrying with backoff. (number; range 0.5..300)
     endpointTimeout = 10.0,
     -- END GENERATED SETTINGS
