@@ -13,3 +13,8 @@ from __future__ import annotations
 
 class CompletionError(Exception):
     """A request, setting or model that cannot be served, with a message meant for the user."""
+
+
+class EngineError(CompletionError):
+    """A request or model the engine refuses, with a message meant for the user (defined here, below the
+    engine's modules, so engine/native can raise it without importing engine.py)."""

@@ -350,7 +350,7 @@ def test_bf16_weights_are_read_as_bf16_and_give_the_float32_bits(bundled):
     _need_native()
     fast = bundled.fwd.native
     assert fast.weights() == "bf16" and "bf16 weights" in bundled.decode_step_in_use()
-    plain = native.NativeStep(native.library(), bundled.fwd, bf16=False)
+    plain = native.NativeStep(native.library(), bundled.fwd, "float32")
     assert plain.weights() == "float32"
     prompt = _ids(bundled, TEXT * 2, 300)
     results = {}

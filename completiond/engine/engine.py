@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from completiond.engine import sampling
-from completiond.errors import CompletionError
+from completiond.errors import EngineError  # defined below the engine (engine/native raises it too); importable from here
 from completiond.engine.calibration import Calibration, load_calibration
 from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the engine API)
 from completiond.engine import hub
@@ -52,8 +52,7 @@ DRAFT_FILES = hub.DRAFT_FILES
 log = logging.getLogger(__name__)
 
 
-class EngineError(CompletionError):
-    """A request or model the engine refuses, with a message meant for the user."""
+# EngineError: a request or model the engine refuses (completiond/errors.py, so engine/native raises it too)
 
 
 @dataclass
@@ -198,7 +197,8 @@ def model_identity(path: Path | str) -> str:
 
 class Engine:
     def __init__(self, model, tokenizer, model_id: str, device: str, cache_bytes: int | None = None,
-                 calibration: Calibration | None = None, name: str = "", info: ModelInfo | None = None):
+                 calibration: Calibration | None = None, name: str = "", info: ModelInfo | None = None,
+                 weights: str = "auto"):
         self.model = model
         self.info = info or ModelInfo()
         self.tokenizer = tokenizer
@@ -222,7 +222,8 @@ class Engine:
             cache_bytes = default_cache_bytes(device)
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.history = OutputHistory()  # what greedy requests generated, for later requests' lookup drafts
-        self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context)
+        self.weights = weights  # the weights setting: auto, bf16 or int8 (native.WEIGHT_FORMATS)
+        self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context, weights=weights)
         # On an accelerator every read of a device value stalls the host until the queue drains, and a
         # host int fed back costs a copy the other way: there the early-exit draft and the accept test keep
         # token ids on the device and a round reads once, what it commits (tests switch this on for the CPU).
@@ -232,7 +233,7 @@ class Engine:
         self.draft_model: "Engine | None" = None  # a separate draft model (attach_draft_model)
         self.medusa: medusa_mod.Medusa | None = None  # Medusa heads (attach_medusa)
         self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
-        self.vocab_size = self.adapter.lm_head.weight.shape[0]
+        self.vocab_size = self.fwd.head_w.shape[0]  # (the module's own copy may have been dropped after packing)
         self.set_draft_vocab(self.calibration.draft_vocab)
 
     # ---------------------------------------------------------------- loading
@@ -241,13 +242,19 @@ class Engine:
              trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None,
              progress: Callable[[str], None] | None = None,
              download_progress: Callable[[int, int], None] | None = None,
-             warn: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None) -> "Engine":
+             warn: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None,
+             weights: str = "auto") -> "Engine":
         """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine.
 
         A hub id or short name is fetched into the Hugging Face cache first (engine/hub.py: safetensors and
         tokenizer only, the cache first, failing fast offline), reporting bytes to download_progress(done,
         total); the model is then loaded from that directory, never from the network. warn(message) is told,
-        before the weights load, when the model will probably not fit the device's memory."""
+        before the weights load, when the model will probably not fit the device's memory.
+
+        weights: the native CPU step's weight format (native.WEIGHT_FORMATS): auto keeps the model's values
+        (bf16 panels for bf16 values), bf16 rounds them to bf16, int8 quantises them per output channel."""
+        if weights not in native_mod.WEIGHT_FORMATS:
+            raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native_mod.WEIGHT_FORMATS)}")
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -323,7 +330,7 @@ class Engine:
         try:
             engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
                          calibration=load_calibration(model_id, info, hf.config.num_hidden_layers),
-                         name=name, info=info)
+                         name=name, info=info, weights=weights)
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {name}: {exc}") from exc
         engine.load_warnings = [warning] if warning else []
@@ -334,7 +341,8 @@ class Engine:
             if progress is not None:
                 progress("draft model")
             drafter = cls.load(draft_model, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                               cache_bytes=0, threads=threads, download_progress=download_progress, warn=warn)
+                               cache_bytes=0, threads=threads, download_progress=download_progress, warn=warn,
+                               weights=weights)
             engine.attach_draft_model(drafter)
         return engine
 
@@ -713,9 +721,16 @@ class Engine:
     def decode_step_in_use(self) -> str:
         """Which forward pass decode steps take, in words (status displays)."""
         if self.fwd.native is not None:
-            return (f"native (engine/native/step.c, {torch.get_num_threads()} threads, "
+            return (f"native (engine/native/step.c, {self.fwd.native.kernel} kernels, {torch.get_num_threads()} threads, "
                     f"{self.fwd.native.weights()} weights)")
         return f"PyTorch ({self.fwd.native_reason})"
+
+    def weights_in_use(self) -> str:
+        """The weight format decode steps read: "bf16", "int8", "float32" (native panels), or the PyTorch
+        path's dtype ("PyTorch float32") where the native step does not run."""
+        if self.fwd.native is not None:
+            return self.fwd.native.weights()
+        return f"PyTorch {str(self.dtype).removeprefix('torch.')}"
 
     def draft_in_use(self) -> str:
         """How requests with default settings draft, in words (status displays)."""

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from completiond.engine import native
+from completiond.errors import EngineError
 from completiond.models.adapters import Adapter, UnsupportedModel
 
 if TYPE_CHECKING:
@@ -117,35 +118,80 @@ def check_rope(config) -> None:
 class Forward:
     """Layers, final norm and LM head of one model, on fused weights. Token ids and hidden states only."""
 
-    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int):
+    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int,
+                 weights: str = "auto"):
         check_rope(config)
+        if weights not in native.WEIGHT_FORMATS:
+            raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native.WEIGHT_FORMATS)}")
         self.adapter = adapter
         self.device = device
         self.dtype = dtype
+        self.weights = weights
         self.H, self.KV, self.hd = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
         self.scaling = adapter.scaling
         self.gqa = self.H != self.KV
         self.max_positions = max_positions
         self.layers: list[FusedLayer] = [fuse_layer(layer, adapter.qk_norm) for layer in adapter.layers]
-        self.transposed = _keep_transposed(device, self.layers)
-        if self.transposed:
-            for L in self.layers:
-                _transpose(L)
+        self.num_model_layers = len(self.layers)
+        # parameters of each layer's matrices (they outlive the matrices when the packed panels replace them)
+        self.layer_numel = [sum(w.numel() for w in (L.qkv, L.o, L.gate_up, L.down)) for L in self.layers]
         self.norm_w = adapter.norm.weight.detach()
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
         self.head_w = adapter.lm_head.weight.detach()
         self.head_b = _bias(adapter.lm_head)
-        self.head_t = self.head_w.t().contiguous() if self.transposed else None
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
-        # step.c for passes of up to native.MAX_ROWS positions (None: PyTorch only; native_reason says why)
-        self.native, self.native_reason = native.bind(self)
+        large = not _small(self.layers)
+        # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
+        # weights the panels become the only copy (each layer's own tensors are dropped once packed), and
+        # for a weight format that changes the values (bf16 rounding, int8) every pass must read the
+        # panels: then every pass runs natively (native_all), prefill included. Otherwise passes of up to
+        # native.MAX_ROWS positions do, and prefill chunks keep PyTorch's GEMM on the model's own weights.
+        self.released = False
+        self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
+        self.native_all = self.native is not None and (large or weights != "auto")
+        if self.native is not None and large:
+            self.released = True
+            self._compact_embeddings()
+        self.transposed = str(device) == "cpu" and not large and not self.native_all
+        if self.transposed:
+            for L in self.layers:
+                _transpose(L)
+        self.head_t = self.head_w.t().contiguous() if self.transposed else None
+
+    def release_layer(self, i: int) -> None:
+        """Drop layer i's own matrices (the native step has packed them): its fused tensors and the
+        transformers modules' parameters, so no copy but the panels stays resident."""
+        L = self.layers[i]
+        L.qkv = L.o = L.gate_up = L.down = None
+        L.qkv_t = L.o_t = L.gate_up_t = L.down_t = None
+        layer = self.adapter.layers[i]
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
+
+    def _compact_embeddings(self) -> None:
+        """Keep the embedding and the LM head as one bf16 tensor each (one for both when tied) where that
+        holds the values the native step reads: bf16 values (or rounded under weights="bf16"); int8 heads
+        are quantised from it row by row. The transformers modules' copies are dropped."""
+        tied = self.head_w.data_ptr() == self.embed_w.data_ptr()
+
+        def compact(w: torch.Tensor) -> torch.Tensor:
+            if self.weights == "bf16" or native.bf16_exact(w):
+                return w.to(torch.bfloat16)
+            return w
+
+        self.embed_w = compact(self.embed_w)
+        self.head_w = self.embed_w if tied else compact(self.head_w)
+        for m in (self.adapter.embed, self.adapter.lm_head):
+            m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
 
     def add_layer(self, layer) -> int:
         """Append an extra decoder layer of the model's shape (a draft's exit adapter) and return its
         index: layers_range(h, i, i + 1, ...) runs it on the KV slot of that index."""
         fused = fuse_layer(layer, self.adapter.qk_norm)
+        self.layer_numel.append(sum(w.numel() for w in (fused.qkv, fused.o, fused.gate_up, fused.down)))
         if self.transposed:
             _transpose(fused)
         self.layers.append(fused)
@@ -184,7 +230,8 @@ class Forward:
     # ---------------------------------------------------------------- the pass
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, t] -> hidden states [1, t, d]."""
-        return F.embedding(ids, self.embed_w)
+        h = F.embedding(ids, self.embed_w)
+        return h if h.dtype == self.dtype else h.to(self.dtype)  # a compacted bf16 embedding widens exactly
 
     def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
                      write: bool = True, tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
@@ -198,7 +245,8 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        if self.native is not None and t <= native.MAX_ROWS and h.dtype == torch.float32 and seq.k.is_contiguous():
+        if self.native is not None and (self.native_all or t <= native.MAX_ROWS) and h.dtype == torch.float32 \
+                and seq.k.is_contiguous():
             if last > self.native.n_layers:
                 self.native.bind()
             if tree is None:
@@ -207,6 +255,9 @@ class Forward:
             positions, tree_mask = tree
             self.rope(0, int(positions.max()) + 1)
             return self.native.layers(h, first, last, pos, seq, write, positions, tree_mask)
+        if self.released:
+            raise EngineError(f"the model's weights live in the native step's panels only, which cannot run a "
+                                     f"{h.dtype} pass of {t} positions on a non-contiguous cache")
         if tree is None:
             cos, sin = self.rope(pos, t)
             # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
@@ -255,18 +306,17 @@ class Forward:
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
 
     def _native_rows(self, h: torch.Tensor) -> bool:
-        return self.native is not None and h.shape[1] <= native.MAX_ROWS and h.dtype == torch.float32
+        return self.native is not None and (self.native_all or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32
 
 
-# Transposed copies cost one more copy of the layer weights: only for models small enough that it
-# does not matter (the bundled model: 18 MB), where the one-token step is bound by how fast the
-# weights stream through the caches.
+# Transposed copies (and packed panels beside the model's own weights) cost one more copy of the layer
+# weights: only for models small enough that it does not matter (the bundled model: 18 MB). Larger
+# models keep the packed panels only.
 TRANSPOSED_COPY_LIMIT = 512 << 20
 SMALL_T = 8  # up to this many positions, x @ w_t (see _proj)
 
-def _keep_transposed(device, layers: list[FusedLayer]) -> bool:
-    if str(device) != "cpu":
-        return False
+def _small(layers: list[FusedLayer]) -> bool:
+    """Whether a second (transposed, or packed) copy of the layer weights does not matter."""
     size = sum(w.numel() * w.element_size() for L in layers for w in (L.qkv, L.o, L.gate_up, L.down))
     return size <= TRANSPOSED_COPY_LIMIT
 

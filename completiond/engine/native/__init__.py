@@ -1,15 +1,24 @@
 """The native decode step (step.c): built once per machine with the system's C compiler, loaded with
-ctypes, bound to a Forward's fused float32 weights.
+ctypes, bound to a Forward's weights, which it packs into panels (float32, bf16 or int8).
 
-Small models on CPU spend most of a decode step in PyTorch's per-op dispatch; step.c runs a whole
-range of layers (or the LM head) in one call instead. It is an accelerator, never a requirement:
-without a compiler, on a CPU without AVX2/FMA, for half-precision or GPU models, or with
-COMPLETIOND_NATIVE=0, the engine keeps the PyTorch path, and `reason()` says why.
+Small models on CPU spend most of a decode step in PyTorch's per-op dispatch, larger ones in streaming
+their weights; step.c runs a whole range of layers (or the LM head) in one call over packed weights. It
+is an accelerator, never a requirement: without a compiler, on a CPU without AVX2/FMA, for
+half-precision or GPU models, or with COMPLETIOND_NATIVE=0, the engine keeps the PyTorch path, and
+`reason()` says why.
 
-The shared object is cached under ~/.cache/completiond/native/, keyed by the source, the compiler and
-this CPU's feature flags (it is built with -march=native), and written atomically, so concurrent
-daemons and test workers neither rebuild it nor load half a file. It links libgomp by soname, which
-resolves to the copy torch has already loaded: one OpenMP thread pool for both.
+Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline) and "avx512"
+(AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers). kernel_name() is the one place that picks the build
+for this CPU (COMPLETIOND_KERNEL=avx2 forces the baseline); both compute every output column with the
+same fmadd chain, so they give the same bits.
+
+The shared objects are cached under ~/.cache/completiond/native/ (a 0700 directory checked for its owner
+and mode before use), keyed by the source, the compiler and the kernel, written atomically with their
+sha256 beside them, and loaded only after the file's owner, mode and hash are checked: a failed check
+builds into a fresh private directory instead, never loading the file. The library links libgomp by
+soname, which resolves to the copy torch has already loaded: one OpenMP thread pool for both.
+
+This module never imports forward.py (forward.py imports it): it reads a Forward's attributes only.
 """
 
 from __future__ import annotations
@@ -20,28 +29,46 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from completiond.engine.forward import Forward
-    from completiond.engine.kvcache import KVSequence
+from completiond.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 8
-# Up to this many positions a pass takes the native kernels (a decode step, a keystroke's few tokens
-# with the pending one, a verify pass or a token tree); longer prefill chunks keep PyTorch's GEMM.
-MAX_ROWS = 16
+ABI = 9
+# Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
+# weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
+# drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
+# are its only weights (native_all) runs every pass natively.
+MAX_ROWS = 33
 COMPILE_TIMEOUT_S = 120
+WEIGHT_FORMATS = ("auto", "bf16", "int8")
+KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
+    "avx512": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
+               ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]),
+}
+FMT_F32, FMT_BF16, FMT_I8 = 0, 1, 2
+_FMT_NAMES = {FMT_F32: "float32", FMT_BF16: "bf16", FMT_I8: "int8"}
+# step.c's negative return codes
+_ERRORS = {-1: "no scratch memory", -2: "a row count, layer range or size out of range",
+           -3: "a slot outside the KV cache's capacity", -4: "a token id outside the vocabulary",
+           -5: "a rotary position outside the rope tables"}
+
+
+class NativeError(EngineError):
+    """step.c refused its arguments (or had no memory)."""
+
 
 _LAYER_FIELDS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate", "gate_b", "up", "up_b", "down", "down_b",
-                 "q_norm", "k_norm")
+                 "q_norm", "k_norm", "qkv_s", "o_s", "gate_s", "up_s", "down_s")
 PANEL = 16  # output columns per panel of a packed matrix (step.c's PW)
 # a bf16 panel row stores column c at half 2c (c < 8) and 2(c - 8) + 1: step.c widens it with one shift
 # and one mask (LOAD_BF16)
@@ -49,18 +76,18 @@ _BF16_ORDER = [c for i in range(8) for c in (i, i + 8)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [("wbf16", ctypes.c_int32)]
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [("wfmt", ctypes.c_int32)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("d", ctypes.c_int32), ("H", ctypes.c_int32), ("KV", ctypes.c_int32), ("hd", ctypes.c_int32),
                 ("I", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer))]
+                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("vocab", ctypes.c_int32),
+                ("rope_len", ctypes.c_int32)]
 
 
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None  # why there is no library (None: not tried yet, or loaded)
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}  # kernel -> loaded library (None: failed, _reasons says why)
+_reasons: dict[str, str] = {}
 
 
 def cache_dir() -> Path:
@@ -79,6 +106,24 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def supported_kernels() -> list[str]:
+    """The kernels this CPU can run, baseline first."""
+    flags = set(_cpu_flags().split())
+    return [k for k, (need, _) in KERNELS.items() if set(need) <= flags]
+
+
+def kernel_name() -> str:
+    """The one decision of which kernel runs: the widest this CPU supports, or COMPLETIOND_KERNEL when it
+    names one the CPU can run; "none" when the CPU has no AVX2/FMA."""
+    usable = supported_kernels()
+    if not usable:
+        return "none"
+    forced = os.environ.get("COMPLETIOND_KERNEL", "").strip().lower()
+    if forced in usable:
+        return forced
+    return usable[-1]
+
+
 def _compiler() -> str | None:
     cc = os.environ.get("CC")
     if cc:
@@ -86,91 +131,185 @@ def _compiler() -> str | None:
     return shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(cc: str) -> Path:
-    """The cached shared object for this source, compiler and CPU, compiled if absent."""
+def _private_dir_ok(path: Path) -> str | None:
+    """Why path is not a directory only this user can write into (None: it is)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o077:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not 700"
+    return None
+
+
+def _tightenable(path: Path) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _file_ok(path: Path) -> str | None:
+    """Why the cached library at path must not be loaded (None: its owner, mode and sha256 check out)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o022:
+        return f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    digest_path = path.with_name(path.name + ".sha256")
+    try:
+        want = digest_path.read_text(encoding="ascii").strip()
+        got = hashlib.sha256(path.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"no readable content hash beside {path} ({exc})"
+    if got != want:
+        return f"{path}'s content does not match the sha256 stored when it was built"
+    return None
+
+
+def _cache_for(kernel: str) -> Path:
+    """The private cache directory: created 0700; one that fails the owner/mode check is not used, a
+    fresh private directory stands in for it (this process only)."""
+    d = cache_dir()
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        pass
+    why = _private_dir_ok(d)
+    if why is not None and _tightenable(d):
+        # ours, and never writable by anyone else (an older version made it 755): nothing can have been
+        # planted in it, so taking the read bits away is enough
+        try:
+            os.chmod(d, 0o700)
+        except OSError:
+            pass
+        why = _private_dir_ok(d)
+    if why is None:
+        return d
+    fresh = Path(tempfile.mkdtemp(prefix=f"completiond-native-{kernel}-"))  # 0700, ours
+    log.warning("native step cache not used (%s); building into %s instead", why, fresh)
+    return fresh
+
+
+def _build(cc: str, kernel: str) -> Path:
+    """The checked cached shared object for this source, compiler and kernel, compiled if absent or if
+    the cached one fails its checks."""
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc!r} does not run: {exc}") from None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), _cpu_flags().encode(),
+    flags = KERNELS[kernel][1]
+    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"step-{key}.so"
-    if out.exists():
+    directory = _cache_for(kernel)
+    out = directory / f"step-{kernel}-{key}.so"
+    why = _file_ok(out)
+    if why is None:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".step-", suffix=".so", dir=out.parent)
+    if why != "absent":
+        log.warning("native step: not loading the cached library (%s); building it again", why)
+    fd, tmp = tempfile.mkstemp(prefix=".step-", suffix=".so", dir=directory)
     os.close(fd)
-    cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [cc, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-o", tmp, str(SOURCE), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{' '.join(cmd[:2])} ... failed (exit {done.returncode}): {first}")
+        os.chmod(tmp, 0o755)
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        fd, tmp_hash = tempfile.mkstemp(prefix=".step-", suffix=".sha256", dir=directory)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(digest + "\n")
+        os.replace(tmp_hash, out.with_name(out.name + ".sha256"))
         os.replace(tmp, out)  # atomic: another process sees the whole file or none
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"compiling {SOURCE.name} took over {COMPILE_TIMEOUT_S} s") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    why = _file_ok(out)  # what is loaded is what was checked (a concurrent build may have replaced it)
+    if why is not None:
+        raise RuntimeError(f"the freshly built library fails its check: {why}")
     return out
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded native library, built on first use; None (and reason() says why) when unavailable."""
-    global _lib, _reason, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("COMPLETIOND_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        _reason = "turned off by COMPLETIOND_NATIVE=0"
-        return None
-    if platform.system() == "Windows" or platform.machine().lower() not in ("x86_64", "amd64"):
-        _reason = f"the native step is written for x86-64 with AVX2/FMA, not {platform.machine()}"
-        return None
-    flags = _cpu_flags().split()
-    if flags and not {"avx2", "fma"} <= set(flags):
-        _reason = "this CPU lacks AVX2 or FMA"
+def library(kernel: str | None = None) -> ctypes.CDLL | None:
+    """The loaded native library for kernel (default: kernel_name()), built on first use; None (and
+    reason() says why) when unavailable."""
+    kernel = kernel or kernel_name()
+    if kernel in _libs:
+        return _libs[kernel]
+    _libs[kernel] = None
+    why = _unavailable(kernel)
+    if why is not None:
+        _reasons[kernel] = why
         return None
     cc = _compiler()
-    if cc is None:
-        _reason = "no C compiler (gcc or cc, or $CC) on PATH"
-        return None
     try:
-        path = _build(cc)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:
-            path.unlink(missing_ok=True)  # a damaged cached file (a full disk, say): build it once more
-            lib = ctypes.CDLL(str(_build(cc)))
+        path = _build(cc, kernel)
+        lib = ctypes.CDLL(str(path))
         if lib.cd_abi() != ABI:
             raise RuntimeError(f"{path} has ABI {lib.cd_abi()}, expected {ABI}")
     except (OSError, RuntimeError) as exc:
-        _reason = f"cannot build or load the native step: {exc}"
-        log.warning("%s; using the PyTorch path", _reason)
+        _reasons[kernel] = f"cannot build or load the native step: {exc}"
+        log.warning("%s; using the PyTorch path", _reasons[kernel])
         return None
-    i32, f32, vp = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    i32, f32, vp, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
+    lib.cd_kernel.restype = ctypes.c_char_p
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
     lib.cd_layers.restype = i32
-    lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, i32, vp, vp, i32]
+    lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, i32, vp, vp, i32]
     lib.cd_head.restype = i32
-    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, ctypes.c_int64, i32, i32, i32, f32, vp, f32, vp, i32, i32,
-                                    vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
+    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, i32, i64, i32, i32, i32, f32, vp, f32, vp, i32, vp,
+                                    i32, vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
     lib.cd_draft_greedy.restype = i32
-    lib.cd_verify_greedy.argtypes = [ctypes.POINTER(_Model), vp, vp, i32, i32, i32, vp, f32, vp, i32, i32, vp,
-                                     vp, vp, i32, vp, vp, i32, vp]
+    lib.cd_verify_greedy.argtypes = [ctypes.POINTER(_Model), vp, i32, vp, i32, i32, i32, vp, f32, vp, i32, vp, i32,
+                                     vp, vp, vp, i32, vp, vp, i32, vp]
     lib.cd_verify_greedy.restype = i32
-    _lib = lib
+    _libs[kernel] = lib
     return lib
 
 
-def reason() -> str | None:
-    return _reason
+def _unavailable(kernel: str) -> str | None:
+    if os.environ.get("COMPLETIOND_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "turned off by COMPLETIOND_NATIVE=0"
+    if platform.system() == "Windows" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the native step is written for x86-64 with AVX2/FMA, not {platform.machine()}"
+    if kernel not in supported_kernels():
+        return "this CPU lacks AVX2 or FMA" if kernel in ("avx2", "none") else f"this CPU cannot run {kernel} kernels"
+    if _compiler() is None:
+        return "no C compiler (gcc or cc, or $CC) on PATH"
+    return None
+
+
+def reason(kernel: str | None = None) -> str | None:
+    return _reasons.get(kernel or kernel_name())
 
 
 def _reset_for_tests() -> None:
-    global _lib, _reason, _tried
-    _lib, _reason, _tried = None, None, False
+    _libs.clear()
+    _reasons.clear()
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        raise NativeError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
+    return rc
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -183,28 +322,57 @@ def bf16_exact(w: torch.Tensor) -> bool:
     return bool(torch.equal(w.to(torch.bfloat16).to(torch.float32), w))
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of w [out, in]: (q [out, in] int8, scale [out] float32) with
+    w ~ q * scale. A row depends only on its own values, so a subset of rows (a draft vocabulary) gets the
+    very values of the full matrix."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)  # [out]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weights an int8 matrix stands for (tests and the PyTorch reference)."""
+    return q.float() * scale[:, None]
+
+
 def pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     """A linear's weight [out, in] as step.c reads it: panels of PANEL output columns, each [in, PANEL]
     row-major, so a kernel streams its panel front to back; zero columns pad the last one. bf16: the
-    same panels as bfloat16 bits (int16), columns in step.c's LOAD_BF16 order; w must be bf16_exact."""
+    same panels as bfloat16 bits (int16), columns in step.c's LOAD_BF16 order; w must be bf16_exact
+    (or is rounded to bf16)."""
+    return pack_as(w, FMT_BF16 if bf16 else FMT_F32)[0]
+
+
+def pack_as(w: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [out, in] packed in format fmt: (panels, column scales padded to whole panels, int8 only)."""
     out, inp = w.shape
     panels = -(-out // PANEL)
-    padded = torch.zeros(panels * PANEL, inp, dtype=torch.float32)
-    padded[:out] = w
+    scales = None
+    if fmt == FMT_I8:
+        q, scale = quantize_int8(w)
+        padded = torch.zeros(panels * PANEL, inp, dtype=torch.int8)
+        padded[:out] = q
+        scales = torch.ones(panels * PANEL, dtype=torch.float32)
+        scales[:out] = scale
+        return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous(), scales  # [panels, in, PANEL]
+    src = w if w.dtype == torch.bfloat16 and fmt == FMT_BF16 else w.float()
+    padded = torch.zeros(panels * PANEL, inp, dtype=src.dtype)
+    padded[:out] = src
     packed = padded.view(panels, PANEL, inp).transpose(1, 2)  # [panels, in, PANEL]
-    if not bf16:
-        return packed.contiguous()
-    return packed[..., _BF16_ORDER].to(torch.bfloat16).contiguous().view(torch.int16)  # [panels, in, PANEL]
+    if fmt == FMT_F32:
+        return packed.contiguous(), None
+    return packed[..., _BF16_ORDER].to(torch.bfloat16).contiguous().view(torch.int16), None
 
 
-def unsupported(fwd: "Forward") -> str | None:
+def unsupported(fwd: Any) -> str | None:
     """Why this Forward cannot use the native step (None: it can)."""
     if str(fwd.device) != "cpu":
         return f"the model runs on {fwd.device}"
     if fwd.dtype != torch.float32:
         return f"the model runs in {fwd.dtype}, the native step in float32 only"
-    if not fwd.transposed:
-        return "the model is too large for the packed weight copies the native step reads"
     if fwd.hd % 8 or fwd.H % fwd.KV:
         return f"head size {fwd.hd} (needs a multiple of 8) or {fwd.H} heads over {fwd.KV} KV heads"
     for L in fwd.layers:
@@ -213,44 +381,67 @@ def unsupported(fwd: "Forward") -> str | None:
     return None
 
 
-class NativeStep:
-    """step.c bound to one Forward's weights. Callers check rows <= MAX_ROWS, float32 and a contiguous cache."""
+def _format_for(weights: str, mats: tuple[torch.Tensor, ...]) -> int:
+    """The panel format of a group of matrices under the weights setting: auto keeps the values (bf16
+    panels when every value is a bf16, float32 otherwise), bf16 rounds, int8 quantises."""
+    if weights == "int8":
+        return FMT_I8
+    if weights == "float32":  # float32 panels whatever the values (tests compare them with bf16 panels)
+        return FMT_F32
+    if weights == "bf16" or all(w.dtype == torch.bfloat16 or bf16_exact(w) for w in mats):
+        return FMT_BF16
+    return FMT_F32
 
-    def __init__(self, lib: ctypes.CDLL, fwd: "Forward", bf16: bool = True):
+
+class NativeStep:
+    """step.c bound to one Forward's weights, packed into panels in the format `weights` asks for.
+    Callers check rows <= MAX_ROWS (or fwd.native_all), float32 and a contiguous cache.
+
+    release: after packing a layer, drop the Forward's own (unpacked) copies of its matrices, so the
+    panels are the only copy (fwd.release_layer does it; the PyTorch path cannot run those layers then)."""
+
+    def __init__(self, lib: ctypes.CDLL, fwd: Any, weights: str = "auto", release: bool = False):
+        if weights not in WEIGHT_FORMATS + ("float32",):
+            raise EngineError(f"unknown weights format {weights!r}; use {', '.join(WEIGHT_FORMATS)}")
         self.lib = lib
         self.fwd = fwd
-        # bf16 panels for every matrix whose float32 values are all bf16 (bf16_exact): same bits, half
-        # the bytes; bf16=False keeps float32 panels throughout (the tests compare the two)
-        self.bf16 = bf16
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(w) -> (w, packed w): LM heads
-        self._bound: dict[int, tuple] = {}  # id(FusedLayer) -> (layer, its packed matrices and split biases)
+        self.kernel = lib.cd_kernel().decode()
+        self.weights_setting = weights
+        self.release = release
+        self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads
+        self._bound: dict[int, tuple] = {}  # id(FusedLayer) -> (layer, packed matrices, scales, biases, fmt)
         self.bind()
 
-    def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """w packed and whether as bf16, once per weight tensor (the entry holds w, so its id is not
-        reused while cached)."""
+    def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """w packed (panels, format, int8 scales), once per weight tensor (the entry holds w, so its id is
+        not reused while cached)."""
         hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
-            as_bf16 = self.bf16 and bf16_exact(w)
-            hit = (w, (pack(w, as_bf16), as_bf16))
+            fmt = _format_for(self.weights_setting, (w,))
+            packed, scales = pack_as(w, fmt)
+            hit = (w, packed, fmt, scales)
             self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
                 del self._packed[next(iter(self._packed))]
-        return hit[1]
+        return hit[1], hit[2], hit[3]
 
-    def _packed_layer(self, L) -> tuple:
+    def _packed_layer(self, i: int, L) -> tuple:
         """L's matrices packed and its gate/up bias split, once per layer: an attached exit adapter
         packs only itself."""
         hit = self._bound.get(id(L))
         if hit is None or hit[0] is not L:
+            if L.qkv is None:
+                raise EngineError(f"layer {i}'s weights were released after packing and cannot be packed again")
             inter = L.down.shape[1]
             gate_b = up_b = None
             if L.gate_up_bias is not None:
                 gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
             full = (L.qkv, L.o, L.gate_up[:inter], L.gate_up[inter:], L.down)
-            as_bf16 = self.bf16 and all(bf16_exact(w) for w in full)  # one layout per layer (step.c's wbf16)
-            mats = tuple(pack(w, as_bf16) for w in full)
-            hit = (L, mats, gate_b, up_b, as_bf16)
+            fmt = _format_for(self.weights_setting, full)  # one format per layer (step.c's wfmt)
+            packed = [pack_as(w, fmt) for w in full]
+            hit = (L, tuple(p for p, _ in packed), tuple(sc for _, sc in packed), gate_b, up_b, fmt, inter)
+            if self.release and i < self.fwd.num_model_layers:
+                self.fwd.release_layer(i)  # the panels are now this layer's only copy
         return hit
 
     def bind(self) -> None:
@@ -259,108 +450,154 @@ class NativeStep:
         layers = (_Layer * len(fwd.layers))()
         bound = {}
         for i, L in enumerate(fwd.layers):
-            _, mats, gate_b, up_b, as_bf16 = bound[id(L)] = self._packed_layer(L)
+            _, mats, scales, gate_b, up_b, fmt, inter = bound[id(L)] = self._packed_layer(i, L)
             values = (L.ln1, mats[0], L.qkv_bias, mats[1], L.o_bias, L.ln2, mats[2], gate_b, mats[3], up_b,
-                      mats[4], L.down_bias, L.q_norm, L.k_norm)
+                      mats[4], L.down_bias, L.q_norm, L.k_norm, *scales)
             for name, t in zip(_LAYER_FIELDS, values):
-                if t is not None and not (t.is_contiguous() and t.dtype in (torch.float32, torch.int16)):
-                    raise ValueError(f"layer {i}: {name} is not a contiguous float32 (or packed bf16) tensor")
+                if t is not None and not (t.is_contiguous() and t.dtype in (torch.float32, torch.int16, torch.int8)):
+                    raise ValueError(f"layer {i}: {name} is not a contiguous float32 (or packed) tensor")
                 setattr(layers[i], name, _ptr(t))
-            layers[i].wbf16 = int(as_bf16)
-        L0 = fwd.layers[0]
+            layers[i].wfmt = fmt
+            self._bound[id(L)] = bound[id(L)]  # kept as packed (a later layer's failure must not repack it)
+        L0 = bound[id(fwd.layers[0])]
         self._bound = bound  # the packed copies the struct points into (a replaced adapter's are dropped)
         self._layers = layers
-        self.model = _Model(d=L0.ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0.down.shape[1],
-                            n_layers=len(fwd.layers), eps=L0.eps, scale=float(fwd.scaling), layers=layers)
+        self.model = _Model(d=fwd.layers[0].ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0[6],
+                            n_layers=len(fwd.layers), eps=fwd.layers[0].eps, scale=float(fwd.scaling), layers=layers,
+                            vocab=fwd.embed_w.shape[0], rope_len=0)
         self.n_layers = len(fwd.layers)
 
     def weights(self) -> str:
-        """The packed layers' weight format, in words: "bf16" (every layer's weights are bf16 values, read
-        as such), "float32", or how many of each."""
-        n = sum(layer.wbf16 for layer in self._layers)
-        if n == len(self._layers):
-            return "bf16"
-        return "float32" if n == 0 else f"bf16 in {n} of {len(self._layers)} layers, float32 in the rest"
+        """The packed layers' weight format, in words: "bf16", "int8", "float32", or how many of each."""
+        names = [_FMT_NAMES[layer.wfmt] for layer in self._layers]
+        if len(set(names)) == 1:
+            return names[0]
+        return ", ".join(f"{n} in {names.count(n)} of {len(names)} layers" for n in sorted(set(names)))
 
-    def layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence", write: bool,
+    def packed_bytes(self) -> int:
+        """Bytes of the packed panels (layers and LM head) this step reads."""
+        total = 0
+        for _, mats, scales, *_ in self._bound.values():
+            total += sum(m.numel() * m.element_size() for m in mats)
+            total += sum(s.numel() * 4 for s in scales if s is not None)
+        for _, packed, _, scales in self._packed.values():
+            total += packed.numel() * packed.element_size() + (0 if scales is None else scales.numel() * 4)
+        return total
+
+    def _rope(self) -> None:
+        self.model.rope_len = self.fwd._cos.shape[0]
+
+    def _embed(self) -> tuple[int, int]:
+        e = self.fwd.embed_w
+        return e.data_ptr(), int(e.dtype == torch.bfloat16)
+
+    def layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: Any, write: bool,
                rope_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         """Forward.layers_range's contract on h [1, t, d]; returns new states (h is not modified)."""
         t = h.shape[1]
-        out = h.clone(memory_format=torch.contiguous_format)  # [1, t, d]: step.c works in place
+        if h.dim() != 3 or h.shape[0] != 1 or h.shape[2] != self.model.d:
+            raise NativeError(f"native layers: hidden states of shape {tuple(h.shape)}, expected [1, t, {self.model.d}]")
+        out = h.to(torch.float32).clone(memory_format=torch.contiguous_format)  # [1, t, d]: step.c works in place
         if rope_pos is not None:
             rope_pos = rope_pos.to(torch.int64).contiguous()
+            if rope_pos.shape != (t,):
+                raise NativeError(f"native layers: {tuple(rope_pos.shape)} rotary positions for {t} rows")
         if mask is not None:
             mask = mask.to(torch.bool).contiguous()  # [t, pos + t], one byte per entry
-        rc = self.lib.cd_layers(ctypes.byref(self.model), out.data_ptr(), t, first, last, pos, _ptr(rope_pos),
-                                _ptr(mask), int(write), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
-                                self.fwd._cos.data_ptr(), self.fwd._sin.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError(f"native step: no scratch memory for a {t}-position pass at position {pos}")
+            if mask.shape != (t, pos + t):
+                raise NativeError(f"native layers: a mask of shape {tuple(mask.shape)}, expected [{t}, {pos + t}]")
+        self._check_cache(seq, last)
+        self._rope()
+        _check(self.lib.cd_layers(ctypes.byref(self.model), out.data_ptr(), t, first, last, pos, _ptr(rope_pos),
+                                  _ptr(mask), int(write), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
+                                  self.fwd._cos.data_ptr(), self.fwd._sin.data_ptr(), torch.get_num_threads()),
+               f"step of {t} rows at slot {pos}, layers [{first}, {last})")
         return out
+
+    def _check_cache(self, seq: Any, last: int) -> None:
+        """seq's K/V must hold slots for layers [0, last) of this model's shape, in float32, contiguous."""
+        k, v = seq.k, seq.v
+        if k.dim() != 4 or k.shape[0] < last or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.model.KV, self.model.hd) \
+                or k.shape != v.shape or k.dtype != torch.float32 or v.dtype != torch.float32 \
+                or not (k.is_contiguous() and v.is_contiguous()):
+            raise NativeError(f"native step: a KV cache of shape {tuple(k.shape)} {k.dtype}, expected "
+                              f"[>= {last}, {self.model.KV}, capacity, {self.model.hd}] float32, contiguous")
 
     def head(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
              bias: torch.Tensor | None) -> torch.Tensor:
         """Final norm + LM head rows w [V, d] (packed on first use): h [1, t, d] -> logits [t, V] float32."""
-        x = h[0].contiguous()  # [t, d]
+        x = h[0].to(torch.float32).contiguous()  # [t, d]
         t, d = x.shape
         V = w.shape[0]
-        packed, as_bf16 = self._pack(w)
+        if w.shape[1] != d or d != self.model.d:
+            raise NativeError(f"native head: rows of width {w.shape[1]} for states of width {d}")
+        packed, fmt, scales = self._pack(w)
         out = torch.empty(t, V, dtype=torch.float32)
-        rc = self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), int(as_bf16), V, _ptr(bias),
-                              out.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError(f"native head: no scratch memory for {t} positions")
+        _check(self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), fmt, _ptr(scales), V,
+                                _ptr(bias), out.data_ptr(), torch.get_num_threads()), f"head over {t} rows")
         return out
 
-
-    def draft_greedy(self, token: int, exit_layer: int, pos: int, k_max: int, threshold: float, seq: "KVSequence",
+    def draft_greedy(self, token: int, exit_layer: int, pos: int, k_max: int, threshold: float, seq: Any,
                      head_w: torch.Tensor, head_b: torch.Tensor | None, ids: torch.Tensor | None,
                      eos: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """Up to k_max greedy early-exit draft tokens after token (step.c's cd_draft_greedy: no Python between
         the draft's steps); returns them and the layer-E states [1, n_fed, d] of the tokens it fed."""
         fwd = self.fwd
+        if k_max < 1:
+            raise NativeError(f"native draft: k_max {k_max}")
         fwd.rope(pos, k_max)
         d = self.model.d
         states = torch.empty(k_max, d, dtype=torch.float32)  # [k_max, d]
         tokens = torch.empty(k_max, dtype=torch.int64)
         fed = ctypes.c_int(0)
-        packed, as_bf16 = self._pack(head_w)
-        k = self.lib.cd_draft_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), int(token), exit_layer, pos,
-                                     k_max, float(threshold), fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(),
-                                     int(as_bf16), head_w.shape[0], _ptr(head_b), _ptr(ids), eos.data_ptr(), eos.numel(),
-                                     seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2], fwd._cos.data_ptr(),
-                                     fwd._sin.data_ptr(), torch.get_num_threads(), tokens.data_ptr(),
-                                     states.data_ptr(), ctypes.byref(fed))
-        if k < 0:
-            raise MemoryError(f"native draft: no scratch memory at position {pos}")
+        packed, fmt, scales = self._pack(head_w)
+        if ids is not None:
+            ids = ids.to(torch.int64).contiguous()
+            if ids.shape != (head_w.shape[0],):
+                raise NativeError(f"native draft: {tuple(ids.shape)} ids for {head_w.shape[0]} head rows")
+        eos = eos.to(torch.int64).contiguous()
+        self._check_cache(seq, exit_layer)
+        self._rope()
+        embed, ebf16 = self._embed()
+        k = _check(self.lib.cd_draft_greedy(
+            ctypes.byref(self.model), embed, ebf16, int(token), exit_layer, pos, k_max, float(threshold),
+            fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(), fmt, _ptr(scales), head_w.shape[0], _ptr(head_b),
+            _ptr(ids), eos.data_ptr(), eos.numel(), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
+            fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), tokens.data_ptr(), states.data_ptr(),
+            ctypes.byref(fed)), f"draft of {k_max} tokens at slot {pos}")
         return tokens[:k].tolist(), states[:fed.value][None]  # [1, n_fed, d]
 
-    def verify_greedy(self, tokens: list[int], last: int, pos: int, seq: "KVSequence", head_w: torch.Tensor,
+    def verify_greedy(self, tokens: list[int], last: int, pos: int, seq: Any, head_w: torch.Tensor,
                       head_b: torch.Tensor | None) -> list[int]:
         """The argmax after each of tokens (pending, then the drafts) fed at slots pos.. through layers
         [0, last), their K/V written (step.c's cd_verify_greedy: one call for embed, layers, head and argmax)."""
         fwd = self.fwd
         t = len(tokens)
+        if t < 1:
+            raise NativeError("native verify: no tokens")
         fwd.rope(pos, t)
         ids = torch.tensor(tokens, dtype=torch.int64)  # [t]
         out = torch.empty(t, dtype=torch.int64)
-        packed, as_bf16 = self._pack(head_w)
-        rc = self.lib.cd_verify_greedy(ctypes.byref(self.model), fwd.embed_w.data_ptr(), ids.data_ptr(), t, last, pos,
-                                       fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(), int(as_bf16),
-                                       head_w.shape[0], _ptr(head_b), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
-                                       fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), out.data_ptr())
-        if rc != 0:
-            raise MemoryError(f"native verify: no scratch memory for a {t}-position pass at position {pos}")
+        packed, fmt, scales = self._pack(head_w)
+        self._check_cache(seq, last)
+        self._rope()
+        embed, ebf16 = self._embed()
+        _check(self.lib.cd_verify_greedy(
+            ctypes.byref(self.model), embed, ebf16, ids.data_ptr(), t, last, pos, fwd.norm_w.data_ptr(), fwd.norm_eps,
+            packed.data_ptr(), fmt, _ptr(scales), head_w.shape[0], _ptr(head_b), seq.k.data_ptr(), seq.v.data_ptr(),
+            seq.k.shape[2], fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), out.data_ptr()),
+            f"verify of {t} tokens at slot {pos}")
         return out.tolist()
 
 
-
-def bind(fwd: "Forward") -> tuple[NativeStep | None, str | None]:
+def bind(fwd: Any, weights: str = "auto", release: bool = False) -> tuple[NativeStep | None, str | None]:
     """The native step for fwd, or None and why not."""
+    if weights not in WEIGHT_FORMATS:
+        raise EngineError(f"unknown weights format {weights!r}; use {', '.join(WEIGHT_FORMATS)}")
     why = unsupported(fwd)
     if why is not None:
         return None, why
     lib = library()
     if lib is None:
         return None, reason()
-    return NativeStep(lib, fwd), None
+    return NativeStep(lib, fwd, weights, release), None

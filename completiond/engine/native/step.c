@@ -30,11 +30,11 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 8
+#define CD_ABI 9
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
-    /* matrices packed in panels (see gemm_panels), float32 or bf16 as wbf16 says; norms and biases plain */
+    /* matrices packed in panels (see gemm_panels) in the format wfmt says; norms and biases plain */
     const float *ln1;
     const void *qkv;
     const float *qkv_b;
@@ -46,14 +46,26 @@ typedef struct {
     const float *up_b;
     const void *down;
     const float *down_b, *q_norm, *k_norm;
-    int32_t wbf16; /* the five matrices' layout: 1 bf16, 0 float32 */
+    /* FMT_I8 only: each matrix's column scales, padded to whole panels (NULL otherwise) */
+    const float *qkv_s, *o_s, *gate_s, *up_s, *down_s;
+    int32_t wfmt; /* the five matrices' format: FMT_F32, FMT_BF16 or FMT_I8 */
 } cd_layer;
 
 typedef struct {
     int32_t d, H, KV, hd, I, n_layers;
     float eps, scale;
     const cd_layer *layers;
+    int32_t vocab;    /* rows of the embedding: token ids are checked against it */
+    int32_t rope_len; /* rows of the rope tables: rotary positions are checked against it */
 } cd_model;
+
+/* Error codes (negative returns), which the Python side turns into EngineError: the C code checks
+ * every size, index and id it is handed before it reads or writes with it. */
+#define CD_ENOMEM (-1)
+#define CD_ESIZE (-2)  /* a row count, a layer range or a dimension out of range */
+#define CD_EPOS (-3)   /* a slot at or past the cache's capacity, or a negative one */
+#define CD_ETOKEN (-4) /* a token id outside the vocabulary */
+#define CD_EROPE (-5)  /* a rotary position outside the rope tables */
 
 int cd_abi(void) { return CD_ABI; }
 
@@ -128,17 +140,96 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
 /* ------------------------------------------------------------------ matrix products
  * Weights are packed at load time into panels of 16 output columns, [ceil(out/16)][in][16] (zero
  * columns pad the last panel), so that every kernel streams its panels front to back.
- * y[r, j] = b[j] + sum_k x[r, k] * W[j, k], each (r, j) one fmadd chain in k order: a kernel computes
- * R rows x NP panels at once, sharing each loaded weight vector between its rows, with R * NP * 2
- * independent chains to hide the fmadd latency. */
+ * y[r, j] = b[j] + s[j] * sum_k x[r, k] * W[j, k], each (r, j) one fmadd chain in k order: a kernel
+ * computes R rows x NP panels at once, sharing each loaded weight vector between its rows, with
+ * independent chains to hide the fmadd latency. The AVX2 and the AVX-512 kernels run the very same
+ * chain per column (a 16-lane fmadd is two 8-lane ones), so both builds give the same bits.
+ *
+ * Three panel formats (cd_layer.wfmt):
+ *   FMT_F32  16 floats per panel row.
+ *   FMT_BF16 16 halves, column c at half 2c for c < 8 and 2(c-8)+1 above, so one 32-byte load widens
+ *            to columns 0-7 by a shift and to 8-15 by a mask. Chosen for weights that are bf16 values
+ *            (then exactly the model's float32 weights, from half the bytes) or rounded to bf16 on request.
+ *   FMT_I8   16 signed bytes per panel row and one float scale per output column (symmetric, per
+ *            output channel): the chain sums x * q in k order, then multiplies by the scale once. */
 
 #define PW 16 /* panel width */
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_I8 2
 
-/* Two ways a panel row of 16 weights is stored. float32: 16 floats. bf16: 16 halves, column c at
- * half 2c for c < 8 and at half 2(c-8)+1 above, so one 32-byte load widens to columns 0-7 by a
- * shift and to 8-15 by a mask. A bf16 weight widened to float32 is exactly the float32 weight the
- * model holds (the pack is only chosen when every weight survives the round trip), so both layouts
- * give the same bits; bf16 streams half the bytes, and a decode step is bound by those bytes. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define CD_KERNEL "avx512"
+/* one zmm holds a panel row */
+#define LOAD_F32(w, k, v) v = _mm512_loadu_ps((const float *)(w) + (size_t)(k) * PW)
+#define LOAD_BF16(w, k, v)                                                                              \
+    do {                                                                                                \
+        __m256i raw_ = _mm256_loadu_si256((const __m256i *)((const uint16_t *)(w) + (size_t)(k) * PW)); \
+        __m256 lo_ = _mm256_castsi256_ps(_mm256_slli_epi32(raw_, 16));                                  \
+        __m256 hi_ = _mm256_castsi256_ps(_mm256_and_si256(raw_, _mm256_set1_epi32((int)0xFFFF0000u)));  \
+        v = _mm512_insertf32x8(_mm512_castps256_ps512(lo_), hi_, 1);                                    \
+    } while (0)
+#define LOAD_I8(w, k, v) \
+    v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)(w) + (size_t)(k) * PW))))
+
+/* columns j..j+15 of one output row (fewer at the end of the matrix): the scale is one rounded
+ * multiply, the bias one rounded add, the same in every lane and in the tail */
+static inline void store16(__m512 a, const float *sc, const float *b, float *yrow, int j, int out) {
+    if (sc) a = _mm512_mul_ps(a, _mm512_loadu_ps(sc + j)); /* scales are padded to whole panels */
+    if (j + PW <= out) {
+        if (b) a = _mm512_add_ps(a, _mm512_loadu_ps(b + j));
+        _mm512_storeu_ps(yrow + j, a);
+        return;
+    }
+    float tmp[PW];
+    _mm512_storeu_ps(tmp, a);
+    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
+}
+
+#define MK(NAME, ELT, LOAD, R, NP)                                                                      \
+    static inline void NAME##_##R##_##NP(const float *x, int in, const void *Wp, int p0, const float *sc, \
+                                         const float *b, float *y, int ldy, int out) {                  \
+        __m512 acc[R][NP];                                                                              \
+        const size_t ps = (size_t)in * PW;                                                              \
+        const ELT *pan[NP];                                                                             \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const ELT *)Wp + (size_t)(p0 + n) * ps; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
+        for (int k = 0; k < in; k++) {                                                                  \
+            __m512 w[NP];                                                                               \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) LOAD(pan[n], k, w[n]);                 \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k]);                                      \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_fmadd_ps(xv, w[n], acc[r][n]); \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                store16(acc[r][n], sc, b, y + (size_t)r * ldy, (p0 + n) * PW, out);                     \
+    }
+
+/* 32 vector registers: up to 8 rows x 2 panels (16 accumulators, 2 weights, a broadcast) */
+#define KERNELS(NAME, ELT, LOAD)                                                                        \
+    MK(NAME, ELT, LOAD, 1, 4) MK(NAME, ELT, LOAD, 1, 2) MK(NAME, ELT, LOAD, 1, 1)                       \
+    MK(NAME, ELT, LOAD, 2, 2) MK(NAME, ELT, LOAD, 2, 1) MK(NAME, ELT, LOAD, 3, 2) MK(NAME, ELT, LOAD, 3, 1) \
+    MK(NAME, ELT, LOAD, 4, 2) MK(NAME, ELT, LOAD, 4, 1) MK(NAME, ELT, LOAD, 5, 2) MK(NAME, ELT, LOAD, 5, 1) \
+    MK(NAME, ELT, LOAD, 6, 2) MK(NAME, ELT, LOAD, 6, 1) MK(NAME, ELT, LOAD, 7, 2) MK(NAME, ELT, LOAD, 7, 1) \
+    MK(NAME, ELT, LOAD, 8, 2) MK(NAME, ELT, LOAD, 8, 1)
+#define BLOCK 8 /* rows per full block */
+#define ROWS_REST(NAME)                                                                                  \
+    switch (t - r) {                                                                                     \
+    case 7: ROWS(NAME, 7, 2); break;                                                                     \
+    case 6: ROWS(NAME, 6, 2); break;                                                                     \
+    case 5: ROWS(NAME, 5, 2); break;                                                                     \
+    case 4: ROWS(NAME, 4, 2); break;                                                                     \
+    case 3: ROWS(NAME, 3, 2); break;                                                                     \
+    case 2: ROWS(NAME, 2, 2); break;                                                                     \
+    default: break;                                                                                      \
+    }
+#define ROWS_FULL(NAME) ROWS(NAME, 8, 2)
+
+#else /* AVX2 and FMA */
+#define CD_KERNEL "avx2"
 #define LOAD_F32(w, k, lo, hi)                                                                          \
     do {                                                                                                \
         const float *wk_ = (const float *)(w) + (size_t)(k) * PW;                                       \
@@ -151,10 +242,36 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
         lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw_, 16));                                          \
         hi = _mm256_castsi256_ps(_mm256_and_si256(raw_, _mm256_set1_epi32((int)0xFFFF0000u)));          \
     } while (0)
+#define LOAD_I8(w, k, lo, hi)                                                                           \
+    do {                                                                                                \
+        __m128i raw_ = _mm_loadu_si128((const __m128i *)((const int8_t *)(w) + (size_t)(k) * PW));      \
+        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw_));                                            \
+        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw_, 8)));                         \
+    } while (0)
+
+static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b, float *yrow, int j, int out) {
+    if (sc) {
+        a0 = _mm256_mul_ps(a0, _mm256_loadu_ps(sc + j));
+        a1 = _mm256_mul_ps(a1, _mm256_loadu_ps(sc + j + 8));
+    }
+    if (j + PW <= out) {
+        if (b) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(b + j));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(b + j + 8));
+        }
+        _mm256_storeu_ps(yrow + j, a0);
+        _mm256_storeu_ps(yrow + j + 8, a1);
+        return;
+    }
+    float tmp[PW];
+    _mm256_storeu_ps(tmp, a0);
+    _mm256_storeu_ps(tmp + 8, a1);
+    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
+}
 
 #define MK(NAME, ELT, LOAD, R, NP)                                                                      \
-    static inline void NAME##_##R##_##NP(const float *x, int in, const void *Wp, int p0, const float *b, \
-                                         float *y, int ldy, int out) {                                  \
+    static inline void NAME##_##R##_##NP(const float *x, int in, const void *Wp, int p0, const float *sc, \
+                                         const float *b, float *y, int ldy, int out) {                  \
         __m256 acc[R][NP][2];                                                                           \
         const size_t ps = (size_t)in * PW;                                                              \
         const ELT *pan[NP];                                                                             \
@@ -175,26 +292,8 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
-                store16(acc[r][n][0], acc[r][n][1], b, y + (size_t)r * ldy, (p0 + n) * PW, out);        \
+                store16(acc[r][n][0], acc[r][n][1], sc, b, y + (size_t)r * ldy, (p0 + n) * PW, out);    \
     }
-
-/* columns j..j+15 of one output row (fewer at the end of the matrix); the bias is one rounded add,
- * the same in a vector lane and in the scalar tail */
-static inline void store16(__m256 a0, __m256 a1, const float *b, float *yrow, int j, int out) {
-    if (j + PW <= out) {
-        if (b) {
-            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(b + j));
-            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(b + j + 8));
-        }
-        _mm256_storeu_ps(yrow + j, a0);
-        _mm256_storeu_ps(yrow + j + 8, a1);
-        return;
-    }
-    float tmp[PW];
-    _mm256_storeu_ps(tmp, a0);
-    _mm256_storeu_ps(tmp + 8, a1);
-    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
-}
 
 /* Kernels R rows x NP panels. AVX2 has 16 vector registers: R * NP * 2 accumulators, NP * 2 widened
  * weights, a broadcast and the bf16 mask must fit, or accumulators spill and every k goes through a
@@ -203,58 +302,71 @@ static inline void store16(__m256 a0, __m256 a1, const float *b, float *yrow, in
  * t = 6, 1.75 at t = 8; 4x1, 6x1 and 6x1 + 2x2 cost 1.03, 1.13 and 1.53; 3x1 (six chains) beats 3x2
  * (spilling) at t = 3, 0.87 against 0.97 of a one-row step's time. */
 #define KERNELS(NAME, ELT, LOAD)                                                                        \
-    MK(NAME, ELT, LOAD, 1, 4)                                                                           \
-    MK(NAME, ELT, LOAD, 1, 2)                                                                           \
-    MK(NAME, ELT, LOAD, 1, 1)                                                                           \
-    MK(NAME, ELT, LOAD, 2, 2)                                                                           \
-    MK(NAME, ELT, LOAD, 2, 1)                                                                           \
-    MK(NAME, ELT, LOAD, 3, 1)                                                                           \
-    MK(NAME, ELT, LOAD, 4, 1)                                                                           \
-    MK(NAME, ELT, LOAD, 5, 1)                                                                           \
-    MK(NAME, ELT, LOAD, 6, 1)
+    MK(NAME, ELT, LOAD, 1, 4) MK(NAME, ELT, LOAD, 1, 2) MK(NAME, ELT, LOAD, 1, 1)                       \
+    MK(NAME, ELT, LOAD, 2, 2) MK(NAME, ELT, LOAD, 2, 1) MK(NAME, ELT, LOAD, 3, 1) MK(NAME, ELT, LOAD, 4, 1) \
+    MK(NAME, ELT, LOAD, 5, 1) MK(NAME, ELT, LOAD, 6, 1)
+#define BLOCK 6
+#define ROWS_REST(NAME)                                                                                  \
+    switch (t - r) {                                                                                     \
+    case 5: ROWS(NAME, 5, 1); break;                                                                     \
+    case 4: ROWS(NAME, 4, 1); break;                                                                     \
+    case 3: ROWS(NAME, 3, 1); break;                                                                     \
+    case 2: ROWS(NAME, 2, 2); break;                                                                     \
+    default: break;                                                                                      \
+    }
+#define ROWS_FULL(NAME) ROWS(NAME, 6, 1)
+#endif
+
 KERNELS(mkf, float, LOAD_F32)
 KERNELS(mkb, uint16_t, LOAD_BF16)
+KERNELS(mki, int8_t, LOAD_I8)
 
 #define ROWS(NAME, R, NP_WIDE)                                                                           \
     do {                                                                                                 \
         int p = qa;                                                                                      \
         for (; p + NP_WIDE <= qb; p += NP_WIDE)                                                          \
-            NAME##_##R##_##NP_WIDE(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);     \
-        for (; p < qb; p++) NAME##_##R##_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+            NAME##_##R##_##NP_WIDE(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
+        for (; p < qb; p++) NAME##_##R##_1(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
     } while (0)
-
-#define GEMM(NAME)                                                                                       \
-    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {                                                      \
-        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;                                    \
-        int r = 0;                                                                                       \
-        for (; r + 6 <= t; r += 6) ROWS(NAME, 6, 1);                                                     \
-        if (t - r == 5) ROWS(NAME, 5, 1);                                                                \
-        else if (t - r == 4) ROWS(NAME, 4, 1);                                                           \
-        else if (t - r == 3) ROWS(NAME, 3, 1);                                                           \
-        else if (t - r == 2) ROWS(NAME, 2, 2);                                                           \
-        else if (t - r == 1) {                                                                           \
-            int p = qa;                                                                                  \
-            for (; p + 4 <= qb; p += 4) NAME##_1_4(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
-            for (; p + 2 <= qb; p += 2) NAME##_1_2(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
-            for (; p < qb; p++) NAME##_1_1(x + (size_t)r * in, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
-        }                                                                                                \
-    }
 
 /* Panels per group: a group's weights are read from memory once and stay in L1/L2 while every block
  * of rows goes over them (before, each block of 4 rows streamed the whole matrix again, so 5 rows cost
  * two weight reads). */
 #define PANEL_GROUP 4
 
+#define GEMM(NAME)                                                                                       \
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {                                                      \
+        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;                                    \
+        int r = 0;                                                                                       \
+        for (; r + BLOCK <= t; r += BLOCK) ROWS_FULL(NAME);                                              \
+        if (t - r == 1) {                                                                                \
+            int p = qa;                                                                                  \
+            for (; p + 4 <= qb; p += 4) NAME##_1_4(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
+            for (; p + 2 <= qb; p += 2) NAME##_1_2(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
+            for (; p < qb; p++) NAME##_1_1(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
+        } else {                                                                                         \
+            ROWS_REST(NAME)                                                                              \
+        }                                                                                                \
+    }
+
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
- * blocks of 6, then a rest of 5, 4, 3, 2 or 1; which kernel computes a row never changes its bits. */
-static void gemm_panels(const float *x, int t, int in, const void *Wp, int bf16, int out, const float *b, float *y,
-                        int ldy, int pa, int pb) {
-    if (bf16) {
+ * blocks of BLOCK, then the rest; which kernel computes a row never changes its bits. sc: the int8
+ * format's column scales (NULL otherwise). */
+static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, const float *sc, int out, const float *b,
+                        float *y, int ldy, int pa, int pb) {
+    if (fmt == FMT_BF16) {
+        sc = NULL;
         GEMM(mkb)
+    } else if (fmt == FMT_I8) {
+        GEMM(mki)
     } else {
+        sc = NULL;
         GEMM(mkf)
     }
 }
+
+/* which kernels this build runs: "avx2" or "avx512" (native/__init__.py picks the build) */
+const char *cd_kernel(void) { return CD_KERNEL; }
 
 /* this thread's panels of an out-column matrix */
 static void share_panels(int out, int tid, int nt, int *pa, int *pb) {
@@ -392,11 +504,19 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
               const uint8_t *mask, int write, float *kc, float *vc, int cap, const float *cos_t,
               const float *sin_t, int nthreads) {
     const int d = m->d, H = m->H, KV = m->KV, hd = m->hd, I = m->I, nq = H + 2 * KV, qw = nq * hd;
+    if (t < 1 || first < 0 || last > m->n_layers || first > last || d < 1 || hd < 1 || KV < 1 || H % KV) return CD_ESIZE;
+    if (pos < 0 || cap < 1 || pos > cap - t) return CD_EPOS; /* the slots pos..pos+t-1 must exist */
+    if (rope_pos) {
+        for (int r = 0; r < t; r++)
+            if (rope_pos[r] < 0 || rope_pos[r] >= m->rope_len) return CD_EROPE;
+    } else if (pos + t > m->rope_len) {
+        return CD_EROPE;
+    }
     const int group = H / KV, width = pos + t;
     if (nthreads < 1) nthreads = 1;
     /* attention work items (row, head, chunk), with each row's first item */
     int *row_items = malloc(sizeof(int) * (size_t)(t + 1));
-    if (!row_items) return -1;
+    if (!row_items) return CD_ENOMEM;
     row_items[0] = 0;
     for (int r = 0; r < t; r++) {
         int keys = mask ? width : pos + r + 1;
@@ -407,7 +527,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
     float *buf = malloc(floats * sizeof(float));
-    if (!buf) { free(row_items); return -1; }
+    if (!buf) { free(row_items); return CD_ENOMEM; }
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
 
@@ -421,7 +541,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
             share_panels(qw, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->qkv, L->wbf16, qw, L->qkv_b, qkv, qw, a, b);
+            gemm_panels(x, t, d, L->qkv, L->wfmt, L->qkv_s, qw, L->qkv_b, qkv, qw, a, b);
 #pragma omp barrier
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
@@ -478,14 +598,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(att, t, H * hd, L->o, L->wbf16, d, L->o_b, y, d, a, b);
+            gemm_panels(att, t, H * hd, L->o, L->wfmt, L->o_s, d, L->o_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
             /* the same gate and up columns in one thread, so their product needs no barrier */
             share_panels(I, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->gate, L->wbf16, I, L->gate_b, gu, 2 * I, a, b);
-            gemm_panels(x, t, d, L->up, L->wbf16, I, L->up_b, gu + I, 2 * I, a, b);
+            gemm_panels(x, t, d, L->gate, L->wfmt, L->gate_s, I, L->gate_b, gu, 2 * I, a, b);
+            gemm_panels(x, t, d, L->up, L->wfmt, L->up_s, I, L->up_b, gu + I, 2 * I, a, b);
             {
                 int j0 = a * PW, j1 = b * PW < I ? b * PW : I;
                 for (int r = 0; r < t; r++)
@@ -493,7 +613,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(act, t, I, L->down, L->wbf16, d, L->down_b, y, d, a, b);
+            gemm_panels(act, t, I, L->down, L->wfmt, L->down_s, d, L->down_b, y, d, a, b);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
         }
@@ -505,18 +625,19 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
 }
 
 /* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
-int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wbf16, int V,
-            const float *bias, float *out, int nthreads) {
+int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wfmt, const float *wscale,
+            int V, const float *bias, float *out, int nthreads) {
+    if (t < 1 || d < 1 || V < 1 || wfmt < FMT_F32 || wfmt > FMT_I8 || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
     if (nthreads < 1) nthreads = 1;
     float *x = malloc(sizeof(float) * (size_t)t * d);
-    if (!x) return -1;
+    if (!x) return CD_ENOMEM;
     for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned int csr = denormals_off();
         int a, b;
         share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_panels(x, t, d, W, wbf16, V, bias, out, V, a, b);
+        gemm_panels(x, t, d, W, wfmt, wscale, V, bias, out, V, a, b);
         _mm_setcsr(csr);
     }
     free(x);
@@ -531,29 +652,51 @@ static inline int argmax_row(const float *row, int n) {
     return j;
 }
 
+/* one embedding row into dst [d]: embed is [vocab, d], float32 or (ebf16) bf16 bits widened exactly */
+static void embed_row(const void *embed, int ebf16, int64_t tok, int d, float *dst) {
+    if (!ebf16) {
+        memcpy(dst, (const float *)embed + (size_t)tok * d, sizeof(float) * (size_t)d);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)embed + (size_t)tok * d;
+    for (int i = 0; i < d; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, sizeof(float));
+    }
+}
+
 /* Greedy early-exit drafting in one call: up to k_max tokens after `token`, each fed through layers
  * [0, E) at slots pos, pos+1, ... (their K/V written: the verifier keeps them, as it would have written
  * the same) and scored by the final norm and the head rows Wp (the draft vocabulary; ids maps a row to
  * its token id, NULL: row j is id j). Stops when the top probability falls below threshold (the state
  * fed last is kept, with no token for it) and after an eos id. states [k_max, d]: the layer-E state of
- * each fed token. Returns the number of tokens drafted (and *n_fed), or -1 without scratch memory. */
-int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E, int pos, int k_max, float threshold,
-                    const float *norm_w, float norm_eps, const void *Wp, int wbf16, int Vd, const float *bias, const int64_t *ids,
-                    const int64_t *eos, int n_eos, float *kc, float *vc, int cap, const float *cos_t,
-                    const float *sin_t, int nthreads, int64_t *tokens, float *states, int *n_fed) {
+ * each fed token. Returns the number of tokens drafted (and *n_fed), or a negative CD_E* code (bad
+ * arguments are refused before anything is written). */
+int cd_draft_greedy(const cd_model *m, const void *embed, int ebf16, int64_t token, int E, int pos, int k_max,
+                    float threshold, const float *norm_w, float norm_eps, const void *Wp, int wfmt, const float *wscale,
+                    int Vd, const float *bias, const int64_t *ids, const int64_t *eos, int n_eos, float *kc, float *vc,
+                    int cap, const float *cos_t, const float *sin_t, int nthreads, int64_t *tokens, float *states,
+                    int *n_fed) {
     const int d = m->d;
+    *n_fed = 0;
+    if (k_max < 1 || E < 0 || E > m->n_layers || Vd < 1 || n_eos < 0) return CD_ESIZE;
+    if (pos < 0 || pos > cap - k_max) return CD_EPOS;
+    if (pos + k_max > m->rope_len) return CD_EROPE;
+    if (token < 0 || token >= m->vocab) return CD_ETOKEN;
+    if (ids) /* every row's id, checked once: a drafted token is fed back as the next input */
+        for (int j = 0; j < Vd; j++)
+            if (ids[j] < 0 || ids[j] >= m->vocab) return CD_ETOKEN;
+    if (!ids && Vd > m->vocab) return CD_ESIZE;
     float *logits = malloc(sizeof(float) * (size_t)(Vd + 8));
-    if (!logits) return -1;
+    if (!logits) return CD_ENOMEM;
     int k = 0, fed = 0, rc = 0;
     int64_t x = token;
     for (int i = 0; i < k_max; i++) {
         float *h = states + (size_t)i * d;
-        memcpy(h, embed + (size_t)x * d, sizeof(float) * (size_t)d);
-        if (cd_layers(m, h, 1, 0, E, pos + i, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads) != 0 ||
-            cd_head(h, 1, d, norm_w, norm_eps, Wp, wbf16, Vd, bias, logits, nthreads) != 0) {
-            rc = -1;
-            break;
-        }
+        embed_row(embed, ebf16, x, d, h);
+        rc = cd_layers(m, h, 1, 0, E, pos + i, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads);
+        if (rc == 0) rc = cd_head(h, 1, d, norm_w, norm_eps, Wp, wfmt, wscale, Vd, bias, logits, nthreads);
+        if (rc != 0) break;
         fed++;
         int j = argmax_row(logits, Vd);
         if (threshold > 0.0f) {
@@ -578,26 +721,31 @@ int cd_draft_greedy(const cd_model *m, const float *embed, int64_t token, int E,
     }
     free(logits);
     *n_fed = fed;
-    return rc ? -1 : k;
+    return rc ? rc : k;
 }
 
 /* A greedy verify pass in one call: tokens [t] (the pending token, then the drafted ones) embedded, fed
  * through layers [0, last) at slots pos.. (their K/V written), the final norm and the head, and each row's
- * argmax into out [t] (argmax_row). The same cd_layers and cd_head a
- * plain step runs, so row r's argmax is what a plain step at slot pos + r would pick. Returns 0, or -1
- * without scratch memory (the K/V of the slots may then be partly written: they are past the sequence's
- * valid length, so nothing reads them). */
-int cd_verify_greedy(const cd_model *m, const float *embed, const int64_t *tokens, int t, int last, int pos,
-                     const float *norm_w, float norm_eps, const void *W, int wbf16, int V, const float *bias,
-                     float *kc, float *vc, int cap, const float *cos_t, const float *sin_t, int nthreads, int64_t *out) {
+ * argmax into out [t] (argmax_row). The same cd_layers and cd_head a plain step runs, so row r's argmax is
+ * what a plain step at slot pos + r would pick. Returns 0, or a negative CD_E* code: bad arguments are
+ * refused before anything is written; without memory the K/V of the slots may be partly written (they
+ * are past the sequence's valid length, so nothing reads them). */
+int cd_verify_greedy(const cd_model *m, const void *embed, int ebf16, const int64_t *tokens, int t, int last, int pos,
+                     const float *norm_w, float norm_eps, const void *W, int wfmt, const float *wscale, int V,
+                     const float *bias, float *kc, float *vc, int cap, const float *cos_t, const float *sin_t,
+                     int nthreads, int64_t *out) {
     const int d = m->d;
+    if (t < 1 || last < 0 || last > m->n_layers || V < 1) return CD_ESIZE;
+    if (pos < 0 || pos > cap - t) return CD_EPOS;
+    for (int r = 0; r < t; r++)
+        if (tokens[r] < 0 || tokens[r] >= m->vocab) return CD_ETOKEN;
     float *h = malloc(sizeof(float) * (size_t)t * d);
     float *logits = malloc(sizeof(float) * (size_t)t * V);
-    int rc = -1;
+    int rc = CD_ENOMEM;
     if (h && logits) {
-        for (int r = 0; r < t; r++) memcpy(h + (size_t)r * d, embed + (size_t)tokens[r] * d, sizeof(float) * (size_t)d);
+        for (int r = 0; r < t; r++) embed_row(embed, ebf16, tokens[r], d, h + (size_t)r * d);
         rc = cd_layers(m, h, t, 0, last, pos, NULL, NULL, 1, kc, vc, cap, cos_t, sin_t, nthreads);
-        if (rc == 0) rc = cd_head(h, t, d, norm_w, norm_eps, W, wbf16, V, bias, logits, nthreads);
+        if (rc == 0) rc = cd_head(h, t, d, norm_w, norm_eps, W, wfmt, wscale, V, bias, logits, nthreads);
         if (rc == 0)
             for (int r = 0; r < t; r++) out[r] = argmax_row(logits + (size_t)r * V, V);
     }

@@ -1,0 +1,188 @@
+"""The native step's kernels and weight formats (issue 27 items 1-3): every kernel this CPU runs (AVX2/FMA,
+AVX-512) in every panel format (float32, bf16, int8) gives each row of a pass of up to 33 positions the
+bits of a one-row step, the kernels agree with each other bit for bit, int8 panels compute the dequantised
+model, speculative greedy output equals plain greedy output under every weight format, and a model too
+large for two copies keeps its packed panels as its only weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from completiond.engine import forward, native
+from completiond.engine.engine import Engine, EngineError, SamplingParams
+from tests.conftest import make_tiny_model
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
+
+
+def _need_native():
+    if native.library() is None:
+        pytest.skip(f"native step unavailable here: {native.reason()}")
+
+
+@pytest.fixture(scope="module")
+def bundled(bundled_model_dir) -> Engine:
+    return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+
+
+def _ids(eng: Engine, text: str, n: int) -> list[int]:
+    ids = eng.tokenizer(text).input_ids
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def _pass(eng: Engine, seq, ids: list[int]) -> torch.Tensor:
+    h = eng.fwd.layers_range(eng.embed(ids), 0, eng.num_layers, seq.length, seq)
+    return eng.head(h)
+
+
+def test_kernel_choice_is_one_function_and_status_names_it(bundled, monkeypatch):
+    _need_native()
+    kernels = native.supported_kernels()
+    assert kernels[0] == "avx2" and native.kernel_name() == kernels[-1]
+    assert f"{bundled.fwd.native.kernel} kernels" in bundled.decode_step_in_use()
+    assert bundled.fwd.native.kernel == native.kernel_name()
+    monkeypatch.setenv("COMPLETIOND_KERNEL", "avx2")
+    assert native.kernel_name() == "avx2"
+    monkeypatch.setenv("COMPLETIOND_KERNEL", "sse2")  # not a kernel: the CPU's best
+    assert native.kernel_name() == kernels[-1]
+    flags = set(native._cpu_flags().split())
+    if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
+        assert "avx512" in kernels
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("weights", ["auto", "float32", "int8"])
+def test_every_kernel_gives_every_row_the_bits_of_a_one_row_step(bundled, weights):
+    """Passes of 2..33 rows (a verify pass of 32 drafted tokens and the pending one) against 33 one-row
+    steps, in every kernel this CPU can run; the kernels against each other (the same fmadd chain per
+    column), and float32 panels against the PyTorch path."""
+    _need_native()
+    prompt = _ids(bundled, TEXT * 4, 300)  # past one 256-key attention chunk
+    n0, rows = 260, 33
+    saved = bundled.fwd.native
+    per_kernel = {}
+    try:
+        for kernel in native.supported_kernels():
+            lib = native.library(kernel)
+            assert lib is not None, native.reason(kernel)
+            bundled.fwd.native = native.NativeStep(lib, bundled.fwd, weights)
+            assert bundled.fwd.native.kernel == kernel
+            base = bundled.new_sequence(n0 + rows)
+            bundled.prefill(base, prompt[:n0], None)
+            seq = base.copy_prefix(n0, rows)
+            singles = []
+            for tok in prompt[n0:n0 + rows]:
+                singles.append(_pass(bundled, seq, [tok]))
+                seq.commit([tok])
+            singles = torch.cat(singles)  # [33, V]
+            for t in (2, 5, 9, 16, 17, 33):
+                batch = base.copy_prefix(n0, rows)
+                got = _pass(bundled, batch, prompt[n0:n0 + t])
+                assert torch.equal(got, singles[:t]), (kernel, t)
+                L = bundled.num_layers
+                assert torch.equal(batch.k[:L, :, n0:n0 + t], seq.k[:L, :, n0:n0 + t]), (kernel, t)
+            per_kernel[kernel] = singles
+        first = next(iter(per_kernel.values()))
+        for kernel, singles in per_kernel.items():
+            assert torch.equal(singles, first), kernel
+        if weights == "float32":
+            bundled.fwd.native = None
+            ref = bundled.new_sequence(n0 + rows)
+            bundled.prefill(ref, prompt[:n0], None)
+            want = _pass(bundled, ref, prompt[n0:n0 + rows])
+            torch.testing.assert_close(first, want, rtol=1e-4, atol=1e-4)
+    finally:
+        bundled.fwd.native = saved
+
+
+def test_int8_quantisation_is_symmetric_per_output_channel():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g)
+    w[7] = 0.0
+    q, scale = native.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,)
+    assert int(q.abs().max()) == 127 and int(q[7].abs().max()) == 0
+    err = (native.dequantize_int8(q, scale) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    rows = torch.tensor([3, 30, 11])
+    q_sub, s_sub = native.quantize_int8(w[rows])  # a draft vocabulary's rows: the same values
+    assert torch.equal(q_sub, q[rows]) and torch.equal(s_sub, scale[rows])
+    packed, scales = native.pack_as(w, native.FMT_I8)  # [3 panels, 24, 16], natural column order
+    assert packed.shape == (3, 24, 16) and scales.shape == (48,)
+    assert torch.equal(packed.transpose(1, 2).reshape(48, 24)[:40], q)
+
+
+@torch.inference_mode()
+def test_int8_panels_compute_the_dequantised_model(tmp_path):
+    """weights="int8": every pass (prefill too) reads int8 panels, and computes what the PyTorch path
+    computes on the dequantised weights."""
+    _need_native()
+    d = make_tiny_model(tmp_path / "m", layers=3, seed=11)
+    q8 = Engine.load(d, device="cpu", dtype="float32", weights="int8")
+    assert q8.fwd.native.weights() == "int8" and q8.fwd.native_all and q8.weights_in_use() == "int8"
+    ref = Engine.load(d, device="cpu", dtype="float32")
+    ref.fwd.native = None
+    for L in ref.fwd.layers:
+        for w in (L.qkv, L.o, L.gate_up, L.down):
+            w.copy_(native.dequantize_int8(*native.quantize_int8(w)))
+        L.qkv_t = L.o_t = L.gate_up_t = L.down_t = None
+    ref.fwd.head_w = native.dequantize_int8(*native.quantize_int8(ref.fwd.head_w))  # (the embedding stays as it is)
+    ref.fwd.head_t = None
+    prompt = _ids(q8, TEXT, 50)  # a 47-token prefill: past MAX_ROWS, native all the same
+    got_seq, ref_seq = q8.new_sequence(64), ref.new_sequence(64)
+    q8.prefill(got_seq, prompt[:-3], None)
+    ref.prefill(ref_seq, prompt[:-3], None)
+    torch.testing.assert_close(_pass(q8, got_seq, prompt[-3:]), _pass(ref, ref_seq, prompt[-3:]), rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_speculative_greedy_equals_plain_greedy_in_every_weight_format(bundled_model_dir, weights):
+    _need_native()
+    eng = Engine.load(bundled_model_dir, device="cpu", dtype="float32", weights=weights)
+    assert eng.weights_in_use() == weights and f"{weights} weights" in eng.decode_step_in_use()
+    prompt = eng.tokenizer(TEXT).input_ids
+    plain = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, speculative=False))
+    for k in (4, 32):  # 33 rows: the settings' largest verify pass stays native
+        spec = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, exit_layer=2, draft_k=k))
+        assert spec.tokens == plain.tokens, k
+
+
+def test_an_unknown_weights_format_is_refused(bundled_model_dir):
+    with pytest.raises(EngineError, match="'fp4'"):
+        Engine.load(bundled_model_dir, device="cpu", dtype="float32", weights="fp4")
+
+
+@torch.inference_mode()
+def test_a_large_model_keeps_the_packed_panels_as_its_only_weights(tmp_path, monkeypatch):
+    """Above the copy limit each layer is packed and its own tensors dropped (the transformers modules'
+    too), the embedding and head are kept once in bf16, and every pass runs natively: the same tokens
+    as the model with both copies, plain and speculative."""
+    _need_native()
+    d = make_tiny_model(tmp_path / "rounded", layers=3, seed=7)
+    from safetensors.torch import load_file, save_file
+    w = load_file(d / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16).to(torch.float32) for k, v in w.items()}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    both = Engine.load(d, device="cpu", dtype="float32")
+    monkeypatch.setattr(forward, "TRANSPOSED_COPY_LIMIT", 0)
+    packed = Engine.load(d, device="cpu", dtype="float32")
+    fwd = packed.fwd
+    assert fwd.released and fwd.native_all and fwd.native.weights() == "bf16"
+    assert all(L.qkv is None and L.gate_up is None and L.down is None and L.o is None
+               for L in fwd.layers[:packed.num_layers])
+    layer_params = [p for n, p in packed.model.named_parameters() if "proj" in n and n.endswith("weight")]
+    assert layer_params and all(p.numel() == 0 for p in layer_params)
+    assert fwd.embed_w.dtype == torch.bfloat16 and fwd.layer_numel == both.fwd.layer_numel
+    prompt = both.tokenizer(TEXT).input_ids[:30]  # prefill within MAX_ROWS: native in both engines
+    want = both.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False)).tokens
+    assert packed.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False)).tokens == want
+    spec = packed.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, exit_layer=1, draft_k=4))
+    assert spec.tokens == want
+    long_prompt = _ids(packed, TEXT * 4, 300)  # a prefill of two chunks, native too
+    plain = packed.generate(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))
+    assert len(plain.tokens) == 8
