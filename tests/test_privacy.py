@@ -129,8 +129,8 @@ async def test_service_scopes_context_per_connection(tmp_path):
     seen: dict = {}
     real_context = service._context
 
-    def spy(client, cfg, path, language):
-        seen[client] = real_context(client, cfg, path, language)
+    def spy(client, cfg, path, language, *rest):
+        seen[client] = real_context(client, cfg, path, language, *rest)
         return seen[client]
 
     service._context = spy
@@ -142,8 +142,9 @@ async def test_service_scopes_context_per_connection(tmp_path):
         service.open(1, (a / "open_a.py").as_uri(), 1, "A_OPEN = 2\n", "python")
         service.open(2, (b / "main.py").as_uri(), 1, "x = ", "python")
         service.open(1, (a / "main.py").as_uri(), 1, "x = ", "python")
-        await service.complete(2, 1, (b / "main.py").as_uri(), 1, 4)
-        await service.complete(1, 1, (a / "main.py").as_uri(), 1, 4)
+        recent = {"contextRetrieval": "off"}  # snippets of recent files, whatever the cursor's code names
+        await service.complete(2, 1, (b / "main.py").as_uri(), 1, 4, recent)
+        await service.complete(1, 1, (a / "main.py").as_uri(), 1, 4, recent)
         assert "A_" not in str(seen[2])
         assert "A_ONLY" in str(seen[1]) and "A_OPEN" in str(seen[1])
         service.drop_client(1)
@@ -413,8 +414,9 @@ async def test_current_document_of_each_kind_never_reaches_the_server(tmp_path, 
         server.close()
 
 
+@pytest.mark.parametrize("retrieval", ["off", "on"])
 @pytest.mark.parametrize("backend", ["openai", "llamacpp-infill"])
-async def test_open_restricted_documents_are_never_context_for_another_file(tmp_path, backend):
+async def test_open_restricted_documents_are_never_context_for_another_file(tmp_path, backend, retrieval):
     from remote_servers import FakeServer
 
     project = gated_tree(tmp_path)
@@ -429,12 +431,15 @@ async def test_open_restricted_documents_are_never_context_for_another_file(tmp_
         service.open("ed", (project / "data.py").as_uri(), 1, "EXCLUDED_MARK = 2\n", "python")
         service.open("ed", (project / "helper.py").as_uri(), 1, "HELPER_MARK = 2\n", "python")
         uri = (project / "main.py").as_uri()
-        service.open("ed", uri, 1, "x = ", "python")
-        result = await service.complete("ed", 1, uri, 1, 4, {"contextExclude": "data.py"})
+        # The cursor's code names every mark, so retrieval would pick each file that defines one.
+        text = "total = HELPER_MARK + PRIVATE_NOTE + HIDDEN_MARK + OUTSIDE_MARK + EXCLUDED_MARK + DB_PASSWORD\nx = "
+        service.open("ed", uri, 1, text, "python")
+        result = await service.complete("ed", 1, uri, 1, len(text),
+                                        {"contextExclude": "data.py", "contextRetrieval": retrieval})
         assert result["suggestion"]["text"] == "1"
-        sent = all_sent(server)
-        assert "HELPER_MARK" in sent                                    # ordinary open files are context
-        for mark in ("wJalrXUtnFEMI", "hunter2", "PRIVATE_NOTE", "HIDDEN_MARK", "OUTSIDE_MARK", "EXCLUDED_MARK"):
+        sent = all_sent(server).replace(text.replace("\n", "\\n"), "")   # the cursor's own line aside
+        assert "HELPER_MARK = 2" in sent                                # ordinary open files are context
+        for mark in ("wJalrXUtnFEMI", "hunter2", "PRIVATE_NOTE =", "HIDDEN_MARK =", "OUTSIDE_MARK =", "EXCLUDED_MARK ="):
             assert mark not in sent, (mark, sent)
     finally:
         service.shutdown()
