@@ -6,7 +6,8 @@ Everything is deterministic (fixed seeds, greedy decoding, fp32 evaluation) and
 uses only held-out files (models/corpus.py). Writes into the model directory:
 
 * MODEL_CARD.md          the card
-* loss_curves.png        training / held-out loss per exit layer
+* loss_curves.png        training / held-out loss per exit layer (from --train-log: the run's
+                         train_log.jsonl, which stays in the run directory, not the model's)
 * eval_results.json      every number in the card, machine-readable
 
 Conventions: "exit layer l" (1-based) means the hidden state after the first l
@@ -188,8 +189,11 @@ def _next_line_of(text: str) -> str | None:
     return text[1:].split("\n")[0].rstrip()
 
 
-def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, max_new: int = 48):
+def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, max_new: int = 48, decode=greedy):
     """Cursor at the end of a held-out line (before its newline); predict the whole next line.
+
+    decode(model, ids, max_new, stop_ids=, stop_fn=, tok=) -> (new ids, stopped): `greedy` here; the
+    weight-format comparison (`completiond bench --quality`) passes the engine's plain greedy decoding.
 
     The cursor sits at a token boundary the model saw in training (the newline is tokenized together
     with the next line's indentation, so a prompt ending in a bare newline would be out of distribution:
@@ -212,9 +216,9 @@ def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, 
         suffix = "\n" + "\n".join(lines[li + 1:])
         truth = lines[li].rstrip()
         ids = tok(prefix, add_special_tokens=False)["input_ids"][-max_prefix:]
-        g1, _ = greedy(model, ids, max_new, stop_ids=(eot,), stop_fn=_line_done, tok=tok)
+        g1, _ = decode(model, ids, max_new, stop_ids=(eot,), stop_fn=_line_done, tok=tok)
         l2r = _next_line_of(tok.decode(g1))
-        g2, _ = greedy(model, encode_fim(tok, prefix, suffix, "spm", max_prefix), max_new, stop_ids=(eot,),
+        g2, _ = decode(model, encode_fim(tok, prefix, suffix, "spm", max_prefix), max_new, stop_ids=(eot,),
                        stop_fn=_line_done, tok=tok)
         fim = _next_line_of(tok.decode(g2))
         base = baseline_line(lines[li - 1]).rstrip()
@@ -372,102 +376,8 @@ def plot(log_path: Path, png: Path, n_layers: int) -> None:
     plt.close(fig)
 
 
-def _stages_md(t: dict) -> str:
-    stages = t.get("stages") or [{"stage": 1, "steps": t["steps"], "tokens": t["tokens_seen"],
-                                  "train_seconds": t["train_seconds"], "lr": t["lr"], "warmup": t["warmup"],
-                                  "seed": t["seed"], "init_from": None, "minutes": None}]
-    lines = []
-    for st in stages:
-        how = "from scratch" if not st.get("init_from") else \
-            f"continued from stage {st['stage'] - 1} with `--init-from`, fresh optimizer"
-        from .train_default import DEFAULTS
-
-        batch = (st.get("args") or {}).get("batch_size", DEFAULTS["batch_size"])
-        lines.append(f"  * stage {st['stage']} ({how}): {st['steps']:,} steps of {batch} sequences, "
-                     f"{st['tokens']:,} tokens, "
-                     f"{st['train_seconds'] / 60:.1f} min, peak LR {st['lr']}, {st['warmup']} warmup steps, "
-                     f"seed {st['seed']}")
-    cmds = [c for c in (_command(st) for st in stages) if c]
-    out = "* Stages:\n" + "\n".join(lines)
-    if cmds:
-        out += "\n* Commands (non-default options only):\n\n" + "\n".join(f"      {c}" for c in cmds)
-    return out
-
-
-def _command(st: dict) -> str | None:
-    """The `completiond train-default` command line of one stage, from its recorded arguments."""
-    a = st.get("args")
-    if not a:
-        # stages recorded before arguments were logged ran with every default
-        return "completiond train-default" if not st.get("init_from") else None
-    from . import default_model_dir, train_default
-
-    p = argparse.ArgumentParser()
-    train_default.add_arguments(p)
-    defaults = vars(p.parse_args([]))
-    parts = ["completiond train-default"]
-    for k, v in a.items():
-        if k in ("out", "no_progress", "command") or k not in defaults:
-            continue
-        d = defaults[k]
-        d = str(d) if isinstance(d, Path) else d
-        if v == d:
-            continue
-        if k == "init_from":
-            v = str(default_model_dir().relative_to(Path.cwd())) if Path(v) == default_model_dir() else v
-        if isinstance(v, bool):
-            if v:
-                parts.append("--" + k.replace("_", "-"))
-            continue
-        parts.append(f"--{k.replace('_', '-')} {v}")
-    return " ".join(parts)
-
-
-def _targets_md(model_dir: Path, r: dict) -> str:
-    """The model's figures against the targets of the bundled model's issue (v2)."""
-    t = r["training"]
-    L = t["layers"]
-    nl, fb = r["next_line"], r["fim_bodies"]
-    cheap = [(r["alpha"][l], l + 1) for l in range(L - 1) if draft_cost(t, l + 1, r.get("draft_vocab_size", 0)) <= 0.35]
-    best = max(cheap) if cheap else None
-    hp = r.get("heldout_packages_loss")
-    mb = (model_dir / "model.safetensors").stat().st_size / 2**20
-    ratio = nl["left_to_right"]["char_similarity"] / max(1e-9, nl["baseline"]["char_similarity"])
-    stop = min(fb["spm"]["stops_at_eot"], fb["psm"]["stops_at_eot"])
-    rows = [
-        ("last-layer held-out loss (stdlib, nats/token)", f"{r['heldout_loss'][-1]:.3f}", "<= 3.0",
-         r["heldout_loss"][-1] <= 3.0),
-        ("held-out loss on the held-out packages", f"{hp[-1]:.3f}" if hp else "not measured", "<= 3.4",
-         bool(hp) and hp[-1] <= 3.4),
-        ("next-line exact match (left to right)", f"{nl['left_to_right']['exact_match']:.1%}", ">= 10%",
-         nl["left_to_right"]["exact_match"] >= 0.10),
-        ("next-line char similarity / trivial baseline", f"{ratio:.2f}x", ">= 1.3x", ratio >= 1.3),
-        ("FIM function bodies ending with `<|endoftext|>` (worse of SPM, PSM)", f"{stop:.1%}", ">= 80%", stop >= 0.8),
-        ("greedy agreement of the best exit at draft cost <= 0.35",
-         f"{best[0]:.3f} (exit {best[1]})" if best else "no exit that cheap", ">= 0.85", bool(best) and best[0] >= 0.85),
-        ("weights (safetensors)", f"{mb:.1f} MB", "<= 30 MB", mb <= 30),
-        ("tokens seen", f"{t['tokens_seen'] / 1e6:.1f}M", ">= 40M", t["tokens_seen"] >= 40e6),
-    ]
-    return ("| figure | this model | target | met |\n|---|---|---|---|\n"
-            + "\n".join(f"| {a} | {b} | {c} | {'yes' if ok else 'no'} |" for a, b, c, ok in rows))
-
-
 def _fmt(v, l: int) -> str:
     return f"{v[l]:.3f}" if v else "not measured"
-
-
-def _cell(s: str) -> str:
-    """Code in a markdown table cell: pipes escaped, empty shown as (empty)."""
-    s = s.strip()
-    if not s:
-        return "*(empty)*"
-    tick = "``" if "`" in s else "`"
-    s = s.replace("|", "\\|")  # GFM tables: an escaped pipe stays in the cell, even in code
-    return f"`` {s} ``" if tick == "``" else f"`{s}`"
-
-
-def _fence(s: str) -> str:
-    return "```python\n" + s.replace("```", "`\u200b``") + "\n```"
 
 
 def draft_cost(t: dict, exit_layer: int, draft_vocab: int = 0) -> float:
@@ -541,94 +451,22 @@ def _recipe_changes_md(st: dict) -> str:
 
 
 def _training_md(t: dict) -> str:
-    """The training section for a model trained by the resumable trainer (summary has "cfg")."""
-    c = t["cfg"]
-    stages = "\n".join(
-        f"  * stage {i + 1} ({'resumed from the checkpoint' if st.get('resume') else 'from scratch'}): steps "
-        f"{st['start_step']:,} to {st.get('end_step', st['start_step']):,}, tokens {st['start_tokens']:,} to "
-        f"{st.get('end_tokens', st['start_tokens']):,}, {st.get('started', '?')} to {st.get('ended', '?')}, "
-        f"{st.get('precision')} on {st.get('device')} ({st.get('threads')} threads), stopped: "
-        f"{st.get('stop_reason', 'checkpoint')}{_recipe_changes_md(st)}"
-        for i, st in enumerate(t["stages"]))
-    changed = any(st.get("recipe_changes") for st in t["stages"])
-    as_of = " (the last stage's values; the stages above say where they changed)" if changed else ""
-    probe_md = ""
-    if t.get("scaling_probe"):
-        rows = "\n".join(
-            f"| {p['size']} | {p['parameters'] / 1e6:.2f}M | {p['bf16_mb']} MB | {p['tokens_per_s']:.0f} | {p['tokens']:,} | "
-            f"{p['heldout_stdlib'][-1]:.3f} | {(p.get('heldout_packages') or [float('nan')])[-1]:.3f} |"
-            for p in t["scaling_probe"])
-        minutes = t["scaling_probe"][0]["seconds"] / 60
-        probe_md = f"""
-* Scaling probe (`completiond train-default --probe`): each size trained {minutes:.1f} minutes on the same data
-  (batch {t["scaling_probe"][0].get("batch_size", "?")}, {t["scaling_probe"][0].get("warmup", "?")} warmup steps, then a cosine over its
-  minutes), then the held-out loss of its last layer:
-
-  | size (hidden x layers x MLP) | parameters | bf16 weights | tokens/s | tokens | held-out stdlib | held-out packages |
-  |---|---|---|---|---|---|---|
-  {rows.replace(chr(10), chr(10) + "  ")}
-"""
-    defaults = {"hidden": 192, "layers": 10, "intermediate": 512}
-    arch = c["arch"]
-    opts = " ".join(f"--{k} {arch[k]}" for k in ("hidden", "layers", "intermediate") if arch[k] != defaults[k])
-    if arch["heads"] != 3:
-        opts += f" --heads {arch['heads']} --kv-heads {arch['kv_heads']}"
-    drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
-    weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
-    probe = t.get("precision_info") or {}
-    timing = probe.get("step_seconds")
-    prec = (f"{t['precision']} (start-up probe, one training step of 256 tokens: "
-            + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items() if v is not None) + ")") if timing else t["precision"]
-    return f"""* {t['steps']:,} optimizer steps of {t['batch_size']} sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,}
-  tokens seen** (loss-bearing tokens; planned total of the run {t['planned_tokens']:,}, step {t['steps']:,} of
-  {t['planned_steps']:,}; ~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in
-  **{t['train_seconds'] / 60:.1f} minutes** of training; precision {prec}; torch {t['torch']}.
-* One run, resumable: `completiond train-default{(' ' + opts) if opts else ''} --total-tokens {t['planned_tokens']}`, then
-  `completiond train-default --resume` for each later stage. A checkpoint holds weights, AdamW state, the data
-  position (epoch, index into a per-epoch permutation of {t['seq_len'] + 1}-token chunks, the sampler's RNG), the
-  schedule position and torch's RNG state, so a resumed run continues exactly as an uninterrupted one.
-  Stages:
-{stages}{probe_md}
-* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), {t['warmup']} warmup steps to peak LR
-  {t['lr']}, then **one cosine over the planned total** to {t['min_lr_ratio']} x peak, gradient clip 1.0.
-* **LayerSkip** (Elhoushi et al., 2024): layer dropout rising linearly with depth, per sample,
-  training only (no rescaling; off at inference): p = [{drop}].
-  Early-exit loss through the shared final norm and LM head, weights `e_scale * sum(i for i <= l)` for l < L-1
-  and `L-1` for the last layer, e_scale = {t['exit_scale']}, normalized: [{weights}]. Each step scores the
-  exits the engine drafts from ({', '.join(str(e) for e in t['draft_exits'])}){as_of} and {t['rotating_exits']} other exits
-  chosen at random (rotational curriculum), on a random {t['exit_frac']:.3g} of the positions (CPU budget); the last
-  layer on all.
-* **Self-distillation**: each scored exit is also trained toward the final layer's detached distribution,
-  KL(p_final || p_exit), weight 1 for the draft exits and {t['distill_other']} for the others, times {t['distill']}{as_of}.
-* **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), inside one file's
-  window. Every middle ends at a boundary an editor completion should stop at: before a newline (the rest of
-  the cursor's line plus 0-3 lines, or the indented block after a line: a function or loop body), or where the
-  rest of the cursor's line begins (in-line middles); {t['empty_middle']:.0%} of middles are empty. Every middle is
-  closed with `<|endoftext|>` (the suffix and then the prefix are trimmed so it always fits). Other samples are
-  chunks of the training stream."""
-
-
-def _legacy_training_md(t: dict) -> str:
-    """The training section of a model trained before the resumable trainer (stages via --init-from)."""
-    drop = ", ".join(f"{p:.3f}" for p in t["layer_dropout"])
-    weights = ", ".join(f"{w:.3f}" for w in t["exit_weights"])
-    return f"""* {t['steps']:,} optimizer steps on sequences of {t['seq_len']} tokens; **{t['tokens_seen']:,} tokens seen**
-  (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in **{t['train_seconds'] / 60:.1f} minutes**
-  of training ({t['total_seconds'] / 60:.1f} min wall in all) on {t['threads']} CPU threads ({t['device']}),
-  shared with other work, bf16 autocast, torch {t['torch']}.
-* AdamW (betas 0.9/0.95, weight decay {t['weight_decay']} on matrices), linear warmup, then cosine decay to
-  {t['min_lr_ratio']} x peak over the stage's time budget, gradient clip 1.0.
-{_stages_md(t)}
-* **LayerSkip** (Elhoushi et al., 2024): layer dropout rising linearly with depth, per sample,
-  training only (no rescaling; off at inference): p = [{drop}].
-  Early-exit loss after every layer through the shared final norm and LM head, weights
-  `e_scale * sum(i for i <= l)` for l < L-1 and `L-1` for the last layer, e_scale = {t['exit_scale']},
-  normalized: [{weights}]. The intermediate exits are scored on a random {t['exit_frac']:.3g} of the
-  positions each step (CPU budget); the last layer on all.
-* **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM, the rest PSM), split at
-  character level inside a window of one file: the cursor uniform; the middle either runs to the
-  end of the cursor's line plus 0-3 lines (half the time) or has uniform length. Other samples are
-  windows of the training stream, where files are joined with `<|file_sep|>`."""
+    """What the model was trained with, in brief: the figures a user weighs, not the run's history
+    (training_summary.json beside the model keeps every stage; models/training/RESUME.md how to go on)."""
+    changes = "".join(_recipe_changes_md(st) for st in t.get("stages") or [])
+    changed = f" ({changes.removeprefix('; ')})" if changes else ""
+    exits = ", ".join(str(e) for e in t["draft_exits"])
+    return f"""* **{t['tokens_seen'] / 1e6:.1f}M tokens** (~{t['tokens_seen'] / t['training_stream_tokens']:.2f} epochs) in
+  {t['steps']:,} steps of {t['batch_size']} sequences of {t['seq_len']} tokens, {t['train_seconds'] / 3600:.1f} hours on
+  {(t.get('stages') or [{}])[-1].get('threads', 2)} CPU threads ({t['precision']}, torch {t['torch']}); AdamW, peak LR {t['lr']}, one cosine
+  to {t['min_lr_ratio']} x peak.
+* **LayerSkip** (Elhoushi et al., 2024): layer dropout rising with depth to {t['layer_dropout_max']}, an early-exit loss
+  through the shared final norm and LM head, and self-distillation of the exits toward the last layer, weighted
+  to the exits the engine drafts from ({exits}){changed}.
+* **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM); every middle ends at a line or block
+  boundary and is closed with `<|endoftext|>`.
+* Rebuild: `completiond train-default --run-dir DIR` (a directory outside the checkout), then
+  `--export`; the recipe is in `models/train_default.py`, every stage in `training_summary.json`."""
 
 
 def write_card(model_dir: Path, r: dict) -> None:
@@ -642,148 +480,78 @@ def write_card(model_dir: Path, r: dict) -> None:
         f"{_fmt(r.get('heldout_packages_loss'), l)} | {r['alpha'][l]:.3f} | "
         f"{draft_cost(t, l + 1, r.get('draft_vocab_size', 0)):.2f} | "
         f"{f'{measured[l + 1]:.2f}' if l + 1 in measured else ('1.00' if l == L - 1 and measured else 'not measured')} | "
-        f"{r['accepted_per_round'][l]:.2f} | {r['accepted_per_round'][l] + 1:.2f} |"
+        f"{r['accepted_per_round'][l] + 1:.2f} |"
         for l in range(L))
     heads = {d.get("draft_vocab", 0) for d in mdc["by_exit"]} if mdc else set()
     head_md = (f"{heads.pop() or t['vocab']}-id draft head, " if len(heads) == 1 else "")
     measured_md = (f" Measured draft cost: one greedy draft token at that exit (the engine's own step, {head_md}{mdc['step']}) "
-                   f"÷ one plain greedy step, at the same context, medians of {mdc['repeats']} (`completiond bench --json`, "
+                   f"÷ one plain greedy step, medians of {mdc['repeats']} (`completiond bench --json`, "
                    f"`draft_cost_by_exit`; {mdc['when']})." if mdc else "")
     nl = r["next_line"]
     fb = r["fim_bodies"]
-    first_07 = next((l + 1 for l in range(L - 1) if r["alpha"][l] >= 0.7), None)
-    sample_md = "\n\n".join(
-        f"**{s['file']}**, cursor at the end of line {s['line'] - 1}. Context (last lines):\n\n{_fence(s['context'])}\n\n"
-        f"Model (greedy, up to 64 tokens, shown up to 6 lines):\n\n{_fence(s['completion'])}\n\nActual:\n\n{_fence(s['truth'])}"
-        for s in r["samples"])
-    fe = r.get("fim_example")
-    fim_md = ""
-    if fe:
-        fim_md = (f"\n### FIM (SPM) example: function body removed\n\n**{fe['file']}**. Prefix (last lines):\n\n"
-                  f"{_fence(fe['prefix_tail'])}\n\nSuffix (first lines):\n\n{_fence(fe['suffix_head'])}\n\n"
-                  f"Model middle (stopped at `<|endoftext|>`):\n\n{_fence(fe['completion'])}\n\nActual body:\n\n"
-                  f"{_fence(fe['truth'])}\n")
-    nl_ex = "\n".join(
-        f"| {_cell(e['file'] + ':' + str(e['line']))} | {_cell(e['truth'])} | {_cell(e['left_to_right'])} | "
-        f"{_cell(e['fim_spm'])} | {_cell(e['baseline'])} |"
-        for e in r["next_line_examples"])
-    training_md = _training_md(t) if "cfg" in t else _legacy_training_md(t)
-    targets_md = _targets_md(model_dir, r)
+    curves = "\n![loss curves](loss_curves.png)\n" if (model_dir / "loss_curves.png").is_file() else ""
     card = f"""# completiond-py-mini
 
-The bundled default model of completiond: a small Python code model trained by
-this project from scratch on {"the CPython standard library and permissively licensed third-party packages" if r.get("data_manifest") else "the CPython standard library"},
-with the LayerSkip recipe (layer dropout + early-exit loss{" + self-distillation of the early exits" if "cfg" in t else ""}) so that its own
-early layers make a good self-speculative draft, and with fill-in-the-middle. It is a plain
-`LlamaForCausalLM` (`AutoModelForCausalLM.from_pretrained(dir)` loads it, no
-custom code). It exists so that completiond works offline out of the box and so
-that tests and benchmarks have a real trained model; it is not a strong code
-model.
-
-Rebuild from scratch: `completiond train-default` (or `python -m completiond.models.train_default`),
-then `python -m completiond.models.model_card` for this card. Every number here comes from
-`models/model_card.py` ({r['eval_seconds']:.0f} s to run).
+The bundled default model of completiond: a small Python code model ({t['parameters'] / 1e6:.1f}M parameters) trained
+by this project from scratch on {"the CPython standard library and permissively licensed third-party packages" if r.get("data_manifest") else "the CPython standard library"},
+with fill-in-the-middle and the LayerSkip recipe, so that its own early layers draft for it. It exists so that
+completiond works offline out of the box and so that tests and benchmarks have a real trained model; **it is not a
+strong code model** (see Limits). A plain `LlamaForCausalLM`: `AutoModelForCausalLM.from_pretrained(dir)` loads it,
+no custom code. Every figure here comes from `models/model_card.py` (`eval_results.json` has them all, with examples).
 
 ## Data
 
 {_data_md(data, t, r.get('data_manifest'))}
-
-## Tokenizer
-
-Byte-level BPE (`tokenizers`), vocabulary {t['vocab']}, trained on the standard library's training split (kept from
-the first bundled model: the engine's FIM and stop handling depend on its special tokens). No
-normalizer, ByteLevel pre-tokenizer with `add_prefix_space=False`, no clean-up of spaces on
-decode: the round trip is lossless byte for byte. Special tokens: `<|endoftext|>` (id 0, eos),
-`<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
-`<|fim_pad|>` (5, padding). No BOS token is added.
-
-## Architecture
+## Model
 
 `LlamaForCausalLM`: {t['layers']} layers, hidden {t['hidden']}, {t['heads']} attention heads of
-{t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm,
-RoPE (theta 10000), tied input/output embeddings, max_position_embeddings 4096 (trained at
-{t['seq_len']} tokens: `completiond.json` has `train_context: {t['seq_len']}`).
-**{t['parameters']:,} parameters**; weights stored as bfloat16 safetensors.
+{t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm, RoPE (theta 10000),
+tied embeddings; trained at {t['seq_len']} tokens of context (`completiond.json`: `train_context`). Weights:
+bfloat16 safetensors. Tokenizer: byte-level BPE, {t['vocab']} ids, lossless round trip; special tokens
+`<|endoftext|>` (0, eos), `<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
+`<|fim_pad|>` (5); no BOS.
 
-## Training
-
-{training_md}
-
-### FIM layouts (the engine's template must match exactly)
-
-PREFIX, SUFFIX and MIDDLE are tokenized separately and concatenated as token ids.
+FIM layouts (prefix, suffix and middle tokenized separately; in SPM nothing separates PREFIX and MIDDLE):
 
 ```
 PSM: <|fim_prefix|>PREFIX<|fim_suffix|>SUFFIX<|fim_middle|>MIDDLE<|endoftext|>
 SPM: <|fim_prefix|><|fim_suffix|>SUFFIX<|fim_middle|>PREFIX MIDDLE<|endoftext|>
 ```
 
-In SPM there is nothing between PREFIX and MIDDLE (the space above is only for reading): the
-prompt ends with the prefix up to the cursor and the model continues it. The middle ends with
-`<|endoftext|>` (the stop token, = eos). The same templates are in `completiond.json`.
+## Training
 
-![loss curves](loss_curves.png)
-
+{_training_md(t)}
+{curves}
 ## Held-out results
 
-Exit layer l = the hidden state after l decoder layers, through the final norm and LM head.
-Loss: mean cross-entropy (nats) on {r['heldout_windows']} windows of {t['seq_len']} tokens; the uniform baseline is
-ln({t['vocab']}) = {r['uniform_loss']:.2f}. Greedy acceptance alpha: fraction of positions, along the full
-model's greedy continuation of {r['alpha_prompts']} held-out prompts ({r['alpha_positions']} positions), where the
-exit layer's argmax equals the full model's. K=4 rounds simulated exactly (greedy self-speculation:
-accept the longest matching draft prefix, then one token from the full model).{measured_md}
+Exit layer l: the hidden state after l layers through the final norm and LM head. Loss: cross-entropy (nats) on
+{r['heldout_windows']} windows of {t['seq_len']} tokens (uniform: {r['uniform_loss']:.2f}). Alpha: share of positions along the full
+model's greedy continuation of {r['alpha_prompts']} held-out prompts ({r['alpha_positions']} positions) where the exit's argmax
+agrees; tokens / round: greedy self-speculation with K=4, simulated exactly.{measured_md}
 
-| exit layer | held-out loss (stdlib) | held-out loss (packages) | alpha (greedy agreement) | draft cost (FLOPs, {r.get('draft_vocab_size') or t['vocab']}-id draft head) | draft cost (measured) | accepted / round (K=4) | tokens / round |
-|---|---|---|---|---|---|---|---|
+| exit layer | held-out loss (stdlib) | held-out loss (packages) | alpha (greedy agreement) | draft cost (FLOPs, {r.get('draft_vocab_size') or t['vocab']}-id draft head) | draft cost (measured) | tokens / round (K=4) |
+|---|---|---|---|---|---|---|
 {rows}
 
-{"First exit layer with alpha >= 0.7: **" + str(first_07) + f"** of {L}." if first_07 else "**No early exit layer reaches alpha >= 0.7.**"}
-
-### Next-line exact match
-
-{r['next_line_positions']} held-out cursor positions at the end of a non-blank line whose next line is non-blank
-(before the newline: a token boundary the model knows; a prompt ending in a bare newline needs token healing,
-which the engine does). Greedy completion (left context up to 320 tokens); it must start with the newline, and
-the text up to the following newline is compared with the
-real line (trailing whitespace ignored). Baseline: the previous line's indentation plus its first token.
+Next line ({r['next_line_positions']} held-out cursors at a line end, greedy, compared with the real next line;
+baseline: the previous line's indentation and first token):
 
 | predictor | exact match | char similarity |
 |---|---|---|
 | model, left to right | {nl['left_to_right']['exact_match']:.1%} | {nl['left_to_right']['char_similarity']:.3f} |
-| model, FIM (SPM, rest of file as suffix, 128 tokens) | {nl['fim_spm']['exact_match']:.1%} | {nl['fim_spm']['char_similarity']:.3f} |
-| baseline (indentation + first token of previous line) | {nl['baseline']['exact_match']:.1%} | {nl['baseline']['char_similarity']:.3f} |
+| model, FIM (SPM, rest of file as suffix) | {nl['fim_spm']['exact_match']:.1%} | {nl['fim_spm']['char_similarity']:.3f} |
+| baseline | {nl['baseline']['exact_match']:.1%} | {nl['baseline']['char_similarity']:.3f} |
 
-| position | actual | left to right | FIM (SPM) | baseline |
-|---|---|---|---|---|
-{nl_ex}
+FIM function bodies ({r['fim_functions']} held-out functions of at most 8 lines, body removed, greedy): the middle ends with
+`<|endoftext|>` in {fb['spm']['stops_at_eot']:.1%} (SPM) / {fb['psm']['stops_at_eot']:.1%} (PSM) of them; exact bodies
+{fb['spm']['exact_match']:.1%} / {fb['psm']['exact_match']:.1%}, char similarity {fb['spm']['char_similarity']:.3f} / {fb['psm']['char_similarity']:.3f}.
 
-### FIM: function bodies
+{drafts_md(model_dir)}## Limits
 
-{r['fim_functions']} held-out functions of at most 8 body lines, body removed (docstring kept in the prefix),
-greedy up to 128 tokens.
-
-| order | stops at the end token | exact body | char similarity | p(end token) after the true body | end token first there |
-|---|---|---|---|---|---|
-| SPM | {fb['spm']['stops_at_eot']:.1%} | {fb['spm']['exact_match']:.1%} | {fb['spm']['char_similarity']:.3f} | {fb['spm'].get('end_token_prob', float('nan')):.3f} | {fb['spm'].get('end_token_top', float('nan')):.1%} |
-| PSM | {fb['psm']['stops_at_eot']:.1%} | {fb['psm']['exact_match']:.1%} | {fb['psm']['char_similarity']:.3f} | {fb['psm'].get('end_token_prob', float('nan')):.3f} | {fb['psm'].get('end_token_top', float('nan')):.1%} |
-
-The last two columns are teacher-forced: the prompt plus the true body, then the model's next-token
-distribution. Greedy decoding stops only where the end token is first at the body's end (and the
-model got the body right up to there), so these show progress before the stop rate moves.
-
-## Targets
-
-{targets_md}
-
-## Samples (held-out code, greedy)
-
-{sample_md}
-{fim_md}
-{drafts_md(model_dir)}## Limitations
-
-Trained for {t['train_seconds'] / 3600:.1f} hours on two CPU cores: it knows common Python idioms and the
-APIs of its training packages, repeats and invents names freely, and sees {t['seq_len']} tokens of context.
-Use a real code model for real work; completiond loads any Llama-family model the same way.
+{t['train_seconds'] / 3600:.1f} hours on two CPU cores give a model that knows common Python idioms and the APIs of its
+training packages, but repeats itself and invents names: about {nl['left_to_right']['exact_match']:.0%} of next lines come out exactly right.
+Python only, {t['seq_len']} tokens of context. Use a real code model for real work (`completiond pull --list`);
+completiond loads Llama-family models the same way.
 """
     (model_dir / "MODEL_CARD.md").write_text(card)
 
@@ -891,6 +659,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data", type=Path, default=Path("runs/data"),
                    help="prepared data (train-default --prepare) for the held-out packages loss")
+    p.add_argument("--train-log", type=Path, default=None,
+                   help="the run's train_log.jsonl: redraw loss_curves.png from it (the log stays in the run directory)")
     p.add_argument("--bench", type=Path, default=None,
                    help="a `completiond bench --json` output of this model: its draft_cost_by_exit becomes the card's "
                         "measured draft cost")
@@ -952,8 +722,8 @@ def main(argv=None) -> int:
     }
     if a.bench:
         res["measured_draft_cost"] = measured_draft_cost(a.bench)
-    if (d / "train_log.jsonl").is_file():
-        plot(d / "train_log.jsonl", d / "loss_curves.png", L)
+    if a.train_log is not None:
+        plot(a.train_log, d / "loss_curves.png", L)
     (d / "eval_results.json").write_text(json.dumps(res, indent=2) + "\n")
     write_card(d, res)
     print(f"wrote {d / 'MODEL_CARD.md'} in {time.time() - t0:.0f}s", flush=True)

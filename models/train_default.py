@@ -1,6 +1,8 @@
 """Train the bundled default model: `completiond train-default` (or `python -m models.train_default`).
 
-Stages of one model's life, all from the same run directory (default runs/v2/):
+Stages of one model's life, all from the same run directory, which you name with --run-dir. It
+holds the checkpoint (weights, AdamW state: three times the model), so it lives outside the
+checkout: a run directory inside this repository is refused unless --run-dir-in-checkout.
 
     --prepare      download the third-party packages, filter, de-duplicate and pre-tokenise
                    everything once into runs/data/ (models/data_prep.py); also done
@@ -15,7 +17,7 @@ Stages of one model's life, all from the same run directory (default runs/v2/):
                    better on held-out loss unless --force
 
 The run checkpoints every --save-every-min minutes and on SIGTERM/SIGINT (after the step in
-flight), so stopping it loses at most that much. Stop: `kill -TERM $(cat runs/train.pid)`.
+flight), so stopping it loses at most that much. Stop: `kill -TERM` the trainer's process.
 
 Data: memory-mapped uint16 token streams (runs/data/*.u16). A training sample is the next chunk
 of seq_len+1 tokens of an epoch-wise permutation of the training stream; the data position is
@@ -86,7 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its checkpoint")
     mode.add_argument("--probe", action="store_true", help="scaling probe over --probe-sizes")
     mode.add_argument("--export", action="store_true", help="write --out from the run's checkpoint + model card")
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/v2"), help="checkpoint, logs of the run")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="checkpoint and log of the run: a directory you name, outside the checkout")
+    parser.add_argument("--run-dir-in-checkout", action="store_true",
+                        help="accept a --run-dir inside this repository's checkout (its checkpoints must never be committed)")
     parser.add_argument("--data", type=Path, default=Path("runs/data"), help="prepared token streams")
     parser.add_argument("--tokenizer", type=Path, default=default_model_dir(),
                         help="directory with the tokenizer files the model uses")
@@ -1024,15 +1029,39 @@ def export(a: argparse.Namespace, log=print) -> int:
         summary["scaling_probe"] = json.loads(probe_file.read_text())
     save_model(model, out, tok_dir, meta, summary)
     shutil.copy(a.data / "manifest.json", out / "data_manifest.json")
-    if (run / "train_log.jsonl").is_file():
-        shutil.copy(run / "train_log.jsonl", out / "train_log.jsonl")
+    # the run's log stays in the run directory (the card draws its loss curves from it): a model
+    # directory holds what a user of the model needs, and every clone carries it
+    (out / "train_log.jsonl").unlink(missing_ok=True)
     log(f"exported step {st['step']} ({st['tokens']:,} tokens) to {out}")
     if not a.no_card:
         # the card runs in its own process: its evaluation takes minutes and loads the exported files
         cmd = [sys.executable, "-m", __package__ + ".model_card", "--model", str(out), "--threads", str(a.threads)]
+        if (run / "train_log.jsonl").is_file():
+            cmd += ["--train-log", str(run / "train_log.jsonl")]
         log("model card: " + " ".join(cmd))
         return subprocess.run(cmd).returncode
     return 0
+
+
+def checkout_root() -> Path | None:
+    """The git checkout this module runs from, or None (an installed package)."""
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / ".git").exists() else None
+
+
+def run_dir_problem(run_dir: Path | None, allow_checkout: bool) -> str | None:
+    """Why this run directory is refused, or None. Checkpoints are large pickles of the optimizer state:
+    they were once committed, and every clone still downloads them (issue 28)."""
+    if run_dir is None:
+        return ("name a run directory with --run-dir, outside the checkout (it holds the checkpoint: "
+                "weights and optimizer state), e.g. --run-dir ~/completiond-runs/v2")
+    root = checkout_root()
+    if root is not None and not allow_checkout:
+        where = run_dir.expanduser().resolve()
+        if where == root or root in where.parents:
+            return (f"--run-dir {run_dir} is inside the checkout {root}: checkpoints stay out of the repository; "
+                    "pick a directory outside it, or pass --run-dir-in-checkout")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1040,6 +1069,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prepare:
         _prepare(args, log)
         return 0
+    problem = run_dir_problem(args.run_dir, args.run_dir_in_checkout)
+    if problem is not None:
+        print(f"train-default: {problem}", file=sys.stderr)
+        return 2
+    args.run_dir = args.run_dir.expanduser()
     if args.probe:
         return probe(args, log)
     if args.export:

@@ -318,8 +318,9 @@ def test_train_stop_resume_and_export_end_to_end(prepared, tmp_path):
     out = tmp_path / "model"
     assert main(["--export", "--run-dir", str(run), "--data", str(data), "--out", str(out), "--no-card"]) == 0
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "completiond.json", "train_log.jsonl", "training_summary.json"):
+                 "tokenizer_config.json", "completiond.json", "training_summary.json"):
         assert (out / name).is_file(), name
+    assert not (out / "train_log.jsonl").exists()  # the run's log stays in the run directory (issue 28)
     assert (out / "tokenizer.json").read_bytes() == (default_model_dir() / "tokenizer.json").read_bytes()
     meta = json.loads((out / "completiond.json").read_text())
     assert meta["train_context"] == 64 and meta["fim"]["stop"] == "<|endoftext|>"
