@@ -218,7 +218,7 @@ class CompletionServer(LanguageServer):
         else:
             session = DaemonSession(settings=lambda: config_mod.to_settings(self.cfg), documents=self.document_snapshot,
                                     directory=runtime_dir, on_notification=self._on_backend_notification,
-                                    on_connect=self._on_connect)
+                                    on_connect=self._on_connect, on_lost=self._on_daemon_lost)
             self.backend = DaemonBackend(session)
 
     # --- settings ---------------------------------------------------------------
@@ -361,6 +361,14 @@ class CompletionServer(LanguageServer):
                                                              message=f"completiond: {welcome['warning']}"))
         if isinstance(welcome.get("status"), dict):
             self._on_backend_notification("status", welcome["status"])
+
+    def _on_daemon_lost(self, reason: str) -> None:
+        """The daemon went away by itself (killed, crashed, `completiond stop`): editors show it now, not
+        "ready" until the next keystroke. The next completion starts a daemon again (DaemonSession)."""
+        log.warning("the completion daemon stopped: %s", reason)
+        self._on_backend_notification("status", {
+            "state": "stopped", "model": self.status.get("model"), "device": self.status.get("device"),
+            "error": f"the completion daemon stopped ({reason}); the next completion starts it again"})
 
     def backend_failed(self, exc: Exception) -> None:
         log.error("cannot reach the completion daemon: %s", exc)

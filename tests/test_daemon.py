@@ -475,6 +475,47 @@ async def test_daemon_log_has_no_traceback_for_a_configuration_error(monkeypatch
     assert "Traceback" in log_text and "ZeroDivisionError: a bug in the loader" in log_text, log_text
 
 
+async def test_session_tells_at_once_when_the_daemon_goes_away(daemon, rundir):
+    """Issue 30: after the daemon was killed, editors showed `ready` until the next keystroke. The session
+    says so when the connection ends by itself; not when it closes the connection itself."""
+    lost: list[str] = []
+    session = client_mod.DaemonSession(lambda: {}, lambda: {}, directory=rundir, on_lost=lost.append)
+    await session.ensure()
+    daemon.server.request_stop("killed")
+    await asyncio.wait_for(daemon.task, 10)
+    for _ in range(250):
+        if lost:
+            break
+        await asyncio.sleep(0.02)
+    assert len(lost) == 1 and lost[0], lost
+    assert not session.connected
+
+
+async def test_session_close_is_not_a_lost_daemon(daemon, rundir):
+    lost: list[str] = []
+    session = client_mod.DaemonSession(lambda: {}, lambda: {}, directory=rundir, on_lost=lost.append)
+    await session.ensure()
+    await session.close()
+    await asyncio.sleep(0.1)
+    assert lost == []
+
+
+def test_language_server_reports_a_lost_daemon_as_stopped(rundir):
+    """What editors get: a `completiond/status` with state "stopped" and why, no error pop-up."""
+    from completiond.lsp.server import STATUS_METHOD, build_server
+
+    server = build_server(no_daemon=False, runtime_dir=rundir)
+    sent, shown = [], []
+    server.protocol.notify = lambda method, params=None: sent.append((method, params))
+    server.window_show_message = shown.append
+    server.status = {"state": "ready", "model": "m", "device": "cpu"}
+    server.backend.session.on_lost("the daemon closed the connection")
+    (method, params), = sent
+    assert method == STATUS_METHOD and params["state"] == "stopped"
+    assert "the daemon closed the connection" in params["message"] and "next completion starts it again" in params["message"]
+    assert params["model"] == "m" and shown == []
+
+
 def test_the_bundled_model_has_one_name_everywhere(tmp_path):
     """Issue 30: the model was named three ways: `(bundled default) on auto` while loading, `completiond-py-mini
     (bundled) on cpu` once loaded, and `(daemon: '')` in the mismatch warning. One name now."""

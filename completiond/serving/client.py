@@ -303,12 +303,16 @@ class DaemonSession:
     def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
                  directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
                  on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = wire.EDITOR_CLIENT,
-                 connect_timeout: float = 60.0):
+                 connect_timeout: float = 60.0, on_lost: Callable[[str], None] | None = None):
         self._settings = settings
         self._documents = documents
         self.directory = directory
         self.on_notification = on_notification
         self.on_connect = on_connect
+        # Told (with the reason) when the daemon goes away by itself: killed, crashed, `completiond stop`.
+        # Not when we close or restart it. The next request starts one again either way.
+        self.on_lost = on_lost
+        self._leaving = False  # we are closing or restarting the daemon ourselves
         self.client_name = client_name
         self.connect_timeout = connect_timeout
         self.client: DaemonClient | None = None
@@ -341,7 +345,7 @@ class DaemonSession:
         try:
             client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
                                             client_name=self.client_name, on_notification=self.on_notification,
-                                            idle_timeout=settings.get("idleTimeout"))
+                                            idle_timeout=settings.get("idleTimeout"), on_close=self._client_closed)
         except paths.InsecureDirectoryError as exc:
             self._failed()
             raise DaemonUnavailable(str(exc)) from None
@@ -360,6 +364,16 @@ class DaemonSession:
         if self.on_connect is not None:
             self.on_connect(client.welcome)
         return client
+
+    def _client_closed(self, client: DaemonClient) -> None:
+        """A connection ended: say so at once when it was ours and the daemon left by itself, so editors do
+        not keep showing "ready" until the next keystroke."""
+        if self._leaving or client is not self.client or self.on_lost is None:
+            return
+        try:
+            self.on_lost(getattr(client, "close_reason", "") or "the daemon closed the connection")
+        except Exception:  # a listener's bug must not break the connection bookkeeping
+            log.exception("daemon-lost handler failed")
 
     def _failed(self) -> None:
         self.failures += 1
@@ -414,6 +428,14 @@ class DaemonSession:
 
     async def restart(self) -> None:
         """Stop the daemon (it restarts with our current settings on the next connect)."""
+        self._leaving = True
+        try:
+            await self._stop_and_wait()
+        finally:
+            self._leaving = False
+        await self.ensure()
+
+    async def _stop_and_wait(self) -> None:
         if self.connected:
             try:
                 await self.client.request("stop", {}, timeout=5)  # type: ignore[union-attr]
@@ -425,8 +447,8 @@ class DaemonSession:
         deadline = time.monotonic() + 10
         while paths.socket_path(directory).exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.ensure()
 
     async def close(self) -> None:
+        self._leaving = True
         if self.client is not None:
             await self.client.close()

@@ -1,6 +1,7 @@
 /** What the status bar item shows, computed from `completiond/status` notifications. Pure. */
 
-export type ServerState = 'loading' | 'ready' | 'busy' | 'error';
+/** `stopped`: the shared daemon went away (killed, crashed); the next completion starts it again. */
+export type ServerState = 'loading' | 'ready' | 'busy' | 'error' | 'stopped';
 
 /** Params of the `completiond/status` notification (every field optional but state). */
 export interface StatusParams {
@@ -134,6 +135,8 @@ export function statusView(last: StatusParams | undefined, client: ClientState |
     }
     case 'busy':
       return { text: `$(sync~spin) completiond${m ? ' ' + m : ''}`, tooltip: `completiond: generating…${message}\n${click}`, error: false };
+    case 'stopped':
+      return { text: '$(debug-disconnect) completiond', tooltip: `completiond: stopped${message}\n${click}`, error: false };
     case 'error':
       return { text: '$(error) completiond', tooltip: `completiond: error${message || '\n(no details; see the log)'}\n${click}`, error: true };
     case 'ready':

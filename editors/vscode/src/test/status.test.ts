@@ -50,6 +50,13 @@ test('the tooltip names the model and device', () => {
   assert.match(v.tooltip, /model: mini on cpu/);
 });
 
+test('a daemon that went away shows as stopped at once, not as ready', () => {
+  const v = statusView({ state: 'stopped', message: 'the completion daemon stopped (the daemon closed the connection); the next completion starts it again' }, undefined, true);
+  assert.equal(v.text, '$(debug-disconnect) completiond');
+  assert.doesNotMatch(v.tooltip, /ready/);
+  assert.match(v.tooltip, /the next completion starts it again/);
+});
+
 test('busy spins; error is red with the message', () => {
   assert.match(statusView({ state: 'busy' }, undefined, true).text, /sync~spin/);
   const e = statusView({ state: 'error', message: 'CUDA out of memory' }, undefined, true);
