@@ -154,6 +154,7 @@ class Forward:
         if self.native is not None and large:
             self.released = True
             self._compact_embeddings()
+            native.trim_heap()
         self.transposed = str(device) == "cpu" and not large and not self.native_all
         if self.transposed:
             for L in self.layers:

@@ -306,6 +306,17 @@ def _reset_for_tests() -> None:
     _reasons.clear()
 
 
+def trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc's malloc_trim): the unpacked weights dropped after
+    packing were many mid-sized blocks, which glibc keeps mapped otherwise, so resident memory would
+    still count them."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim with
+
+
 def _check(rc: int, what: str) -> int:
     if rc < 0:
         raise NativeError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
