@@ -41,6 +41,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # quiet test output
         pass
 
+    def handle(self):
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client hung up on purpose (a cancel, a refused response): nothing to report
+
     def do_POST(self):  # noqa: N802 (the stdlib's name)
         plan: Misbehaving = self.server.plan  # type: ignore[attr-defined]
         length = int(self.headers.get("Content-Length") or 0)
