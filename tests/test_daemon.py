@@ -539,6 +539,9 @@ def test_the_bundled_model_has_one_name_everywhere(tmp_path):
     model_line = next(line for line in lines if line.strip().startswith("model"))
     assert name in model_line and "(bundled default)" not in model_line
     assert not model_line.endswith(" on auto"), model_line  # auto is a setting, not a device
+    from completiond.commands.complete import LoadReporter
+
+    assert LoadReporter("").model == name  # `completiond complete`'s "loading ..." line
     service.shutdown()
 
 

@@ -91,7 +91,7 @@ class LoadReporter:
     one line per phase."""
 
     def __init__(self, model: str, stream=sys.stderr):
-        self.model = model or "the bundled model"
+        self.model = config_mod.model_label(model)  # the one naming (completiond status, the editors)
         self.stream = stream
         self.tty = stream.isatty()
         self.t0 = time.perf_counter()
