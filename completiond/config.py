@@ -129,6 +129,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt"),
     Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language.", group="prompt"),
     Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt"),
+    Setting("contextRetrieval", str, "on", "How the context block is chosen: on retrieves the chunks of workspace files that "
+            "the code around the cursor needs (definitions of the names at the cursor, then similar code); off takes "
+            "snippets of recently edited files.", enum=("on", "off"), group="prompt",
+            enum_descriptions=(
+                "Chunks retrieved for the cursor from an index of the workspace files that may be context.",
+                "Snippets of recently edited and open files of the same language.",
+            )),
     Setting("contextExclude", str, "", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
             "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
             ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",

@@ -71,9 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--suffix-tokens", type=int, default=256)
     parser.add_argument("--no-heal", action="store_true", help="turn token healing off")
-    parser.add_argument("--context", action="store_true",
-                        help="prepend the workspace context block (other files of DIR, same language)")
-    parser.add_argument("--context-tokens", type=int, default=256)
+    parser.add_argument("--context", nargs="?", const="recent", default="none", type=_context_modes,
+                        help="context block modes, comma-separated, evaluated side by side on the same positions: "
+                             "none, recent (snippets of other files of DIR), retrieval (chunks of DIR's files "
+                             "retrieved for the cursor, the current file's own included); bare --context = recent")
+    parser.add_argument("--context-tokens", type=int, default=None,
+                        help="context budget in tokens (default: the contextTokens setting's default)")
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding (alpha is then 0)")
     parser.add_argument("--compare-healing", action="store_true",
                         help="mid-word positions only, each run with healing on and off")
@@ -84,6 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of prompt tokens served from the prefix KV cache (typing_cache_fraction)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
+
+
+CONTEXT_MODES = ("none", "recent", "retrieval")
+
+
+def _context_modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in modes if m not in CONTEXT_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"--context takes {', '.join(CONTEXT_MODES)} (comma-separated), not {value!r}")
+    return list(dict.fromkeys(modes))
 
 
 # -- positions -------------------------------------------------------------
@@ -257,6 +271,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "p50_ms": statistics.median(ms) if ms else 0.0,
         "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))] if ms else 0.0,
         "mean_prompt_tokens": prompt_tokens / n if n else 0.0,
+        "mean_context_tokens": sum(o.stats.get("context_tokens", 0) for o in done) / n if n else 0.0,
         "by_kind": {k: sum(o.position.kind == k for o in done) for k in sorted({o.position.kind for o in done})},
     }
 
@@ -264,35 +279,46 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 # -- running ---------------------------------------------------------------
 
 def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool | None = None,
-             workspace: "EvalWorkspace | None" = None) -> Outcome:
-    """One request through the daemon's path, timed end to end."""
-    t0 = time.perf_counter()
+             workspace: "EvalWorkspace | None" = None, mode: str = "recent") -> Outcome:
+    """One request through the daemon's path, timed end to end (the context block's choice included)."""
     language = language_of(pos.path)
     context: list[tuple[str, str]] = []
-    if workspace is not None:
+    path = workspace.root / pos.path if workspace is not None else None
+    if workspace is not None and mode == "retrieval":
+        # As in the editor: the file being edited is open, so its own chunks come from the text as typed
+        # (the line being completed is not in it), never from the disk copy.
+        workspace.store.did_open(path, pos.text, language)
+    t0 = time.perf_counter()
+    if workspace is not None and mode != "none":
         count = lambda s: len(builder.template.encode(s))  # noqa: E731
-        context = workspace.store.context(workspace.root / pos.path, language, builder.context_tokens, count)
+        prefix_budget, suffix_budget, _ = builder.budgets(True)
+        context = workspace.store.context(path, language, builder.context_tokens, count, text=pos.text,
+                                          offset=pos.offset, mode=mode, window_tokens=(prefix_budget, suffix_budget))
     prompt = builder.build(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
     if prompt.skip_reason is not None:
-        return Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
-    gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
-    suggestion = prompt.suggestion(gen.tokens)
-    ms = 1000 * (time.perf_counter() - t0)
-    return Outcome(pos, suggestion, ms, gen.stats.to_dict())
+        outcome = Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
+    else:
+        gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
+        suggestion = prompt.suggestion(gen.tokens)
+        ms = 1000 * (time.perf_counter() - t0)
+        outcome = Outcome(pos, suggestion, ms, dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids)))
+    if workspace is not None and mode == "retrieval":
+        workspace.store.forget(path)
+    return outcome
 
 
 def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None, speculative: bool,
-             show: int = 0, out=sys.stderr, workspace: Any = None) -> list[Outcome]:
+             show: int = 0, out=sys.stderr, workspace: Any = None, mode: str = "recent") -> list[Outcome]:
     from completiond.engine.engine import SamplingParams
     from completiond.completion.prompt import PromptBuilder
 
     builder = PromptBuilder.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
     if positions:
-        complete(engine, builder, positions[0], params, heal, workspace)   # warm-up: first-call costs are not latency
+        complete(engine, builder, positions[0], params, heal, workspace, mode)   # warm-up: first-call costs are not latency
     outcomes = []
     for i, pos in enumerate(positions):
-        o = complete(engine, builder, pos, params, heal, workspace)
+        o = complete(engine, builder, pos, params, heal, workspace, mode)
         outcomes.append(o)
         if i < show:
             print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
@@ -348,14 +374,24 @@ def _workspace(root: Path) -> EvalWorkspace:
 def _config(args: argparse.Namespace):
     from completiond import config
 
-    cfg, errors = config.merge(config.defaults(), {
+    settings = {
         "maxTokens": args.max_tokens, "multiline": args.multiline, "maxLines": args.max_lines,
         "fimTemplate": args.fim_template, "prefixTokens": args.prefix_tokens, "suffixTokens": args.suffix_tokens,
-        "workspaceContext": bool(args.context), "contextTokens": args.context_tokens,
-    })
+        "workspaceContext": any(m != "none" for m in _modes(args)),
+    }
+    if args.context_tokens is not None:
+        settings["contextTokens"] = args.context_tokens
+    cfg, errors = config.merge(config.defaults(), settings)
     if errors:
         raise SystemExit("completiond eval: " + "; ".join(errors))
     return cfg
+
+
+def _modes(args: argparse.Namespace) -> list[str]:
+    modes = args.context
+    if isinstance(modes, str):
+        modes = _context_modes(modes)
+    return list(modes) if modes else ["none"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -385,27 +421,53 @@ def run(args: argparse.Namespace) -> int:
         print(f"completiond eval: {exc}", file=sys.stderr)
         return 1
     speculative = not args.no_speculation
-    workspace = _workspace(args.dir) if args.context else None
+    modes = _modes(args)
+    workspace = _workspace(args.dir) if any(m != "none" for m in modes) else None
     result: dict[str, Any]
     if args.compare_healing:
-        on = summarize(evaluate(engine, positions, cfg, True, speculative, args.show, workspace=workspace))
-        off = summarize(evaluate(engine, positions, cfg, False, speculative, args.show, workspace=workspace))
+        mode = modes[0]
+        ws = workspace if mode != "none" else None
+        on = summarize(evaluate(engine, positions, cfg, True, speculative, args.show, workspace=ws, mode=mode))
+        off = summarize(evaluate(engine, positions, cfg, False, speculative, args.show, workspace=ws, mode=mode))
         result = dict(on)
         result["healing"] = {"on": on, "off": off}
     else:
-        result = summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show,
-                                    workspace=workspace))
+        # Every mode on the same positions, one after the other, in one run.
+        by_mode = {m: summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show,
+                                         workspace=workspace if m != "none" else None, mode=m)) for m in modes}
+        result = dict(by_mode[modes[0]])
+        if len(modes) > 1:
+            result["context"] = by_mode
+    if workspace is not None:
+        result["index"] = {"files": workspace.store.index.files(), "chunks": len(workspace.store.index)}
+        workspace.store.stop()
     if args.typing > 0:
         result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
     result.update(model=engine.name, model_id=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
                   multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal,
-                  context_tokens=cfg.context_tokens if args.context else 0,
+                  context_tokens=cfg.context_tokens if cfg.workspace_context else 0, context_modes=modes,
                   source="heldout" if args.heldout else str(args.dir))
     if args.json:
         print(json.dumps(result, sort_keys=True))
+    elif "context" in result:
+        _print_modes(result)
     else:
         _print_table(result)
     return 0
+
+
+def _print_modes(r: dict[str, Any]) -> None:
+    """The context modes side by side."""
+    modes = r["context_modes"]
+    rows = [("positions", "positions", "{:d}"), ("next-line exact match", "next_line_exact_match", "{:.3f}"),
+            ("edit similarity", "edit_similarity", "{:.3f}"), ("latency p50 ms", "p50_ms", "{:.1f}"),
+            ("latency p90 ms", "p90_ms", "{:.1f}"), ("context tokens (mean)", "mean_context_tokens", "{:.0f}"),
+            ("prompt tokens (mean)", "mean_prompt_tokens", "{:.0f}"), ("empty", "empty_rate", "{:.3f}")]
+    width = max(len(label) for label, _, _ in rows)
+    print(f"model {r['model']} on {r['device']}, contextTokens {r['context_tokens']}, source {r['source']}")
+    print(f"  {'':<{width}}  " + "  ".join(f"{m:>10}" for m in modes))
+    for label, key, fmt in rows:
+        print(f"  {label:<{width}}  " + "  ".join(f"{fmt.format(r['context'][m].get(key, 0)):>10}" for m in modes))
 
 
 def _print_table(r: dict[str, Any]) -> None:

@@ -43,6 +43,9 @@ class PromptOptions:
     prefix_tokens: int = 1024
     suffix_tokens: int = 256
     context_tokens: int = 256
+    # Most of a capped prompt (max_prompt_tokens) the context block may take: what is left goes to
+    # the suffix (a quarter) and the prefix.
+    context_share: float = 0.25
     chunk_lines: int = 16          # the prefix window starts on a multiple of this line number
     max_prompt_tokens: int | None = None   # model context minus generation room; None = no extra cap
     max_document_chars: int = 8 * 1024 * 1024
@@ -282,7 +285,7 @@ class PromptBuilder:
             suffix_budget = 0
         if opt.max_prompt_tokens is not None:
             room = opt.max_prompt_tokens - 8  # FIM special tokens and BOS
-            context_budget = min(context_budget, max(0, room // 4))
+            context_budget = min(context_budget, max(0, int(room * opt.context_share)))
             suffix_budget = min(suffix_budget, max(0, (room - context_budget) // 4))
             prefix_budget = min(prefix_budget, max(1, room - context_budget - suffix_budget))
         return prefix_budget, suffix_budget, context_budget

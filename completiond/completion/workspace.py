@@ -286,7 +286,8 @@ class Workspace:
         self.selector = retrieval.Selector()
         self.block_changes = 0          # retrieval blocks that differed from the last one for the same file
         self._last_block: dict[tuple, tuple] = {}
-        self.scan_progress: dict[str, Any] = {"found": 0, "indexed": 0, "done": True}
+        self._verdicts: dict[tuple, bool] = {}   # (path, owner's folders, exclude) -> the gate's remote_ok
+        self.scan_progress: dict[str, Any] = {"found": 0, "loaded": 0, "scanning": 0}
         self._io: queue.SimpleQueue = queue.SimpleQueue()
         self._io_thread: threading.Thread | None = None
         self._closed = False
@@ -680,11 +681,19 @@ class Workspace:
         if language is not None and c.language != language:
             return False
         if who is DISK:
-            if path == current or (owner, path) in self._entries or not any(_inside(path, r) for r in mine):
+            if path == current or (owner, path) in self._entries:
                 return False
         elif who != owner:
             return False
-        return not (exclude and secret_match(path, self._root_of(path), exclude, builtin=False) is not None)
+        # The one gate (privacy.py), for this editor's folders and contextExclude: cached, since a query
+        # asks it for every file with a matching chunk (cleared when folders or ignore rules change).
+        key = (path, tuple(mine), exclude)
+        ok = self._verdicts.get(key)
+        if ok is None:
+            if len(self._verdicts) > 50_000:
+                self._verdicts.clear()
+            ok = self._verdicts[key] = self._admit(path, mine, exclude).remote_ok
+        return ok
 
     # -- internals -------------------------------------------------------
     def _counter(self, count_tokens: Callable[[str], int] | None) -> Callable[[str], int]:
@@ -760,13 +769,12 @@ class Workspace:
         only under the same rules (an open hidden, ignored or outside file stays out of the index)."""
         if owner is DISK:
             return True
-        rules = self._rules_for(path)
-        if rules is None or os.path.basename(path).startswith("."):
-            return False
-        return not rules.ignored(path) and secret_match(path, rules.root) is None
+        mine = [root for root, owners in self._owners.items() if owner in owners]
+        return self._admit(path, mine, ()).remote_ok
 
     def _reindex_open(self) -> None:
         """Folders or ignore rules changed: re-decide which open documents the index may hold."""
+        self._verdicts.clear()
         for key, e in list(self._entries.items()):
             if e.open:
                 if self._indexable(e.owner, e.path):
@@ -910,6 +918,24 @@ class Workspace:
         if stack:
             log.info("scan of %s stopped after %d directories and %d files (the limits)", top, visited, len(found))
         found.sort(reverse=True)
+        with self._lock:
+            self.scan_progress["found"] += len(found)
+            self.scan_progress["scanning"] += 1
+        try:
+            self._load_found(found, rules)
+        finally:
+            with self._lock:
+                self.scan_progress["scanning"] -= 1
+                self._bump()
+
+    def index_status(self) -> dict[str, Any]:
+        """The retrieval index and the background scan, for status and progress: files and chunks indexed,
+        source files the scans found and loaded so far, and whether a scan is running."""
+        with self._lock:
+            return {"files": self.index.files(), "chunks": len(self.index), "found": self.scan_progress["found"],
+                    "loaded": self.scan_progress["loaded"], "scanning": self.scan_progress["scanning"] > 0}
+
+    def _load_found(self, found: list[tuple[float, str]], rules: IgnoreRules) -> None:
         loaded = 0
         texts: list[tuple[str, str, float]] = []
         for _, path in found:
@@ -930,6 +956,8 @@ class Workspace:
                 if self._rules_for(path) is None:
                     continue  # the folder was removed meanwhile
             self._put(DISK, path, text, None, edit_line=None, touched=mtime)
+            with self._lock:
+                self.scan_progress["loaded"] += 1
 
 
 def _count_dirs(root: str, limit: int) -> int:

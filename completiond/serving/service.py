@@ -362,6 +362,8 @@ class Service:
             "status": self.status(),
             "documents": len(self.documents),
             "workspace_files": len(self.workspace.paths()) if self.workspace is not None else 0,
+            "context_changes": self.workspace.block_changes if self.workspace is not None else 0,
+            "index": self.workspace.index_status() if self.workspace is not None else None,
         }
 
     def shutdown(self) -> None:
@@ -422,14 +424,20 @@ class Service:
         return self._ws().admission(path, owner=client, exclude=_exclude_patterns(cfg),
                                     roots=self._client_folders.get(client, ()))
 
-    def _context(self, client: Hashable, cfg: Any, path: str | None, language: str | None) -> list[tuple[str, str]]:
+    def _context(self, client: Hashable, cfg: Any, path: str | None, language: str | None, text: str | None = None,
+                 offset: int | None = None, budgets: tuple[int, int, int] | None = None) -> list[tuple[str, str]]:
+        """The context block's files: retrieved for the cursor (contextRetrieval on) or recent snippets.
+        budgets: the prompt's (prefix, suffix, context) token budgets, where a prompt builder knows them."""
         if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
             return []
         tokenizer = getattr(self.engine, "tokenizer", None)
         count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+        prefix_budget, suffix_budget, budget = budgets or (cfg.prefix_tokens, cfg.suffix_tokens, cfg.context_tokens)
+        mode = "retrieval" if getattr(cfg, "context_retrieval", "off") == "on" else "recent"
         try:
-            return self.workspace.context(path, language, cfg.context_tokens, count, owner=client,
-                                          exclude=_exclude_patterns(cfg))
+            return self.workspace.context(path, language, budget, count, owner=client,
+                                          exclude=_exclude_patterns(cfg), text=text, offset=offset, mode=mode,
+                                          window_tokens=(prefix_budget, suffix_budget))
         except (OSError, ValueError) as exc:
             log.debug("workspace context for %s failed: %s", path, exc)
             return []
@@ -626,7 +634,7 @@ class Service:
                 after_cancel += 1
 
         self._call_soon(self._set_state, "busy")
-        context = self._context(client, cfg, path, language)
+        context = self._context(client, cfg, path, language, text, offset, _budgets(self.engine, cfg))
         try:
             found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
                                               path=path, language=language, context=context)
@@ -666,7 +674,7 @@ class Service:
 
         start = time.perf_counter()
         self._call_soon(self._set_state, "busy")
-        context = self._context(client, cfg, path, language)
+        context = self._context(client, cfg, path, language, text, offset)
         found, gen, warnings = suggest_remote(self.engine, text, offset, cfg, cancel=token, path=path,
                                               language=language, context=context)
         latency = (time.perf_counter() - start) * 1000
@@ -764,6 +772,16 @@ def _withheld(message: str) -> dict[str, Any]:
     (the editor tells the user once per file)."""
     return {"suggestion": None, "suggestions": [], "finish_reason": "excluded", "stats": {}, "latency_ms": 0.0,
             "warnings": [message]}
+
+
+def _budgets(engine: Any, cfg: Any) -> tuple[int, int, int] | None:
+    """The prompt builder's (prefix, suffix, context) budgets for this engine and settings, or None."""
+    from completiond.completion.suggest import PromptError, builder_for
+
+    try:
+        return builder_for(engine, cfg).budgets(True)
+    except PromptError:
+        return None  # suggest_alternatives reports it
 
 
 def _exclude_patterns(cfg: Any) -> list[str]:

@@ -101,6 +101,8 @@ M.defaults = {
     workspaceContext = true,
     -- Token budget for the workspace context block. (integer; range 0..32768)
     contextTokens = 256,
+    -- How the context block is chosen: on retrieves the chunks of workspace files that the code around the cursor needs (definitions of the names at the cursor, then similar code); off takes snippets of recently edited files. (string; one of "on", "off")
+    contextRetrieval = "on",
     -- Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, .npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken. (string)
     contextExclude = "",
     -- Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU). (integer; range 0..1048576)
