@@ -131,3 +131,52 @@ def test_training_refuses_a_run_directory_inside_the_checkout(capsys, tmp_path):
     assert run_dir_problem(ROOT, allow_checkout=False) is not None
     assert run_dir_problem(inside, allow_checkout=True) is None
     assert run_dir_problem(tmp_path / "run", allow_checkout=False) is None
+
+
+# --- the README a new user reads ------------------------------------------------------------------------------
+
+
+def test_readme_is_short_and_starts_from_a_shallow_clone():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.encode()) <= 15 * 1024, f"README.md is {len(readme.encode())} bytes; details go to docs/"
+    first_block = readme.split("```sh\n", 1)[1].split("```", 1)[0]
+    assert first_block.startswith("git clone --depth 1 "), first_block
+    # CI runs the test command the README gives, character for character
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    command = next(line for line in ci.splitlines() if line.startswith("pip install") and "pytest" in line)
+    assert f"```sh\n{command}\n```" in readme, command
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    kept = "".join(c for c in heading.strip().lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = path.read_text(encoding="utf-8")
+    return {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#") and " " in line}
+
+
+DOCS = ["README.md", "docs/HOW_IT_WORKS.md", "docs/PERFORMANCE.md", "docs/TEAMS.md", "docs/TROUBLESHOOTING.md",
+        "docs/ARCHITECTURE.md", "docs/ENGINE_API.md", "models/training/RESUME.md",
+        "models/completiond-py-mini/MODEL_CARD.md"]
+
+
+def test_links_between_the_docs_resolve():
+    """Moving text out of the README must not leave links to files or sections that are gone."""
+    import re
+
+    broken = []
+    for doc in DOCS:
+        path = ROOT / doc
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                broken.append(f"{doc}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{doc}: {target} (no such section)")
+    assert not broken, "\n".join(broken)
