@@ -87,7 +87,7 @@ def classify(path: str | os.PathLike | None, roots: Iterable[str], *, exclude: I
     roots = [os.path.abspath(r) for r in roots]
     root = _deepest(path, roots)
     shown = os.path.relpath(path, root) if root else path
-    for candidate, base in ((path, root), (real, _deepest(real, [os.path.realpath(r) for r in roots]))):
+    for candidate, base in ((path, root), (real, _deepest(real, [_real_root(r) for r in roots]))):
         found = secret_match(candidate, base)
         if found is not None:
             return Verdict(Admission.DENIED, f"{shown} matches the deny-list of secret files ({found}): "
@@ -99,7 +99,7 @@ def classify(path: str | os.PathLike | None, roots: Iterable[str], *, exclude: I
             return Verdict(Admission.LOCAL_ONLY, f"{shown} matches contextExclude ({found})")
     if root is None:
         return Verdict(Admission.LOCAL_ONLY, f"{path} is outside the workspace folders")
-    if not _inside(real, os.path.realpath(root)):
+    if not _inside(real, _real_root(root)):
         return Verdict(Admission.LOCAL_ONLY, f"{shown} leads to {real}, outside its workspace folder")
     parts = os.path.relpath(path, root).split(os.sep)
     hidden = next((p for p in parts if p.startswith(".") or p in ALWAYS_SKIPPED_DIRS), None)
@@ -144,6 +144,11 @@ def _pattern_match(path: str, root: str | None, patterns: tuple[str, ...]) -> st
         elif any(fnmatch.fnmatchcase(name, p.strip("/")) for name in names):
             return pattern
     return None
+
+
+@functools.lru_cache(maxsize=256)  # a workspace folder's real path: asked on every request, changes ~never
+def _real_root(root: str) -> str:
+    return os.path.realpath(root)
 
 
 def _deepest(path: str, roots: Iterable[str]) -> str | None:

@@ -594,7 +594,7 @@ class Workspace:
                 break
             # The one gate (privacy.py): an open hidden, ignored, excluded or outside document is the
             # editor's own business, never context for another file.
-            if not self._admit(e.path, mine, exclude).remote_ok:
+            if not self._admit(e.path, mine, exclude, read_from_disk=not e.open).remote_ok:
                 continue
             picked.append((e, self._snippet(e)))
         chosen: list[tuple[str, str]] = []
@@ -625,11 +625,14 @@ class Workspace:
         mine += [os.path.abspath(r) for r in roots if os.path.abspath(r) not in mine]
         return self._admit(os.path.abspath(os.fspath(path)), mine, tuple(exclude))
 
-    def _admit(self, path: str, roots: list[str], exclude: Iterable[str]) -> Verdict:
+    def _admit(self, path: str, roots: list[str], exclude: Iterable[str], read_from_disk: bool = False) -> Verdict:
+        """classify() with the folders' ignore rules. read_from_disk: an entry read from disk passed those
+        rules when it was read, and leaves when a .gitignore change ignores it (_recheck_ignored), so its
+        (deep paths: costly) ignore check is skipped; every other rule is applied as for any file."""
         def ignored(root: str, p: str) -> bool:
             rules = self._folders.get(root) or IgnoreRules(root)  # a folder still being set up: read its rules now
             return rules.ignored(p)
-        return classify(path, roots, exclude=exclude, ignored=ignored)
+        return classify(path, roots, exclude=exclude, ignored=None if read_from_disk else ignored)
 
     def retrieve(self, current: str | None, language: str | None, text: str, offset: int, budget_tokens: int,
                  count: Callable[[str], int], owner: Hashable = LOCAL, exclude: tuple[str, ...] = (),
