@@ -76,6 +76,38 @@ def test_metric_helpers():
     assert is_duplication(line, "y = 2\n    return 1")
 
 
+def test_validity_metrics():
+    """Issue 30's figures: indentation typed twice, line cycles, operands in front of the suffix, parsing."""
+    from completiond.commands.eval import (parse_check, repeats_lines, starts_with_present_whitespace, suffix_collision,
+                                           validity, whitespace_cursor)
+
+    text = "def f(t):\n    if t:\n        u = t\n        \n    return t\n"
+    indent = Position("a.py", text, text.index("        \n    return") + 8, "t //= 60", "eol")
+    assert whitespace_cursor(indent)
+    assert starts_with_present_whitespace(indent, " t //= 60")
+    assert not starts_with_present_whitespace(indent, "t //= 60")
+    assert parse_check(indent, "t //= 60") is True
+    assert parse_check(indent, " t //= 60") is False      # 9 spaces where the block has 8: IndentationError
+    assert parse_check(indent, "") is None
+    assert parse_check(Position("a.js", text, indent.offset, "x", "eol"), "x") is None
+    broken = Position("a.py", "def f(:\n    ", 12, "pass", "eol")
+    assert parse_check(broken, "pass") is None             # the file does not parse with its true line either
+
+    assert repeats_lines(indent, "if t % 2:\n            return 0\n        if t % 2:\n            return 0")
+    assert repeats_lines(indent, "# a comment here\n        # a comment here\n        # a comment here")
+    assert not repeats_lines(indent, "t //= 60\n        u = t")
+
+    line = "    return \"-\".join(name.split()).lower()\n"
+    ret = Position("u.py", line, 11, "", "infix")
+    assert suffix_collision(ret, "str(name)") and not suffix_collision(ret, "")
+    assert is_duplication(ret, "str(name)") is False      # the old test: nothing re-typed ...
+    r = summarize([Outcome(ret, "str(name)", 1.0), Outcome(indent, " t //= 60", 1.0), Outcome(indent, "t", 1.0)])
+    assert r["suffix_duplication_rate"] == pytest.approx(1 / 3)   # ... but counted as a duplicate now
+    assert r["whitespace_cursor_suggestions"] == 2 and r["whitespace_dup_rate"] == 0.5
+    assert r["parse_checked"] == 2 and r["parses_after_insertion"] == 0.5
+    assert validity([])["parses_after_insertion"] == 0.0
+
+
 # -- the request path with an oracle model --------------------------------------
 
 @dataclass
@@ -147,6 +179,9 @@ def test_oracle_model_gets_exact_suggestions(tok, src_dir, midword):
     assert r["positions"] == len(positions)
     assert r["suffix_duplication_rate"] == 0.0
     assert r["whitespace_only_rate"] == 0.0
+    # The true text is valid code: every file parses with it inserted, and nothing is inserted twice.
+    assert r["parse_checked"] > 0 and r["parses_after_insertion"] == 1.0
+    assert r["whitespace_dup_rate"] == 0.0 and r["repeated_line_rate"] == 0.0
     # The oracle knows the file: every first line must match exactly.
     misses = [(o.position.kind, o.position.target, o.suggestion) for o in outcomes
               if o.suggestion.split("\n")[0].rstrip() != o.position.target.rstrip()]

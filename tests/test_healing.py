@@ -133,3 +133,87 @@ def test_sentencepiece_token_bytes_and_healing(tmp_path):
     assert healing is not None
     out = greedy(healing, len(tok), steps=len(healing.removed) + 2, seed=1)
     assert table.text(out).startswith(healing.removed)
+
+
+# -- boundary healing for whitespace (issue 30) --------------------------------------------------
+
+@pytest.mark.parametrize("text, removed", [
+    ("def f(x):\n    if x:\n        y = 1\n        ", "\n        "),   # the newline merged with the indentation
+    ("if x:\n\t\ty = 1\n\t\t", "\t\t"),                                 # tabs after a newline token
+    ("x = ", " "),                                                      # a space inside a line
+    ("x =  ", "  "),
+])
+def test_trailing_whitespace_is_backed_off_to_the_token_boundary_before_it(tok, healer, text, removed):
+    ids = tok.encode(text, add_special_tokens=False)
+    kept, healing = healer.heal(ids)
+    assert healing is not None and healing.removed == removed
+    assert tok.decode(kept) + healing.removed == text
+    # The prompt now ends where a token boundary was before the whitespace: nothing kept is whitespace-only.
+    assert tok.decode(kept[-1:]).strip(" \t")
+
+
+def test_whitespace_constraint_lets_the_next_word_carry_its_own_space(tok, healer):
+    ids = tok.encode("        x = 1\n        ", add_special_tokens=False)
+    _, healing = healer.heal(ids)
+    table = TokenBytes.for_tokenizer(tok)
+    # The canonical tokens of the indented line: the constraint accepts them all the way.
+    line = tok.encode("\n        y = 2", add_special_tokens=False)
+    for i in range(len(line)):
+        mask = healing.constraint(line[:i])
+        if mask is None:
+            break
+        assert bool(mask[line[i]]), table.text(line[:i + 1])
+    assert healing.output_text(line) == "y = 2"
+
+
+@pytest.fixture(scope="module")
+def bundled(bundled_model_dir):
+    from completiond.engine.engine import Engine
+
+    return Engine.load(model=str(bundled_model_dir), device="cpu")
+
+
+ETA = '''class Bar:
+    def format_eta(self) -> str:
+        if self.eta_known:
+            t = int(self.eta)
+            seconds = t % 60
+            t //= 60
+            minutes = t % 60
+            t //= 60
+            hours = t % 24
+'''
+
+
+@pytest.mark.parametrize("text, cursor", [
+    (ETA + " " * 12, None),                                   # the issue's case: a file cut after 12 spaces
+    (ETA + " " * 12 + "\n" + " " * 12 + "return t\n", len(ETA) + 12),   # ... with the rest of the file after it
+    (ETA.replace("    ", "\t") + "\t\t\t", None),              # tabs
+    (ETA + "            days = ", None),                      # after a space inside a line
+], ids=["cut-after-indent", "indent-before-more-code", "tabs", "after-space"])
+def test_bundled_model_never_reinserts_whitespace_already_in_the_buffer(bundled, text, cursor):
+    from completiond.completion.suggest import suggest
+    from completiond.config import defaults
+
+    found, gen = suggest(bundled, text, len(text) if cursor is None else cursor, defaults(), cancel=None)
+    assert gen is not None
+    assert found is None or not found.text.startswith((" ", "\t")), found.text
+
+
+def test_whitespace_healing_is_exact_under_speculation(bundled):
+    """Speculative greedy under the whitespace constraint gives plain greedy's tokens."""
+    from completiond.completion.prompt import PromptBuilder
+    from completiond.config import defaults
+    from completiond.engine.engine import SamplingParams
+
+    builder = PromptBuilder.for_engine(bundled, defaults())
+    for text in (ETA + " " * 12, ETA + "            days = "):
+        prompt = builder.build(text, len(text))
+        assert prompt.healing is not None and prompt.healing.removed.endswith(" ")
+        runs = []
+        for speculative in (False, True):
+            gen = bundled.generate(prompt.ids, SamplingParams(max_tokens=24, speculative=speculative),
+                                   constraint=prompt.constraint)
+            runs.append(list(gen.tokens))
+        assert runs[0] == runs[1]
+        assert TokenBytes.for_tokenizer(bundled.tokenizer).text(runs[0]).startswith(prompt.healing.removed)

@@ -162,13 +162,13 @@ def test_stop_tokens_and_healed_text(tok):
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 GEN_LINES = st.sampled_from(["", "    x = 1", "        y = f(x)", "return x)", "}", "def g():", "    ]", "  a, b)", "z = (1,",
-                             "    pass", "\t", "print(x)"])
+                             "    pass", "\t", "print(x)", "    if t % 2:", "        return 0", 'y = name.split() + "a"'])
 
 
 @settings(max_examples=150, deadline=None)
 @given(lines=st.lists(GEN_LINES, min_size=1, max_size=10), lead=st.sampled_from(["", "\n", "foo", " + 1"]),
        line_prefix=st.sampled_from(["", "    ", "def f(x):", "    x = foo(", "y = [", "    return self.ap"]),
-       line_suffix=st.sampled_from(["", ")", "):", "]"]), multiline=st.sampled_from(["auto", "always", "never"]),
+       line_suffix=st.sampled_from(["", ")", "):", "]", "name.split())", '"a"']), multiline=st.sampled_from(["auto", "always", "never"]),
        rounds=st.integers(1, 4), max_lines=st.integers(1, 5))
 def test_stopping_early_gives_the_same_suggestion(tok, lines, lead, line_prefix, line_suffix, multiline, rounds, max_lines):
     """The in-loop stop never cuts earlier than post-processing the whole output would."""
@@ -182,3 +182,91 @@ def test_stopping_early_gives_the_same_suggestion(tok, lines, lead, line_prefix,
     full = StopRules(table, line_prefix, line_suffix, following, multiline, max_lines).suggestion(ids)
     assert rules.suggestion(kept) == full
     assert full == "" or full.strip()
+
+
+# -- repetition, suffix and whitespace rules (issue 30) ----------------------------------------------
+
+def test_a_repeated_pair_of_lines_is_cut_before_the_repeat():
+    got = final("            ", "t //= 60\n            if t % 2:\n                return 0\n"
+                               "            if t % 2:\n                return 0\n            if t % 2:\n")
+    assert got == "t //= 60\n            if t % 2:\n                return 0"
+
+
+def test_a_line_written_again_and_again_is_kept_once():
+    comment = "        # If *cls* is a class, then the class is a class."
+    got = final("        ", "\n".join([comment.lstrip()] + [comment] * 3) + "\n")
+    assert got == comment.lstrip()
+
+
+def test_a_line_seen_twice_already_stops_at_its_third_copy():
+    text = "x = load()\n    y = 1\n    x = load()\n    z = 2\n    x = load()\n    w = 3\n"
+    assert final("    ", text) == "x = load()\n    y = 1\n    x = load()\n    z = 2"
+
+
+def test_lines_repeating_inside_different_blocks_are_not_a_cycle():
+    text = ("try:\n        a()\n    except KeyError:\n        pass\n"
+            "    try:\n        b()\n    except KeyError:\n        pass\n")
+    assert final("    ", text, max_lines=8) == text.rstrip()
+    # Closers and bare keywords repeat in ordinary code.
+    assert final("    ", "if a:\n        f(\n        )\n        g(\n        )\n        h(\n        )\n") \
+        .count(")") == 3
+
+
+def test_a_long_unit_repeated_inside_a_line_is_cut():
+    got = final('        raise TypeError(f"expected {self.name}', ' with {self.type!r}' * 5 + '")')
+    assert got == ' with {self.type!r}'
+
+
+def test_rule_stops_the_stream_at_a_cycle_before_the_token_limit(tok):
+    """Decided in the loop: the callback answers as soon as the second copy of the pair is complete."""
+    table = TokenBytes.for_tokenizer(tok)
+    body = "if t % 2:\n                return 0\n            "
+    ids = tok.encode("t //= 60\n            " + body * 6, add_special_tokens=False)
+    rules = StopRules(table, "            ")
+    kept = feed(rules, ids, round_size=2)
+    assert len(kept) < len(ids) // 2
+    assert rules.suggestion(kept) == "t //= 60\n            if t % 2:\n                return 0"
+    assert rules.reason == "repeated lines (a cycle)"
+
+
+def test_suggestion_that_retypes_the_text_right_of_the_cursor_stops_there(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    suffix = '"-".join(name.split()).lower()'
+    rules = StopRules(table, "    return ", suffix)
+    ids = tok.encode('name + "-".join(name.split()).lower()', add_special_tokens=False)
+    kept = feed(rules, ids, round_size=1)
+    assert len(kept) < len(ids)
+    assert rules.suggestion(kept) == "name +"
+
+
+def test_an_operand_in_front_of_the_one_already_right_of_the_cursor_is_not_shown():
+    suffix = '"-".join(name.split()).lower()'
+    assert final("    return ", "str(name)", line_suffix=suffix) == ""     # the issue's case at click/utils.py:33:12
+    assert final("    x = foo(", "a", line_suffix='"b")') == ""
+    assert final("    x = foo(", "f", line_suffix='"b")') == "f"             # an f-string prefix
+    assert final("    x = ", "a + ", line_suffix='"b"') == "a +"
+    assert final("    return ", "self.", line_suffix="name") == "self."
+
+
+@pytest.mark.parametrize("line_prefix, generated, want", [
+    ("            ", " t //= 60", "t //= 60"),
+    ("\t\t\t", "\tt //= 60", "t //= 60"),
+    ("x = ", " 1", "1"),
+    ("            ", "  \n            x = 1", "\n            x = 1"),
+])
+def test_whitespace_already_in_the_buffer_is_never_inserted_again(line_prefix, generated, want):
+    assert final(line_prefix, generated) == want
+
+
+def test_an_unfinished_last_line_at_the_token_limit_is_dropped():
+    rules = TextRules("def f(x):")
+    assert postprocess("\n    y = x + 1\n    return fo", rules, truncated=True) == "\n    y = x + 1"
+    assert postprocess("\n    y = x + 1\n    return fo", rules) == "\n    y = x + 1\n    return fo"
+    assert postprocess("\n    y = x + 1\n", rules, truncated=True) == "\n    y = x + 1"   # the line was finished
+    assert postprocess("x = fo", TextRules("    "), truncated=True) == "x = fo"              # one line: kept
+
+
+def test_a_block_opener_left_without_its_body_is_dropped():
+    assert final("    ", "x = 1\n    if x:") == "x = 1"
+    assert final("    ", "x = 1\n    if x:", following="        y = 2\n") == "x = 1\n    if x:"
+    assert final("def f(x):", "\n    if x:") == "\n    if x:"      # the only line: kept

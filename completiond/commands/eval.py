@@ -16,7 +16,12 @@ file really has:
 Reported: next-line exact match (first suggested line == target), edit
 similarity (1 - Levenshtein / longer length), acceptance alpha (accepted /
 drafted over all requests), suffix-duplication rate, whitespace-only rate,
-empty rate, latency p50/p90 (prompt build + generation + post-processing).
+empty rate, latency p50/p90 (prompt build + generation + post-processing),
+and whether the insertion is valid code: the share of suggestions at
+whitespace-only cursors that start with whitespace the buffer already has,
+the share holding a repeated-line cycle, and (Python) the share of files
+that still parse with the suggestion inserted, among the positions where the
+file parses with its true text.
 """
 
 from __future__ import annotations
@@ -247,12 +252,93 @@ def is_duplication(pos: Position, suggestion: str) -> bool:
     return False
 
 
+# -- validity of the insertion (issue 30) ---------------------------------------
+
+def _line_prefix(pos: Position) -> str:
+    return pos.text[pos.text.rfind("\n", 0, pos.offset) + 1:pos.offset]
+
+
+def whitespace_cursor(pos: Position) -> bool:
+    """The cursor sits after indentation on a line with nothing else before it."""
+    prefix = _line_prefix(pos)
+    return bool(prefix) and not prefix.strip(" \t")
+
+
+def starts_with_present_whitespace(pos: Position, suggestion: str) -> bool:
+    """The suggestion begins with a space or tab where the buffer already ends in whitespace."""
+    return _line_prefix(pos).endswith((" ", "\t")) and suggestion.startswith((" ", "\t"))
+
+
+def repeats_lines(pos: Position, suggestion: str) -> bool:
+    """The suggestion holds a cycle of repeated lines (the stop rules' own test, on the finished text)."""
+    from completiond.completion.stops import find_line_cycle
+
+    return find_line_cycle(suggestion, final=True, line_prefix=_line_prefix(pos)) is not None
+
+
+def suffix_collision(pos: Position, suggestion: str) -> bool:
+    """The suggestion ends an operand right before one the line already has (`str(name)"-".join(...)`)."""
+    from completiond.completion.stops import collides_with_suffix
+
+    le = pos.text.find("\n", pos.offset)
+    le = len(pos.text) if le < 0 else le
+    return collides_with_suffix(suggestion, _line_prefix(pos), pos.text[pos.offset:le])
+
+
+def _parses(source: str) -> bool:
+    import ast
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # invalid escape sequences and the like are warnings, not errors
+        try:
+            ast.parse(source)
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return False
+    return True
+
+
+def parse_check(pos: Position, suggestion: str) -> bool | None:
+    """Whether the Python file still parses with the suggestion inserted at the cursor; None where the
+    check does not apply (not Python, no suggestion, or the file does not parse with its true text)."""
+    if not pos.path.endswith(".py") or not suggestion:
+        return None
+    head, tail = pos.text[:pos.offset], pos.text[pos.offset:]
+    if not _parses(head + pos.target + tail):
+        return None
+    return _parses(head + suggestion + tail)
+
+
+def validity(done: list[Outcome]) -> dict[str, Any]:
+    """Issue 30's figures: whitespace re-inserted, repeated-line cycles, suffix duplicates, parse rate."""
+    shown = [o for o in done if o.suggestion]
+    ws = [o for o in shown if whitespace_cursor(o.position)]
+    trailing = [o for o in shown if _line_prefix(o.position).endswith((" ", "\t"))]
+    checks = [c for c in (parse_check(o.position, o.suggestion) for o in shown) if c is not None]
+    ratio = lambda k, n: k / n if n else 0.0  # noqa: E731
+    ws_dup = sum(starts_with_present_whitespace(o.position, o.suggestion) for o in ws)
+    trailing_dup = sum(starts_with_present_whitespace(o.position, o.suggestion) for o in trailing)
+    cycles = sum(repeats_lines(o.position, o.suggestion) for o in shown)
+    collisions = sum(suffix_collision(o.position, o.suggestion) for o in shown)
+    return {
+        "whitespace_cursor_suggestions": len(ws),
+        "whitespace_dup_rate": ratio(ws_dup, len(ws)),
+        "trailing_space_suggestions": len(trailing),
+        "trailing_space_dup_rate": ratio(trailing_dup, len(trailing)),
+        "repeated_line_rate": ratio(cycles, len(shown)),
+        "suffix_collision_rate": ratio(collisions, len(shown)),
+        "parse_checked": len(checks),
+        "parses_after_insertion": ratio(sum(checks), len(checks)),
+    }
+
+
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     done = [o for o in outcomes if o.skipped is None]
     n = len(done)
     exact = sum(first_line(o.suggestion).rstrip() == o.position.target.rstrip() for o in done)
     sim = sum(edit_similarity(first_line(o.suggestion).rstrip(), o.position.target.rstrip()) for o in done)
-    dup = sum(is_duplication(o.position, o.suggestion) for o in done)
+    # A duplicate re-types text right of the cursor, or puts a second operand in front of it.
+    dup = sum(is_duplication(o.position, o.suggestion) or suffix_collision(o.position, o.suggestion) for o in done)
     ws_only = sum(bool(o.suggestion) and not o.suggestion.strip() for o in done)
     empty = sum(not o.suggestion for o in done)
     drafted = sum(o.stats.get("drafted", 0) for o in done)
@@ -273,6 +359,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "mean_prompt_tokens": prompt_tokens / n if n else 0.0,
         "mean_context_tokens": sum(o.stats.get("context_tokens", 0) for o in done) / n if n else 0.0,
         "by_kind": {k: sum(o.position.kind == k for o in done) for k in sorted({o.position.kind for o in done})},
+        **validity(done),
     }
 
 
@@ -299,7 +386,7 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
         outcome = Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
     else:
         gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
-        suggestion = prompt.suggestion(gen.tokens)
+        suggestion = prompt.suggestion(gen.tokens, gen.finish_reason)
         ms = 1000 * (time.perf_counter() - t0)
         outcome = Outcome(pos, suggestion, ms, dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids)))
     if workspace is not None and mode == "retrieval":
@@ -476,6 +563,10 @@ def _print_table(r: dict[str, Any]) -> None:
             ("edit similarity", f"{r['edit_similarity']:.3f}"),
             ("suffix duplication", f"{r['suffix_duplication_rate']:.3%}"),
             ("whitespace-only", f"{r['whitespace_only_rate']:.3%}"),
+            ("indentation re-inserted", f"{r['whitespace_dup_rate']:.3%} of {r['whitespace_cursor_suggestions']} "
+                                        f"at whitespace-only cursors"),
+            ("repeated-line cycles", f"{r['repeated_line_rate']:.3%}"),
+            ("parses after insertion", f"{r['parses_after_insertion']:.3%} of {r['parse_checked']} checked"),
             ("empty", f"{r['empty_rate']:.3%}"),
             ("acceptance alpha", f"{r['alpha']:.3f}"),
             ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms")]

@@ -229,11 +229,14 @@ class TokenHealer:
     def heal(self, prefix_ids: Sequence[int]) -> tuple[list[int], Healing | None]:
         """(prefix ids without the partial token(s), Healing) or (ids, None) when nothing to heal.
 
-        A token with a newline is never backed off: the cursor then sits at
-        a line start, where there is no partial word to heal, and removing
-        the newline would let the stop rules misread where the line begins.
+        A token with a newline is not backed off as a partial word: the cursor
+        then sits at a line start, where there is no partial word to heal.
+        Trailing spaces or tabs are the exception (see _heal_whitespace).
         """
         ids = list(prefix_ids)
+        ws = self._heal_whitespace(ids)
+        if ws is not None:
+            return ws
         removed = b""
         n = 0
         while n < self.max_tokens and len(ids) > n:
@@ -256,6 +259,41 @@ class TokenHealer:
             n -= 1
         if n == 0 or not removed:
             return ids, None
+        return ids[:-n], Healing(removed.decode("utf-8"), removed, n, self)
+
+    def _heal_whitespace(self, ids: list[int]) -> tuple[list[int], Healing] | None:
+        """Back a prompt ending in spaces or tabs up to the token boundary before that whitespace.
+
+        Byte-level BPE glues a space to the word after it (` t`), and merges
+        a newline with the indentation after it (newline + 12 spaces is one
+        token). A prompt cut after indentation or after `x = ` therefore
+        ends with a whitespace token the model rarely saw followed by a word,
+        and its likeliest next token brings a space of its own: accepting it
+        leaves 13 spaces where 12 were. Removing every trailing token that
+        holds part of the whitespace run (the newline before indentation
+        included) and constraining the output to reproduce the removed text
+        lets the model choose the tokenization it was trained on. The stop
+        rules read the text after the healed part, and the line prefix from
+        the document, so backing off the newline does not move the line start.
+        """
+        if not ids:
+            return None
+        last = self.bytes[ids[-1]]
+        if not last or not last.endswith((b" ", b"\t")):
+            return None
+        removed = b""
+        n = 0
+        while n < len(ids) and n < WHITESPACE_MAX_TOKENS:
+            b = self.bytes[ids[-1 - n]]
+            if not b or b.endswith(b"\n"):
+                break   # a special token, or a line end: the boundary right after it is before the run
+            if n and b[-1:] not in (b" ", b"\t"):
+                break   # it ends where the run starts (` =` before ` `): the boundary is after it
+            removed, n = b + removed, n + 1
+            if b.strip(b" \t"):
+                break   # it holds the run's start (a newline merged with indentation, or a word)
+        if n == 0 or len(removed) > WHITESPACE_MAX_BYTES or not _valid_utf8(removed):
+            return None
         return ids[:-n], Healing(removed.decode("utf-8"), removed, n, self)
 
     def allowed_ids(self, remaining: bytes) -> list[int]:
@@ -284,6 +322,12 @@ class TokenHealer:
                     self._masks.clear()
                 self._masks[remaining] = m
             return m
+
+
+# Bounds on whitespace healing: indentation is rarely deeper than a few dozen columns, and each
+# removed byte is one the model re-derives under the mask.
+WHITESPACE_MAX_TOKENS = 8
+WHITESPACE_MAX_BYTES = 128
 
 
 def _valid_utf8(data: bytes) -> bool:

@@ -79,7 +79,7 @@ class Prompt:
     the stop rules. Made by `PromptBuilder.build`. If skip_reason is set, ids is empty: show nothing.
 
         gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
-        text = prompt.suggestion(gen.tokens)
+        text = prompt.suggestion(gen.tokens, gen.finish_reason)
     """
 
     ids: list[int]
@@ -105,9 +105,9 @@ class Prompt:
     def constraint(self):
         return self.healing.constraint if self.healing is not None else None
 
-    def suggestion(self, tokens: Sequence[int]) -> str:
-        """Text to show after the cursor ('' = show nothing)."""
-        return self.stop.suggestion(tokens) if self.stop is not None else ""
+    def suggestion(self, tokens: Sequence[int], finish_reason: str | None = None) -> str:
+        """Text to show after the cursor ('' = show nothing); pass the Generation's finish_reason."""
+        return self.stop.suggestion(tokens, finish_reason) if self.stop is not None else ""
 
 
 def skip_reason(text: str, cursor: int, options: PromptOptions) -> str | None:

@@ -108,7 +108,7 @@ def suggest_remote(backend: RemoteBackend, text: str, offset: int, cfg: Any, *, 
     gen.stats["token_healing"] = False
     if gen.finish_reason == "cancelled":
         return [], gen, warnings
-    insert = postprocess(gen.text, rules)
+    insert = postprocess(gen.text, rules, truncated=gen.finish_reason == "length")
     if not insert or not insert.strip():
         return [], gen, warnings
     return [Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,

@@ -33,6 +33,7 @@ suggestions into "" (show nothing).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -160,18 +161,41 @@ class TextRules:
         counts as complete.
         """
         cut = self._bracket_cut(s)
-        loop = find_loop(s)
-        if loop is not None and (cut is None or loop.pos < cut.pos):
-            cut = loop
+        for other in (find_loop(s), self._retype_cut(s)):
+            if other is not None and (cut is None or other.pos < cut.pos):
+                cut = other
         if not self.multiline:
             nl = s.find("\n")
             if nl >= 0 and (cut is None or nl < cut.pos):
                 cut = Cut(nl, "single-line")
             return cut
+        cycle = find_line_cycle(s, final, self.line_prefix)
+        if cycle is not None and (cut is None or cycle.pos < cut.pos):
+            cut = cycle
         line_cut = self._line_cut(s if cut is None else s[: cut.pos], final or cut is not None)
         if line_cut is not None:
             return line_cut
         return cut
+
+    def _retype_cut(self, s: str) -> Cut | None:
+        """Cut where the suggestion starts typing the text that is already right of the cursor.
+
+        `f(|, b)` + "a, b)": the model ignored the suffix and wrote the line
+        to its end. The test is a substring search for the suffix's opening
+        characters, so a cut found early in the stream is found again in any
+        longer stream (stopping early changes nothing). Only a telling start
+        counts: at least two letters or digits in it, not closers alone.
+        """
+        start = self._retype_probe
+        if not start:
+            return None
+        i = s.find(start)
+        return Cut(i, "re-types the text right of the cursor") if i >= 0 else None
+
+    @property
+    def _retype_probe(self) -> str:
+        probe = self.line_suffix.lstrip()[:RETYPE_PROBE_CHARS]
+        return probe if sum(c.isalnum() for c in probe) >= 2 else ""
 
     def _bracket_cut(self, s: str) -> Cut | None:
         """Cut before a closer that has no opener, closes the wrong kind, or is owed to the suffix.
@@ -238,34 +262,84 @@ class TextRules:
 
 LOOP_REPEATS = 6
 LOOP_MAX_UNIT = 16
+LONG_LOOP_REPEATS = 3
+LONG_LOOP_MAX_UNIT = 64
+# A short unit must come 6 times in a row, a long one (an f-string's ` with {self.type!r}`) 3 times:
+# either is a model stuck in a loop, not code.
+_LOOPS = (re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
+          re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)))
+RETYPE_PROBE_CHARS = 8
 
 
 def find_loop(s: str) -> Cut | None:
     """The earliest degenerate repetition inside a line (`path.path.path...`), cut after its first unit.
 
     A unit of 2-16 characters containing a letter, repeated LOOP_REPEATS
-    times back to back, is a model stuck in a loop, not code; stopping there
-    also saves the rest of the token budget.
+    times back to back, or of 17-64 characters repeated LONG_LOOP_REPEATS
+    times; stopping there also saves the rest of the token budget. The
+    regular expressions find the leftmost start, so a cut found in a prefix
+    of the stream is the cut of every longer stream.
     """
     best: int | None = None
-    for p in range(2, LOOP_MAX_UNIT + 1):
-        need = (LOOP_REPEATS - 1) * p
-        run = 0
-        for i in range(p, len(s)):
-            if s[i] == s[i - p] and s[i] != "\n":
-                run += 1
-                if run >= need:
-                    start = i - need - p + 1
-                    unit = s[start:start + p]
-                    if any(c.isalpha() for c in unit):
-                        if best is None or start + p < best:
-                            best = start + p
-                        break
-            else:
-                run = 0
-            if best is not None and i - need - p + 1 > best:
+    for pattern in _LOOPS:
+        pos = 0
+        while True:
+            m = pattern.search(s, pos)
+            if m is None or (best is not None and m.start() >= best):
                 break
+            unit = m.group(1)
+            if any(c.isalpha() for c in unit):
+                end = m.start() + len(unit)
+                best = end if best is None else min(best, end)
+                break
+            pos = m.start() + 1
     return Cut(best, "repetition loop") if best is not None else None
+
+
+def _line_key(line: str) -> str:
+    return line.rstrip()
+
+
+def _significant(line: str) -> bool:
+    """A line whose repetition means something: not blank, not closers or a bare keyword."""
+    body = line.strip()
+    return sum(c.isalnum() for c in body) >= 3 and body.rstrip(":;{") not in TRIVIAL_LINES
+
+
+TRIVIAL_LINES = frozenset({"pass", "else", "try", "finally", "break", "continue", "return", "end", "fi", "done",
+                           "default", "return;", "break;", "continue;"})
+
+
+def find_line_cycle(s: str, final: bool = False, line_prefix: str = "") -> Cut | None:
+    """Cut before the first line that starts a cycle of lines repeating earlier lines of `s`.
+
+    A cycle: a block of lines written again right after itself (one line
+    three times in a row, or a block of two or more lines twice), or a
+    significant line seen twice already. The first copy stays; the cut
+    goes before the repeat. Only finished lines count (final: the last one
+    too), so the cut never moves as the stream grows. line_prefix: the
+    cursor line's text before the suggestion, which completes its first line.
+    """
+    lines = s.split("\n")
+    complete = len(lines) - 1 + (1 if final else 0)
+    whole = [line_prefix + lines[0]] + lines[1:]
+    keys = [_line_key(ln) for ln in whole[:complete]]
+    sig = [_significant(ln) for ln in whole[:complete]]
+    starts = [0]
+    for ln in lines[:-1]:
+        starts.append(starts[-1] + len(ln) + 1)
+    seen: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if sig[i] and seen.get(key, 0) >= 2:
+            return Cut(_trim_blank_tail(s, starts[i] - 1), "repeated line (third time)")
+        for p in range(1, i + 1):
+            run = max(2, p)
+            if i + run > len(keys):
+                continue
+            if keys[i:i + run] == keys[i - p:i - p + run] and any(sig[i - p:i - p + run]):
+                return Cut(_trim_blank_tail(s, starts[i] - 1), "repeated lines (a cycle)")
+        seen[key] = seen.get(key, 0) + 1
+    return None
 
 
 def _trim_blank_tail(s: str, pos: int) -> int:
@@ -310,15 +384,83 @@ def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "") -> str:
     return s
 
 
-def postprocess(s: str, rules: TextRules) -> str:
-    """Final suggestion text from raw generated text ('' means show nothing)."""
+def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
+    """Inserting `s` puts two operands side by side with the text right of the cursor.
+
+    `return |"-".join(...)` + "str(name)" gives `str(name)"-".join(...)`:
+    the model wrote an expression where the line already has one. The
+    test is on characters only: `s` ends an operand (a closing bracket,
+    a closing quote, or a word right before a quote, other than a string
+    prefix like `f`) and the suffix starts one (a word or a quote) with
+    nothing between them.
+    """
+    body = s.rstrip()
+    if not body or not line_suffix or "\n" in body:
+        return False
+    nxt, last = line_suffix[0], body[-1]
+    if not (nxt in "'\"" or _is_word_char(nxt)):
+        return False
+    if last in CLOSERS:
+        return True
+    if last in "'\"":
+        # Closing (not opening) a string: an even count of that quote on the line so far.
+        return (line_prefix + body).count(last) % 2 == 0 and nxt not in "'\""
+    if _is_word_char(last) and nxt in "'\"":
+        word = re.search(r"\w+$", body).group(0)
+        return word.lower() not in STRING_PREFIXES
+    return False
+
+
+STRING_PREFIXES = frozenset({"r", "b", "f", "u", "rb", "br", "fr", "rf", "t", "tr", "rt"})
+
+
+def _is_word_char(c: str) -> bool:
+    return c.isalnum() or c == "_"
+
+
+def _dangling_last_line(s: str, following: str) -> bool:
+    """The last line of a multi-line suggestion opens a block (or a bracket) the suggestion never fills."""
+    lines = [ln for ln in s.split("\n") if ln.strip()]
+    if len(lines) < 2:
+        return False
+    last = lines[-1].rstrip()
+    if not last.endswith(BLOCK_OPENER_ENDINGS):
+        return False
+    nxt = next((ln for ln in following.split("\n") if ln.strip()), "")
+    # The document's next line may be the body the opener wants.
+    return not nxt or indent_width(nxt) <= indent_width(last)
+
+
+def _drop_last_line(s: str) -> str:
+    head = s.rstrip()
+    nl = head.rfind("\n")
+    return head[:nl].rstrip() if nl >= 0 else head
+
+
+def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
+    """Final suggestion text from raw generated text ('' means show nothing).
+
+    truncated: generation ended at the token limit, not at a stop, so the
+    last line of a multi-line suggestion is unfinished and is dropped.
+    """
     cut = rules.find_cut(s, final=True)
     if cut is not None:
         s = s[: cut.pos]
+    if rules.line_prefix.endswith((" ", "\t")):
+        # The buffer already has this whitespace (token healing makes the model
+        # produce it first; a remote server or healing turned off may not):
+        # never insert a second copy.
+        s = s.lstrip(" \t")
     keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
+    unfinished = truncated and cut is None and not s.rstrip(" \t").endswith("\n")
     s = s.rstrip()
+    if rules.multiline and "\n" in s.strip():
+        if unfinished:
+            s = _drop_last_line(s)
+        while _dangling_last_line(s, rules.following):
+            s = _drop_last_line(s)
     s = trim_suffix_overlap(s, rules.line_suffix, rules.line_prefix).rstrip()
-    if not s.strip():
+    if not s.strip() or collides_with_suffix(s, rules.line_prefix, rules.line_suffix):
         return ""
     if keep_newline:
         # The closer right of the cursor then lands on its own line, at the
@@ -412,8 +554,11 @@ class StopRules:
         self.reason = cut.reason
         return min(limit, self._tokens_for(cut.pos, s, base))
 
-    def suggestion(self, tokens: Sequence[int]) -> str:
-        """The text to show after the cursor for the generated tokens ('' = nothing)."""
+    def suggestion(self, tokens: Sequence[int], finish_reason: str | None = None) -> str:
+        """The text to show after the cursor for the generated tokens ('' = nothing).
+
+        finish_reason: the engine's; "length" drops an unfinished last line of a multi-line suggestion.
+        """
         self._sync(tokens)
         limit = len(tokens)
         stop_at = self._stop_index(tokens)
@@ -424,4 +569,5 @@ class StopRules:
             return ""
         s, _ = got
         s = s.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="ignore")
-        return postprocess(s, self.rules)
+        truncated = finish_reason == "length" and stop_at is None
+        return postprocess(s, self.rules, truncated)

@@ -138,7 +138,7 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
             return ([] if i == 0 else found), first
         # Greedy: the next attempt starts with another token; one that ended at once began with the end.
         banned.extend(gen.tokens[:1] or sorted(getattr(engine, "eos_token_ids", ())))
-        insert = prompt.suggestion(gen.tokens)
+        insert = prompt.suggestion(gen.tokens, gen.finish_reason)
         if not insert or not insert.strip() or any(insert == s.text for s in found):
             continue
         # The stop rules already dropped text repeating the rest of the line, so the
