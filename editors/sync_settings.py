@@ -45,6 +45,8 @@ DOC_BEGIN = "<!-- BEGIN GENERATED SETTINGS -->"  # markdown
 DOC_END = "<!-- END GENERATED SETTINGS -->"
 VIMDOC_BEGIN = "BEGIN GENERATED SETTINGS (editors/sync_settings.py)"
 VIMDOC_END = "END GENERATED SETTINGS"
+VIMDOC_RESTRICTED_BEGIN = "BEGIN GENERATED RESTRICTED SETTINGS (editors/sync_settings.py)"
+VIMDOC_RESTRICTED_END = "END GENERATED RESTRICTED SETTINGS"
 
 
 def load_schema(from_cli: bool = False) -> list[dict]:
@@ -300,9 +302,20 @@ def vimdoc_section(schema: list[dict]) -> list[str]:
     return lines
 
 
+def vimdoc_restricted(schema: list[dict]) -> list[str]:
+    """The settings that name a model, a path, an endpoint or code to run (|completiond-trust|)."""
+    import textwrap
+
+    names = ", ".join(f"settings.{item['key']}" for item in schema if item.get("restricted")) + "."
+    return ["    " + line for line in textwrap.wrap(names, 74)]
+
+
 def sync_vimdoc(schema: list[dict], check: bool) -> list[str]:
     text = NVIM_DOC.read_text()
+    text, changed_restricted = replace_between(text, VIMDOC_RESTRICTED_BEGIN, VIMDOC_RESTRICTED_END,
+                                               lambda ind: vimdoc_restricted(schema), NVIM_DOC)
     new, changed = replace_between(text, VIMDOC_BEGIN, VIMDOC_END, lambda ind: vimdoc_section(schema), NVIM_DOC)
+    changed = changed or changed_restricted
     if changed and not check:
         NVIM_DOC.write_text(new)
     return [f"{NVIM_DOC.relative_to(ROOT)}: the settings reference differs from the server schema"] if changed else []
