@@ -29,7 +29,10 @@ def read_tagged(path: Path, fmt: str, what: str, model_identity: str, retrain: s
     from safetensors import SafetensorError
     from safetensors.torch import load_file, safe_open
 
+    from completiond.fileio import check_file
+
     try:
+        check_file(path, 1 << 40)  # a regular file: a FIFO would block the load, a device read forever
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
         tensors = load_file(str(path))

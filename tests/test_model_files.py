@@ -109,3 +109,23 @@ def test_a_calibration_record_linked_to_dev_zero_is_ignored_at_once(tmp_path, mo
     record.symlink_to("/dev/zero")
     cal = calibration.load_calibration("0123456789abcdef", None, 10)
     assert cal.source == "heuristic"
+
+
+def test_a_draft_file_that_is_a_fifo_or_a_device_is_skipped_at_once(tiny_model_dir, tmp_path):
+    import threading
+
+    path = copy_with(tiny_model_dir, tmp_path)
+    os.mkfifo(path / "exit_adapter.safetensors")        # nothing ever writes it: opening it would block for good
+    (path / "medusa_heads.safetensors").symlink_to("/dev/zero")
+    loaded: list = []
+    worker = threading.Thread(target=lambda: loaded.append(Engine.load(path, device="cpu")), daemon=True)
+    worker.start()
+    worker.join(120)
+    try:
+        assert loaded, "the load blocked on the FIFO"
+        assert loaded[0].exit_adapter is None and loaded[0].medusa is None
+    finally:
+        try:  # unblock a load stuck in open() (the old behaviour), so the thread can end
+            os.close(os.open(path / "exit_adapter.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
