@@ -89,6 +89,11 @@ def test_model_info_and_side_files_refuse_fifos_and_oversized_files(tmp_path):
         ModelInfo.read(tmp_path)
     with pytest.raises(hub.HubError, match="FIFO"):
         hub.check_side_files(tmp_path)
+    (tmp_path / "completiond.json").unlink()
+    os.mkfifo(tmp_path / "model.safetensors")             # weights too: a FIFO would block the load
+    with pytest.raises(hub.HubError, match="model.safetensors is not a regular file"):
+        hub.check_side_files(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
     big = tmp_path / "tokenizer.json"
     with big.open("wb") as f:
         f.truncate(hub.SIDE_FILE_LIMITS["tokenizer.json"] + 1)  # sparse: no disk used

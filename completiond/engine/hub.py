@@ -228,8 +228,11 @@ def read_json(path: Path, limit: int | None = None):
 
 def check_side_files(directory: Path) -> None:
     """That each side file a load reads (config, tokenizer, completiond.json, weight index) is a regular
-    file under its cap, before the tokenizer library opens them. Raises HubError naming the file."""
-    for name, limit in SIDE_FILE_LIMITS.items():
+    file under its cap, and each safetensors file a regular file, before a library opens them. Raises
+    HubError naming the file."""
+    # The weights are no side files, but a FIFO or device among them would block or never end the load.
+    weights = [(p.name, 1 << 50) for p in sorted(Path(directory).glob("*.safetensors"))]
+    for name, limit in [*SIDE_FILE_LIMITS.items(), *weights]:
         path = Path(directory) / name
         if os.path.lexists(path):
             try:
