@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import operator
 import os
 import platform
 import shutil
@@ -317,6 +318,13 @@ def trim_heap() -> None:
         pass  # not glibc: nothing to trim with
 
 
+def _as_int(v: Any, what: str) -> int:
+    try:
+        return operator.index(v)  # ints, numpy and 0-d torch integers; not floats or strings
+    except TypeError:
+        raise NativeError(f"native {what}: {v!r} is not an integer") from None
+
+
 def _check(rc: int, what: str) -> int:
     if rc < 0:
         raise NativeError(f"native {what}: {_ERRORS.get(rc, f'error {rc}')}")
@@ -506,6 +514,7 @@ class NativeStep:
                rope_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         """Forward.layers_range's contract on h [1, t, d]; returns new states (h is not modified)."""
         t = h.shape[1]
+        self._check_args("layers", seq, pos, t, first, last)
         if h.dim() != 3 or h.shape[0] != 1 or h.shape[2] != self.model.d:
             raise NativeError(f"native layers: hidden states of shape {tuple(h.shape)}, expected [1, t, {self.model.d}]")
         out = h.to(torch.float32).clone(memory_format=torch.contiguous_format)  # [1, t, d]: step.c works in place
@@ -524,6 +533,23 @@ class NativeStep:
                                   self.fwd._cos.data_ptr(), self.fwd._sin.data_ptr(), torch.get_num_threads()),
                f"step of {t} rows at slot {pos}, layers [{first}, {last})")
         return out
+
+    def _check_args(self, what: str, seq: Any, pos: int, t: int, first: int, last: int,
+                    tokens: list[int] | None = None) -> None:
+        """The checks step.c repeats, made before anything is converted for C (ctypes would truncate an int
+        past 32 bits silently, and the rope tables would grow to an absurd position first)."""
+        cap = seq.k.shape[2]
+        t, pos, first, last = (_as_int(v, what) for v in (t, pos, first, last))
+        if not 1 <= t <= cap:
+            raise NativeError(f"native {what}: {t} rows for a cache of {cap} slots")
+        if not 0 <= pos <= cap - t:
+            raise NativeError(f"native {what}: slots {pos}..{pos}+{t} outside the cache's {cap}")
+        if not 0 <= first <= last <= self.n_layers:
+            raise NativeError(f"native {what}: layers [{first}, {last}) outside 0..{self.n_layers}")
+        vocab = self.model.vocab
+        for tok in tokens or ():
+            if not 0 <= _as_int(tok, what) < vocab:
+                raise NativeError(f"native {what}: token id {tok!r} outside the vocabulary of {vocab}")
 
     def _check_cache(self, seq: Any, last: int) -> None:
         """seq's K/V must hold slots for layers [0, last) of this model's shape, in float32, contiguous."""
@@ -554,8 +580,7 @@ class NativeStep:
         """Up to k_max greedy early-exit draft tokens after token (step.c's cd_draft_greedy: no Python between
         the draft's steps); returns them and the layer-E states [1, n_fed, d] of the tokens it fed."""
         fwd = self.fwd
-        if k_max < 1:
-            raise NativeError(f"native draft: k_max {k_max}")
+        self._check_args("draft", seq, pos, k_max, 0, exit_layer, [token])
         fwd.rope(pos, k_max)
         d = self.model.d
         states = torch.empty(k_max, d, dtype=torch.float32)  # [k_max, d]
@@ -584,8 +609,7 @@ class NativeStep:
         [0, last), their K/V written (step.c's cd_verify_greedy: one call for embed, layers, head and argmax)."""
         fwd = self.fwd
         t = len(tokens)
-        if t < 1:
-            raise NativeError("native verify: no tokens")
+        self._check_args("verify", seq, pos, t, 0, last, list(tokens))
         fwd.rope(pos, t)
         ids = torch.tensor(tokens, dtype=torch.int64)  # [t]
         out = torch.empty(t, dtype=torch.int64)
