@@ -171,6 +171,7 @@ class RetrievalIndex:
         self.by_key: dict[Hashable, list[int]] = {}
         self.postings: dict[str, set[int]] = {}
         self.defs: dict[str, set[int]] = {}
+        self.by_head: dict[str, set[str]] = {}     # first 2 characters -> terms (completing a partial name)
         self.total_length = 0
         self.version = 0
         self._next = 1
@@ -236,7 +237,11 @@ class RetrievalIndex:
         c = Chunk(cid, key, path, language, s, e, body, digest, p.terms, p.length, p.defines)
         self.chunks[cid] = c
         for t in c.terms:
-            self.postings.setdefault(t, set()).add(cid)
+            ids = self.postings.get(t)
+            if ids is None:
+                ids = self.postings[t] = set()
+                self.by_head.setdefault(t[:2], set()).add(t)
+            ids.add(cid)
         for name in c.defines:
             self.defs.setdefault(name, set()).add(cid)
         self.total_length += c.length
@@ -250,6 +255,11 @@ class RetrievalIndex:
                 ids.discard(c.id)
                 if not ids:
                     del self.postings[t]
+                    head = self.by_head.get(t[:2])
+                    if head is not None:
+                        head.discard(t)
+                        if not head:
+                            del self.by_head[t[:2]]
         for name in c.defines:
             ids = self.defs.get(name)
             if ids is not None:
@@ -284,6 +294,14 @@ class RetrievalIndex:
                 tf = c.terms[t]
                 scores[cid] = scores.get(cid, 0.0) + w * idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * c.length / avg))
         return scores
+
+    def completions(self, partial: str, limit: int = 6) -> list[str]:
+        """Indexed terms that complete the identifier being typed (the most widely used first)."""
+        if len(partial) < 2:
+            return []
+        found = [t for t in self.by_head.get(partial[:2], ()) if t.startswith(partial) and t != partial]
+        found.sort(key=lambda t: (-len(self.postings[t]), t))
+        return found[:limit]
 
     def definitions(self, names: Iterable[str], imports: dict[str, str], allowed: Callable[[Chunk], bool],
                     max_each: int = 3) -> list[int]:
@@ -325,6 +343,7 @@ class Query:
     imports: dict[str, str]
     window: tuple[int, int]     # [first, last) line of the current window (chunks overlapping it are dropped)
     line: int                   # cursor line
+    partial: str = ""           # the identifier being typed, up to the cursor
 
 
 def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int = 4,
@@ -336,9 +355,11 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     cur_line = text.count("\n", 0, ls)
     # The identifier being typed is unfinished: leave it out (it also changes on every keystroke).
     line_head = text[ls:offset]
-    m = re.search(r"[A-Za-z0-9_]+$", line_head)
+    m = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", line_head)
+    partial = ""
     if m:
         line_head = line_head[: m.start()]
+        partial = m.group(0)
     lo = ls
     for _ in range(before_lines):
         if lo <= 0:
@@ -363,7 +384,7 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     names = list(dict.fromkeys(reversed(near + terms_of(text[prev_line_start:ls]))))
     head = text[: min(len(text), 20000)]
     return Query(weights, names[:6], imports_of(head), (max(0, cur_line - window_before), cur_line + window_after + 1),
-                 cur_line)
+                 cur_line, partial)
 
 
 def jaccard(a: Iterable[str], b: Iterable[str]) -> float:
@@ -381,6 +402,7 @@ class Selector:
         self.max_chunks = max_chunks
         self.dup_threshold = dup_threshold
         self.max_definitions = max_definitions
+        self.complete_partial = True
         self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
         self.max_states = max_states
 
@@ -391,8 +413,16 @@ class Selector:
                 return False           # the prompt shows these lines already
             return allowed(c)
 
+        terms = query.terms
+        completions = index.completions(query.partial) if self.complete_partial else []
+        if completions:
+            # The names the identifier being typed may become: their uses and definitions are what
+            # the model needs to finish it (they change only when the set of candidates does).
+            terms = dict(terms)
+            for t in completions:
+                terms[t] = terms.get(t, 0.0) + 1.0
         defs = index.definitions(query.names, query.imports, admitted)[: self.max_definitions]
-        scores = index.bm25(query.terms, admitted)
+        scores = index.bm25(terms, admitted)
         ranked = sorted(scores, key=lambda cid: (-scores[cid], cid))
         keep_rank = set(ranked[: 2 * self.max_chunks]) | set(defs)
         wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))

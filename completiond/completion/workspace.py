@@ -770,6 +770,8 @@ class Workspace:
         """Whether an entry's text may be retrieved as context: a disk file was admitted when it was
         read (inside a folder, not ignored or hidden, not on the deny-list); an editor's document
         only under the same rules (an open hidden, ignored or outside file stays out of the index)."""
+        if os.path.basename(path).startswith("."):
+            return False      # a hidden file (.dotfile.py), wherever it is, like a hidden folder's
         if owner is DISK:
             return True
         mine = [root for root, owners in self._owners.items() if owner in owners]

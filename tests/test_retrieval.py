@@ -1,0 +1,271 @@
+"""Repository retrieval: chunks, the index's incremental updates, definitions, the sticky block,
+privacy of what enters the index, and eval's side-by-side context modes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from completiond import cli
+from completiond.completion import retrieval
+from completiond.completion.retrieval import RetrievalIndex, Selector, make_query, split_lines
+from completiond.completion.workspace import DISK, LOCAL, Workspace
+
+MODULE = '''import os
+
+
+def helper_one(path):
+    """Read a thing."""
+    with open(path) as f:
+        data = f.read()
+    return data.strip()
+
+
+@decorated
+def exponential_backoff(attempt, base=2.0, cap=60.0):
+    """The delay before an attempt."""
+    delay = base ** attempt
+    return min(cap, delay)
+
+
+class RetryState:
+    def __init__(self, attempts):
+        self.attempts = attempts
+        self.outcome = None
+
+    def failed(self):
+        return self.outcome is not None
+'''
+
+
+def _ws(tmp_path, **kw) -> Workspace:
+    w = Workspace([tmp_path], scan=False, **kw)
+    w.scan()
+    return w
+
+
+def _chunk_texts(ctx):
+    return [t for _, t in ctx]
+
+
+# -- chunks ----------------------------------------------------------------------
+
+def test_chunks_split_at_definitions_and_stay_within_twenty_lines():
+    lines = MODULE.splitlines(keepends=True)
+    ranges = split_lines(lines)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(lines)
+    assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))        # they tile the file
+    starts = [lines[s] for s, _ in ranges]
+    # The decorator opens its function's chunk; the class opens its own.
+    assert "@decorated\n" in starts and "class RetryState:\n" in starts
+    long = ["x = %d\n" % i for i in range(95)]
+    assert max(e - s for s, e in split_lines(long)) <= retrieval.MAX_LINES
+
+
+def test_an_edit_reindexes_only_the_changed_chunk_and_keeps_the_other_ids():
+    index = RetrievalIndex()
+    index.update((LOCAL, "/w/m.py"), "/w/m.py", "python", MODULE)
+    before = {index.chunks[i].text: i for i in index.by_key[(LOCAL, "/w/m.py")]}
+    edited = MODULE.replace("return min(cap, delay)", "return min(cap, delay * jitter)")
+    index.update((LOCAL, "/w/m.py"), "/w/m.py", "python", edited)
+    after = {index.chunks[i].text: i for i in index.by_key[(LOCAL, "/w/m.py")]}
+    kept = set(before) & set(after)
+    assert kept and all(before[t] == after[t] for t in kept)
+    assert len(set(after) - set(before)) == 1                                    # one new chunk
+    assert "jitter" in index.postings and index.defs["exponential_backoff"]
+    index.remove((LOCAL, "/w/m.py"))
+    assert not index.chunks and not index.postings and not index.defs and index.total_length == 0
+
+
+def test_the_index_stops_at_its_chunk_bound():
+    index = RetrievalIndex(max_chunks=3)
+    for i in range(5):
+        index.update((DISK, f"/w/{i}.py"), f"/w/{i}.py", "python", MODULE)
+    assert len(index) == 3
+
+
+def test_query_leaves_out_the_identifier_being_typed_and_names_the_ones_at_the_cursor():
+    text = "from pkg.timing import exponential_backoff\n\nwait = exponential_backoff(attempt) + jit"
+    q = make_query(text, len(text))
+    assert q.partial == "jit" and "jit" not in q.terms
+    assert q.names[0] == "attempt" and "exponential_backoff" in q.names
+    assert q.imports["exponential_backoff"] == "pkg.timing"
+
+
+# -- the workspace's retrieval ---------------------------------------------------------
+
+def test_definition_of_a_name_at_the_cursor_comes_from_the_imported_module(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "timing.py").write_text(MODULE)
+    # A second definition of the same name elsewhere: the import decides.
+    (tmp_path / "other.py").write_text("def exponential_backoff(n):\n    return 0\n")
+    w = _ws(tmp_path)
+    doc = "from pkg.timing import exponential_backoff\n\n\ndef go(n):\n    return exponential_backoff("
+    w.did_open(tmp_path / "main.py", doc)
+    ctx = w.context(tmp_path / "main.py", "python", 120, text=doc, offset=len(doc), mode="retrieval")
+    assert ctx and ctx[0][0] == "pkg/timing.py"
+    assert "def exponential_backoff(attempt, base=2.0, cap=60.0):" in ctx[0][1]
+
+
+def test_similar_code_is_retrieved_and_the_current_window_and_disk_copy_are_not(tmp_path):
+    (tmp_path / "a.py").write_text(MODULE)
+    far = "".join(f"unrelated_{i} = {i}\n" for i in range(80))
+    current = "def reader(path):\n    with open(path) as f:\n        data = f.read()\n" + far + "value = data.strip"
+    (tmp_path / "main.py").write_text(current + "()  # the truth, on disk only\n")
+    w = _ws(tmp_path)
+    w.did_open(tmp_path / "main.py", current)
+    ctx = w.context(tmp_path / "main.py", "python", 400, text=current, offset=len(current), mode="retrieval",
+                    window_tokens=(40, 10))
+    texts = "".join(_chunk_texts(ctx))
+    assert "data.strip()" in texts                       # helper_one, from a.py
+    assert "the truth" not in texts                      # never the current file's disk copy
+    assert "unrelated_79" not in texts                   # the lines the prompt shows already
+    assert "def reader(path)" in texts                   # the current file's own far chunk counts
+
+
+def test_typing_keeps_the_block_and_a_new_chunk_is_appended(tmp_path):
+    (tmp_path / "a.py").write_text(MODULE)
+    (tmp_path / "b.py").write_text("def helper_two(url):\n    return fetch_remote(url, retries=3)\n")
+    w = _ws(tmp_path)
+    head = "def load(path):\n    with open(path) as f:\n        data = f.read()\n    value = "
+    blocks = []
+    changes = w.block_changes
+    for typed in ("d", "da", "dat", "data", "data.", "data.s", "data.st"):
+        text = head + typed
+        w.did_change(tmp_path / "main.py", text)
+        blocks.append(w.context(tmp_path / "main.py", "python", 400, text=text, offset=len(text), mode="retrieval"))
+    assert blocks[0] and all(b == blocks[0] for b in blocks)
+    assert w.block_changes == changes + 1
+    # A new line that needs another chunk: the old ones stay in front, in their order.
+    text = head + "data.strip()\n    return fetch_remote(url, retries"
+    w.did_change(tmp_path / "main.py", text)
+    grown = w.context(tmp_path / "main.py", "python", 400, text=text, offset=len(text), mode="retrieval")
+    assert grown[: len(blocks[0])] == blocks[0] and any("fetch_remote" in t for t in _chunk_texts(grown))
+
+
+def test_near_duplicates_are_dropped(tmp_path):
+    (tmp_path / "a.py").write_text(MODULE)
+    (tmp_path / "copy.py").write_text(MODULE)
+    w = _ws(tmp_path)
+    text = "def load(path):\n    with open(path) as f:\n        data = f.read()\n    return data."
+    ctx = w.context(tmp_path / "main.py", "python", 1000, text=text, offset=len(text), mode="retrieval")
+    texts = _chunk_texts(ctx)
+    assert len(texts) == len(set(texts))
+
+
+def test_recent_mode_is_unchanged_by_the_index(tmp_path):
+    (tmp_path / "a.py").write_text(MODULE)
+    w = _ws(tmp_path)
+    ctx = w.context(tmp_path / "main.py", "python", 1000, text="x = 1", offset=5)
+    assert [p for p, _ in ctx] == ["a.py"] and ctx[0][1].startswith("import os")
+
+
+# -- privacy: the index holds only what may be context ------------------------------------
+
+def test_hidden_ignored_secret_and_outside_files_never_enter_the_index(tmp_path):
+    root = tmp_path / "proj"
+    root.mkdir()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    marker = "def leaked_marker_name():\n    return 'token'\n"
+    (root / ".gitignore").write_text("private.py\nbuild/\n")
+    (root / "private.py").write_text(marker)
+    (root / "build").mkdir()
+    (root / "build" / "gen.py").write_text(marker)
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "h.py").write_text(marker)
+    (root / ".dotfile.py").write_text(marker)
+    (root / "secrets.py").write_text(marker)
+    (root / "app_credentials.py").write_text(marker)
+    (root / "ok.py").write_text("def fine_name():\n    return 1\n")
+    w = _ws(root)
+    # The editor also opens such files, and one outside the workspace.
+    for path in (root / "private.py", root / ".hidden" / "h.py", root / "secrets.py", root / ".dotfile.py",
+                 root / "build" / "gen.py", outside / "o.py"):
+        w.did_open(path, marker)
+    indexed = {path for _, path in w.index.by_key}
+    assert indexed == {str(root / "ok.py")}
+    assert "leaked_marker_name" not in w.index.postings and "leaked_marker_name" not in w.index.defs
+    text = "value = leaked_marker_name("
+    ctx = w.context(root / "main.py", "python", 2000, text=text, offset=len(text), mode="retrieval")
+    assert all("leaked_marker_name" not in t for t in _chunk_texts(ctx))
+
+
+def test_a_file_that_becomes_ignored_leaves_the_index(tmp_path):
+    w = Workspace([tmp_path], scan=False).start()
+    try:
+        w.did_open(tmp_path / "draft.py", "def drafted_name():\n    return 1\n")
+        assert (LOCAL, str(tmp_path / "draft.py")) in w.index.by_key
+        (tmp_path / ".gitignore").write_text("draft.py\n")
+        assert w.wait_for(lambda: (LOCAL, str(tmp_path / "draft.py")) not in w.index.by_key)
+    finally:
+        w.stop()
+
+
+def test_context_exclude_applies_to_retrieved_chunks(tmp_path):
+    (tmp_path / "fixtures").mkdir()
+    (tmp_path / "fixtures" / "data.py").write_text("def excluded_name():\n    return 1\n")
+    w = _ws(tmp_path)
+    text = "x = excluded_name("
+    ctx = w.context(tmp_path / "main.py", "python", 1000, text=text, offset=len(text), mode="retrieval")
+    assert any("excluded_name" in t for t in _chunk_texts(ctx))
+    ctx = w.context(tmp_path / "main.py", "python", 1000, text=text, offset=len(text), mode="retrieval",
+                    exclude=["fixtures/*"])
+    assert all("excluded_name" not in t for t in _chunk_texts(ctx))
+
+
+def test_another_editors_open_document_is_not_retrieved(tmp_path):
+    w = Workspace(scan=False)
+    w.add_folder(tmp_path, owner="A")
+    w.add_folder(tmp_path, owner="B")
+    w.did_open(tmp_path / "a_only.py", "def only_for_a():\n    return 1\n", owner="A")
+    text = "x = only_for_a("
+    for owner, seen in (("A", True), ("B", False)):
+        ctx = w.context(tmp_path / "main.py", "python", 1000, owner=owner, text=text, offset=len(text),
+                        mode="retrieval")
+        assert any("only_for_a" in t for t in _chunk_texts(ctx)) is seen
+
+
+def test_selector_state_is_bounded():
+    sel = Selector(max_states=2)
+    index = RetrievalIndex()
+    index.update((DISK, "/w/a.py"), "/w/a.py", "python", MODULE)
+    q = make_query("x = helper_one(path)\n", 20)
+    for i in range(5):
+        sel.select(index, ("ed", f"/w/{i}.py"), q, lambda c: True, None, lambda c: 10, 100)
+    assert len(sel._last) == 2
+
+
+# -- eval: the modes side by side ------------------------------------------------------
+
+def test_eval_runs_the_context_modes_side_by_side(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "timing.py").write_text(MODULE)
+    (tmp_path / "use.py").write_text("from timing import exponential_backoff\n\n\ndef go(n):\n"
+                                     "    return exponential_backoff(n, base=2.0)\n")
+    rc = cli.main(["eval", str(tmp_path), "--model", str(tiny_model_dir), "--device", "cpu", "--positions", "3",
+                   "--max-tokens", "4", "--context", "none,recent,retrieval", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["context_modes"] == ["none", "recent", "retrieval"]
+    assert set(r["context"]) == {"none", "recent", "retrieval"}
+    for summary in r["context"].values():
+        assert summary["positions"] == 3 and "next_line_exact_match" in summary and summary["p50_ms"] > 0
+    assert r["context"]["none"]["mean_context_tokens"] == 0
+    assert r["index"]["files"] == 2
+
+
+def test_eval_refuses_an_unknown_context_mode(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["eval", str(tmp_path), "--context", "none,everything"])
+    assert "--context takes" in capsys.readouterr().err
+
+
+def test_memory_of_the_index_is_released_with_its_files(tmp_path):
+    w = Workspace([tmp_path], scan=False, max_bytes=20_000)
+    for i in range(40):
+        w.did_change(tmp_path / f"f{i}.py", MODULE.replace("helper_one", f"helper_{i}"))
+    # The workspace's byte budget evicts files; their chunks go with them.
+    assert {path for _, path in w.index.by_key} == set(w.paths())
+    assert os.path.basename(sorted(w.paths())[-1]).startswith("f")
