@@ -279,28 +279,6 @@ def test_bench_drafts_table_covers_every_trained_draft(tmp_path):
     assert result["best_draft_gain"] == max(r["draft_gain"] for r in rows.values())
 
 
-def test_device_report_runs_on_the_cpu(peaked_dir):
-    """`completiond bench-device` (prepared for a lent GPU) end to end here: a random-weight
-    shape and a model directory, every figure present, greedy early exit identical to plain, and a
-    directory that is not a model reported without stopping the run."""
-    out = subprocess.run(
-        [sys.executable, "-m", "completiond.cli", "bench-device", "--json", "--repeats", "1",
-         "--max-tokens", "12", "--bandwidth-mb", "64", "--models", f"tiny-qwen2,{peaked_dir},/nonexistent/model"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert r["device"] == "cpu" and r["copy_bandwidth_gbs"] > 0 and "not built" in r["cuda_graphs"]
-    shape, tiny, missing = r["models"]
-    assert shape["model"] == "tiny-qwen2 (random weights)" and shape["layers"] == 4
-    assert "does not exist" in missing["error"]
-    for m in (shape, tiny):
-        assert m["weight_bytes"] > 0 and m["plain_ms_per_token"] > 0 and m["bandwidth_bound_ms_per_token"] > 0
-        assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
-        assert all(v > 0 for v in m["verify_cost_by_k"].values())
-        assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]
-    assert tiny["early_exit"]["greedy_identical"] is True  # peaked weights: no near ties to flip
-
-
 def test_model_card_takes_the_measured_draft_costs_of_a_bench_run(tmp_path):
     """`model_card --from-results --bench`: the card's measured column comes from draft_cost_by_exit; a file
     that is not a bench output is refused with its name."""
@@ -337,3 +315,54 @@ def test_pass_flops_counts_the_models_parameters(peaked_dir):
     assert pass_flops(eng, 1, 0) == 2 * weights + 2 * head + n * 4 * H * hd
     # 3 positions after 10 cached tokens see 11, 12 and 13 keys
     assert pass_flops(eng, 3, 10) == 3 * (2 * weights + 2 * head) + n * 4 * H * hd * (11 + 12 + 13)
+
+
+def test_engine_loss_is_the_reference_loss(peaked_dir):
+    """bench --quality's loss through the engine (native-step chunks, K/V written as decoding does)
+    equals transformers' on the same float32 weights, window by window."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from completiond.commands.bench_quality import engine_loss, hf_loss
+
+    engine = Engine.load(str(peaked_dir), device="cpu")
+    torch.manual_seed(0)
+    x = torch.randint(0, engine.tokenizer.vocab_size, (2, 40))
+    windows = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    ref = AutoModelForCausalLM.from_pretrained(peaked_dir, dtype=torch.float32).eval()
+    assert engine_loss(engine, windows) == pytest.approx(hf_loss(ref, windows), abs=1e-4)
+
+
+def test_engine_greedy_keeps_the_model_cards_stop_rules(peaked_dir):
+    from completiond.commands.bench_quality import engine_greedy
+
+    engine = Engine.load(str(peaked_dir), device="cpu")
+    tok = engine.tokenizer
+    prompt = tok("def add(a, b):\n")["input_ids"]
+    full, stopped = engine_greedy(engine, prompt, 12, tok=tok)
+    assert len(full) == 12 and not stopped
+    assert full == engine.generate(prompt, SamplingParams(max_tokens=12, speculative=False, ignore_eos=True)).tokens
+    cut, stopped = engine_greedy(engine, prompt, 12, stop_ids=(full[3],), tok=tok)
+    assert cut == full[:full.index(full[3])] and stopped
+    first = engine_greedy(engine, prompt, 12, stop_fn=lambda text: len(text) > 0, tok=tok)[0]
+    assert first == full[:1]
+
+
+def test_bench_quality_puts_the_formats_side_by_side():
+    """One run, the bundled model: the float32 reference, bf16 and int8, each with held-out loss and
+    next-line exact match; bf16 holds the checkpoint's own values (it is stored in bf16), so its loss is
+    the reference's up to summation order; int8's cost is reported against bf16."""
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", "bench", "--quality", "--quality-windows", "1",
+                          "--quality-positions", "1", "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    rows = r["formats"]
+    assert list(rows) == ["float32", "bf16", "int8"]
+    assert rows["bf16"]["weights_in_use"] == "bf16" and rows["int8"]["weights_in_use"] == "int8"
+    assert rows["bf16"]["heldout_loss"] == pytest.approx(rows["float32"]["heldout_loss"], abs=2e-3)
+    for row in rows.values():
+        assert 0 < row["heldout_loss"] < 10
+        assert set(row["next_line_exact_match"]) == {"left_to_right", "fim_spm"}
+    assert r["int8_loss_cost_nats"] == pytest.approx(rows["int8"]["heldout_loss"] - rows["bf16"]["heldout_loss"],
+                                                     abs=1e-3)
+    assert r["int8_loss_cost_against"] == "bf16" and r["next_line_positions"] == 1

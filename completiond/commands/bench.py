@@ -21,13 +21,18 @@ import threading
 import time
 from pathlib import Path
 
+from completiond.config import SETTINGS_BY_KEY
 from completiond.errors import CompletionError
+
+WEIGHTS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="weight format of the native CPU step (the weights setting): auto, bf16 or int8")
     p.add_argument("--prompts", type=int, default=6, help="number of held-out prompts")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--exit-layer", type=int, default=None, help="default: calibrated")
@@ -38,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
+    p.add_argument("--quality", action="store_true",
+                   help="what each weight format costs: held-out loss and next-line exact match of the model with "
+                        "its weights in float32 (the reference), bf16 and int8, side by side (bench_quality.py)")
+    p.add_argument("--quality-windows", type=int, default=48, help="with --quality: 512-token held-out windows")
+    p.add_argument("--quality-positions", type=int, default=200, help="with --quality: next-line positions")
     p.add_argument("--workload", choices=("prompts", "edit"), default="prompts",
                    help="prompts: the text before a line a third into each file; edit: FIM prompts at each line "
                         "start of a region being typed, with the real suffix (see edit_prompts)")
@@ -190,8 +200,7 @@ def pass_flops(engine, positions: int, context: int) -> int:
     scores and weighted sum over each query's visible keys, and of the head (norms, RoPE and
     activations are left out: O(d) per position)."""
     fwd = engine.fwd
-    weights = sum(L.qkv.numel() + L.o.numel() + L.gate_up.numel() + L.down.numel()
-                  for L in fwd.layers[:engine.num_layers])
+    weights = sum(fwd.layer_numel[:engine.num_layers])  # counted at load: a large model's matrices are released
     visible = sum(context + i + 1 for i in range(positions))  # query i sees keys 0..context+i
     attention = engine.num_layers * 2 * 2 * fwd.H * fwd.hd * visible
     return 2 * weights * positions + attention + 2 * fwd.head_w.numel() * positions
@@ -326,6 +335,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     """
     import torch
 
+    from completiond.engine import native as native_mod
     from completiond.engine.engine import CancelToken, SamplingParams
     from completiond.engine.lookup import OutputHistory
 
@@ -543,7 +553,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),
         "plain_vs_hf": ratio("plain", "hf"),
         # engine/native: one call per layer range instead of PyTorch's ~22 ops per layer (plain_torch: without it)
-        "native_step": {"used": engine.fwd.native is not None, "reason": engine.fwd.native_reason},
+        "native_step": {"used": engine.fwd.native is not None, "reason": engine.fwd.native_reason,
+                        "weights": engine.weights, "weights_in_use": engine.weights_in_use(),
+                        "kernel": native_mod.kernel_name()},
         "native_gain": ratio("plain", "plain_torch"),
         "greedy_identical": identical,
         "alpha": alpha,
@@ -576,7 +588,17 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
 
 def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    if args.typing:
+    if args.quality:
+        from completiond.commands.bench_quality import measure_quality
+        from completiond.engine.engine import EngineError
+
+        try:
+            result = measure_quality(args.model, ["bf16", "int8"], args.quality_windows, args.quality_positions,
+                                     device=args.device if args.device != "auto" else "cpu", log=log)
+        except EngineError as exc:
+            print(f"completiond bench: {exc}", file=sys.stderr)
+            return 1
+    elif args.typing:
         from completiond.commands.bench_typing import run_typing_bench
 
         result = run_typing_bench(model=args.model, file=Path(args.file) if args.file else None,
@@ -591,7 +613,8 @@ def run(args: argparse.Namespace) -> int:
         from completiond.engine.engine import Engine, EngineError
 
         try:
-            engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model)
+            engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model,
+                                 weights=args.weights)
         except EngineError as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1

@@ -15,9 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+from completiond.config import SETTINGS_BY_KEY
 from completiond.engine.calibration import Calibration
 
 from completiond.engine.autocalibrate import MIN_GAIN, calibration_steps, candidate_layers, frequent_ids, run_to_end
+
+WEIGHTS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
 
 __all__ = ["MIN_GAIN", "calibrate", "candidate_layers", "frequent_ids"]
 
@@ -27,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="a separate draft model to measure too (completiond.draftModel)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto",
+                   help="weight format of the native CPU step (the weights setting): auto, bf16 or int8")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--exit-layers", type=int, nargs="*", default=None, help="candidates (default: a spread over the first half)")
@@ -112,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
-        engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model)
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model,
+                             weights=args.weights)
     except EngineError as exc:
         print(f"completiond calibrate: {exc}", file=sys.stderr)
         return 1

@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--weights", choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
+                        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)")
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--multiline", choices=("auto", "always", "never"))
     parser.add_argument("--temperature", type=float)
@@ -80,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> tuple[Any, list[str]]:
     cfg, errors = config_mod.load_file(args.config)
     cfg, more = config_mod.merge(cfg, {
-        "model": args.model, "device": args.device, "dtype": args.dtype, "maxTokens": args.max_tokens,
+        "model": args.model, "device": args.device, "dtype": args.dtype, "weights": args.weights,
+        "maxTokens": args.max_tokens,
         "multiline": args.multiline, "temperature": args.temperature,
         "speculation": False if args.no_speculation else None})
     return cfg, errors + more

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--weights", choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
+                        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)")
     parser.add_argument("--draft-model", help="separate draft model: directory or hub id (default: none)")
-    parser.add_argument("--weights", help="weight format of the native CPU step (auto, bf16, int8)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
     parser.add_argument("--cache-mb", type=int, help="prefix KV cache budget in MiB")
     parser.add_argument("--idle-timeout", type=float, help="seconds to stay up with no client connected")

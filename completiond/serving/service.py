@@ -108,7 +108,7 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[st
             last[0] = pct
             progress("download", pct, f"downloading {cfg.model}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
 
-    engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype,
+    engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                          trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
                          draft_model=cfg.draft_model or None,
                          progress=phase if progress is not None else None, download_progress=download, warn=warn)

@@ -1,0 +1,91 @@
+"""The `weights` setting and the `--weights` flag of bench, bench-device, calibrate, complete and serve.
+
+Each flag refuses a format that does not exist with argparse's clear message, and each reaches
+Engine.load(weights=...) (a recording Engine.load here: no model is loaded). The setting itself is an
+engine key: a config file's bad value is reported and replaced by the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from completiond import config
+from completiond.engine.engine import Engine, EngineError
+from tests.conftest import ROOT
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every Engine.load call's weights argument; the load itself fails, as a missing model would."""
+    seen: list[str | None] = []
+
+    def fake_load(model=None, **kwargs):
+        seen.append(kwargs.get("weights", "<not passed>"))
+        raise EngineError("recorded, not loaded")
+
+    monkeypatch.setattr(Engine, "load", staticmethod(fake_load))
+    return seen
+
+
+def parse(module, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-device", "calibrate", "complete", "serve"])
+def test_an_unknown_format_is_refused(command):
+    args = ["x.py:1:1"] if command == "complete" else []
+    out = subprocess.run([sys.executable, "-m", "completiond.cli", command, *args, "--weights", "fp8"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    error = out.stderr.strip().splitlines()[-1]  # argparse's one line after the usage
+    assert "--weights" in error and "fp8" in error and all(v in error for v in ("auto", "bf16", "int8")), error
+
+
+def test_bench_and_calibrate_pass_the_flag(loads, capsys):
+    from completiond.commands import bench, calibrate
+
+    assert bench.run(parse(bench, ["--weights", "int8"])) == 1
+    assert calibrate.run(parse(calibrate, ["--weights", "bf16"])) == 1
+    assert parse(bench, []).weights == "auto"
+    assert loads == ["int8", "bf16"]
+    assert "recorded, not loaded" in capsys.readouterr().err
+
+
+def test_complete_passes_the_flag_and_the_setting(loads, tmp_path, capsys):
+    from completiond.commands import complete
+
+    src = tmp_path / "a.py"
+    src.write_text("def f():\n    return 1\n")
+    conf = tmp_path / "config.toml"
+    conf.write_text('weights = "bf16"\n')
+    target = f"{src}:2:5"
+    assert complete.run(parse(complete, [target, "--weights", "int8", "--config", str(conf)])) == 1
+    assert complete.run(parse(complete, [target, "--config", str(conf)])) == 1  # the config file's setting
+    assert loads == ["int8", "bf16"]
+
+
+def test_serve_puts_the_flag_into_the_daemons_settings(loads):
+    from completiond.commands import serve
+    from completiond.serving.service import load_engine
+
+    cfg, errors = serve.config_from_args(parse(serve, ["--weights", "int8", "--config", "/nonexistent.toml"]))
+    assert cfg.weights == "int8" and not errors
+    assert config.engine_settings(cfg)["weights"] == "int8"  # an engine key: a different value reloads
+    with pytest.raises(EngineError):
+        load_engine(cfg)
+    assert loads == ["int8"]
+
+
+def test_a_bad_setting_is_reported_and_replaced(tmp_path):
+    conf = tmp_path / "config.toml"
+    conf.write_text('weights = "int4"\n')
+    cfg, errors = config.load_file(conf)
+    assert cfg.weights == "auto"
+    assert len(errors) == 1 and "weights" in errors[0] and "int4" in errors[0]
+    assert "weights" in config.ENGINE_KEYS
