@@ -231,7 +231,8 @@ def check_side_files(directory: Path) -> None:
     file under its cap, and each safetensors file a regular file, before a library opens them. Raises
     HubError naming the file."""
     # The weights are no side files, but a FIFO or device among them would block or never end the load.
-    weights = [(p.name, 1 << 50) for p in sorted(Path(directory).glob("*.safetensors"))]
+    # (Drafts trained on the model, DRAFT_FILES, are checked where they are read, and skipped if unusable.)
+    weights = [(p.name, 1 << 50) for p in sorted(Path(directory).glob("*.safetensors")) if p.name not in DRAFT_FILES]
     for name, limit in [*SIDE_FILE_LIMITS.items(), *weights]:
         path = Path(directory) / name
         if os.path.lexists(path):
