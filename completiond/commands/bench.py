@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "start of a region being typed, with the real suffix (see edit_prompts)")
     p.add_argument("--keystrokes", type=int, default=120, help="with --typing")
     p.add_argument("--file", default=None, help="with --typing: the file to type into (default: a held-out file)")
+    p.add_argument("--workspace", default=None, help="with --typing: a project directory holding --file, opened as the "
+                   "workspace folder (the context block draws on it; compare with --retrieval on/off)")
+    p.add_argument("--retrieval", choices=("on", "off"), default=None, help="with --typing: the contextRetrieval setting")
     p.add_argument("--llama-server", action="store_true",
                    help="with --typing: also replay it against llama.cpp's llama-server on this machine serving the "
                         "bundled model (as GGUF; the binary from $COMPLETIOND_LLAMA_SERVER or PATH), p50/p95 side by side")
@@ -602,7 +605,9 @@ def run(args: argparse.Namespace) -> int:
         from completiond.commands.bench_typing import run_typing_bench
 
         result = run_typing_bench(model=args.model, file=Path(args.file) if args.file else None,
-                                  keystrokes=args.keystrokes, log=log)
+                                  keystrokes=args.keystrokes, log=log,
+                                  workspace=Path(args.workspace) if args.workspace else None,
+                                  settings={"contextRetrieval": args.retrieval} if args.retrieval else None)
         if args.llama_server or args.endpoint:
             try:
                 result = _typing_remote(args, result, log)
