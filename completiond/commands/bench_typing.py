@@ -19,6 +19,13 @@ Reported:
   rounds_after_cancel_per_superseded   of those, rounds finished after the cancel arrived (how
                                    fast the engine lets go: at most the one round in flight)
   responses / requests             every request must get exactly one response
+  context_changes_per_100_keystrokes   how often the context block differed from the one before for
+                                   the same file (each change re-prefills the prompt after it)
+  index                            the retrieval index when typing started (files, chunks)
+
+With `workspace` (a project directory), that directory is the editor's workspace folder and the
+typed file one of its files (opened as it is on disk, never written), so the context block draws on
+the rest of the project: run it with contextRetrieval on and off to see what retrieval costs.
 """
 
 from __future__ import annotations
@@ -92,7 +99,8 @@ class _Request:
 
 async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: float, device: str,
                  max_tokens: int, runtime_dir: Path, settings: dict[str, Any] | None, timeout_s: float,
-                 progress: Callable[[str], None] | None, lsp_command: list[str] | None) -> dict[str, Any]:
+                 progress: Callable[[str], None] | None, lsp_command: list[str] | None,
+                 workspace: Path | None = None) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
     from pygls.lsp.client import LanguageClient
@@ -102,9 +110,13 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
     targets = pick_lines(text, keystrokes)
     # The document lies in a workspace folder the editor announces: a remote backend is sent workspace
     # files only (the privacy gate, completion/privacy.py).
-    folder = runtime_dir / "workspace"
-    folder.mkdir(exist_ok=True)
-    uri = (folder / URI_NAME).as_uri()
+    if workspace is not None:
+        folder = Path(workspace).resolve()
+        uri = Path(file).resolve().as_uri()
+    else:
+        folder = runtime_dir / "workspace"
+        folder.mkdir(exist_ok=True)
+        uri = (folder / URI_NAME).as_uri()
     init = {"model": model or "", "device": device, "maxTokens": max_tokens, "multiline": "never",
             "idleTimeout": 30, **(settings or {})}
 
@@ -175,6 +187,11 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
                 raise RuntimeError(f"daemon failed: {st.get('error')}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"daemon not ready within {timeout_s:g} s: {st or messages}")
+            await asyncio.sleep(0.2)
+        while workspace is not None:  # the folder's background scan: let it finish before timing keystrokes
+            index = (await stats()).get("index") or {}
+            if (index.get("files") and not index.get("scanning")) or time.monotonic() > deadline:
+                break
             await asyncio.sleep(0.2)
         _, warm = send_inline(0, 0)
         await asyncio.wait_for(warm, timeout_s)
@@ -263,6 +280,8 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "wasted_rounds": delta("wasted_rounds"),
         "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,
         "rounds": delta("rounds"),
+        "context_changes_per_100_keystrokes": 100 * delta("context_changes") / typed if typed else 0.0,
+        "index": before.get("index"),
         "last_alpha": (after.get("status") or {}).get("draft_acceptance"),
         "messages": messages,
     }
@@ -273,13 +292,14 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
                      runtime_dir: Path | None = None, settings: dict[str, Any] | None = None,
                      timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
                      lsp_command: list[str] | None = None,
-                     log: Callable[..., None] | None = None) -> dict[str, Any]:
+                     log: Callable[..., None] | None = None, workspace: Path | None = None) -> dict[str, Any]:
     """Run the typing benchmark; see the module docstring for what the keys mean.
 
     model: None/"" = the bundled model. file: None = a held-out corpus file.
     runtime_dir: where the benchmark's own daemon puts its socket (default: a fresh
     temporary directory, removed afterwards, with the daemon stopped).
     progress / log: called with one line of text per typed line.
+    workspace: a project directory holding `file`: the editor's workspace folder (context source).
     """
     progress = progress or log
     file = Path(file) if file is not None else default_file()
@@ -287,7 +307,7 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
     base = Path(tempfile.mkdtemp(prefix="completiond-bench-")) if own_dir else Path(runtime_dir)
     try:
         return asyncio.run(_bench(model, file, keystrokes, interval_ms, device, max_tokens, base, settings,
-                                  timeout_s, progress, lsp_command))
+                                  timeout_s, progress, lsp_command, workspace))
     finally:
         _stop_daemon(base)
         if own_dir:
@@ -334,10 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=float, default=100.0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--workspace", type=Path, help="project directory holding --file: the workspace folder")
+    parser.add_argument("--retrieval", choices=("on", "off"), help="the contextRetrieval setting")
     args = parser.parse_args(argv)
+    settings = {"contextRetrieval": args.retrieval} if args.retrieval else None
     result = run_typing_bench(args.model, args.file, args.keystrokes, interval_ms=args.interval_ms,
-                              device=args.device, max_tokens=args.max_tokens,
-                              progress=lambda m: print(m, file=sys.stderr))
+                              device=args.device, max_tokens=args.max_tokens, settings=settings,
+                              progress=lambda m: print(m, file=sys.stderr), workspace=args.workspace)
     print(json.dumps(result, indent=2))
     return 0
 

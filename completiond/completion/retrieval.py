@@ -29,6 +29,7 @@ retrieval section), over text the workspace already bounds (its max_bytes). A fi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import re
@@ -45,6 +46,9 @@ DEF_LINE = re.compile(
     r"(?:def|class|function|func|fn|struct|enum|trait|interface|impl|type|module|object)[ \t]+(?:\([^)]*\)[ \t]*)?"
     r"([A-Za-z_][A-Za-z0-9_]*)")
 DECORATOR = re.compile(r"^[ \t]*@[A-Za-z_]")
+DEF_ANYWHERE = re.compile(DEF_LINE.pattern, re.M)
+DECORATOR_ANYWHERE = re.compile(DECORATOR.pattern, re.M)
+BLANK_ANYWHERE = re.compile(r"^[ \t\r\f\v]*(?:\n|$)", re.M)
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")   # module level: no indentation
 FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[A-Za-z0-9_.]*)[ \t]+import[ \t]+\(?([^)#\n]*)", re.M)
 IMPORT = re.compile(r"^[ \t]*import[ \t]+([A-Za-z0-9_.]+)(?:[ \t]+as[ \t]+([A-Za-z_][A-Za-z0-9_]*))?", re.M)
@@ -76,16 +80,22 @@ def split_lines(lines: Sequence[str], min_lines: int = MIN_LINES, max_lines: int
     out: list[tuple[int, int]] = []
     start = 0
     n = len(lines)
+    # One pass of each pattern over the whole text (per-line matching cost most of a keystroke's update).
+    text = "".join(lines)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    defs = {bisect.bisect_right(offsets, m.start()) - 1 for m in DEF_ANYWHERE.finditer(text)}
+    decorators = {bisect.bisect_right(offsets, m.start()) - 1 for m in DECORATOR_ANYWHERE.finditer(text)}
+    blank = {bisect.bisect_right(offsets, m.start()) - 1 for m in BLANK_ANYWHERE.finditer(text)}
     for i in range(1, n):
         size = i - start
-        line = lines[i]
-        cut = False
         if size >= max_lines:
             cut = True
-        elif size >= min_def_lines and _is_def_start(line) and not DECORATOR.match(lines[i - 1]):
+        elif size >= min_def_lines and (i in defs or i in decorators) and i - 1 not in decorators:
             cut = True
-        elif size >= min_lines and not lines[i - 1].strip() and line.strip():
-            cut = True
+        else:
+            cut = size >= min_lines and i - 1 in blank and i not in blank
         if cut:
             out.append((start, i))
             start = i
@@ -270,7 +280,7 @@ class RetrievalIndex:
 
     # -- queries ---------------------------------------------------------
     def bm25(self, query: dict[str, float], allowed: Callable[[Chunk], bool], k1: float = 1.2, b: float = 0.75,
-             max_df_fraction: float = 0.2) -> dict[int, float]:
+             max_df_fraction: float = 0.05, max_df_cap: int = 3000) -> dict[int, float]:
         """Chunk id -> BM25 score of `query` (term -> weight), over the chunks `allowed` admits."""
         n = len(self.chunks)
         if not n or not query:
@@ -278,7 +288,9 @@ class RetrievalIndex:
         avg = max(1.0, self.total_length / n)
         scores: dict[int, float] = {}
         ok: dict[int, bool] = {}
-        max_df = max(8, int(n * max_df_fraction))
+        # Terms in more chunks than this say little (idf ~3 or less against ~10 for rare names) and cost
+        # the most: walking their postings is what a query spends its time on in a big workspace.
+        max_df = max(8, min(max_df_cap, int(n * max_df_fraction)))
         for t, w in query.items():
             ids = self.postings.get(t)
             if not ids or len(ids) > max_df:      # too common to tell chunks apart (and the longest lists)

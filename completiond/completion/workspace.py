@@ -775,7 +775,11 @@ class Workspace:
         if owner is DISK:
             return True
         mine = [root for root, owners in self._owners.items() if owner in owners]
-        return self._admit(path, mine, ()).remote_ok
+        key = (path, tuple(mine), ())
+        ok = self._verdicts.get(key)     # asked on every didChange: cached until folders or ignore rules change
+        if ok is None:
+            ok = self._verdicts[key] = self._admit(path, mine, ()).remote_ok
+        return ok
 
     def _reindex_open(self) -> None:
         """Folders or ignore rules changed: re-decide which open documents the index may hold."""
