@@ -29,7 +29,6 @@ retrieval section), over text the workspace already bounds (its max_bytes). A fi
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import math
 import re
@@ -46,9 +45,7 @@ DEF_LINE = re.compile(
     r"(?:def|class|function|func|fn|struct|enum|trait|interface|impl|type|module|object)[ \t]+(?:\([^)]*\)[ \t]*)?"
     r"([A-Za-z_][A-Za-z0-9_]*)")
 DECORATOR = re.compile(r"^[ \t]*@[A-Za-z_]")
-DEF_ANYWHERE = re.compile(DEF_LINE.pattern, re.M)
-DECORATOR_ANYWHERE = re.compile(DECORATOR.pattern, re.M)
-BLANK_ANYWHERE = re.compile(r"^[ \t\r\f\v]*(?:\n|$)", re.M)
+DEF_FIRST = frozenset("edpsaicfmtor")   # first letters of the words DEF_LINE can start with
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")   # module level: no indentation
 FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[A-Za-z0-9_.]*)[ \t]+import[ \t]+\(?([^)#\n]*)", re.M)
 IMPORT = re.compile(r"^[ \t]*import[ \t]+([A-Za-z0-9_.]+)(?:[ \t]+as[ \t]+([A-Za-z_][A-Za-z0-9_]*))?", re.M)
@@ -80,14 +77,22 @@ def split_lines(lines: Sequence[str], min_lines: int = MIN_LINES, max_lines: int
     out: list[tuple[int, int]] = []
     start = 0
     n = len(lines)
-    # One pass of each pattern over the whole text (per-line matching cost most of a keystroke's update).
-    text = "".join(lines)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    defs = {bisect.bisect_right(offsets, m.start()) - 1 for m in DEF_ANYWHERE.finditer(text)}
-    decorators = {bisect.bisect_right(offsets, m.start()) - 1 for m in DECORATOR_ANYWHERE.finditer(text)}
-    blank = {bisect.bisect_right(offsets, m.start()) - 1 for m in BLANK_ANYWHERE.finditer(text)}
+    # The definition pattern only on lines whose first word can start one: matching every line was
+    # most of the cost of a keystroke's index update.
+    defs: set[int] = set()
+    decorators: set[int] = set()
+    blank: set[int] = set()
+    for i, line in enumerate(lines):
+        body = line.lstrip(" \t")
+        first = body[:1]
+        if not first or first in "\r\n\f\v":
+            if not body.strip():
+                blank.add(i)
+        elif first == "@":
+            if DECORATOR.match(body):
+                decorators.add(i)
+        elif first in DEF_FIRST and DEF_LINE.match(body):
+            defs.add(i)
     for i in range(1, n):
         size = i - start
         if size >= max_lines:
