@@ -185,6 +185,56 @@ def test_tree_pass_matches_the_torch_path(tiny):
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
 
 
+def _tree_mask(parents: list[int], p0: int) -> torch.Tensor:
+    """[t, p0 + t]: node i sees the prefix, its ancestors and itself."""
+    t = len(parents)
+    anc = torch.zeros(t, t, dtype=torch.bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return torch.cat([torch.ones(t, p0, dtype=torch.bool), anc], 1)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("p0", [40, 250])  # 250: the deeper nodes' keys cross the 256-key chunk boundary
+def test_tree_nodes_are_bit_exact_with_plain_steps(bundled, p0):
+    """Every node of a token tree (ancestors at non-consecutive slots) gets, bit for bit, the logits and
+    the K/V of plain one-token steps along its path: attention sums in the logical sequence's order,
+    whatever slots the ancestors sit in. Float32, the native path, no tolerance."""
+    _need_native()
+    prompt = _ids(bundled, TEXT * 4, p0 + 20)
+    # node 0 the root; two branches interleaved in slot order, one of depth 9, so a node's ancestors are
+    # spread over every other slot
+    parents = [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    tokens = [prompt[p0]] + [prompt[p0 + 1 + i // 2] if i % 2 == 0 else prompt[p0 + 2 + i // 2]
+                             for i in range(len(parents) - 1)]
+    depth = []
+    for i, par in enumerate(parents):
+        depth.append(0 if par < 0 else depth[par] + 1)
+    t = len(parents)
+    base = bundled.new_sequence(p0 + t + 16)
+    bundled.prefill(base, prompt[:p0], None)
+    tree_seq = base.copy_prefix(p0, t + 16)
+    got = _pass(bundled, tree_seq, tokens, tree=(torch.tensor(depth) + p0, _tree_mask(parents, p0)))
+    L = bundled.num_layers
+    for i in range(t):
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        path.reverse()
+        seq = base.copy_prefix(p0, t + 16)
+        for node in path:
+            want = _pass(bundled, seq, [tokens[node]])
+            seq.commit([tokens[node]])
+        assert torch.equal(got[i], want[0]), (i, depth[i], (got[i] - want[0]).abs().max().item())
+        slot = p0 + len(path) - 1  # where the plain steps put node i's K/V
+        assert torch.equal(tree_seq.k[:L, :, p0 + i], seq.k[:L, :, slot]), i
+        assert torch.equal(tree_seq.v[:L, :, p0 + i], seq.v[:L, :, slot]), i
+
+
 @torch.inference_mode()
 def test_read_only_pass_leaves_the_cache_alone(bundled):
     _need_native()

@@ -389,16 +389,22 @@ static void share_items(int n, int tid, int nt, int *a, int *b) {
 
 /* ------------------------------------------------------------------ attention
  * One chunk of keys of one head, for every row of the pass that sees into it (row r sees n_r keys:
- * pos + r + 1, or all pos + t under a tree mask): each key block is read from memory once and scored
+ * pos + r + 1, or under a tree mask the slots its mask row allows): each key block is read from memory once and scored
  * against all those rows from L1. Per row, the chunk's max m, sum l of exp(s - m) and o = sum
  * exp(s - m) * v (merged over chunks in key order by merge()). A row's arithmetic is the same whichever
  * other rows share the chunk: its scores come from the same per-key hadd tree, its exp and sums run
- * in groups of 8 from the chunk start, its o is one fmadd chain per lane over its keys in order. */
+ * in groups of 8 from the chunk start, its o is one fmadd chain per lane over its keys in order.
+ * Keys are counted in the row's logical sequence, not by slot: a tree node's visible keys (the prefix, its
+ * ancestors at scattered slots, itself) are gathered in order into kidx, so chunks, 8-key groups and
+ * chains fall exactly where a plain step at the node's position puts them, and its bits are that step's. */
 
 #define ROW_GROUP 16 /* rows scored together (the stack holds their scores) */
+/* the cache slot of the row's i-th key in logical order: kidx (a tree node's visible slots, one row per
+ * call) or the identity (a causal row) */
+#define KEY(i) (kidx ? kidx[i] : (i))
 #define VSUB 32      /* keys per pass over v: one block of v rows stays in L1 for all rows */
 
-static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *const *mrow, int nr, const float *kb,
+static void attend_rows(const float *const *q, const int *nkeys, const int *kidx, int nr, const float *kb,
                         const float *vb, int hd, float scale, int k0, float *const *part) {
     float s[ROW_GROUP][CHUNK + 8];
     int n[ROW_GROUP], kmax = 0;
@@ -411,7 +417,7 @@ static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *
     const __m256 sc = _mm256_set1_ps(scale);
     for (int i = 0; i < nmax; i += 8) {
         const float *kr[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = kb + (size_t)(k0 + (i + j < nmax ? i + j : nmax - 1)) * hd;
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = kb + (size_t)KEY(k0 + (i + j < nmax ? i + j : nmax - 1)) * hd;
         for (int r = 0; r < nr; r++) {
             if (i >= n[r]) continue;
             __m256 a[8];
@@ -432,8 +438,7 @@ static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *
         memset(o, 0, (size_t)hd * sizeof(float));
         mx[r] = -INFINITY;
         for (int i = 0; i < n[r]; i++) {
-            if (mrow[r] && !mrow[r][k0 + i]) s[r][i] = -INFINITY;
-            else if (s[r][i] > mx[r]) mx[r] = s[r][i];
+            if (s[r][i] > mx[r]) mx[r] = s[r][i];
         }
         part[r][0] = mx[r];
         part[r][1] = 0.0f;
@@ -462,7 +467,7 @@ static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *
                 _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + e + 8 * v);
                 for (int i = b0; i < b1; i++) {
                     __m256 p = _mm256_set1_ps(s[r][i]);
-                    const float *vr = vb + (size_t)(k0 + i) * hd + e;
+                    const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
                     _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
                         acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
                 }
@@ -471,7 +476,7 @@ static void attend_rows(const float *const *q, const int *nkeys, const uint8_t *
             for (; e < hd; e += 8) {
                 __m256 acc = _mm256_loadu_ps(o + e);
                 for (int i = b0; i < b1; i++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r][i]), _mm256_loadu_ps(vb + (size_t)(k0 + i) * hd + e), acc);
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r][i]), _mm256_loadu_ps(vb + (size_t)KEY(k0 + i) * hd + e), acc);
                 _mm256_storeu_ps(o + e, acc);
             }
         }
@@ -514,20 +519,37 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     }
     const int group = H / KV, width = pos + t;
     if (nthreads < 1) nthreads = 1;
+    /* Under a tree mask each row's visible slots in logical (increasing slot) order: kidx [t, width],
+     * nvis [t]; such rows attend one per work item, each over its own keys. */
+    int *kidx = NULL, *nvis = NULL;
+    if (mask) {
+        kidx = malloc(sizeof(int) * ((size_t)t * width + t));
+        if (!kidx) return CD_ENOMEM;
+        nvis = kidx + (size_t)t * width;
+        for (int r = 0; r < t; r++) {
+            int nv = 0;
+            for (int j = 0; j < width; j++)
+                if (mask[(size_t)r * width + j]) kidx[(size_t)r * width + nv++] = j;
+            nvis[r] = nv;
+        }
+    }
     /* attention work items (row, head, chunk), with each row's first item */
     int *row_items = malloc(sizeof(int) * (size_t)(t + 1));
-    if (!row_items) return CD_ENOMEM;
+    if (!row_items) { free(kidx); return CD_ENOMEM; }
     row_items[0] = 0;
+    int maxkeys = 0;
     for (int r = 0; r < t; r++) {
-        int keys = mask ? width : pos + r + 1;
+        int keys = mask ? nvis[r] : pos + r + 1;
+        if (keys > maxkeys) maxkeys = keys;
         row_items[r + 1] = row_items[r] + H * ((keys + CHUNK - 1) / CHUNK);
     }
     const int items = row_items[t];
-    const int nch = ((mask ? width : pos + t) + CHUNK - 1) / CHUNK, ngroups = (t + ROW_GROUP - 1) / ROW_GROUP;
+    const int rg = mask ? 1 : ROW_GROUP; /* rows per attention work item */
+    const int nch = (maxkeys + CHUNK - 1) / CHUNK, ngroups = (t + rg - 1) / rg;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
     float *buf = malloc(floats * sizeof(float));
-    if (!buf) { free(row_items); return CD_ENOMEM; }
+    if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
 
@@ -573,21 +595,21 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             for (int it = a; it < b; it++) {
                 int head = it / (nch * ngroups), c = (it / ngroups) % nch, grp = it % ngroups, g = head / group;
                 const float *qs[ROW_GROUP];
-                const uint8_t *ms[ROW_GROUP];
+                const int *ki = NULL;
                 float *ps[ROW_GROUP];
                 int nk[ROW_GROUP], nr = 0;
-                for (int r = grp * ROW_GROUP; r < t && r < (grp + 1) * ROW_GROUP; r++) {
-                    int keys = mask ? width : pos + r + 1;
+                for (int r = grp * rg; r < t && r < (grp + 1) * rg; r++) {
+                    int keys = mask ? nvis[r] : pos + r + 1;
                     if (keys <= c * CHUNK) continue;
                     int per_head = (row_items[r + 1] - row_items[r]) / H;
                     qs[nr] = qkv + (size_t)r * qw + (size_t)head * hd;
-                    ms[nr] = mask ? mask + (size_t)r * width : NULL;
+                    if (mask) ki = kidx + (size_t)r * width;
                     ps[nr] = parts + (size_t)(row_items[r] + head * per_head + c) * (hd + 2);
                     nk[nr++] = keys;
                 }
                 if (nr == 0) continue;
                 const float *kb = kc + ((size_t)li * KV + g) * cap * hd, *vb = vc + ((size_t)li * KV + g) * cap * hd;
-                attend_rows(qs, nk, ms, nr, kb, vb, hd, m->scale, c * CHUNK, ps);
+                attend_rows(qs, nk, ki, nr, kb, vb, hd, m->scale, c * CHUNK, ps);
             }
 #pragma omp barrier
             share_items(t * H, tid, nt, &a, &b);
@@ -621,6 +643,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     }
     free(buf);
     free(row_items);
+    free(kidx);
     return 0;
 }
 
