@@ -269,3 +269,38 @@ def test_memory_of_the_index_is_released_with_its_files(tmp_path):
     # The workspace's byte budget evicts files; their chunks go with them.
     assert {path for _, path in w.index.by_key} == set(w.paths())
     assert os.path.basename(sorted(w.paths())[-1]).startswith("f")
+
+
+def test_incremental_updates_give_the_chunks_a_fresh_index_would():
+    import random
+
+    rng = random.Random(7)
+    base = (MODULE * 6).splitlines(keepends=True)
+    pieces = ["\n", "    x = 1\n", "def added(y):\n", "@deco\n", "class Added:\n", "    return y\n", "# note\n"]
+    index = RetrievalIndex()
+    key = (LOCAL, "/w/m.py")
+    lines = list(base)
+    index.update(key, "/w/m.py", "python", "".join(lines))
+    for _ in range(300):
+        old = "".join(lines)
+        i = rng.randrange(len(lines) + 1)
+        op = rng.random()
+        if op < 0.4 or not lines:
+            lines.insert(i, rng.choice(pieces))
+        elif op < 0.7:
+            del lines[min(i, len(lines) - 1)]
+        else:
+            k = min(i, len(lines) - 1)
+            lines[k] = lines[k].rstrip("\n") + rng.choice(["a", " ", "(", ":"]) + "\n"   # a keystroke
+        text = "".join(lines)
+        kept_before = set(index.by_key[key])
+        assert index.update_edit(key, "/w/m.py", "python", old, text)
+        got = [(index.chunks[c].start, index.chunks[c].end, index.chunks[c].text) for c in index.by_key[key]]
+        fresh = [(s, e, "".join(lines[s:e])) for s, e in split_lines(lines)]
+        assert got == fresh
+        # A keystroke re-creates few chunks: the rest keep their ids.
+        assert len(set(index.by_key[key]) - kept_before) <= 3
+    fresh_index = RetrievalIndex()
+    fresh_index.update(key, "/w/m.py", "python", "".join(lines))
+    assert index.postings.keys() == fresh_index.postings.keys() and index.defs.keys() == fresh_index.defs.keys()
+    assert index.total_length == fresh_index.total_length

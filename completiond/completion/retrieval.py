@@ -69,41 +69,55 @@ def _is_def_start(line: str) -> bool:
     return bool(DEF_LINE.match(line) or DECORATOR.match(line))
 
 
-def split_lines(lines: Sequence[str], min_lines: int = MIN_LINES, max_lines: int = MAX_LINES,
-                min_def_lines: int = MIN_DEF_LINES) -> list[tuple[int, int]]:
-    """[start, end) line ranges covering `lines`: cut before a definition start (its decorators
-    included) once the chunk has min_def_lines lines, after a blank line once it has min_lines,
-    and at max_lines lines in any case."""
+def _kind(line: str) -> int:
+    """0 plain, 1 blank, 2 decorator, 3 definition start. The definition pattern runs only on lines
+    whose first word can start one: matching every line was most of a keystroke's index update."""
+    body = line.lstrip(" \t")
+    first = body[:1]
+    if not first or first in "\r\n\f\v":
+        return 1 if not body.strip() else 0
+    if first == "@":
+        return 2 if DECORATOR.match(body) else 0
+    return 3 if first in DEF_FIRST and DEF_LINE.match(body) else 0
+
+
+def split_lines(lines: Sequence[str], min_lines: int | None = None, max_lines: int | None = None,
+                min_def_lines: int | None = None, start: int = 0,
+                resume: Callable[[int], bool] | None = None) -> list[tuple[int, int]]:
+    """[start, end) line ranges covering `lines` from line `start`: cut before a definition start
+    (its decorators included) once the chunk has min_def_lines lines, after a blank line once it
+    has min_lines, and at max_lines lines in any case.
+
+    A cut depends only on the chunk's start and the two lines around it, so an edited file can be
+    split again from the last unchanged cut before the edit; `resume(i)` says that a cut at line i
+    is one the old split had in the unchanged rest of the file: the split stops there (the caller
+    keeps the old ranges after it) and the last range returned ends at i."""
+    min_lines = MIN_LINES if min_lines is None else min_lines
+    max_lines = MAX_LINES if max_lines is None else max_lines
+    min_def_lines = MIN_DEF_LINES if min_def_lines is None else min_def_lines
     out: list[tuple[int, int]] = []
-    start = 0
     n = len(lines)
-    # The definition pattern only on lines whose first word can start one: matching every line was
-    # most of the cost of a keystroke's index update.
-    defs: set[int] = set()
-    decorators: set[int] = set()
-    blank: set[int] = set()
-    for i, line in enumerate(lines):
-        body = line.lstrip(" \t")
-        first = body[:1]
-        if not first or first in "\r\n\f\v":
-            if not body.strip():
-                blank.add(i)
-        elif first == "@":
-            if DECORATOR.match(body):
-                decorators.add(i)
-        elif first in DEF_FIRST and DEF_LINE.match(body):
-            defs.add(i)
-    for i in range(1, n):
+    kinds: dict[int, int] = {}
+
+    def kind(k: int) -> int:
+        v = kinds.get(k)
+        if v is None:
+            v = kinds[k] = _kind(lines[k])
+        return v
+
+    for i in range(start + 1, n):
         size = i - start
         if size >= max_lines:
             cut = True
-        elif size >= min_def_lines and (i in defs or i in decorators) and i - 1 not in decorators:
+        elif size >= min_def_lines and kind(i) >= 2 and kind(i - 1) != 2:
             cut = True
         else:
-            cut = size >= min_lines and i - 1 in blank and i not in blank
+            cut = size >= min_lines and kind(i - 1) == 1 and kind(i) != 1
         if cut:
             out.append((start, i))
             start = i
+            if resume is not None and resume(i):
+                return out
     if start < n:
         out.append((start, n))
     return out
@@ -226,6 +240,74 @@ class RetrievalIndex:
         else:
             self.by_key.pop(key, None)
         self.version += 1
+
+    def update_edit(self, key: Hashable, path: str, language: str, old_text: str, text: str) -> bool:
+        """Re-index an edited file from the last cut before its first changed line up to the first
+        old cut in its unchanged tail (usually one or two chunks for a keystroke); chunks outside
+        keep their ids, those after the edit move by the lines it added or removed. False (nothing
+        done) where the file is not indexed whole: the caller then re-indexes it with `update`."""
+        ids = self.by_key.get(key)
+        if not ids:
+            return False
+        old_chunks = [self.chunks[cid] for cid in ids]
+        old_lines = old_text.splitlines(keepends=True)
+        if old_chunks[-1].end != len(old_lines) or old_chunks[0].start != 0:
+            return False                      # indexed in part (the per-file or total bound)
+        lines = text.splitlines(keepends=True)
+        n_old, n_new = len(old_lines), len(lines)
+        m = min(n_old, n_new)
+        lo = 0
+        while lo < m and old_lines[lo] == lines[lo]:
+            lo += 1
+        if lo == n_old == n_new:
+            return True
+        hi = 0
+        while hi < m - lo and old_lines[n_old - 1 - hi] == lines[n_new - 1 - hi]:
+            hi += 1
+        delta = n_new - n_old
+        tail = n_new - hi                     # new lines from here on are the old ones, moved by delta
+        keep = 0
+        while keep < len(old_chunks) and old_chunks[keep].end < lo:
+            keep += 1                         # a cut at `end` depends on lines end-1 and end: both unchanged
+        start = old_chunks[keep - 1].end if keep else 0
+        old_at = {c.start: k for k, c in enumerate(old_chunks) if k >= keep}
+
+        def resume(i: int) -> bool:
+            return i - 1 >= tail and (i - delta) in old_at
+
+        middle = split_lines(lines, start=start, resume=resume)
+        end = middle[-1][1] if middle else start
+        rest = old_chunks[old_at[end - delta]:] if end < n_new and (end - delta) in old_at else []
+        if keep + len(middle) + len(rest) > self.max_chunks_per_file:
+            return False
+        replaced = old_chunks[keep: len(old_chunks) - len(rest)]
+        by_digest: dict[bytes, list[Chunk]] = {}
+        for c in replaced:
+            by_digest.setdefault(c.digest, []).append(c)
+        new_ids = [c.id for c in old_chunks[:keep]]
+        for s, e in middle:
+            body = "".join(lines[s:e])
+            digest = hashlib.blake2b(body.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+            same = by_digest.get(digest)
+            if same:
+                c = same.pop()
+                c.start, c.end = s, e
+                new_ids.append(c.id)
+            elif len(self.chunks) < self.max_chunks:
+                new_ids.append(self._add(key, path, language, s, e, body, digest))
+        for c in rest:
+            c.start += delta
+            c.end += delta
+            new_ids.append(c.id)
+        for left in by_digest.values():
+            for c in left:
+                self._remove(c)
+        if new_ids:
+            self.by_key[key] = new_ids
+        else:
+            self.by_key.pop(key, None)
+        self.version += 1
+        return True
 
     def remove(self, key: Hashable) -> None:
         for cid in self.by_key.pop(key, ()):
@@ -420,13 +502,15 @@ class Selector:
         self.dup_threshold = dup_threshold
         self.max_definitions = max_definitions
         self.complete_partial = True
+        self.best_last = False       # new chunks enter in reverse rank order: the best one nearest the file
+        self.in_file = True          # the current file's own chunks (outside the window) are candidates
         self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
         self.max_states = max_states
 
     def select(self, index: RetrievalIndex, state: Hashable, query: Query, allowed: Callable[[Chunk], bool],
                current_key: Hashable | None, cost: Callable[[Chunk], int], budget: int) -> list[Chunk]:
         def admitted(c: Chunk) -> bool:
-            if c.key == current_key and c.start < query.window[1] and c.end > query.window[0]:
+            if c.key == current_key and (not self.in_file or (c.start < query.window[1] and c.end > query.window[0])):
                 return False           # the prompt shows these lines already
             return allowed(c)
 
@@ -468,6 +552,10 @@ class Selector:
                 continue
             chosen.append(c)
             used += k
+        if self.best_last:
+            kept = [c for c in chosen if c.id in prev]
+            new = [c for c in chosen if c.id not in prev]
+            chosen = kept + new[::-1]
         self._last[state] = [c.id for c in chosen]
         self._last.move_to_end(state)
         while len(self._last) > self.max_states:

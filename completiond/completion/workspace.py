@@ -799,7 +799,10 @@ class Workspace:
         key = (owner, path)
         # Chunked (and, for a disk file, tokenized) here, outside the lock: a scan never holds it long.
         prepared = None
-        if language is not None and nbytes <= self.max_file_bytes:
+        with self._lock:
+            old = self._entries.get(key)
+            edit = old is not None and key in self.index.by_key   # a keystroke, or a file saved again
+        if language is not None and nbytes <= self.max_file_bytes and not edit:
             prepared = retrieval.prepare(text, self.index.max_chunks_per_file, parse=owner is DISK)
         with self._lock:
             old = self._entries.get(key)
@@ -816,10 +819,11 @@ class Workspace:
             self._entries[key] = _Entry(owner, path, language, text, nbytes,
                                         touched if touched is not None else time.time(), edit_line)
             self._bytes += nbytes
-            if self._indexable(owner, path):
-                self.index.update(key, path, language, text, prepared)
-            else:
+            if not self._indexable(owner, path):
                 self.index.remove(key)
+            elif not (old is not None and key in self.index.by_key
+                      and self.index.update_edit(key, path, language, old.text, text)):
+                self.index.update(key, path, language, text, prepared)
             self._evict()
             self._bump()
 
