@@ -53,6 +53,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert m["plain_vs_bound"] == pytest.approx(m["plain_ms_per_token"] / m["bandwidth_bound_ms_per_token"],
                                                     rel=0.01)  # each figure is rounded
         assert m["rss_after_load_bytes"] > 0 and m["rss_load_delta_bytes"] is not None
+        assert m["rss_after_warmup_bytes"] > 0 and m["rss_vs_weight_bytes"] > 0
         assert m["weights_in_use"] and m["kernel"] and m["load_s"] >= 0
         assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
         assert all(v > 0 for v in m["verify_cost_by_k"].values())

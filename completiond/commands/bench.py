@@ -224,21 +224,25 @@ def matmul_peak_gflops(repeats: int = 7, n: int = 1024) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e9
 
 
-def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30) -> dict:
+def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) -> dict:
     """One forward pass over k+1 positions ÷ one single-token step, both through every layer and
     the LM head, at the same context, interleaved; medians of `repeats`. With the arithmetic each
     does (pass_flops), the rate each ran at: a step that is bound by memory or overheads runs far
     below the machine's matmul rate, a pass over more positions nearer it. Where the native step runs,
     also the engine's one-call plain step and greedy verify pass (native_ratio): the costs a greedy round
-    of prompt lookup actually weighs against each other."""
+    of prompt lookup actually weighs against each other.
+
+    seq: a sequence that holds the prompt already, with room for k+2 more (nothing is committed to it):
+    one prefill then serves every K, which on a large model costs more than the passes measured."""
     import torch
 
     from completiond.engine import native as native_mod
 
-    seq = engine.new_sequence(len(prompt) + k + 2)
     one, many = [], []
     with torch.inference_mode():
-        engine.prefill(seq, prompt, None)
+        if seq is None:
+            seq = engine.new_sequence(len(prompt) + k + 2)
+            engine.prefill(seq, prompt, None)
         x1, xk = engine.embed(prompt[-1:]), engine.embed(prompt[-(k + 1):])
         for _ in range(3):  # warm-up
             engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))

@@ -216,7 +216,8 @@ def context_prompts(tokenizer, count: int, context: int) -> list[list[int]]:
 
 def weight_bytes(engine) -> int:
     """The bytes of weights one decode step streams: the native step's packed panels (layers and LM head,
-    int8 scales included) where it runs, else the module's parameters (tied ones once)."""
+    int8 scales included; the head is packed on the first plain step, so ask after one) where it runs,
+    else the module's parameters (tied ones once)."""
     if engine.fwd.native is not None:
         return engine.fwd.native.packed_bytes()
     seen, total = set(), 0
@@ -243,7 +244,9 @@ def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, 
         total_ms = tokens = 0
         outs = []
         for ids in prompts:
-            gen, _ = _timed(engine, ids, params)  # cold cache, as bench times each method
+            # The prefix cache kept: the decode clock starts after prefill, which would only repeat the
+            # prompt's K/V (seconds per prompt on a 1.5B model) for every method and repeat.
+            gen, _ = _timed(engine, ids, params, cold=False)
             total_ms += gen.stats.decode_ms
             tokens += len(gen.tokens)
             outs.append(gen.tokens)
@@ -257,7 +260,12 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     from completiond.engine import native as native_mod
     from completiond.engine.engine import SamplingParams
 
+    plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
+    # Warm-up (allocator, kernels) before anything is read: the native step packs its LM head panels on
+    # the first plain step, so only now do its packed bytes hold every weight a step streams.
+    _decode_ms_per_token(engine, prompts[:1], plain_p, 1)
     wbytes = weight_bytes(engine)
+    rss_warm = rss_bytes()
     embed = engine.fwd.embed_w
     out = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
            "layers": engine.num_layers, "parameters": parameter_count(engine), "weights": engine.weights,
@@ -266,13 +274,11 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
            # the embedding table lookups read one row of per token; with tied weights the LM head's panels
            # are a second copy of it, so it is resident beside the streamed bytes
            "embedding_bytes": embed.numel() * embed.element_size(), "decode_step": engine.decode_step_in_use(),
-           "resident_ids": engine.resident_ids, "context": len(prompts[0])}
+           "resident_ids": engine.resident_ids, "context": len(prompts[0]), "rss_after_warmup_bytes": rss_warm}
     bound_ms = 1000 * wbytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
-    plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     cal = engine.calibration
     spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=cal.exit_layer, draft_k=cal.draft_k, ignore_eos=True,
                             prompt_lookup=False, draft="early_exit")
-    _decode_ms_per_token(engine, prompts[:1], plain_p, 1)  # warm-up (allocator, kernels)
     _decode_ms_per_token(engine, prompts[:1], spec_p, 1)
     plain_ms, plain_out = _decode_ms_per_token(engine, prompts, plain_p, repeats)
     spec_ms, spec_out = _decode_ms_per_token(engine, prompts, spec_p, repeats)
@@ -284,8 +290,10 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     log(f"  plain {plain_ms:.3f} ms/token (bandwidth bound {bound_ms or float('nan'):.3f}); "
         f"early exit E={cal.exit_layer} K={cal.draft_k}: {spec_ms:.3f} ms/token, identical {spec_out == plain_out}")
     by_k, native_by_k = {}, {}
+    seq = engine.new_sequence(len(prompts[0]) + max_k + 2)
+    engine.prefill(seq, prompts[0], None)  # once for every K
     for k in range(1, max_k + 1):
-        vc = verify_cost(engine, prompts[0], k, repeats=max(10, 4 * repeats))
+        vc = verify_cost(engine, prompts[0], k, repeats=max(10, 4 * repeats), seq=seq)
         by_k[str(k)] = round(vc["ratio"], 3)
         if vc.get("native_ratio") is not None:
             native_by_k[str(k)] = round(vc["native_ratio"], 3)
@@ -507,7 +515,14 @@ def _model_path(name: str, tmp: Path, vocab: str) -> tuple[Path | None, str, str
     if name in SHAPES:
         size = shape_config(name, vocab)["vocab_size"]
         which = f"{'real' if vocab == 'real' else 'bundled tokenizer'}: {size} tokens"
-        return random_model(name, tmp / name, vocab), f"{name} (random weights, {size}-token vocabulary)", which
+        # Written by a child process: the allocator of this one would keep the pages of a model's worth of
+        # freed tensors, and the RSS measured around the engine's load would count them.
+        code = ("import sys; from pathlib import Path; from completiond.commands.bench_device import random_model; "
+                "random_model(sys.argv[1], Path(sys.argv[2]), sys.argv[3])")
+        done = subprocess.run([sys.executable, "-c", code, name, str(tmp / name), vocab], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchDeviceError(f"writing the random {name} failed: {done.stderr[-800:]}")
+        return tmp / name, f"{name} (random weights, {size}-token vocabulary)", which
     if name == "bundled":
         return default_model_dir(), "bundled", "bundled tokenizer: 8192 tokens"
     path = Path(name).expanduser()
