@@ -366,3 +366,19 @@ def test_bench_quality_puts_the_formats_side_by_side():
     assert r["int8_loss_cost_nats"] == pytest.approx(rows["int8"]["heldout_loss"] - rows["bf16"]["heldout_loss"],
                                                      abs=1e-3)
     assert r["int8_loss_cost_against"] == "bf16" and r["next_line_positions"] == 1
+
+
+def test_bench_with_int8_weights(peaked_dir, tmp_path):
+    """bench --weights int8: every pass runs the native step on the quantised panels, so transformers'
+    baselines and the PyTorch path (other values) are left out, and speculation stays exact."""
+    out = subprocess.run(
+        [sys.executable, "-m", "completiond.cli", "bench", "--json", "--model", str(peaked_dir), "--weights", "int8",
+         "--prompts", "1", "--max-tokens", "12", "--exit-layer", "1", "--draft-k", "3", "--repeats", "1",
+         "--files", *_prompt_files(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["native_step"]["weights"] == "int8" and r["native_step"]["weights_in_use"] == "int8"
+    assert r["native_step"]["kernel"] in ("avx2", "avx512")
+    assert "plain_torch" not in r["decode_ms_per_token"] and "hf" not in r["decode_ms_per_token"]
+    assert r["greedy_identical"] is True
+    assert "transformers baselines skipped" in out.stderr

@@ -346,6 +346,13 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     from completiond.engine.engine import CancelToken, SamplingParams
     from completiond.engine.lookup import OutputHistory
 
+    # Where every pass runs natively (bf16 or int8 weights, or a model whose packed panels are its only
+    # weights), the module's own tensors are not the model decoded: transformers' baselines and the
+    # PyTorch path would run other values (or none at all).
+    native_only = engine.fwd.native_all
+    if native_only and not skip_hf:
+        log("transformers baselines skipped: every pass runs the native step on its own weights")
+        skip_hf = True
     if workload == "edit":
         prompts = edit_prompts(engine, files, n_prompts)
     else:
@@ -398,7 +405,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         return run_
 
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
-    if engine.fwd.native is not None:
+    if engine.fwd.native is not None and not native_only:
         methods["plain_torch"] = torch_path(ours(plain_p))
     # The trained drafts the engine has (exit adapter, Medusa heads, a draft model), each alone and after
     # prompt lookup: label and method per name.
