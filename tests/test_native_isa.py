@@ -7,6 +7,8 @@ large for two copies keeps its packed panels as its only weights.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -161,16 +163,21 @@ def test_an_unknown_weights_format_is_refused(bundled_model_dir):
 def test_a_large_model_keeps_the_packed_panels_as_its_only_weights(tmp_path, monkeypatch):
     """Above the copy limit each layer is packed and its own tensors dropped (the transformers modules'
     too), the embedding and head are kept once in bf16, and every pass runs natively: the same tokens
-    as the model with both copies, plain and speculative."""
+    as the model with both copies, plain and speculative. A bf16 checkpoint is read as bf16 (never
+    widened to float32 as a whole) and computed in float32 from its panels."""
     _need_native()
     d = make_tiny_model(tmp_path / "rounded", layers=3, seed=7)
     from safetensors.torch import load_file, save_file
     w = load_file(d / "model.safetensors")
-    save_file({k: v.to(torch.bfloat16).to(torch.float32) for k, v in w.items()}, d / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, d / "model.safetensors", metadata={"format": "pt"})
     both = Engine.load(d, device="cpu", dtype="float32")
+    config = json.loads((d / "config.json").read_text())
+    assert not forward.packs_bf16_checkpoint(config, d)  # the bundled limit: small enough for two copies
     monkeypatch.setattr(forward, "TRANSPOSED_COPY_LIMIT", 0)
-    packed = Engine.load(d, device="cpu", dtype="float32")
+    assert forward.packs_bf16_checkpoint(config, d)
+    packed = Engine.load(d, device="cpu")  # dtype auto: the bf16 checkpoint is read as bf16
+    assert packed.dtype == torch.float32 and packed.fwd.layers[0].ln1.dtype == torch.float32
+    assert next(packed.model.parameters()).dtype == torch.bfloat16
     fwd = packed.fwd
     assert fwd.released and fwd.native_all and fwd.native.weights() == "bf16"
     assert all(L.qkv is None and L.gate_up is None and L.down is None and L.o is None

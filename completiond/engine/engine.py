@@ -35,7 +35,7 @@ from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
 from completiond.engine import medusa as medusa_mod
 from completiond.engine import native as native_mod
-from completiond.engine.forward import Forward
+from completiond.engine.forward import Forward, packs_bf16_checkpoint
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.lookup import OutputHistory
 from completiond.engine.model_info import ModelInfo
@@ -198,7 +198,7 @@ def model_identity(path: Path | str) -> str:
 class Engine:
     def __init__(self, model, tokenizer, model_id: str, device: str, cache_bytes: int | None = None,
                  calibration: Calibration | None = None, name: str = "", info: ModelInfo | None = None,
-                 weights: str = "auto"):
+                 weights: str = "auto", compute_dtype: torch.dtype | None = None):
         self.model = model
         self.info = info or ModelInfo()
         self.tokenizer = tokenizer
@@ -208,7 +208,8 @@ class Engine:
         self.device = device
         self.adapter: Adapter = adapter_for(model)
         self.num_layers = self.adapter.num_layers
-        self.dtype = next(model.parameters()).dtype
+        # compute_dtype: float32 for a bf16 checkpoint loaded as bf16 only to be packed (Engine.load)
+        self.dtype = compute_dtype or next(model.parameters()).dtype
         self.calibration = calibration or Calibration.heuristic(self.num_layers)
         cfg = model.config
         window = self.adapter.sliding_window or 1 << 30
@@ -307,6 +308,11 @@ class Engine:
             log.warning("%s", warning)
             if warn is not None:
                 warn(warning)
+        # A large bf16 checkpoint on the CPU with the native step: read as bf16 and packed layer by layer
+        # (forward.packs_bf16_checkpoint), never widened to float32 as a whole; computed in float32.
+        compute_dtype = None
+        if dtype == "auto" and device == "cpu" and isinstance(config, dict) and packs_bf16_checkpoint(config, local):
+            torch_dtype, compute_dtype = torch.bfloat16, torch.float32
         source = str(local)
         try:
             if progress is not None:
@@ -330,7 +336,7 @@ class Engine:
         try:
             engine = cls(hf, tok, model_id, device, cache_bytes=cache_bytes,
                          calibration=load_calibration(model_id, info, hf.config.num_hidden_layers),
-                         name=name, info=info, weights=weights)
+                         name=name, info=info, weights=weights, compute_dtype=compute_dtype)
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {name}: {exc}") from exc
         engine.load_warnings = [warning] if warning else []

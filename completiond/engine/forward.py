@@ -131,15 +131,15 @@ class Forward:
         self.scaling = adapter.scaling
         self.gqa = self.H != self.KV
         self.max_positions = max_positions
-        self.layers: list[FusedLayer] = [fuse_layer(layer, adapter.qk_norm) for layer in adapter.layers]
+        self.layers: list[FusedLayer] = [self._widen_small(fuse_layer(layer, adapter.qk_norm)) for layer in adapter.layers]
         self.num_model_layers = len(self.layers)
         # parameters of each layer's matrices (they outlive the matrices when the packed panels replace them)
         self.layer_numel = [sum(w.numel() for w in (L.qkv, L.o, L.gate_up, L.down)) for L in self.layers]
-        self.norm_w = adapter.norm.weight.detach()
+        self.norm_w = adapter.norm.weight.detach().to(dtype)
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
         self.head_w = adapter.lm_head.weight.detach()
-        self.head_b = _bias(adapter.lm_head)
+        self.head_b = None if _bias(adapter.lm_head) is None else _bias(adapter.lm_head).to(dtype)
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
         large = not _small(self.layers)
@@ -151,15 +151,36 @@ class Forward:
         self.released = False
         self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
         self.native_all = self.native is not None and (large or weights != "auto")
+        if self.native is None:  # the PyTorch path computes in dtype: a bf16-loaded checkpoint widens here
+            for L in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    if getattr(L, name).dtype != dtype:
+                        setattr(L, name, getattr(L, name).to(dtype))
+            self.embed_w, self.head_w = self.embed_w.to(dtype), self.head_w.to(dtype)
         if self.native is not None and large:
             self.released = True
             self._compact_embeddings()
+            # the small tensors left in the modules (norms, biases) get their own storage: a checkpoint read
+            # in its own dtype may be views of the mapped file, which they would keep resident
+            for module in (*adapter.layers, adapter.norm):
+                for p in module.parameters():
+                    if p.numel():
+                        p.data = p.data.clone()
             native.trim_heap()
         self.transposed = str(device) == "cpu" and not large and not self.native_all
         if self.transposed:
             for L in self.layers:
                 _transpose(L)
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
+
+    def _widen_small(self, L: FusedLayer) -> FusedLayer:
+        """Norms and biases in the compute dtype: a bf16 checkpoint loaded as bf16 for packing (see
+        packs_bf16_checkpoint) keeps only its matrices in bf16, which the native step reads as such."""
+        for name in ("ln1", "ln2", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm", "k_norm"):
+            t = getattr(L, name)
+            if t is not None and t.dtype != self.dtype:
+                setattr(L, name, t.to(self.dtype))
+        return L
 
     def release_layer(self, i: int) -> None:
         """Drop layer i's own matrices (the native step has packed them): its fused tensors and the
@@ -179,9 +200,9 @@ class Forward:
         tied = self.head_w.data_ptr() == self.embed_w.data_ptr()
 
         def compact(w: torch.Tensor) -> torch.Tensor:
-            if self.weights == "bf16" or native.bf16_exact(w):
-                return w.to(torch.bfloat16)
-            return w
+            if self.weights == "bf16" or w.dtype == torch.bfloat16 or native.bf16_exact(w):
+                w = w.to(torch.bfloat16)
+            return w.clone()  # its own storage: not a view of the mapped checkpoint, kept resident by it
 
         self.embed_w = compact(self.embed_w)
         self.head_w = self.embed_w if tied else compact(self.head_w)
@@ -191,7 +212,7 @@ class Forward:
     def add_layer(self, layer) -> int:
         """Append an extra decoder layer of the model's shape (a draft's exit adapter) and return its
         index: layers_range(h, i, i + 1, ...) runs it on the KV slot of that index."""
-        fused = fuse_layer(layer, self.adapter.qk_norm)
+        fused = self._widen_small(fuse_layer(layer, self.adapter.qk_norm))
         self.layer_numel.append(sum(w.numel() for w in (fused.qkv, fused.o, fused.gate_up, fused.down)))
         if self.transposed:
             _transpose(fused)
@@ -316,9 +337,55 @@ class Forward:
 TRANSPOSED_COPY_LIMIT = 512 << 20
 SMALL_T = 8  # up to this many positions, x @ w_t (see _proj)
 
+def _stored_bf16(directory) -> bool:
+    """Whether every layer matrix in the model's safetensors files is stored as BF16 (their headers only)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    files = sorted(Path(directory).glob("model*.safetensors"))
+    if not files:
+        return False
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > 100 << 20:
+                    return False
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return False
+        for name, entry in header.items():
+            if name != "__metadata__" and name.endswith("proj.weight") and entry.get("dtype") != "BF16":
+                return False
+    return True
+
+
+def packs_bf16_checkpoint(config: dict, directory=None) -> bool:
+    """Whether a CPU load of this model (config.json as a dict) should read its bf16 weights as bf16 and
+    let the native step pack them layer by layer, instead of widening the whole model to float32 first
+    (a peak of three times the weights for the 1.5B shape): a bf16 checkpoint too large for two copies,
+    with a native library here. Forward then computes in float32 from the bf16 panels, the very values
+    a float32 load holds."""
+    # the stored tensors decide (config.json's dtype may say otherwise); without the files, the config
+    stored_bf16 = (_stored_bf16(directory) if directory is not None
+                   else str(config.get("torch_dtype") or config.get("dtype") or "") == "bfloat16")
+    if not stored_bf16:
+        return False
+    try:
+        d, n, inter = int(config["hidden_size"]), int(config["num_hidden_layers"]), int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv = int(config.get("num_key_value_heads") or heads)
+        hd = int(config.get("head_dim") or d // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return False
+    matrix_bytes = 4 * n * (d * (heads + 2 * kv) * hd + heads * hd * d + 3 * d * inter)
+    return matrix_bytes > TRANSPOSED_COPY_LIMIT and native.library() is not None
+
+
 def _small(layers: list[FusedLayer]) -> bool:
     """Whether a second (transposed, or packed) copy of the layer weights does not matter."""
-    size = sum(w.numel() * w.element_size() for L in layers for w in (L.qkv, L.o, L.gate_up, L.down))
+    size = sum(w.numel() * 4 for L in layers for w in (L.qkv, L.o, L.gate_up, L.down))  # as float32
     return size <= TRANSPOSED_COPY_LIMIT
 
 
