@@ -270,3 +270,23 @@ def test_a_block_opener_left_without_its_body_is_dropped():
     assert final("    ", "x = 1\n    if x:") == "x = 1"
     assert final("    ", "x = 1\n    if x:", following="        y = 2\n") == "x = 1\n    if x:"
     assert final("def f(x):", "\n    if x:") == "\n    if x:"      # the only line: kept
+
+
+def test_a_quote_right_of_the_cursor_that_closes_the_suggestions_string_is_no_collision():
+    assert final("    p = path.joinpath('binary.f", "ile", line_suffix="')") == "ile"
+    assert final("        self.fileobj.wr", "ite(b'\\0", line_suffix="')") == "ite(b'\\0"
+
+
+def test_aligned_whitespace_inside_a_line_is_kept_when_healing_regenerated_it(tok):
+    table = TokenBytes.for_tokenizer(tok)
+    line_prefix = "    'U'    "
+    generated = "    #  0xE4 -> LATIN CAPITAL LETTER U"
+    healed = StopRules(table, line_prefix, healed="    ")
+    ids = tok.encode("    " + generated, add_special_tokens=False)
+    assert healed.suggestion(ids) == generated                 # the model chose the alignment after the healed spaces
+    assert final(line_prefix, generated) == generated.lstrip()   # no healing: the buffer's spaces are enough
+
+
+def test_a_phrase_repeated_three_times_is_a_loop():
+    got = final("        # ", "The name of the name of the name of the name of the name")
+    assert got.startswith("The name of t") and len(got) <= len("The name of the")   # one copy of the phrase

@@ -265,8 +265,10 @@ def whitespace_cursor(pos: Position) -> bool:
 
 
 def starts_with_present_whitespace(pos: Position, suggestion: str) -> bool:
-    """The suggestion begins with a space or tab where the buffer already ends in whitespace."""
-    return _line_prefix(pos).endswith((" ", "\t")) and suggestion.startswith((" ", "\t"))
+    """The suggestion begins with a space or tab where the buffer already ends in whitespace and the
+    file's own text does not (an aligned comment's extra spaces are the file's)."""
+    ws = (" ", "\t")
+    return _line_prefix(pos).endswith(ws) and suggestion.startswith(ws) and not pos.target.startswith(ws)
 
 
 def repeats_lines(pos: Position, suggestion: str) -> bool:

@@ -153,6 +153,8 @@ class TextRules:
         else:
             self.min_indent = indent_width(line_prefix)
         self.next_line = next((ln.strip() for ln in following.split("\n") if ln.strip()), "")
+        # Token healing made the model regenerate the whitespace at the end of line_prefix (StopRules sets it).
+        self.whitespace_healed = False
 
     def find_cut(self, s: str, final: bool = False) -> Cut | None:
         """Where the suggestion `s` must end, using only evidence already in `s`.
@@ -261,11 +263,11 @@ class TextRules:
 
 
 LOOP_REPEATS = 6
-LOOP_MAX_UNIT = 16
+LOOP_MAX_UNIT = 7
 LONG_LOOP_REPEATS = 3
 LONG_LOOP_MAX_UNIT = 64
-# A short unit must come 6 times in a row, a long one (an f-string's ` with {self.type!r}`) 3 times:
-# either is a model stuck in a loop, not code.
+# A short unit must come 6 times in a row, a longer one (`name of the ` in a comment, an f-string's
+# ` with {self.type!r}`) 3 times: either is a model stuck in a loop, not code.
 _LOOPS = (re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
           re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)))
 RETYPE_PROBE_CHARS = 8
@@ -274,8 +276,8 @@ RETYPE_PROBE_CHARS = 8
 def find_loop(s: str) -> Cut | None:
     """The earliest degenerate repetition inside a line (`path.path.path...`), cut after its first unit.
 
-    A unit of 2-16 characters containing a letter, repeated LOOP_REPEATS
-    times back to back, or of 17-64 characters repeated LONG_LOOP_REPEATS
+    A unit of 2-7 characters containing a letter, repeated LOOP_REPEATS
+    times back to back, or of 8-64 characters repeated LONG_LOOP_REPEATS
     times; stopping there also saves the rest of the token budget. The
     regular expressions find the leftmost start, so a cut found in a prefix
     of the stream is the cut of every longer stream.
@@ -395,20 +397,33 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
     nothing between them.
     """
     body = s.rstrip()
-    if not body or not line_suffix or "\n" in body:
-        return False
+    if not body or not line_suffix or "\n" in body or _in_string(line_prefix + body):
+        return False   # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
     nxt, last = line_suffix[0], body[-1]
     if not (nxt in "'\"" or _is_word_char(nxt)):
         return False
     if last in CLOSERS:
         return True
     if last in "'\"":
-        # Closing (not opening) a string: an even count of that quote on the line so far.
-        return (line_prefix + body).count(last) % 2 == 0 and nxt not in "'\""
+        return nxt not in "'\""   # the string just closed; two literals in a row are a concatenation
     if _is_word_char(last) and nxt in "'\"":
         word = re.search(r"\w+$", body).group(0)
         return word.lower() not in STRING_PREFIXES
     return False
+
+
+def _in_string(text: str) -> bool:
+    """Whether the end of this one line of text is inside a quoted string."""
+    quote = None
+    prev = ""
+    for c in text:
+        if quote:
+            if c == quote and prev != "\\":
+                quote = None
+        elif c in "'\"`":
+            quote = c
+        prev = c if prev != "\\" else ""
+    return quote is not None
 
 
 STRING_PREFIXES = frozenset({"r", "b", "f", "u", "rb", "br", "fr", "rf", "t", "tr", "rt"})
@@ -446,10 +461,12 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
     cut = rules.find_cut(s, final=True)
     if cut is not None:
         s = s[: cut.pos]
-    if rules.line_prefix.endswith((" ", "\t")):
-        # The buffer already has this whitespace (token healing makes the model
-        # produce it first; a remote server or healing turned off may not):
-        # never insert a second copy.
+    if rules.line_prefix.endswith((" ", "\t")) and (not rules.line_prefix.strip() or not rules.whitespace_healed):
+        # The buffer already has this whitespace: never insert a second copy of
+        # indentation. Inside a line, a model that regenerated the whitespace
+        # under the healing constraint and then chose more means it (aligned
+        # comments); without healing (a remote server, healing off) a space
+        # there is the tokenizer's, not the code's.
         s = s.lstrip(" \t")
     keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
     unfinished = truncated and cut is None and not s.rstrip(" \t").endswith("\n")
@@ -483,6 +500,7 @@ class StopRules:
         self.stop_ids = frozenset(stop_ids)
         self.healed = healed
         self.healed_bytes = healed.encode("utf-8")
+        self.rules.whitespace_healed = healed.endswith((" ", "\t"))
         self.reason: str | None = None
         self._ends: list[int] = []      # cumulative byte end of each processed token
         self._data = bytearray()
