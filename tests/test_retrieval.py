@@ -330,3 +330,18 @@ def test_line_matches_find_lines_that_begin_like_the_cursor_line():
     assert [index.chunks[c].path for c in hits] == ["/w/hit.py"]
     assert index.line_matches("result = session.req", lambda c: False) == []
     assert index.line_matches("x = 1", lambda c: True) == []          # too short to say anything
+
+
+def test_status_shows_the_index_and_its_background_scan(tmp_path):
+    from completiond.commands.status import describe
+
+    (tmp_path / "a.py").write_text(MODULE)
+    w = _ws(tmp_path)
+    st = {"pid": 1, "state": "ready", "error": "", "model": "m", "device": "cpu", "uptime_s": 3}
+    base = {"status": st, "requests": 0, "completed": 0, "superseded": 0, "cancelled": 0, "errors": 0,
+            "clients": 1, "editors": 0}
+    lines = describe(dict(base, index=w.index_status()), tmp_path)
+    assert f"  context  index of 1 files, {len(w.index)} chunks" in lines
+    lines = describe(dict(base, index={"files": 3, "chunks": 40, "found": 5000, "loaded": 120, "scanning": True}),
+                     tmp_path)
+    assert "  context  index of 3 files, 40 chunks, scanning (120 of 5000 files read)" in lines

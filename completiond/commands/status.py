@@ -60,6 +60,11 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     calibration = st.get("calibration")
     if isinstance(calibration, dict) and calibration.get("message"):
         lines.append(f"  calibration  {calibration['message']}")
+    index = stats.get("index")
+    if isinstance(index, dict):  # the retrieval index, built in the background: its progress
+        scanning = (f", scanning ({index.get('loaded', 0)} of {index.get('found', 0)} files read)"
+                    if index.get("scanning") else "")
+        lines.append(f"  context  index of {index.get('files', 0)} files, {index.get('chunks', 0)} chunks{scanning}")
     editors = stats.get("editors", 0)
     others = stats.get("clients", 0) - editors - 1  # minus this command's own connection
     lines.append(f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else ""))
