@@ -345,3 +345,43 @@ def test_status_shows_the_index_and_its_background_scan(tmp_path):
     lines = describe(dict(base, index={"files": 3, "chunks": 40, "found": 5000, "loaded": 120, "scanning": True}),
                      tmp_path)
     assert "  context  index of 3 files, 40 chunks, scanning (120 of 5000 files read)" in lines
+
+
+# -- the team backend gets the same context -------------------------------------------------------
+
+async def test_the_team_backend_is_sent_the_retrieved_chunks_and_nothing_private(tmp_path):
+    import asyncio
+
+    from remote_servers import FakeServer  # the recording server the remote tests use
+    from test_backend_remote import cfg_for
+
+    from completiond.serving.service import Service
+
+    server = FakeServer()
+    try:
+        (tmp_path / "timing.py").write_text(MODULE)
+        (tmp_path / "secrets.py").write_text("def exponential_backoff(token='hunter2'):\n    return token\n")
+        (tmp_path / ".gitignore").write_text("private.py\n")
+        (tmp_path / "private.py").write_text("def exponential_backoff(key='private-key'):\n    return key\n")
+        server.plan.pieces = ["2"]
+        service = Service(cfg_for(server.url, backend="llamacpp-infill", multiline="never"))
+        service.start_loading()
+        for _ in range(100):
+            if service.state == "ready":
+                break
+            await asyncio.sleep(0.05)
+        service.notify("c", "workspace", {"folders": [str(tmp_path)]})
+        assert await asyncio.to_thread(service.workspace.flush)
+        assert await asyncio.to_thread(service.workspace.wait_for, lambda: service.workspace.index.files() >= 1)
+        doc = "from timing import exponential_backoff\n\n\ndef go(n):\n    return exponential_backoff("
+        uri = (tmp_path / "main.py").as_uri()
+        service.open("c", uri, 1, doc, "python")
+        await service.complete("c", 1, uri, 1, len(doc))
+        sent = server.plan.requests[-1]["body"]
+        files = {f["filename"]: f["text"] for f in sent["input_extra"]}
+        assert "def exponential_backoff(attempt, base=2.0, cap=60.0):" in files.get("timing.py", "")
+        assert "hunter2" not in json.dumps(sent) and "private-key" not in json.dumps(sent)
+        assert service.stats()["context_changes"] == 1
+        service.shutdown()
+    finally:
+        server.close()
