@@ -193,3 +193,36 @@ def test_a_large_model_keeps_the_packed_panels_as_its_only_weights(tmp_path, mon
     long_prompt = _ids(packed, TEXT * 4, 300)  # a prefill of two chunks, native too
     plain = packed.generate(long_prompt, SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))
     assert len(plain.tokens) == 8
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("width", [37, 64])  # an odd width: the k-pair layout's padded last pair
+def test_every_kernel_reads_its_panel_layouts_alike(width):
+    """The head kernel straight through ctypes on widths the models do not have, in every format and
+    every kernel's own panel layout: the same bits from every kernel, and the reference's values."""
+    _need_native()
+    import ctypes
+    g = torch.Generator().manual_seed(5)
+    V, t = 50, 3
+    w = torch.randn(V, width, generator=g).to(torch.bfloat16).float()
+    x = torch.randn(t, width, generator=g)
+    norm_w = torch.rand(width, generator=g) + 0.5
+    bias = torch.randn(V, generator=g)
+    xn = torch.nn.functional.rms_norm(x, (width,), norm_w, 1e-6)
+    ref = xn @ w.T + bias
+    ref_i8 = xn @ native.dequantize_int8(*native.quantize_int8(w)).T + bias
+    outs = {}
+    for kernel in native.supported_kernels():
+        lib = native.library(kernel)
+        pairs = bool(lib.cd_bf16_pairs())
+        for fmt in (native.FMT_F32, native.FMT_BF16, native.FMT_I8):
+            packed, scales = native.pack_as(w, fmt, pairs)
+            out = torch.empty(t, V)
+            rc = lib.cd_head(x.data_ptr(), t, width, norm_w.data_ptr(), ctypes.c_float(1e-6), packed.data_ptr(), fmt,
+                             native._ptr(scales), V, bias.data_ptr(), out.data_ptr(), 1)
+            assert rc == 0
+            outs.setdefault(fmt, []).append(out)
+    for fmt, results in outs.items():
+        assert all(torch.equal(r, results[0]) for r in results), fmt
+        torch.testing.assert_close(results[0], ref_i8 if fmt == native.FMT_I8 else ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(outs[native.FMT_F32][0], outs[native.FMT_BF16][0])  # bf16 values: the float32 bits

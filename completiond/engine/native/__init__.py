@@ -43,7 +43,7 @@ from completiond.errors import EngineError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 9
+ABI = 10
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
 # weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
 # drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
@@ -272,6 +272,7 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
         return None
     i32, f32, vp, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
     lib.cd_kernel.restype = ctypes.c_char_p
+    lib.cd_bf16_pairs.restype = ctypes.c_int
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, i32, vp, vp, i32]
@@ -365,8 +366,10 @@ def pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     return pack_as(w, FMT_BF16 if bf16 else FMT_F32)[0]
 
 
-def pack_as(w: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """w [out, in] packed in format fmt: (panels, column scales padded to whole panels, int8 only)."""
+def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [out, in] packed in format fmt: (panels, column scales padded to whole panels, int8 only).
+    pairs (bf16, the AVX-512 build's layout): each panel as [ceil(in/2), PANEL, 2], column c's weights at
+    k and k + 1 side by side (an odd in is padded with a zero k)."""
     out, inp = w.shape
     panels = -(-out // PANEL)
     scales = None
@@ -383,6 +386,11 @@ def pack_as(w: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor | Non
     packed = padded.view(panels, PANEL, inp).transpose(1, 2)  # [panels, in, PANEL]
     if fmt == FMT_F32:
         return packed.contiguous(), None
+    if pairs:
+        if inp % 2:
+            packed = torch.cat([packed, torch.zeros(panels, 1, PANEL, dtype=packed.dtype)], 1)
+        pairs_ = packed.reshape(panels, -1, 2, PANEL).transpose(2, 3)  # [panels, in/2, PANEL, 2]
+        return pairs_.to(torch.bfloat16).contiguous().view(torch.int16), None
     return packed[..., _BF16_ORDER].to(torch.bfloat16).contiguous().view(torch.int16), None
 
 
@@ -425,6 +433,7 @@ class NativeStep:
         self.lib = lib
         self.fwd = fwd
         self.kernel = lib.cd_kernel().decode()
+        self.bf16_pairs = bool(lib.cd_bf16_pairs())  # the build's bf16 panel layout
         self.weights_setting = weights
         self.release = release
         self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads
@@ -437,7 +446,7 @@ class NativeStep:
         hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
             fmt = _format_for(self.weights_setting, (w,))
-            packed, scales = pack_as(w, fmt)
+            packed, scales = pack_as(w, fmt, self.bf16_pairs)
             hit = (w, packed, fmt, scales)
             self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
@@ -457,7 +466,7 @@ class NativeStep:
                 gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
             full = (L.qkv, L.o, L.gate_up[:inter], L.gate_up[inter:], L.down)
             fmt = _format_for(self.weights_setting, full)  # one format per layer (step.c's wfmt)
-            packed = [pack_as(w, fmt) for w in full]
+            packed = [pack_as(w, fmt, self.bf16_pairs) for w in full]
             hit = (L, tuple(p for p, _ in packed), tuple(sc for _, sc in packed), gate_b, up_b, fmt, inter)
             if self.release and i < self.fwd.num_model_layers:
                 self.fwd.release_layer(i)  # the panels are now this layer's only copy

@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 9
+#define CD_ABI 10
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -208,13 +208,60 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
                 store16(acc[r][n], sc, b, y + (size_t)r * ldy, (p0 + n) * PW, out);                     \
     }
 
-/* 32 vector registers: up to 8 rows x 2 panels (16 accumulators, 2 weights, a broadcast) */
-#define KERNELS(NAME, ELT, LOAD)                                                                        \
-    MK(NAME, ELT, LOAD, 1, 4) MK(NAME, ELT, LOAD, 1, 2) MK(NAME, ELT, LOAD, 1, 1)                       \
-    MK(NAME, ELT, LOAD, 2, 2) MK(NAME, ELT, LOAD, 2, 1) MK(NAME, ELT, LOAD, 3, 2) MK(NAME, ELT, LOAD, 3, 1) \
-    MK(NAME, ELT, LOAD, 4, 2) MK(NAME, ELT, LOAD, 4, 1) MK(NAME, ELT, LOAD, 5, 2) MK(NAME, ELT, LOAD, 5, 1) \
-    MK(NAME, ELT, LOAD, 6, 2) MK(NAME, ELT, LOAD, 6, 1) MK(NAME, ELT, LOAD, 7, 2) MK(NAME, ELT, LOAD, 7, 1) \
-    MK(NAME, ELT, LOAD, 8, 2) MK(NAME, ELT, LOAD, 8, 1)
+/* bf16 panels in k-pairs for AVX-512: lane c of one 64-byte load holds column c at k (low half) and at
+ * k + 1 (high half), so one shift and one mask widen two panel rows (the 16-column layout takes a
+ * shift, a mask and an insert for one). Each column's chain is the same fmadd sequence in k order. */
+#define BF16_PAIRS 1
+#define MKP(NAME, ELT, LOAD, R, NP)                                                                     \
+    static inline void NAME##_##R##_##NP(const float *x, int in, const void *Wp, int p0, const float *sc, \
+                                         const float *b, float *y, int ldy, int out) {                  \
+        __m512 acc[R][NP];                                                                              \
+        const size_t ps = (size_t)((in + 1) / 2) * 2 * PW; /* halves per panel */                       \
+        const uint16_t *pan[NP];                                                                        \
+        const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);                                    \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const uint16_t *)Wp + (size_t)(p0 + n) * ps; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
+        int k = 0;                                                                                      \
+        for (; k + 1 < in; k += 2) {                                                                    \
+            __m512 w0[NP], w1[NP];                                                                      \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
+                __m512i raw_ = _mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW));             \
+                w0[n] = _mm512_castsi512_ps(_mm512_slli_epi32(raw_, 16));                               \
+                w1[n] = _mm512_castsi512_ps(_mm512_and_si512(raw_, himask));                            \
+            }                                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k]);                                      \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_fmadd_ps(xv, w0[n], acc[r][n]); \
+            }                                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k + 1]);                                  \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_fmadd_ps(xv, w1[n], acc[r][n]); \
+            }                                                                                           \
+        }                                                                                               \
+        if (k < in) { /* an odd last k: its pair's high halves are zero padding */                      \
+            __m512 w0[NP];                                                                              \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                w0[n] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW)), 16)); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k]);                                      \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_fmadd_ps(xv, w0[n], acc[r][n]); \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                store16(acc[r][n], sc, b, y + (size_t)r * ldy, (p0 + n) * PW, out);                     \
+    }
+
+/* 32 vector registers: up to 8 rows x 2 panels (16 accumulators, 2 or 4 weights, a broadcast) */
+#define KERNELS_WITH(MKX, NAME, ELT, LOAD)                                                              \
+    MKX(NAME, ELT, LOAD, 1, 4) MKX(NAME, ELT, LOAD, 1, 2) MKX(NAME, ELT, LOAD, 1, 1)                    \
+    MKX(NAME, ELT, LOAD, 2, 2) MKX(NAME, ELT, LOAD, 2, 1) MKX(NAME, ELT, LOAD, 3, 2) MKX(NAME, ELT, LOAD, 3, 1) \
+    MKX(NAME, ELT, LOAD, 4, 2) MKX(NAME, ELT, LOAD, 4, 1) MKX(NAME, ELT, LOAD, 5, 2) MKX(NAME, ELT, LOAD, 5, 1) \
+    MKX(NAME, ELT, LOAD, 6, 2) MKX(NAME, ELT, LOAD, 6, 1) MKX(NAME, ELT, LOAD, 7, 2) MKX(NAME, ELT, LOAD, 7, 1) \
+    MKX(NAME, ELT, LOAD, 8, 2) MKX(NAME, ELT, LOAD, 8, 1)
+#define KERNELS(NAME, ELT, LOAD) KERNELS_WITH(MK, NAME, ELT, LOAD)
+#define KERNELS_BF16(NAME, ELT, LOAD) KERNELS_WITH(MKP, NAME, ELT, LOAD)
 #define BLOCK 8 /* rows per full block */
 #define ROWS_REST(NAME)                                                                                  \
     switch (t - r) {                                                                                     \
@@ -305,6 +352,8 @@ static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b
     MK(NAME, ELT, LOAD, 1, 4) MK(NAME, ELT, LOAD, 1, 2) MK(NAME, ELT, LOAD, 1, 1)                       \
     MK(NAME, ELT, LOAD, 2, 2) MK(NAME, ELT, LOAD, 2, 1) MK(NAME, ELT, LOAD, 3, 1) MK(NAME, ELT, LOAD, 4, 1) \
     MK(NAME, ELT, LOAD, 5, 1) MK(NAME, ELT, LOAD, 6, 1)
+#define KERNELS_BF16(NAME, ELT, LOAD) KERNELS(NAME, ELT, LOAD)
+#define BF16_PAIRS 0
 #define BLOCK 6
 #define ROWS_REST(NAME)                                                                                  \
     switch (t - r) {                                                                                     \
@@ -318,7 +367,7 @@ static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b
 #endif
 
 KERNELS(mkf, float, LOAD_F32)
-KERNELS(mkb, uint16_t, LOAD_BF16)
+KERNELS_BF16(mkb, uint16_t, LOAD_BF16)
 KERNELS(mki, int8_t, LOAD_I8)
 
 #define ROWS(NAME, R, NP_WIDE)                                                                           \
@@ -367,6 +416,9 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
 
 /* which kernels this build runs: "avx2" or "avx512" (native/__init__.py picks the build) */
 const char *cd_kernel(void) { return CD_KERNEL; }
+
+/* 1: this build reads bf16 panels in k-pairs (pack_as's pairs layout), 0: in 16-column rows */
+int cd_bf16_pairs(void) { return BF16_PAIRS; }
 
 /* this thread's panels of an out-column matrix */
 static void share_panels(int out, int tid, int nt, int *pa, int *pb) {
