@@ -367,7 +367,7 @@ class RetrievalIndex:
 
     # -- queries ---------------------------------------------------------
     def bm25(self, query: dict[str, float], allowed: Callable[[Chunk], bool], k1: float = 1.2, b: float = 0.75,
-             max_df_fraction: float = 0.05, max_df_cap: int = 3000) -> dict[int, float]:
+             max_df_fraction: float = 0.05, max_df_cap: int = 1000) -> dict[int, float]:
         """Chunk id -> BM25 score of `query` (term -> weight), over the chunks `allowed` admits."""
         n = len(self.chunks)
         if not n or not query:
