@@ -24,11 +24,21 @@ Rules (in text after the healed characters, see healing.py):
 * always: end before a closing bracket that has no opener (in the cursor
   line's prefix or the suggestion), closes the wrong kind of bracket, or
   closes one that the text right of the cursor already closes (`foo(|)`);
-  end after the first unit of an in-line repetition loop (`path.path.path`).
-Post-processing: strip trailing whitespace, trim the end of the suggestion
-that repeats the text right of the cursor (brackets and quotes by balance,
-other text when the overlap is telling), and turn whitespace-only
-suggestions into "" (show nothing).
+  end after the first unit of an in-line repetition loop (`path.path.path`,
+  or three copies of a longer unit such as ` with {self.type!r}`);
+  end where the suggestion starts re-typing the text right of the cursor;
+* multi-line also: end before the first line that starts a cycle (a block of
+  lines written again right after itself, or a line's third copy).
+Every in-loop rule looks only at evidence already in the stream, so a cut
+found early is the cut of any longer stream (stopping early changes nothing).
+Post-processing: never insert whitespace the buffer already ends with
+(indentation always; inside a line unless healing regenerated it), strip
+trailing whitespace, drop an unfinished last line (token limit) and a block
+opener left without its body from multi-line suggestions, trim the end of the
+suggestion that repeats the text right of the cursor (brackets and quotes by
+balance, other text when the overlap is telling), show nothing for an operand
+put in front of the one right of the cursor (`str(name)` before `"-".join`),
+and turn whitespace-only suggestions into "" (show nothing).
 """
 
 from __future__ import annotations
