@@ -441,19 +441,21 @@ async def test_service_feeds_workspace_context(tmp_path):
     seen = []
     real_context = service._context
 
-    def spy(client, cfg, path, language):
-        ctx = real_context(client, cfg, path, language)
+    def spy(client, cfg, path, language, *rest):
+        ctx = real_context(client, cfg, path, language, *rest)
         seen.append(ctx)
         return ctx
 
     service._context = spy
     try:
+        # Only files inside the editor's workspace folders may be context for another file.
+        service.notify(1, "workspace", {"folders": [str(tmp_path)]})
         other = tmp_path / "helpers.py"
         service.open(1, other.as_uri(), 1, "def helper_one():\n    return 41\n", "python")
         service.change(1, other.as_uri(), 2, [[29, 31, "42"]])
         current = tmp_path / "main.py"
         service.open(1, current.as_uri(), 1, "x = ", "python")
-        await service.complete(1, 1, current.as_uri(), 1, 4)
+        await service.complete(1, 1, current.as_uri(), 1, 4, {"contextRetrieval": "off"})
         assert seen and seen[-1], "no context for a file with an open sibling"
         (path, snippet), = seen[-1]
         assert path.endswith("helpers.py") and "return 42" in snippet
