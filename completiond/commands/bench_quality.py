@@ -69,9 +69,9 @@ def measure_quality(model: str | None, formats: list[str], windows: int = 48, po
                     device: str = "cpu", log=print) -> dict:
     """{format: {heldout_loss, next_line: {left_to_right, fim_spm}}} plus the costs against the reference."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from completiond.engine.engine import Engine
+    from completiond.engine.engine import Engine, EngineError
     from completiond.models import corpus, default_model_dir
     from completiond.models.model_card import greedy, next_line
     from completiond.models.train_default import heldout_windows
@@ -84,8 +84,6 @@ def measure_quality(model: str | None, formats: list[str], windows: int = 48, po
         if fmt == "float32":
             directory = model or default_model_dir()
             ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-            from transformers import AutoTokenizer
-
             tok = AutoTokenizer.from_pretrained(directory)
             windows_xy = heldout_windows(tok, files, 512, windows)
             loss = hf_loss(ref, windows_xy)
@@ -94,6 +92,9 @@ def measure_quality(model: str | None, formats: list[str], windows: int = 48, po
             del ref
         else:
             engine = Engine.load(model, device=device, weights=fmt)
+            if engine.weights_in_use() != fmt:  # the native step could not be built: these are not fmt's values
+                raise EngineError(f"weights {fmt}: the engine runs {engine.weights_in_use()} "
+                                  f"({engine.fwd.native_reason})")
             tok = engine.tokenizer
             loss = engine_loss(engine, windows_xy)
             nl, n_nl, _ = next_line(engine, tok, files, positions, decode=engine_greedy)
