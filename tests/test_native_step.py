@@ -534,3 +534,21 @@ def test_greedy_lookup_rounds_verify_natively_and_equal_plain_decoding(bundled):
                                                     prompt_lookup=False), history=None)
     assert fast.tokens == slow.tokens == plain.tokens
     assert fast.stats.rounds == slow.stats.rounds < 48 and fast.stats.lookup_accepted == slow.stats.lookup_accepted > 0
+
+
+def test_native_never_imports_the_modules_that_import_it():
+    """forward.py imports native; native imports no engine module back, not even for type checking
+    (issue 28: one direction only)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(native.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+            imported.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    engine_modules = {m for m in imported if m.startswith("completiond.engine")}
+    assert not engine_modules, engine_modules
