@@ -131,10 +131,20 @@ class Forward:
         self.scaling = adapter.scaling
         self.gqa = self.H != self.KV
         self.max_positions = max_positions
-        self.layers: list[FusedLayer] = [self._widen_small(fuse_layer(layer, adapter.qk_norm)) for layer in adapter.layers]
-        self.num_model_layers = len(self.layers)
+        large = not _small_modules(adapter.layers)
+        self.num_model_layers = len(adapter.layers)
+        self.layers: list[FusedLayer] = []
         # parameters of each layer's matrices (they outlive the matrices when the packed panels replace them)
-        self.layer_numel = [sum(w.numel() for w in (L.qkv, L.o, L.gate_up, L.down)) for L in self.layers]
+        self.layer_numel: list[int] = []
+        # A large model on the CPU with the native step: each layer is fused, packed and released in turn,
+        # so at most one layer's unpacked copy exists beside the checkpoint while loading.
+        early = native.early_step(self, adapter, weights) if large and str(device) == "cpu" else None
+        for i, layer in enumerate(adapter.layers):
+            L = self._widen_small(fuse_layer(layer, adapter.qk_norm))
+            self.layers.append(L)
+            self.layer_numel.append(sum(w.numel() for w in (L.qkv, L.o, L.gate_up, L.down)))
+            if early is not None:
+                early.pack_layer(i, L)
         self.norm_w = adapter.norm.weight.detach().to(dtype)
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
@@ -142,14 +152,17 @@ class Forward:
         self.head_b = None if _bias(adapter.lm_head) is None else _bias(adapter.lm_head).to(dtype)
         self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
         self._mask = None                 # [T, W] bool: see mask()
-        large = not _small(self.layers)
         # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
         # weights the panels become the only copy (each layer's own tensors are dropped once packed), and
         # for a weight format that changes the values (bf16 rounding, int8) every pass must read the
         # panels: then every pass runs natively (native_all), prefill included. Otherwise passes of up to
         # native.MAX_ROWS positions do, and prefill chunks keep PyTorch's GEMM on the model's own weights.
         self.released = False
-        self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
+        if early is not None:
+            early.bind()
+            self.native, self.native_reason = early, None
+        else:
+            self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
         self.native_all = self.native is not None and (large or weights != "auto")
         if self.native is None:  # the PyTorch path computes in dtype: a bf16-loaded checkpoint widens here
             for L in self.layers:
@@ -383,9 +396,14 @@ def packs_bf16_checkpoint(config: dict, directory=None) -> bool:
     return matrix_bytes > TRANSPOSED_COPY_LIMIT and native.library() is not None
 
 
-def _small(layers: list[FusedLayer]) -> bool:
-    """Whether a second (transposed, or packed) copy of the layer weights does not matter."""
-    size = sum(w.numel() * 4 for L in layers for w in (L.qkv, L.o, L.gate_up, L.down))  # as float32
+def _small_modules(layers) -> bool:
+    """Whether a second (transposed, or packed) copy of the layer weights does not matter (transformers
+    decoder layers, counted as float32)."""
+    size = 0
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            size += m.weight.numel() * 4
     return size <= TRANSPOSED_COPY_LIMIT
 
 

@@ -403,9 +403,32 @@ def unsupported(fwd: Any) -> str | None:
     if fwd.hd % 8 or fwd.H % fwd.KV:
         return f"head size {fwd.hd} (needs a multiple of 8) or {fwd.H} heads over {fwd.KV} KV heads"
     for L in fwd.layers:
-        if type(L.act).__name__ not in ("SiLUActivation", "SiLU"):
-            return f"the MLP activation is {type(L.act).__name__}, the native step has SiLU only"
+        why = _activation_unsupported(L.act)
+        if why is not None:
+            return why
     return None
+
+
+def _activation_unsupported(act: Any) -> str | None:
+    if type(act).__name__ not in ("SiLUActivation", "SiLU"):
+        return f"the MLP activation is {type(act).__name__}, the native step has SiLU only"
+    return None
+
+
+def early_step(fwd: Any, adapter: Any, weights: str) -> "NativeStep | None":
+    """A native step that packs (and releases) fwd's layers one by one as fwd fuses them (pack_layer, then
+    bind), or None when the native step cannot run this model: the checks of unsupported() made before any
+    layer exists, so no layer is released for a step that is then refused."""
+    if weights not in WEIGHT_FORMATS:
+        raise EngineError(f"unknown weights format {weights!r}; use {', '.join(WEIGHT_FORMATS)}")
+    if fwd.layers or unsupported(fwd) is not None:
+        return None
+    if any(_activation_unsupported(layer.mlp.act_fn) is not None for layer in adapter.layers):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    return NativeStep(lib, fwd, weights, release=True, bind=False)
 
 
 def _format_for(weights: str, mats: tuple[torch.Tensor, ...]) -> int:
@@ -427,7 +450,7 @@ class NativeStep:
     release: after packing a layer, drop the Forward's own (unpacked) copies of its matrices, so the
     panels are the only copy (fwd.release_layer does it; the PyTorch path cannot run those layers then)."""
 
-    def __init__(self, lib: ctypes.CDLL, fwd: Any, weights: str = "auto", release: bool = False):
+    def __init__(self, lib: ctypes.CDLL, fwd: Any, weights: str = "auto", release: bool = False, bind: bool = True):
         if weights not in WEIGHT_FORMATS + ("float32",):
             raise EngineError(f"unknown weights format {weights!r}; use {', '.join(WEIGHT_FORMATS)}")
         self.lib = lib
@@ -438,7 +461,12 @@ class NativeStep:
         self.release = release
         self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads
         self._bound: dict[int, tuple] = {}  # id(FusedLayer) -> (layer, packed matrices, scales, biases, fmt)
-        self.bind()
+        if bind:
+            self.bind()
+
+    def pack_layer(self, i: int, L) -> None:
+        """Pack layer i now (and release its own copy when release is set); bind() later uses it."""
+        self._bound[id(L)] = self._packed_layer(i, L)
 
     def _pack(self, w: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """w packed (panels, format, int8 scales), once per weight tensor (the entry holds w, so its id is
