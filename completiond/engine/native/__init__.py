@@ -7,10 +7,12 @@ is an accelerator, never a requirement: without a compiler, on a CPU without AVX
 half-precision or GPU models, or with COMPLETIOND_NATIVE=0, the engine keeps the PyTorch path, and
 `reason()` says why.
 
-Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline) and "avx512"
-(AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers). kernel_name() is the one place that picks the build
-for this CPU (COMPLETIOND_KERNEL=avx2 forces the baseline); both compute every output column with the
-same fmadd chain, so they give the same bits.
+Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline), "avx512"
+(AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers) and "avx512-vnni" (avx512 plus AVX512_VNNI).
+kernel_name() is the one place that picks the build for this CPU (COMPLETIOND_KERNEL names a narrower
+one); avx2 and avx512 compute every output column with the same fmadd chain, so they give the same bits.
+avx512-vnni computes float32 and bf16 panels as avx512 does, but int8 ones as w8a8: each activation row
+quantised to int8 per row, exact int32 sums by vpdpbusd (its own, still row-for-row exact, arithmetic).
 
 The shared objects are cached under ~/.cache/completiond/native/ (a 0700 directory checked for its owner
 and mode before use), keyed by the source, the compiler and the kernel, written atomically with their
@@ -43,7 +45,7 @@ from completiond.errors import EngineError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 10
+ABI = 11
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
 # weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
 # drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
@@ -55,6 +57,9 @@ KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
     "avx512": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
                ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]),
+    # AVX-512 plus vpdpbusd: int8 matrices as w8a8 (activation rows quantised per row), the rest as avx512
+    "avx512-vnni": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
+                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
 }
 FMT_F32, FMT_BF16, FMT_I8 = 0, 1, 2
 _FMT_NAMES = {FMT_F32: "float32", FMT_BF16: "bf16", FMT_I8: "int8"}
@@ -273,6 +278,9 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
     i32, f32, vp, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
     lib.cd_kernel.restype = ctypes.c_char_p
     lib.cd_bf16_pairs.restype = ctypes.c_int
+    lib.cd_i8_quads.restype = ctypes.c_int
+    lib.cd_gemm.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, vp]
+    lib.cd_gemm.restype = i32
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, i32, vp, vp, i32]
@@ -366,10 +374,14 @@ def pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     return pack_as(w, FMT_BF16 if bf16 else FMT_F32)[0]
 
 
-def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False,
+            quads: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w [out, in] packed in format fmt: (panels, column scales padded to whole panels, int8 only).
     pairs (bf16, the AVX-512 build's layout): each panel as [ceil(in/2), PANEL, 2], column c's weights at
-    k and k + 1 side by side (an odd in is padded with a zero k)."""
+    k and k + 1 side by side (an odd in is padded with a zero k).
+    quads (int8, the avx512-vnni build's layout): each panel as [ceil(in/4), PANEL, 4] (zero-padded k),
+    and the scales followed by 128 * sum_k q[j, k] per padded column as int32 bits, which takes out the
+    +128 offset of the u8 activations vpdpbusd multiplies."""
     out, inp = w.shape
     panels = -(-out // PANEL)
     scales = None
@@ -379,6 +391,13 @@ def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False) -> tuple[torch.Tenso
         padded[:out] = q
         scales = torch.ones(panels * PANEL, dtype=torch.float32)
         scales[:out] = scale
+        if quads:
+            in4 = -(-inp // 4) * 4
+            q4 = torch.zeros(panels * PANEL, in4, dtype=torch.int8)
+            q4[:, :inp] = padded
+            corr = (padded.to(torch.int32).sum(dim=1) * 128).to(torch.int32)  # [panels * PANEL]
+            packed = q4.view(panels, PANEL, in4 // 4, 4).transpose(1, 2).contiguous()  # [panels, in4/4, PANEL, 4]
+            return packed, torch.cat([scales, corr.view(torch.float32)])
         return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous(), scales  # [panels, in, PANEL]
     src = w if w.dtype == torch.bfloat16 and fmt == FMT_BF16 else w.float()
     padded = torch.zeros(panels * PANEL, inp, dtype=src.dtype)
@@ -457,6 +476,7 @@ class NativeStep:
         self.fwd = fwd
         self.kernel = lib.cd_kernel().decode()
         self.bf16_pairs = bool(lib.cd_bf16_pairs())  # the build's bf16 panel layout
+        self.i8_quads = bool(lib.cd_i8_quads())  # the build's int8 layout (k-quads: w8a8 on VNNI)
         self.weights_setting = weights
         self.release = release
         self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads
@@ -474,7 +494,7 @@ class NativeStep:
         hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
             fmt = _format_for(self.weights_setting, (w,))
-            packed, scales = pack_as(w, fmt, self.bf16_pairs)
+            packed, scales = pack_as(w, fmt, self.bf16_pairs, self.i8_quads)
             hit = (w, packed, fmt, scales)
             self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)
@@ -494,7 +514,7 @@ class NativeStep:
                 gate_b, up_b = L.gate_up_bias[:inter].contiguous(), L.gate_up_bias[inter:].contiguous()
             full = (L.qkv, L.o, L.gate_up[:inter], L.gate_up[inter:], L.down)
             fmt = _format_for(self.weights_setting, full)  # one format per layer (step.c's wfmt)
-            packed = [pack_as(w, fmt, self.bf16_pairs) for w in full]
+            packed = [pack_as(w, fmt, self.bf16_pairs, self.i8_quads) for w in full]
             hit = (L, tuple(p for p, _ in packed), tuple(sc for _, sc in packed), gate_b, up_b, fmt, inter)
             if self.release and i < self.fwd.num_model_layers:
                 self.fwd.release_layer(i)  # the panels are now this layer's only copy

@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 10
+#define CD_ABI 11
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -398,16 +398,140 @@ KERNELS(mki, int8_t, LOAD_I8)
         }                                                                                                \
     }
 
+/* ------------------------------------------------------------------ int8 x int8 (AVX512_VNNI build)
+ * The "avx512-vnni" build computes FMT_I8 matrices as w8a8: each activation row is quantised to int8
+ * (symmetric, one scale per row: amax / 127, values rounded to nearest even), stored + 128 as u8 for
+ * vpdpbusd, which sums 4 u8 x s8 products per int32 lane. The weights are packed in k-quads,
+ * [panel][ceil(in/4)][16 columns][4 k] (pack_as's quads layout, zero-padded in k), and the scale tensor
+ * carries, after the padded column scales, 128 * sum_k q[j, k] per column (int32 bits), which undoes the
+ * offset. Integer sums are exact, so the order of the adds cannot matter; the float tail is the same
+ * three rounded ops for every row: ((float)(acc - corr) * wscale[j]) * xscale[r], then + bias. A row's
+ * result depends only on its own activations and the weights, whatever t, the blocking or the threads. */
+#if defined(__AVX512VNNI__)
+#undef CD_KERNEL
+#define CD_KERNEL "avx512-vnni"
+#define I8_QUADS 1
+
+/* row x [in] -> xq [in4] (u8 = q + 128, padding 128), its scale *xs */
+static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs) {
+    __m512 mx = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= in; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    float amax = _mm512_reduce_max_ps(mx);
+    for (; i < in; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *xs = amax / 127.0f;
+    const __m512 iv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (i = 0; i + 16 <= in; i += 16) {
+        __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv), lo), hi);
+        __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), off); /* nearest even (MXCSR's default) */
+        _mm_storeu_si128((__m128i *)(xq + i), _mm512_cvtepi32_epi8(q));
+    }
+    for (; i < in; i++) {
+        float v = fminf(fmaxf(x[i] * inv, -127.0f), 127.0f);
+        xq[i] = (uint8_t)((int)nearbyintf(v) + 128);
+    }
+    for (; i < in4; i++) xq[i] = 128;
+}
+
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define MKV(R, NP)                                                                                      \
+    static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
+                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, int out) { \
+        __m512i acc[R][NP];                                                                             \
+        const size_t ps = (size_t)in4 * PW;                                                             \
+        const int8_t *pan[NP];                                                                          \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const int8_t *)Wp + (size_t)(p0 + n) * ps; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_si512();    \
+        for (int k = 0; k < in4; k += 4) {                                                              \
+            __m512i w[NP];                                                                              \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) w[n] = _mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW)); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                int32_t quad;                                                                           \
+                memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
+                __m512i xv = _mm512_set1_epi32(quad);                                                   \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_dpbusd_epi32(acc[r][n], xv, w[n]); \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                          \
+            const int j = (p0 + n) * PW;                                                                \
+            const __m512i cv = _mm512_loadu_si512((const void *)(corr + j));                            \
+            const __m512 wv = _mm512_loadu_ps(sc + j);                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                /* explicit-rounding multiplies: the compiler cannot contract them with the bias add */ \
+                __m512 f = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][n], cv)), wv, RNE); \
+                f = _mm512_mul_round_ps(f, _mm512_set1_ps(xs[r]), RNE);                                 \
+                store16(f, NULL, b, y + (size_t)r * ldy, j, out);                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }
+MKV(1, 4) MKV(1, 2) MKV(1, 1) MKV(2, 2) MKV(2, 1) MKV(3, 2) MKV(3, 1) MKV(4, 2) MKV(4, 1)
+MKV(5, 2) MKV(5, 1) MKV(6, 2) MKV(6, 1) MKV(7, 2) MKV(7, 1) MKV(8, 2) MKV(8, 1)
+
+/* bytes of scratch one thread needs to quantise t rows of up to in values */
+static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
+
+#define VROWS(R, NP_WIDE)                                                                                \
+    do {                                                                                                 \
+        int p = qa;                                                                                      \
+        for (; p + NP_WIDE <= qb; p += NP_WIDE)                                                          \
+            mkv_##R##_##NP_WIDE(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out); \
+        for (; p < qb; p++) mkv_##R##_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out); \
+    } while (0)
+
+/* gemm_panels for FMT_I8 in this build: the thread quantises all t rows into its scratch (a few KB per
+ * row, against the panels it then streams), then goes over its panels like GEMM */
+static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
+                      float *y, int ldy, int pa, int pb, void *scratch) {
+    const int in4 = (in + 3) / 4 * 4;
+    const int32_t *corr = (const int32_t *)(sc + (size_t)(out + PW - 1) / PW * PW);
+    uint8_t *xq = (uint8_t *)scratch;
+    float *xs = (float *)((char *)scratch + (((size_t)t * in4 + 63) & ~(size_t)63));
+    for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
+        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;
+        int r = 0;
+        for (; r + 8 <= t; r += 8) VROWS(8, 2);
+        switch (t - r) {
+        case 7: VROWS(7, 2); break;
+        case 6: VROWS(6, 2); break;
+        case 5: VROWS(5, 2); break;
+        case 4: VROWS(4, 2); break;
+        case 3: VROWS(3, 2); break;
+        case 2: VROWS(2, 2); break;
+        case 1: {
+            int p = qa;
+            for (; p + 4 <= qb; p += 4) mkv_1_4(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
+            for (; p + 2 <= qb; p += 2) mkv_1_2(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
+            for (; p < qb; p++) mkv_1_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
+            break;
+        }
+        default: break;
+        }
+    }
+}
+#else
+#define I8_QUADS 0
+static size_t vnni_scratch(int t, int in) { (void)t; (void)in; return 0; }
+#endif
+
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
  * blocks of BLOCK, then the rest; which kernel computes a row never changes its bits. sc: the int8
  * format's column scales (NULL otherwise). */
 static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, const float *sc, int out, const float *b,
-                        float *y, int ldy, int pa, int pb) {
+                        float *y, int ldy, int pa, int pb, void *scratch) {
     if (fmt == FMT_BF16) {
         sc = NULL;
         GEMM(mkb)
     } else if (fmt == FMT_I8) {
+#if I8_QUADS
+        gemm_vnni(x, t, in, Wp, sc, out, b, y, ldy, pa, pb, scratch);
+#else
+        (void)scratch;
         GEMM(mki)
+#endif
     } else {
         sc = NULL;
         GEMM(mkf)
@@ -419,6 +543,9 @@ const char *cd_kernel(void) { return CD_KERNEL; }
 
 /* 1: this build reads bf16 panels in k-pairs (pack_as's pairs layout), 0: in 16-column rows */
 int cd_bf16_pairs(void) { return BF16_PAIRS; }
+
+/* 1: this build reads int8 panels in k-quads with the offset corrections after the scales (w8a8, VNNI) */
+int cd_i8_quads(void) { return I8_QUADS; }
 
 /* this thread's panels of an out-column matrix */
 static void share_panels(int out, int tid, int nt, int *pa, int *pb) {
@@ -604,18 +731,25 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
+    /* the VNNI build's per-thread scratch for quantised activation rows (0 bytes elsewhere) */
+    int maxin = d > H * hd ? d : H * hd;
+    if (I > maxin) maxin = I;
+    const size_t qper = (vnni_scratch(t, maxin) + 63) & ~(size_t)63;
+    char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
+    if (qper && !qscr) { free(buf); free(row_items); free(kidx); return CD_ENOMEM; }
 
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned int csr = denormals_off();
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         float *x = xs + (size_t)tid * nx; /* each thread normalises h itself: no barrier for it */
+        void *qs8 = qscr ? qscr + (size_t)tid * qper : NULL;
         int a, b;
         for (int li = first; li < last; li++) {
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
             share_panels(qw, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->qkv, L->wfmt, L->qkv_s, qw, L->qkv_b, qkv, qw, a, b);
+            gemm_panels(x, t, d, L->qkv, L->wfmt, L->qkv_s, qw, L->qkv_b, qkv, qw, a, b, qs8);
 #pragma omp barrier
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
@@ -672,14 +806,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(att, t, H * hd, L->o, L->wfmt, L->o_s, d, L->o_b, y, d, a, b);
+            gemm_panels(att, t, H * hd, L->o, L->wfmt, L->o_s, d, L->o_b, y, d, a, b, qs8);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
             /* the same gate and up columns in one thread, so their product needs no barrier */
             share_panels(I, tid, nt, &a, &b);
-            gemm_panels(x, t, d, L->gate, L->wfmt, L->gate_s, I, L->gate_b, gu, 2 * I, a, b);
-            gemm_panels(x, t, d, L->up, L->wfmt, L->up_s, I, L->up_b, gu + I, 2 * I, a, b);
+            gemm_panels(x, t, d, L->gate, L->wfmt, L->gate_s, I, L->gate_b, gu, 2 * I, a, b, qs8);
+            gemm_panels(x, t, d, L->up, L->wfmt, L->up_s, I, L->up_b, gu + I, 2 * I, a, b, qs8);
             {
                 int j0 = a * PW, j1 = b * PW < I ? b * PW : I;
                 for (int r = 0; r < t; r++)
@@ -687,13 +821,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
             }
 #pragma omp barrier
             share_panels(d, tid, nt, &a, &b);
-            gemm_panels(act, t, I, L->down, L->wfmt, L->down_s, d, L->down_b, y, d, a, b);
+            gemm_panels(act, t, I, L->down, L->wfmt, L->down_s, d, L->down_b, y, d, a, b, qs8);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
         }
         _mm_setcsr(csr);
     }
     free(buf);
+    free(qscr);
     free(row_items);
     free(kidx);
     return 0;
@@ -707,15 +842,35 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
     float *x = malloc(sizeof(float) * (size_t)t * d);
     if (!x) return CD_ENOMEM;
     for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
+    const size_t qper = (vnni_scratch(t, d) + 63) & ~(size_t)63;
+    char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
+    if (qper && !qscr) { free(x); return CD_ENOMEM; }
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned int csr = denormals_off();
         int a, b;
         share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_panels(x, t, d, W, wfmt, wscale, V, bias, out, V, a, b);
+        gemm_panels(x, t, d, W, wfmt, wscale, V, bias, out, V, a, b,
+                    qscr ? (char *)qscr + (size_t)omp_get_thread_num() * qper : NULL);
         _mm_setcsr(csr);
     }
+    free(qscr);
     free(x);
+    return 0;
+}
+
+/* One matrix product, y [t, out] = x [t, in] times W (packed from [out, in] in format wfmt) + bias, in one
+ * thread and with no norm: the tests compare each build's arithmetic with a reference through it. */
+int cd_gemm(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, const float *bias,
+            float *y) {
+    if (t < 1 || in < 1 || out < 1 || wfmt < FMT_F32 || wfmt > FMT_I8 || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
+    void *scr = NULL;
+    const size_t q = vnni_scratch(t, in);
+    if (q && !(scr = malloc(q))) return CD_ENOMEM;
+    const unsigned int csr = denormals_off();
+    gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, 0, (out + PW - 1) / PW, scr);
+    _mm_setcsr(csr);
+    free(scr);
     return 0;
 }
 

@@ -1,0 +1,104 @@
+"""The AVX512_VNNI int8 kernel (issue 27 item 3): where the CPU has avx512_vnni, int8 matrices run as w8a8
+(each activation row quantised to int8, symmetric per row, vpdpbusd sums): exactly the integer arithmetic
+of a reference, every row of a 33-row pass the bits of a one-row pass, and speculative greedy output equal
+to plain greedy output under int8 weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from completiond.engine import native
+from completiond.engine.engine import Engine, SamplingParams
+from tests.conftest import make_tiny_model
+
+VNNI = "avx512-vnni"
+
+
+def _vnni_lib():
+    if VNNI not in native.supported_kernels():
+        pytest.skip("this CPU has no AVX512_VNNI")
+    lib = native.library(VNNI)
+    if lib is None:
+        pytest.skip(f"the {VNNI} build is unavailable here: {native.reason(VNNI)}")
+    return lib
+
+
+def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    flags = set(native._cpu_flags().split())
+    if {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        assert native.supported_kernels()[-1] == VNNI and native.kernel_name() == VNNI
+        lib = _vnni_lib()
+        assert lib.cd_kernel().decode() == VNNI and lib.cd_i8_quads() == 1
+        assert native.library("avx512").cd_i8_quads() == 0  # the plain AVX-512 build keeps weight-only int8
+    else:
+        assert VNNI not in native.supported_kernels() and native.kernel_name() != VNNI
+
+
+def _w8a8_reference(x: np.ndarray, w: torch.Tensor, bias: np.ndarray) -> np.ndarray:
+    """The VNNI kernel's arithmetic in numpy: per-row symmetric int8 activations (round half to even),
+    exact integer sums, then ((float)sum * weight scale) * row scale + bias, each op rounded to float32."""
+    q, wscale = native.quantize_int8(w)
+    f32 = np.float32
+    amax = np.abs(x).max(axis=1)
+    inv = np.where(amax > 0, f32(127.0) / np.where(amax > 0, amax, f32(1.0)), f32(0.0)).astype(f32)
+    xq = np.rint(np.clip(x * inv[:, None], f32(-127.0), f32(127.0))).astype(np.int64)
+    xs = (amax / f32(127.0)).astype(f32)
+    acc = xq @ q.numpy().astype(np.int64).T  # exact
+    assert np.abs(acc).max() < 2**31
+    y = (acc.astype(f32) * wscale.numpy()) * xs[:, None]
+    return (y + bias).astype(f32)
+
+
+@pytest.mark.parametrize("width,out", [(37, 50), (64, 16), (896, 70), (4864, 33)])
+def test_vnni_int8_is_exactly_the_w8a8_reference_and_row_for_row(width, out):
+    lib = _vnni_lib()
+    g = torch.Generator().manual_seed(width)
+    t = 33
+    w = torch.randn(out, width, generator=g)
+    x = torch.randn(t, width, generator=g)
+    x[3] = 0.0  # a zero row: scale 0, the bias alone
+    x[5, 7 % width] = 40.0  # an outlier sets its row's scale
+    bias = torch.randn(out, generator=g)
+    packed, scales = native.pack_as(w, native.FMT_I8, pairs=True, quads=True)
+    assert packed.shape == (-(-out // 16), -(-width // 4), 16, 4)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], out)
+        rc = lib.cd_gemm(rows.data_ptr(), rows.shape[0], width, packed.data_ptr(), native.FMT_I8, scales.data_ptr(),
+                         out, bias.data_ptr(), y.data_ptr())
+        assert rc == 0
+        return y
+
+    full = run(x)
+    want = _w8a8_reference(x.numpy(), w, bias.numpy())
+    assert np.array_equal(full.numpy(), want)
+    assert torch.equal(full[3], bias)
+    singles = torch.cat([run(x[r:r + 1]) for r in range(t)])
+    assert torch.equal(full, singles)  # each row's bits whatever the pass's other rows
+    for n in (2, 5, 9, 17):
+        assert torch.equal(run(x[:n]), full[:n]), n
+    # w8a8 stays close to the float product it stands for
+    rel = (full - (x @ w.T + bias)).norm() / (x @ w.T).norm()
+    assert float(rel) < 0.03
+
+
+@torch.inference_mode()
+def test_vnni_int8_speculative_greedy_equals_plain_greedy(tmp_path, monkeypatch):
+    _vnni_lib()
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    d = make_tiny_model(tmp_path / "m", layers=4, seed=23)
+    eng = Engine.load(d, device="cpu", dtype="float32", weights="int8")
+    assert eng.fwd.native.kernel == VNNI and eng.fwd.native.i8_quads and eng.weights_in_use() == "int8"
+    assert f"{VNNI} kernels" in eng.decode_step_in_use()
+    prompt = list(range(3, 40))
+    plain = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, speculative=False))
+    for k in (4, 32):
+        spec = eng.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, exit_layer=2, draft_k=k))
+        assert spec.tokens == plain.tokens, k
