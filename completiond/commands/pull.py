@@ -51,7 +51,7 @@ def catalog_text() -> str:
     it; the catalog's others after, with the reason they cannot load yet."""
     from completiond.engine import hub
 
-    head = ("short name", "params", "GB bf16 / fp32", "CPU (fp32)", "GPU (bf16)")
+    head = ("short name", "params", "GB bf16 / fp32", "CPU (bf16 / int8)", "GPU (bf16)")
     rows, details, unsupported = [], [], []
     for e in hub.CATALOG:
         if not e.supported:
@@ -59,7 +59,7 @@ def catalog_text() -> str:
             continue
         bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
         rows.append((e.name, f"{e.params_b:.2f} B", f"{bf16 / 1e9:.1f} / {fp32 / 1e9:.1f}",
-                     hub._speed_class(1000 * fp32 / hub.CPU_BANDWIDTH), hub._speed_class(1000 * bf16 / hub.GPU_BANDWIDTH)))
+                     hub.cpu_speed(e), hub._speed_class(1000 * bf16 / hub.GPU_BANDWIDTH)))
         extra = [f"FIM {e.fim}" if e.fim else "no FIM", f"early exits: {e.early_exit}"]
         if e.gated:
             extra.append("gated: accept its licence on the hub, then log in")

@@ -94,10 +94,12 @@ class CatalogEntry:
 
 
 # Memory is the weights alone (the KV cache budget, cacheMegabytes, comes on top). The speed
-# classes are estimates, not measurements: batch-1 decoding streams every weight once per token,
-# so one token costs about weight bytes / memory bandwidth (a CPU at 20 GB/s in float32, a GPU at
-# 1 TB/s in bfloat16); speculation can divide that by up to its tokens per round.
-CPU_BANDWIDTH = 20e9
+# classes are estimates: batch-1 decoding streams every weight once per token, so one token costs
+# about weight bytes / memory bandwidth (a GPU at 1 TB/s in bfloat16; on the CPU the native step in bf16
+# or int8 at the 30 GB/s the development machine's 2 cores copy at, which its bench-device runs of the
+# 0.5B and 1.5B shapes matched within 30 %: docs/PERFORMANCE.md); speculation can divide that by up to
+# its tokens per round.
+CPU_BANDWIDTH = 30e9
 GPU_BANDWIDTH = 1e12
 CATALOG: tuple[CatalogEntry, ...] = (
     CatalogEntry("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B", 0.49, "qwen2", "qwen2.5-coder",
@@ -126,15 +128,23 @@ def _speed_class(ms: float) -> str:
     return f"too slow (~{ms / 1000:.1f} s/token)"
 
 
+def cpu_speed(e: CatalogEntry) -> str:
+    """The CPU estimate in bf16 (the default for bf16 checkpoints) and int8 (`weights = "int8"`: one
+    byte a weight, the per-channel scales negligible)."""
+    bf16_ms, int8_ms = 1000 * e.params_b * 2e9 / CPU_BANDWIDTH, 1000 * e.params_b * 1e9 / CPU_BANDWIDTH
+    label = _speed_class(int8_ms).split(" (")[0]
+    return f"{label} (~{bf16_ms:.0f} / ~{int8_ms:.0f} ms/token)"
+
+
 def catalog_table() -> str:
     """The README's table of short names (a test keeps README in step with CATALOG)."""
-    rows = ["| short name | hub id | parameters | memory bf16 / fp32 | CPU (fp32) | GPU (bf16) | FIM | early exits |",
+    rows = ["| short name | hub id | parameters | memory bf16 / fp32 | CPU (bf16 / int8) | GPU (bf16) | FIM | early exits |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in CATALOG:
         bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
         repo = f"`{e.repo}`" + (" (gated: accept its licence on the hub, then log in)" if e.gated else "")
         if e.supported:
-            cpu, gpu = _speed_class(1000 * fp32 / CPU_BANDWIDTH), _speed_class(1000 * bf16 / GPU_BANDWIDTH)
+            cpu, gpu = cpu_speed(e), _speed_class(1000 * bf16 / GPU_BANDWIDTH)
         else:
             cpu = gpu = f"not supported yet (the engine has no `{e.family}` layout)"
         rows.append(f"| `{e.name}` | {repo} | {e.params_b:.2f} B | {bf16 / 1e9:.1f} / {fp32 / 1e9:.1f} GB | {cpu} | "
