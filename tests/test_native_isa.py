@@ -15,18 +15,7 @@ import torch
 from completiond.engine import forward, native
 from completiond.engine.engine import Engine, EngineError, SamplingParams
 from tests.conftest import make_tiny_model
-
-TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
-
-
-def _need_native():
-    if native.library() is None:
-        pytest.skip(f"native step unavailable here: {native.reason()}")
-
-
-@pytest.fixture(scope="module")
-def bundled(bundled_model_dir) -> Engine:
-    return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+from tests.test_native_step import TEXT, _need_native, bundled  # noqa: F401  (bundled: a module fixture)
 
 
 def _ids(eng: Engine, text: str, n: int) -> list[int]:
