@@ -85,34 +85,10 @@ def wants_multiline(line_prefix: str, line_suffix: str, mode: str = "auto") -> b
     return not stripped or stripped.endswith(BLOCK_OPENER_ENDINGS)
 
 
-def bracket_scan(text: str) -> tuple[int, list[str]]:
-    """(net depth change, closers that had no opener in text), skipping quoted strings."""
-    depth = 0
-    unmatched: list[str] = []
-    quote = None
-    prev = ""
-    for c in text:
-        if quote:
-            if c == quote and prev != "\\":
-                quote = None
-            elif c == "\n":
-                quote = None
-        elif c in "'\"`":
-            quote = c
-        elif c in OPENERS:
-            depth += 1
-        elif c in CLOSERS:
-            if depth > 0:
-                depth -= 1
-            else:
-                unmatched.append(c)
-        prev = c if prev != "\\" else ""
-    return depth, unmatched
-
-
-def open_stack(text: str) -> list[str]:
-    """Opening brackets still open at the end of text, innermost last (quoted strings skipped)."""
-    stack: list[str] = []
+def outside_strings(text: str) -> tuple[str, bool]:
+    """(text's characters outside quoted strings, whether text ends inside one). A string ends at its
+    unescaped closing quote or at the end of its line."""
+    code: list[str] = []
     quote = None
     prev = ""
     for c in text:
@@ -121,11 +97,35 @@ def open_stack(text: str) -> list[str]:
                 quote = None
         elif c in "'\"`":
             quote = c
-        elif c in OPENERS:
+        else:
+            code.append(c)
+        prev = c if prev != "\\" else ""
+    return "".join(code), quote is not None
+
+
+def bracket_scan(text: str) -> tuple[int, list[str]]:
+    """(net depth change, closers that had no opener in text), skipping quoted strings."""
+    depth = 0
+    unmatched: list[str] = []
+    for c in outside_strings(text)[0]:
+        if c in OPENERS:
+            depth += 1
+        elif c in CLOSERS:
+            if depth > 0:
+                depth -= 1
+            else:
+                unmatched.append(c)
+    return depth, unmatched
+
+
+def open_stack(text: str) -> list[str]:
+    """Opening brackets still open at the end of text, innermost last (quoted strings skipped)."""
+    stack: list[str] = []
+    for c in outside_strings(text)[0]:
+        if c in OPENERS:
             stack.append(c)
         elif c in CLOSERS and stack and stack[-1] == CLOSERS[c]:
             stack.pop()
-        prev = c if prev != "\\" else ""
     return stack
 
 
@@ -407,7 +407,7 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
     nothing between them.
     """
     body = s.rstrip()
-    if not body or not line_suffix or "\n" in body or _in_string(line_prefix + body):
+    if not body or not line_suffix or "\n" in body or outside_strings(line_prefix + body)[1]:
         return False   # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
     nxt, last = line_suffix[0], body[-1]
     if not (nxt in "'\"" or _is_word_char(nxt)):
@@ -420,20 +420,6 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
         word = re.search(r"\w+$", body).group(0)
         return word.lower() not in STRING_PREFIXES
     return False
-
-
-def _in_string(text: str) -> bool:
-    """Whether the end of this one line of text is inside a quoted string."""
-    quote = None
-    prev = ""
-    for c in text:
-        if quote:
-            if c == quote and prev != "\\":
-                quote = None
-        elif c in "'\"`":
-            quote = c
-        prev = c if prev != "\\" else ""
-    return quote is not None
 
 
 STRING_PREFIXES = frozenset({"r", "b", "f", "u", "rb", "br", "fr", "rf", "t", "tr", "rt"})
