@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (still supported): the same parser, published as tomli
     import tomli as tomllib
 
-from completiond.fileio import read_at_most
+from completiond.fileio import UnsafeFile, read_file
 
 
 @dataclass(frozen=True)
@@ -291,13 +290,15 @@ def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str
     path = path or config_file_path()
     base = base if base is not None else Config()
     try:
-        raw = _read_config(path)
+        # Symlinks are followed (dotfile managers link config files), but the target must be a
+        # regular file: a FIFO or /dev/zero would otherwise block or fill memory.
+        raw = read_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         return base, []
+    except UnsafeFile as exc:  # its message names the file
+        return base, [f"cannot read config file: {exc}; using the defaults"]
     except OSError as exc:
         return base, [f"{path}: cannot read config file: {exc.strerror or exc}"]
-    except ValueError as exc:
-        return base, [f"{path}: cannot read config file: {exc}; using the defaults"]
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as exc:
@@ -311,31 +312,6 @@ def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a real config.toml is a few hundred bytes
-
-
-def _read_config(path: Path) -> bytes:
-    """The file's bytes; ValueError (with the reason) unless it is a regular file under MAX_CONFIG_BYTES.
-
-    Symlinks are followed (dotfile managers link config files), but the target must be a
-    regular file: a FIFO or /dev/zero would otherwise block or fill memory. The type is checked
-    before opening, the open is non-blocking, and the opened file is checked again.
-    """
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError("not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        fst = os.fstat(fd)
-        if not stat.S_ISREG(fst.st_mode):
-            raise ValueError("not a regular file")
-        if fst.st_size > MAX_CONFIG_BYTES:
-            raise ValueError(f"{fst.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")
-        data = read_at_most(fd, MAX_CONFIG_BYTES)
-    finally:
-        os.close(fd)
-    if data is None:
-        raise ValueError(f"over the {MAX_CONFIG_BYTES}-byte limit")
-    return data
 
 
 def to_settings(cfg: Any) -> dict[str, Any]:
