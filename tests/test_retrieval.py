@@ -228,6 +228,53 @@ def test_another_editors_open_document_is_not_retrieved(tmp_path):
         assert any("only_for_a" in t for t in _chunk_texts(ctx)) is seen
 
 
+def _selector_index(texts: dict[str, str]) -> RetrievalIndex:
+    index = RetrievalIndex()
+    for name, text in texts.items():
+        index.update((DISK, f"/w/{name}"), f"/w/{name}", "python", text)
+    return index
+
+
+def test_the_same_query_gives_the_same_block_when_a_definition_does_not_fit():
+    # A definition too big for what is left displaced the last chunk and then did not fit either: the freed
+    # room went to another chunk, and the next request (same text) swapped them back, keystroke after keystroke.
+    index = _selector_index({
+        "small.py": "def small_def(x):\n    return x\n",
+        "big.py": "def big_def(y):\n" + "".join(f"    y = y + {k}  # filler words here\n" for k in range(12)),
+        "x.py": "value = shared_term(small_def, other_x)\n",
+        "y.py": "value = shared_term(small_def, other_y)\n",
+    })
+    q = make_query("a = small_def(shared_term)\nb = big_def(", len("a = small_def(shared_term)\nb = big_def("))
+    cost = lambda c: len(c.text) // 4 + 2   # noqa: E731
+    sel = Selector()
+    blocks = [[c.path for c in sel.select(index, "s", q, lambda c: True, None, cost, 40)] for _ in range(4)]
+    assert "/w/small.py" in blocks[0] and "/w/big.py" not in blocks[0]
+    assert all(b == blocks[0] for b in blocks)
+
+
+def test_a_held_block_gives_way_only_to_a_pick_worth_clearly_more():
+    # One chunk fits. `held` matches the first query best; then two chunks that match the second query a
+    # little better than `held` rank above it: the block stays (it used to change as soon as the held chunk
+    # left the top ranks); a query `held` does not match at all changes it.
+    index = _selector_index({
+        "held.py": "def held_chunk():\n    return alpha_term + beta_term\n",
+        "one.py": "def one_chunk():\n    return alpha_term + beta_term + gamma_term\n",
+        "two.py": "def two_chunk():\n    return alpha_term + beta_term + gamma_term\n",
+        "other.py": "def other_chunk():\n    return delta_term + epsilon_term\n",
+    })
+    sel = Selector(max_chunks=1)
+    cost = lambda c: 10   # noqa: E731
+
+    def pick(terms):
+        q = make_query("", 0)
+        q.terms, q.names = terms, []
+        return [c.path for c in sel.select(index, "s", q, lambda c: True, None, cost, 10)]
+
+    assert pick({"held_chunk": 1.0, "alpha_term": 1.0}) == ["/w/held.py"]
+    assert pick({"alpha_term": 1.0, "beta_term": 1.0, "gamma_term": 0.3}) == ["/w/held.py"]
+    assert pick({"delta_term": 1.0, "epsilon_term": 1.0}) == ["/w/other.py"]
+
+
 def test_selector_state_is_bounded():
     sel = Selector(max_states=2)
     index = RetrievalIndex()

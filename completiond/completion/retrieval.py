@@ -16,10 +16,12 @@ hidden, ignored, secret or outside file: it never reads a file itself.
   assignments); names at the cursor defined in the workspace are resolved to their definition
   chunk, preferring the module the current file imports them from.
 * Selection (`Selector`): near-duplicates and chunks overlapping the current window are dropped;
-  the block is sticky per (editor, file): a chunk chosen for the last request stays, in its place,
-  as long as it still ranks in the top 2 x max_chunks, and new chunks are appended after the kept
-  ones. Typing therefore changes the block only when its chunks change, and a change that adds a
-  chunk keeps the block's common prefix (and its KV cache).
+  the block is sticky per (editor, file), with hysteresis: the last request's block stays, whole
+  and in its order, until a fresh pick is worth more than (1 + margin) times it under the current
+  query (summed BM25 scores, a definition at the cursor counting as the best chunk), or one of its
+  chunks is gone or no longer admitted. A new block puts the chunks it shares with the old one
+  first, in their old order, so the common prefix (and its KV cache) survives. Typing a line
+  therefore keeps the block; it changes where the cursor goes somewhere the block does not serve.
 
 Memory bound: the index holds at most `max_chunks` chunks (default 200,000); each chunk keeps its
 text and a term table, about 6-8 times the text's size in CPython (measured: see the README's
@@ -521,13 +523,14 @@ class Selector:
     """Picks and orders the chunks of the context block, sticky per (editor, current file)."""
 
     def __init__(self, max_chunks: int = 8, dup_threshold: float = 0.7, max_states: int = 64,
-                 max_definitions: int = 2):
+                 max_definitions: int = 2, margin: float = 0.5):
         self.max_chunks = max_chunks
         self.dup_threshold = dup_threshold
         self.max_definitions = max_definitions
         self.complete_partial = True
         self.line_match = True
         self.best_last = False       # new chunks enter in reverse rank order: the best one nearest the file
+        self.margin = margin         # a held block gives way to a fresh pick worth more than (1 + margin) times it
         self.in_file = True          # the current file's own chunks (outside the window) are candidates
         self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
         self.max_states = max_states
@@ -554,41 +557,63 @@ class Selector:
             for cid in index.line_matches(query.head, admitted):
                 scores[cid] = scores.get(cid, 0.0) + 100.0
         ranked = sorted(scores, key=lambda cid: (-scores[cid], cid))
-        keep_rank = set(ranked[: 2 * self.max_chunks]) | set(defs)
-        wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))
-        prev = [cid for cid in self._last.get(state, ()) if cid in index.chunks and cid in keep_rank]
-        # Kept chunks first, in their old order; then what is new, definitions before the rest.
-        order = prev + [cid for cid in wanted if cid not in prev]
         must = set(defs)
+        wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))
+        fresh = self._fill([index.chunks[cid] for cid in wanted], must, cost, budget)
+        held = [index.chunks.get(cid) for cid in self._last.get(state, ())]
+        kept = [c for c in held if c is not None and admitted(c)]
+        chosen = fresh
+        if held and len(kept) == len(held) and sum(cost(c) for c in kept) <= budget:
+            # Hysteresis: the block the last request had stays, whole and in its order, until the
+            # fresh pick is worth clearly more under this query (a change re-prefills the prompt
+            # after it). Without the margin two picks of about equal worth take turns keystroke by
+            # keystroke. A definition the cursor needs is worth as much as the best BM25 chunk.
+            bonus = max(scores.values(), default=1.0)
+
+            def worth(cs: list[Chunk]) -> float:
+                return sum(scores.get(c.id, 0.0) + (bonus if c.id in must else 0.0) for c in cs)
+
+            if worth(fresh) <= (1.0 + self.margin) * worth(kept):
+                chosen = kept
+        if chosen is fresh:
+            # A new block: the chunks it shares with the old one first, in their old order, so the
+            # block's common prefix (and its KV cache) survives; then the new ones.
+            before = {c.id: k for k, c in enumerate(kept)}
+            old = sorted((c for c in fresh if c.id in before), key=lambda c: before[c.id])
+            new = [c for c in fresh if c.id not in before]
+            chosen = old + (new[::-1] if self.best_last else new)
+        self._last[state] = [c.id for c in chosen]
+        self._last.move_to_end(state)
+        while len(self._last) > self.max_states:
+            self._last.popitem(last=False)
+        return chosen
+
+    def _fill(self, candidates: list[Chunk], must: set[int], cost: Callable[[Chunk], int],
+              budget: int) -> list[Chunk]:
+        """The candidates, in order, that fit the budget (near-duplicates of one already taken skipped);
+        a definition in `must` that does not fit displaces the last chunks not in `must`, only where
+        that makes room for it."""
         chosen: list[Chunk] = []
         used = 0
-        for cid in order:
-            c = index.chunks[cid]
+        for c in candidates:
             if len(chosen) >= self.max_chunks:
                 break
             if any(jaccard(c.terms, o.terms) >= self.dup_threshold for o in chosen):
                 continue
             k = cost(c)
             if used + k > budget:
-                if cid in must:
-                    # A definition the cursor needs displaces the newest kept chunks (from the end,
-                    # so the block's common prefix stays as long as it can).
-                    while chosen and used + k > budget and chosen[-1].id not in must:
-                        used -= cost(chosen.pop())
-                    if used + k <= budget:
+                if c.id in must:
+                    cut, freed = len(chosen), 0
+                    while cut and used - freed + k > budget and chosen[cut - 1].id not in must:
+                        cut -= 1
+                        freed += cost(chosen[cut])
+                    if used - freed + k <= budget:
+                        del chosen[cut:]
                         chosen.append(c)
-                        used += k
+                        used += k - freed
                 continue
             chosen.append(c)
             used += k
-        if self.best_last:
-            kept = [c for c in chosen if c.id in prev]
-            new = [c for c in chosen if c.id not in prev]
-            chosen = kept + new[::-1]
-        self._last[state] = [c.id for c in chosen]
-        self._last.move_to_end(state)
-        while len(self._last) > self.max_states:
-            self._last.popitem(last=False)
         return chosen
 
     def forget(self, state: Hashable) -> None:
