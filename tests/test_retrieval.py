@@ -353,6 +353,49 @@ def test_incremental_updates_give_the_chunks_a_fresh_index_would():
     assert index.total_length == fresh_index.total_length
 
 
+class _NoWholeSplit(str):
+    """A document text that records being split whole (slices of it are plain str)."""
+    splits = 0
+
+    def splitlines(self, *args, **kw):
+        type(self).splits += 1
+        return super().splitlines(*args, **kw)
+
+
+def test_an_edit_splits_only_its_own_lines_and_gives_the_chunks_a_fresh_index_would():
+    # Character-level edits anywhere (inside lines, across lines, at the end, with and without a final
+    # newline, with \r\n and other line breaks str.splitlines knows): the chunks equal a fresh split,
+    # and a document that breaks lines at \n only is never split whole again after its first edit.
+    import random
+
+    rng = random.Random(11)
+    inserts = ["a", "(", " ", "\n", "\n    ", "def g(x):\n", "@d\nclass K:\n", "", "\r\n", "\x0c", "\u2028"]
+    index = RetrievalIndex()
+    key = (LOCAL, "/w/m.py")
+    text = MODULE * 4
+    index.update(key, "/w/m.py", "python", text)
+    for step in range(400):
+        old = text
+        i = rng.randrange(len(text) + 1)
+        j = min(len(text), i + rng.choice([0, 0, 1, 3, 40]))
+        special = step % 50 == 49                        # now and then an edit that brings another line break
+        ins = rng.choice(inserts if special else inserts[:8])
+        text = text[:i] + ins + text[j:]
+        if special:
+            text = text.replace("\r", "").replace("\x0c", "").replace("\u2028", "")   # and takes it out again
+        plain = not any(ch in old for ch in "\r\x0c\u2028")
+        _NoWholeSplit.splits = 0
+        assert index.update_edit(key, "/w/m.py", "python", old, _NoWholeSplit(text))
+        if plain and step and not special:
+            assert _NoWholeSplit.splits == 0
+        lines = text.splitlines(keepends=True)
+        got = [(index.chunks[c].start, index.chunks[c].end, index.chunks[c].text) for c in index.by_key[key]]
+        assert got == [(s, e, "".join(lines[s:e])) for s, e in split_lines(lines)]
+    fresh_index = RetrievalIndex()
+    fresh_index.update(key, "/w/m.py", "python", text)
+    assert index.postings.keys() == fresh_index.postings.keys() and index.total_length == fresh_index.total_length
+
+
 def test_a_chunk_with_a_line_that_begins_like_the_cursor_line_comes_first(tmp_path):
     # Many chunks share the words; one has a line that begins as the cursor line does.
     for i in range(6):

@@ -22,6 +22,9 @@ Reported:
   context_changes_per_100_keystrokes   how often the context block differed from the one before for
                                    the same file (each change re-prefills the prompt after it)
   index                            the retrieval index when typing started (files, chunks)
+  index_update                     with `workspace`: what one didChange costs the workspace and its
+                                   index (p50/p95/max ms over the same keystrokes, replayed in this
+                                   process on a Workspace over the same folder; `measure_index_updates`)
 
 With `workspace` (a project directory), that directory is the editor's workspace folder and the
 typed file one of its files (opened as it is on disk, never written), so the context block draws on
@@ -74,6 +77,43 @@ def pick_lines(text: str, keystrokes: int, min_chars: int = 12) -> list[int]:
         chosen.append(idx)
         total += len(lines[idx].strip())
     return sorted(chosen)
+
+
+def measure_index_updates(file: Path, workspace: Path, keystrokes: int = 200) -> dict[str, Any]:
+    """Time Workspace.did_change (the text store and the retrieval index's update) for the bench's own
+    keystrokes: the same lines typed character by character into `file`, opened in a Workspace over
+    `workspace` (scanned first, so the index holds the whole project). The daemon does this work on
+    every didChange, before the completion request that follows it."""
+    from completiond.completion.workspace import Workspace
+
+    text = Path(file).read_bytes().decode("utf-8")
+    lines = text.split("\n")
+    ws = Workspace([workspace], scan=False)
+    try:
+        ws.scan()
+        ws.did_open(file, text, "python")
+        times: list[float] = []
+        typed = 0
+        for li in pick_lines(text, keystrokes):
+            line = lines[li]
+            indent = line[:len(line) - len(line.lstrip())]
+            doc = list(lines)
+            doc[li] = indent
+            ws.did_change(file, "\n".join(doc), edit_line=li)
+            for ch in line[len(indent):]:
+                if typed >= keystrokes:
+                    break
+                doc[li] += ch
+                changed = "\n".join(doc)
+                t0 = time.perf_counter()
+                ws.did_change(file, changed, edit_line=li)
+                times.append((time.perf_counter() - t0) * 1000)
+                typed += 1
+        return {"p50_ms": _percentile(times, 0.5), "p95_ms": _percentile(times, 0.95),
+                "max_ms": max(times) if times else None, "changes": len(times),
+                "chunks": len(ws.index), "files": ws.index.files()}
+    finally:
+        ws.stop()
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -306,8 +346,12 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
     own_dir = runtime_dir is None
     base = Path(tempfile.mkdtemp(prefix="completiond-bench-")) if own_dir else Path(runtime_dir)
     try:
-        return asyncio.run(_bench(model, file, keystrokes, interval_ms, device, max_tokens, base, settings,
-                                  timeout_s, progress, lsp_command, workspace))
+        result = asyncio.run(_bench(model, file, keystrokes, interval_ms, device, max_tokens, base, settings,
+                                    timeout_s, progress, lsp_command, workspace))
+        if workspace is not None:
+            # After the replay (its daemon is idle by then): the in-process micro-benchmark of didChange.
+            result["index_update"] = measure_index_updates(file, Path(workspace), keystrokes)
+        return result
     finally:
         _stop_daemon(base)
         if own_dir:

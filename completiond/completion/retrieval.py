@@ -153,6 +153,68 @@ def imports_of(text: str) -> dict[str, str]:
     return out
 
 
+# Line breaks str.splitlines knows besides "\n": where an edit holds one, lines are split the slow way.
+_OTHER_BREAKS = re.compile("[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def _common_prefix(a: str, b: str, hint: int = 0) -> int:
+    """Length of the common prefix of a and b, by halving on C string compares (no per-character loop)."""
+    lo, hi = 0, min(len(a), len(b))
+    if 0 < hint <= hi and a[:hint] == b[:hint]:
+        lo = hint
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, limit
+    la, lb = len(a), len(b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[la - mid:la - lo] == b[lb - mid:lb - lo]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _edit_lines(old_text: str, text: str, old_lines: list[str], old_plain: bool
+                ) -> tuple[list[str], int, int, int, bool] | None:
+    """(text's lines, first changed line, old lines replaced, new lines in their place, whether text
+    breaks lines at "\n" only), made from old_lines (old_text's splitlines(keepends=True)) and the
+    changed stretch only; None if the texts are equal. old_plain: old_text breaks lines at "\n"
+    only (else every line is compared, the way splitlines counts them). The stretch runs from the
+    line holding the first differing character to the end of the line where the common tail starts."""
+    cp = _common_prefix(old_text, text)
+    if cp == len(old_text) == len(text):
+        return None
+    cs = _common_suffix(old_text, text, min(len(old_text), len(text)) - cp)
+    so, sn = len(old_text) - cs, len(text) - cs
+    ls = old_text.rfind("\n", 0, cp) + 1
+    nl = old_text.find("\n", so)
+    eo = len(old_text) if nl < 0 else nl + 1
+    en = sn + (eo - so)
+    if not old_plain or _OTHER_BREAKS.search(text, ls, en):
+        lines = text.splitlines(keepends=True)
+        lo = 0
+        m = min(len(lines), len(old_lines))
+        while lo < m and lines[lo] == old_lines[lo]:
+            lo += 1
+        hi = 0
+        while hi < m - lo and old_lines[-1 - hi] == lines[-1 - hi]:
+            hi += 1
+        return lines, lo, len(old_lines) - lo - hi, len(lines) - lo - hi, not _OTHER_BREAKS.search(text)
+    lo = old_text.count("\n", 0, ls)
+    old_reg = old_text.count("\n", ls, eo) + (1 if eo == len(old_text) and eo > ls and old_text[-1] != "\n" else 0)
+    new_reg = text[ls:en].splitlines(keepends=True)
+    return old_lines[:lo] + new_reg + old_lines[lo + old_reg:], lo, old_reg, len(new_reg), True
+
+
 @dataclass(eq=False)
 class Chunk:
     id: int
@@ -207,6 +269,9 @@ class RetrievalIndex:
         self.version = 0
         self._next = 1
         self._parsed: OrderedDict[bytes, _Parsed] = OrderedDict()   # digest -> parse, across files and edits
+        # key -> (text, its lines) of the files edited last: an edit splits only its own lines again.
+        self._lines: OrderedDict[Hashable, tuple[str, list[str], bool]] = OrderedDict()
+        self.max_line_caches = 8
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -218,6 +283,7 @@ class RetrievalIndex:
     def update(self, key: Hashable, path: str, language: str, text: str,
                prepared: list[tuple] | None = None) -> None:
         """(Re-)index one file; chunks whose text did not change keep their ids."""
+        self._lines.pop(key, None)
         pieces = prepared if prepared is not None else prepare(text, self.max_chunks_per_file)
         old = {}
         for cid in self.by_key.get(key, ()):
@@ -247,25 +313,25 @@ class RetrievalIndex:
         """Re-index an edited file from the last cut before its first changed line up to the first
         old cut in its unchanged tail (usually one or two chunks for a keystroke); chunks outside
         keep their ids, those after the edit move by the lines it added or removed. False (nothing
-        done) where the file is not indexed whole: the caller then re-indexes it with `update`."""
+        done) where the file is not indexed whole: the caller then re-indexes it with `update`.
+
+        The cost is the edit's, not the file's: the changed stretch is found by comparing the two
+        texts in C (no line-by-line loop), and the file's lines are kept from the last update, so
+        only the changed lines are split again (see `_edit_lines`)."""
         ids = self.by_key.get(key)
         if not ids:
             return False
         old_chunks = [self.chunks[cid] for cid in ids]
-        old_lines = old_text.splitlines(keepends=True)
+        old_lines, plain = self._lines_of(key, old_text)
         if old_chunks[-1].end != len(old_lines) or old_chunks[0].start != 0:
             return False                      # indexed in part (the per-file or total bound)
-        lines = text.splitlines(keepends=True)
-        n_old, n_new = len(old_lines), len(lines)
-        m = min(n_old, n_new)
-        lo = 0
-        while lo < m and old_lines[lo] == lines[lo]:
-            lo += 1
-        if lo == n_old == n_new:
+        edit = _edit_lines(old_text, text, old_lines, plain)
+        if edit is None:
             return True
-        hi = 0
-        while hi < m - lo and old_lines[n_old - 1 - hi] == lines[n_new - 1 - hi]:
-            hi += 1
+        lines, lo, n_old_reg, n_new_reg, plain = edit
+        self._keep_lines(key, text, lines, plain)
+        n_old, n_new = len(old_lines), len(lines)
+        hi = n_old - lo - n_old_reg           # lines after the edit, the same in both texts
         delta = n_new - n_old
         tail = n_new - hi                     # new lines from here on are the old ones, moved by delta
         keep = 0
@@ -311,7 +377,21 @@ class RetrievalIndex:
         self.version += 1
         return True
 
+    def _lines_of(self, key: Hashable, text: str) -> tuple[list[str], bool]:
+        """text's lines (splitlines, ends kept) and whether it breaks lines at "\\n" only."""
+        hit = self._lines.get(key)
+        if hit is not None and (hit[0] is text or hit[0] == text):
+            return hit[1], hit[2]
+        return text.splitlines(keepends=True), not _OTHER_BREAKS.search(text)
+
+    def _keep_lines(self, key: Hashable, text: str, lines: list[str], plain: bool) -> None:
+        self._lines[key] = (text, lines, plain)
+        self._lines.move_to_end(key)
+        while len(self._lines) > self.max_line_caches:
+            self._lines.popitem(last=False)
+
     def remove(self, key: Hashable) -> None:
+        self._lines.pop(key, None)
         for cid in self.by_key.pop(key, ()):
             c = self.chunks.get(cid)
             if c is not None:
