@@ -13,6 +13,9 @@ kernel_name() is the one place that picks the build for this CPU (COMPLETIOND_KE
 one); avx2 and avx512 compute every output column with the same fmadd chain, so they give the same bits.
 avx512-vnni computes float32 and bf16 panels as avx512 does, but int8 ones as w8a8: each activation row
 quantised to int8 per row, exact int32 sums by vpdpbusd (its own, still row-for-row exact, arithmetic).
+"avx512-bf16" (avx512-vnni plus AVX512_BF16) also computes bf16 panels with vdpbf16ps on activation rows
+rounded to bf16 (half the instructions of widening the weights, so a verify pass of several rows stays
+near the cost of one; a small accuracy cost, which `completiond bench --quality` measures).
 
 The shared objects are cached under ~/.cache/completiond/native/ (a 0700 directory checked for its owner
 and mode before use), keyed by the source, the compiler and the kernel, written atomically with their
@@ -45,13 +48,13 @@ from completiond.errors import EngineError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 11
+ABI = 12
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
 # weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
 # drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
 # are its only weights (native_all) runs every pass natively.
 MAX_ROWS = 33
-COMPILE_TIMEOUT_S = 120
+COMPILE_TIMEOUT_S = 300  # one build per kernel, once per machine: ~15 s on an idle 2-core machine, minutes under load
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
 KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
@@ -60,9 +63,14 @@ KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     # AVX-512 plus vpdpbusd: int8 matrices as w8a8 (activation rows quantised per row), the rest as avx512
     "avx512-vnni": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
                     ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    # avx512-vnni plus vdpbf16ps: bf16 matrices times bf16-rounded activations (every CPU with AVX512_BF16
+    # so far has VNNI too: Cooper Lake, Sapphire Rapids, Zen 4)
+    "avx512-bf16": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                     "-mavx512bf16"]),
 }
-FMT_F32, FMT_BF16, FMT_I8 = 0, 1, 2
-_FMT_NAMES = {FMT_F32: "float32", FMT_BF16: "bf16", FMT_I8: "int8"}
+FMT_F32, FMT_BF16, FMT_I8, FMT_BF16_ROWS = 0, 1, 2, 3  # FMT_BF16_ROWS: a bf16 [out, in] matrix unpacked (LM heads)
+_FMT_NAMES = {FMT_F32: "float32", FMT_BF16: "bf16", FMT_I8: "int8", FMT_BF16_ROWS: "bf16"}
 # step.c's negative return codes
 _ERRORS = {-1: "no scratch memory", -2: "a row count, layer range or size out of range",
            -3: "a slot outside the KV cache's capacity", -4: "a token id outside the vocabulary",
@@ -279,6 +287,7 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
     lib.cd_kernel.restype = ctypes.c_char_p
     lib.cd_bf16_pairs.restype = ctypes.c_int
     lib.cd_i8_quads.restype = ctypes.c_int
+    lib.cd_bf16_dot.restype = ctypes.c_int
     lib.cd_gemm.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, vp]
     lib.cd_gemm.restype = i32
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
@@ -477,6 +486,7 @@ class NativeStep:
         self.kernel = lib.cd_kernel().decode()
         self.bf16_pairs = bool(lib.cd_bf16_pairs())  # the build's bf16 panel layout
         self.i8_quads = bool(lib.cd_i8_quads())  # the build's int8 layout (k-quads: w8a8 on VNNI)
+        self.bf16_dot = bool(lib.cd_bf16_dot())  # bf16 panels times bf16-rounded activations (AVX512_BF16)
         self.weights_setting = weights
         self.release = release
         self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads
@@ -494,7 +504,12 @@ class NativeStep:
         hit = self._packed.get(id(w))
         if hit is None or hit[0] is not w:
             fmt = _format_for(self.weights_setting, (w,))
-            packed, scales = pack_as(w, fmt, self.bf16_pairs, self.i8_quads)
+            if fmt == FMT_BF16 and w.dtype == torch.bfloat16 and w.is_contiguous():
+                # a bf16 head (a large model's, often its tied embedding) is read where it lies, row-major:
+                # panels would be a second copy of the model's largest matrix
+                packed, scales, fmt = w.view(torch.int16), None, FMT_BF16_ROWS
+            else:
+                packed, scales = pack_as(w, fmt, self.bf16_pairs, self.i8_quads)
             hit = (w, packed, fmt, scales)
             self._packed[id(w)] = hit
             while len(self._packed) > 4:  # the LM head and the draft vocabularies tried last (calibrate)

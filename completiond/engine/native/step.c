@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 11
+#define CD_ABI 12
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -157,6 +157,7 @@ static void silu_mul(const float *g, const float *u, int n, float *y) {
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_I8 2
+#define FMT_BF16_ROWS 3 /* not panels: a bf16 matrix [out, in] row-major as the model holds it (gemm_rows) */
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define CD_KERNEL "avx512"
@@ -517,14 +518,129 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
 static size_t vnni_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
 
+/* ------------------------------------------------------------------ bf16 x bf16 (AVX512_BF16 build)
+ * The "avx512-bf16" build (avx512-vnni plus AVX512_BF16) computes FMT_BF16 matrices with vdpbf16ps: each
+ * activation row is rounded to bf16 once per product (nearest even, as vcvtne2ps2bf16 does), and one
+ * instruction adds the products of 16 columns x 2 k to 16 float32 sums, where the float32 kernels spend two
+ * widenings and two fmadds. The panels keep the AVX-512 k-pairs layout (lane c: column c at k, k + 1), which
+ * is the pair layout vdpbf16ps reads. The rounding of activations to bf16 costs a little accuracy (the
+ * engine reports it: bench --quality); the contract is unchanged: a column's sum is one vdpbf16ps chain over
+ * the k-pairs in order, the same for every row whatever t, the blocking or the threads. */
+#if defined(__AVX512BF16__)
+#undef CD_KERNEL
+#define CD_KERNEL "avx512-bf16"
+#define BF16_DOT 1
+
+/* halves a bf16 activation row takes in scratch: whole 32-half blocks, the padding zero */
+static inline size_t bf16_row_halves(int in) { return ((size_t)in + 31) / 32 * 32; }
+
+/* row x [in] -> xb: bf16(x[k]) at half k, zeros up to bf16_row_halves(in) */
+static void bf16_row(const float *x, int in, uint16_t *xb) {
+    for (int i = 0; i < in; i += 32) {
+        const int n = in - i;
+        const __mmask16 m0 = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+        const __mmask16 m1 = n >= 32 ? (__mmask16)0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+        const __m512 lo = _mm512_maskz_loadu_ps(m0, x + i), hi = _mm512_maskz_loadu_ps(m1, x + i + 16);
+        _mm512_storeu_si512((void *)(xb + i), (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* lo -> halves 0..15 */
+    }
+}
+
+static size_t dot_scratch(int t, int in) { return (size_t)t * bf16_row_halves(in) * sizeof(uint16_t) + 64; }
+
+#define MKD(R, NP)                                                                                      \
+    static inline void mkd_##R##_##NP(const uint16_t *xb, int ldx, int in, const void *Wp, int p0,      \
+                                      const float *b, float *y, int ldy, int out) {                     \
+        __m512 acc[R][NP];                                                                              \
+        const int in2 = (in + 1) / 2;                                                                   \
+        const size_t ps = (size_t)in2 * 2 * PW; /* halves per panel */                                  \
+        const uint16_t *pan[NP];                                                                        \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const uint16_t *)Wp + (size_t)(p0 + n) * ps; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
+        for (int k2 = 0; k2 < in2; k2++) {                                                              \
+            __m512bh w[NP];                                                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                w[n] = (__m512bh)_mm512_loadu_si512((const void *)(pan[n] + (size_t)k2 * 2 * PW));      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                int32_t pair;                                                                           \
+                memcpy(&pair, xb + (size_t)r * ldx + 2 * (size_t)k2, 4);                                \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                  \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_dpbf16_ps(acc[r][n], xv, w[n]); \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
+                store16(acc[r][n], NULL, b, y + (size_t)r * ldy, (p0 + n) * PW, out);                   \
+    }
+MKD(1, 4) MKD(1, 2) MKD(1, 1) MKD(2, 2) MKD(2, 1) MKD(3, 2) MKD(3, 1) MKD(4, 2) MKD(4, 1)
+MKD(5, 2) MKD(5, 1) MKD(6, 2) MKD(6, 1) MKD(7, 2) MKD(7, 1) MKD(8, 2) MKD(8, 1)
+
+#define DROWS(R, NP_WIDE)                                                                                \
+    do {                                                                                                 \
+        int p = qa;                                                                                      \
+        for (; p + NP_WIDE <= qb; p += NP_WIDE)                                                          \
+            mkd_##R##_##NP_WIDE(xb + (size_t)r * ldx, ldx, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);  \
+        for (; p < qb; p++) mkd_##R##_1(xb + (size_t)r * ldx, ldx, in, Wp, p, b, y + (size_t)r * ldy, ldy, out); \
+    } while (0)
+
+/* gemm_panels for FMT_BF16 in this build: the thread rounds all t rows into its scratch, then goes over
+ * its panels like GEMM */
+static void gemm_dot(const float *x, int t, int in, const void *Wp, int out, const float *b, float *y, int ldy,
+                     int pa, int pb, void *scratch) {
+    const int ldx = (int)bf16_row_halves(in);
+    uint16_t *xb = (uint16_t *)scratch;
+    for (int r = 0; r < t; r++) bf16_row(x + (size_t)r * in, in, xb + (size_t)r * ldx);
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
+        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;
+        int r = 0;
+        for (; r + 8 <= t; r += 8) DROWS(8, 2);
+        switch (t - r) {
+        case 7: DROWS(7, 2); break;
+        case 6: DROWS(6, 2); break;
+        case 5: DROWS(5, 2); break;
+        case 4: DROWS(4, 2); break;
+        case 3: DROWS(3, 2); break;
+        case 2: DROWS(2, 2); break;
+        case 1: {
+            int p = qa;
+            for (; p + 4 <= qb; p += 4) mkd_1_4(xb + (size_t)r * ldx, ldx, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+            for (; p + 2 <= qb; p += 2) mkd_1_2(xb + (size_t)r * ldx, ldx, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+            for (; p < qb; p++) mkd_1_1(xb + (size_t)r * ldx, ldx, in, Wp, p, b, y + (size_t)r * ldy, ldy, out);
+            break;
+        }
+        default: break;
+        }
+    }
+}
+#else
+#define BF16_DOT 0
+static size_t dot_scratch(int t, int in) { (void)t; (void)in; return 0; }
+#endif
+
+/* bytes of scratch one thread needs for t activation rows of up to in values (rounded or quantised) */
+static size_t row_scratch(int t, int in) {
+    size_t a = vnni_scratch(t, in), b = dot_scratch(t, in);
+    return a > b ? a : b;
+}
+
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
  * blocks of BLOCK, then the rest; which kernel computes a row never changes its bits. sc: the int8
  * format's column scales (NULL otherwise). */
+static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
+                      int j0, int j1, void *scratch);
+
 static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, const float *sc, int out, const float *b,
                         float *y, int ldy, int pa, int pb, void *scratch) {
     if (fmt == FMT_BF16) {
         sc = NULL;
+#if BF16_DOT
+        gemm_dot(x, t, in, Wp, out, b, y, ldy, pa, pb, scratch);
+#else
         GEMM(mkb)
+#endif
+    } else if (fmt == FMT_BF16_ROWS) {
+        const int j1 = pb * PW < out ? pb * PW : out;
+        if (pa * PW < j1) gemm_rows(x, t, in, (const uint16_t *)Wp, out, b, y, ldy, pa * PW, j1, scratch);
     } else if (fmt == FMT_I8) {
 #if I8_QUADS
         gemm_vnni(x, t, in, Wp, sc, out, b, y, ldy, pa, pb, scratch);
@@ -538,11 +654,115 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
     }
 }
 
+/* ------------------------------------------------------------------ row-major bf16 (FMT_BF16_ROWS)
+ * A large model's tied embedding is its LM head too: packing the head into panels would keep a second copy
+ * of the largest matrix (272 MB in the 0.5B shape). FMT_BF16_ROWS reads the model's own bf16 [out, in]
+ * rows instead, as dot products: y[r, j] = b[j] + fold(acc), where acc holds 16 lane sums, each one
+ * chain in k order, and fold adds lanes l and l + 8, then hsum8. The AVX2 and the AVX-512 builds run the
+ * same chain per lane (two 8-lane accumulators are one 16-lane one) and the same fold; the BF16 build
+ * multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k = 2l, 2l + 1 of each 32). Groups of
+ * RJ output rows by blocks of RR activation rows: each weight row is read once from memory for all t. */
+#define RJ 4
+#define RR 4
+
+static inline void store_dot(float sum, const float *b, float *dst, int j) { *dst = b ? sum + b[j] : sum; }
+
+#if BF16_DOT
+static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
+                      int j0, int j1, void *scratch) {
+    (void)out;
+    const int ldx = (int)bf16_row_halves(in);
+    uint16_t *xb = (uint16_t *)scratch;
+    for (int r = 0; r < t; r++) bf16_row(x + (size_t)r * in, in, xb + (size_t)r * ldx);
+    for (int j = j0; j < j1; j += RJ) {
+        const int nj = j1 - j < RJ ? j1 - j : RJ;
+        for (int r0 = 0; r0 < t; r0 += RR) {
+            const int nr = t - r0 < RR ? t - r0 : RR;
+            __m512 acc[RR][RJ];
+            _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++)
+                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) acc[rr][jj] = _mm512_setzero_ps();
+            for (int k = 0; k < in; k += 32) {
+                const __mmask32 m = in - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (in - k)) - 1);
+                __m512bh w[RJ];
+                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++)
+                    w[jj] = (__m512bh)(jj < nj ? _mm512_maskz_loadu_epi16(m, W + (size_t)(j + jj) * in + k) : _mm512_setzero_si512());
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++) {
+                    if (rr >= nr) break;
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + (size_t)(r0 + rr) * ldx + k));
+                    _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) acc[rr][jj] = _mm512_dpbf16_ps(acc[rr][jj], xv, w[jj]);
+                }
+            }
+            for (int rr = 0; rr < nr; rr++)
+                for (int jj = 0; jj < nj; jj++) {
+                    __m256 f = _mm256_add_ps(_mm512_castps512_ps256(acc[rr][jj]), _mm512_extractf32x8_ps(acc[rr][jj], 1));
+                    store_dot(hsum8(f), b, y + (size_t)(r0 + rr) * ldy + j + jj, j + jj);
+                }
+        }
+    }
+}
+#else
+/* the float32 chain: per 16 k, lanes 0-7 and 8-15 each one fmadd of widened weights */
+static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
+                      int j0, int j1, void *scratch) {
+    (void)out;
+    (void)scratch;
+    const int in16 = in / 16 * 16;
+    for (int j = j0; j < j1; j += RJ) {
+        const int nj = j1 - j < RJ ? j1 - j : RJ;
+        for (int r0 = 0; r0 < t; r0 += RR) {
+            const int nr = t - r0 < RR ? t - r0 : RR;
+            __m256 lo[RR][RJ], hi[RR][RJ];
+            _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++)
+                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) lo[rr][jj] = hi[rr][jj] = _mm256_setzero_ps();
+            for (int k = 0; k < in; k += 16) {
+                /* the last k < 16 go through zero-padded copies: x * 0 adds nothing to a chain */
+                uint16_t wt[RJ][16];
+                float xt[RR][16];
+                const int tail = k >= in16;
+                __m256 wl[RJ], wh[RJ];
+                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) {
+                    const uint16_t *src = W + (size_t)(j + (jj < nj ? jj : 0)) * in + k;
+                    if (tail) {
+                        memset(wt[jj], 0, sizeof wt[jj]);
+                        if (jj < nj) memcpy(wt[jj], src, sizeof(uint16_t) * (size_t)(in - k));
+                        src = wt[jj];
+                    }
+                    __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+                    __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8)));
+                    wl[jj] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+                    wh[jj] = _mm256_castsi256_ps(_mm256_slli_epi32(c, 16));
+                }
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++) {
+                    if (rr >= nr) break;
+                    const float *xr = x + (size_t)(r0 + rr) * in + k;
+                    if (tail) {
+                        memset(xt[rr], 0, sizeof xt[rr]);
+                        memcpy(xt[rr], xr, sizeof(float) * (size_t)(in - k));
+                        xr = xt[rr];
+                    }
+                    const __m256 xl = _mm256_loadu_ps(xr), xh = _mm256_loadu_ps(xr + 8);
+                    _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) {
+                        lo[rr][jj] = _mm256_fmadd_ps(xl, wl[jj], lo[rr][jj]);
+                        hi[rr][jj] = _mm256_fmadd_ps(xh, wh[jj], hi[rr][jj]);
+                    }
+                }
+            }
+            for (int rr = 0; rr < nr; rr++)
+                for (int jj = 0; jj < nj; jj++)
+                    store_dot(hsum8(_mm256_add_ps(lo[rr][jj], hi[rr][jj])), b, y + (size_t)(r0 + rr) * ldy + j + jj, j + jj);
+        }
+    }
+}
+#endif
+
 /* which kernels this build runs: "avx2" or "avx512" (native/__init__.py picks the build) */
 const char *cd_kernel(void) { return CD_KERNEL; }
 
 /* 1: this build reads bf16 panels in k-pairs (pack_as's pairs layout), 0: in 16-column rows */
 int cd_bf16_pairs(void) { return BF16_PAIRS; }
+
+/* 1: this build multiplies bf16 panels by bf16-rounded activations (vdpbf16ps), 0: widens them to float32 */
+int cd_bf16_dot(void) { return BF16_DOT; }
 
 /* 1: this build reads int8 panels in k-quads with the offset corrections after the scales (w8a8, VNNI) */
 int cd_i8_quads(void) { return I8_QUADS; }
@@ -731,10 +951,10 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
-    /* the VNNI build's per-thread scratch for quantised activation rows (0 bytes elsewhere) */
+    /* per-thread scratch for activation rows quantised (VNNI build) or rounded to bf16 (BF16 build); 0 bytes elsewhere */
     int maxin = d > H * hd ? d : H * hd;
     if (I > maxin) maxin = I;
-    const size_t qper = (vnni_scratch(t, maxin) + 63) & ~(size_t)63;
+    const size_t qper = (row_scratch(t, maxin) + 63) & ~(size_t)63;
     char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
     if (qper && !qscr) { free(buf); free(row_items); free(kidx); return CD_ENOMEM; }
 
@@ -837,12 +1057,12 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
 /* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
 int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wfmt, const float *wscale,
             int V, const float *bias, float *out, int nthreads) {
-    if (t < 1 || d < 1 || V < 1 || wfmt < FMT_F32 || wfmt > FMT_I8 || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
+    if (t < 1 || d < 1 || V < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
     if (nthreads < 1) nthreads = 1;
     float *x = malloc(sizeof(float) * (size_t)t * d);
     if (!x) return CD_ENOMEM;
     for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
-    const size_t qper = (vnni_scratch(t, d) + 63) & ~(size_t)63;
+    const size_t qper = (row_scratch(t, d) + 63) & ~(size_t)63;
     char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
     if (qper && !qscr) { free(x); return CD_ENOMEM; }
 #pragma omp parallel num_threads(nthreads)
@@ -863,9 +1083,9 @@ int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const 
  * thread and with no norm: the tests compare each build's arithmetic with a reference through it. */
 int cd_gemm(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, const float *bias,
             float *y) {
-    if (t < 1 || in < 1 || out < 1 || wfmt < FMT_F32 || wfmt > FMT_I8 || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
+    if (t < 1 || in < 1 || out < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
     void *scr = NULL;
-    const size_t q = vnni_scratch(t, in);
+    const size_t q = row_scratch(t, in);
     if (q && !(scr = malloc(q))) return CD_ENOMEM;
     const unsigned int csr = denormals_off();
     gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, 0, (out + PW - 1) / PW, scr);
