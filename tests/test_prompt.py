@@ -115,19 +115,24 @@ def test_healing_removes_the_partial_word(tok, builder):
     assert text.endswith("return self." + "no"[: 2 - len(p.healing.removed)])
 
 
-def test_context_block_before_fim_and_within_budget(tok):
+def test_context_block_at_the_start_of_the_prefix_and_within_budget(tok):
     t = make_template(tok)
     b = PromptBuilder(t, PromptOptions(prefix_tokens=100, suffix_tokens=20, context_tokens=40))
     ctx = [("a.py", "x = 1\n"), ("b.py", "def add(a, b):\n    return a + b\n" * 20)]
     p = b.build("print(x)\n", 6, context=ctx, path="main.py")
-    assert len(p.context_ids) <= 40
+    assert 0 < len(p.context_ids) <= 40
     text = tok.decode(p.ids)
-    # The bundled family joins files the way its training stream does: content<|file_sep|>.
-    # The second file does not fit whole: it is shortened by lines.
-    assert text.startswith("x = 1\n<|file_sep|>def add(a, b):\n    return a + b\n")
-    assert text.count("def add") < 20 and "<|file_sep|><|fim_prefix|>" in text
-    # Same context, different keystroke: the context ids are identical (KV reuse).
-    assert b.build("print(x)\n", 7, context=ctx, path="main.py").context_ids == p.context_ids
+    # The bundled model saw FIM samples only from <|fim_prefix|> on, with the code above the cursor after
+    # <|fim_middle|>: the block is plain code there, in front of the file's prefix, without separators or
+    # paths. The second file does not fit whole: it is shortened by lines.
+    assert text.startswith("<|fim_prefix|><|fim_suffix|>x)\n<|fim_middle|>x = 1\ndef add(a, b):\n    return a + b\n")
+    assert text.count("def add") < 20 and "<|file_sep|>" not in text and "a.py" not in text
+    assert text.endswith("return a + b\nprint(")
+    # Same context, next keystroke: the block's ids are identical, and only the cursor line's ids change.
+    p1 = b.build("y = 2\nprint(", 12, context=ctx, path="main.py")
+    p2 = b.build("y = 2\nprint(x", 13, context=ctx, path="main.py")
+    assert p2.context_ids == p1.context_ids == p.context_ids
+    assert p2.ids[: len(p1.ids) - p1.cursor_line_tokens] == p1.ids[: len(p1.ids) - p1.cursor_line_tokens]
 
 
 def test_options_from_config():

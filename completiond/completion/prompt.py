@@ -1,7 +1,9 @@
 """Prompt builder: document text + cursor offset (+ context files) -> prompt ids.
 
 Built for the prefix KV cache. With a suffix-first (SPM) template the prompt
-is `context | FIM start | suffix | FIM middle | prefix chunks | cursor line`,
+is `context | FIM start | suffix | FIM middle | prefix chunks | cursor line`
+(the bundled model's context sits at the start of the prefix instead:
+`FIM start | suffix | FIM middle | context | prefix chunks | cursor line`),
 so typing at the cursor changes only the last few ids and everything before
 them is served from the cache. To keep that true:
 
@@ -87,7 +89,7 @@ class Prompt:
     skip_reason: str | None = None
     prefix_ids: list[int] = field(default_factory=list)
     suffix_ids: list[int] = field(default_factory=list)
-    context_ids: list[int] = field(default_factory=list)
+    context_ids: list[int] = field(default_factory=list)   # the context block, wherever the layout puts it
     healing: Healing | None = None
     line_prefix: str = ""      # cursor line up to the cursor
     line_suffix: str = ""      # cursor line after the cursor
@@ -211,9 +213,11 @@ class PromptBuilder:
 
         context: (path, text) snippets, already chosen and ordered by the
         workspace (stable order keeps their KV cached). Families with a file
-        separator get them in their repository format; others get them as
-        plain text at the start of the prefix, each file under a path line
-        in `language`'s comment syntax, or not at all if it has none.
+        separator get them in their repository format, in front of the FIM
+        layout; the bundled model ("separators" style) gets the code as plain
+        text at the start of the prefix, which is what its FIM training showed
+        it; families without a separator get it there too, each file under a
+        path line in `language`'s comment syntax, or not at all if it has none.
         heal: override PromptOptions.heal for this request.
         """
         opt = self.options
@@ -232,7 +236,14 @@ class PromptBuilder:
         context_ids: list[int] = []
         context_text = ""
         if context and context_budget > 0:
-            if tpl.supports_file_context:
+            if tpl.supports_file_context and tpl.context_style == "separators":
+                # The bundled model's FIM samples never had anything before <|fim_prefix|>: there it
+                # barely reads a block (an oracle block holding the true next line lifted exact match
+                # half as much as the same text at the start of the prefix; see docs/PERFORMANCE.md).
+                # So its block is plain code at the start of the prefix, where FIM training put the
+                # code above the cursor.
+                context_text = self._text_context(list(context), None, context_budget)
+            elif tpl.supports_file_context:
                 context_ids = self._file_context(list(context), path, context_budget)
             elif (comment := comment_for(language)):
                 context_text = self._text_context(list(context), comment, context_budget)
@@ -257,8 +268,10 @@ class PromptBuilder:
             elif cursor_text:
                 cursor_ids, healing = self._cursor_piece(cursor_text, first=True, heal=use_heal)
         head_ids = [i for _, _, ids in pieces for i in ids]
+        block_ids = context_ids
         if context_text:
-            head_ids = self._encode(context_text, first=True) + head_ids
+            block_ids = self._encode(context_text, first=True)
+            head_ids = block_ids + head_ids
         prefix_ids = head_ids + cursor_ids
 
         suffix_ids, suffix_end = self._suffix(text, cursor, le, suffix_budget)
@@ -266,7 +279,7 @@ class PromptBuilder:
         following = text[le + 1:following_end] if le < len(text) else ""
 
         ids = tpl.build(prefix_ids, suffix_ids, context_ids)
-        prompt = Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=context_ids,
+        prompt = Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=list(block_ids),
                         healing=healing, line_prefix=line_prefix, line_suffix=line_suffix, following=following,
                         prefix_start=prefix_start, prefix_line=prefix_line, suffix_end=suffix_end,
                         cursor_line_tokens=len(cursor_ids))
@@ -433,12 +446,21 @@ class PromptBuilder:
             self._contexts.popitem(last=False)
         return ids
 
-    def _text_context(self, files: list[tuple[str, str]], comment: str, budget: int) -> str:
+    def _text_context(self, files: list[tuple[str, str]], comment: str | None, budget: int) -> str:
+        """The files as plain text, each under a path line in `comment` syntax (none without one),
+        fitted into the budget as `_file_context` does: the last file shortened by lines, dropped
+        when nothing of it fits."""
         while files:
-            block = "".join(f"{comment} {p}\n{t if t.endswith(chr(10)) else t + chr(10)}" for p, t in files)
-            if len(self.template.encode(block)) <= budget:
+            block = "".join((f"{comment} {p}\n" if comment else "") + (t if t.endswith("\n") else t + "\n")
+                            for p, t in files)
+            if len(self._encode(block, first=True)) <= budget:   # cached: the same block comes back every keystroke
                 return block
-            files = files[:-1]
+            last_path, last_text = files[-1]
+            lines = last_text.splitlines(keepends=True)
+            if len(lines) > 1:
+                files = files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
+            else:
+                files = files[:-1]
         return ""
 
 
