@@ -111,6 +111,9 @@ SETTINGS: tuple[Setting, ...] = (
                 "One line at most.",
             )),
     Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general"),
+    Setting("syntaxCheck", bool, True, "Python: show only what keeps the code around the cursor parsing (the longest part of "
+            "a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse "
+            "without the suggestion either is left to the user.", group="general"),
     Setting("fimTemplate", str, "auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
             enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
             enum_descriptions=(

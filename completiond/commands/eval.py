@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--suffix-tokens", type=int, default=256)
     parser.add_argument("--no-heal", action="store_true", help="turn token healing off")
+    parser.add_argument("--no-syntax-check", action="store_true",
+                        help="turn the Python syntax check of suggestions off (the syntaxCheck setting)")
     parser.add_argument("--context", nargs="?", const="recent", default="none", type=_context_modes,
                         help="context block modes, comma-separated, evaluated side by side on the same positions: "
                              "none, recent (snippets of other files of DIR), retrieval (chunks of DIR's files "
@@ -322,7 +324,13 @@ def validity(done: list[Outcome]) -> dict[str, Any]:
     trailing_dup = sum(starts_with_present_whitespace(o.position, o.suggestion) for o in trailing)
     cycles = sum(repeats_lines(o.position, o.suggestion) for o in shown)
     collisions = sum(suffix_collision(o.position, o.suggestion) for o in shown)
+    syntax_ms = sorted(o.stats["syntax_ms"] for o in done if "syntax_ms" in o.stats)
+    outcomes = [o.stats["syntax_check"] for o in done if "syntax_check" in o.stats]
     return {
+        "syntax_checked": len(syntax_ms),
+        "syntax_outcomes": {k: outcomes.count(k) for k in sorted(set(outcomes))},
+        "syntax_check_p50_ms": statistics.median(syntax_ms) if syntax_ms else 0.0,
+        "syntax_check_p95_ms": syntax_ms[min(len(syntax_ms) - 1, int(0.95 * len(syntax_ms)))] if syntax_ms else 0.0,
         "whitespace_cursor_suggestions": len(ws),
         "whitespace_dup_rate": ratio(ws_dup, len(ws)),
         "trailing_space_suggestions": len(trailing),
@@ -368,7 +376,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 # -- running ---------------------------------------------------------------
 
 def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool | None = None,
-             workspace: "EvalWorkspace | None" = None, mode: str = "recent") -> Outcome:
+             workspace: "EvalWorkspace | None" = None, mode: str = "recent", syntax_check: bool = True) -> Outcome:
     """One request through the daemon's path, timed end to end (the context block's choice included)."""
     language = language_of(pos.path)
     context: list[tuple[str, str]] = []
@@ -387,10 +395,14 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
     if prompt.skip_reason is not None:
         outcome = Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
     else:
+        prompt.stop.attach_document(pos.text, pos.offset, language, pos.path, syntax_check)  # as suggest() does
         gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
         suggestion = prompt.suggestion(gen.tokens, gen.finish_reason)
         ms = 1000 * (time.perf_counter() - t0)
-        outcome = Outcome(pos, suggestion, ms, dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids)))
+        stats = dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids))
+        if prompt.stop.syntax is not None:
+            stats.update(prompt.stop.syntax.stats())
+        outcome = Outcome(pos, suggestion, ms, stats)
     if workspace is not None and mode == "retrieval":
         workspace.store.forget(path)
     return outcome
@@ -404,10 +416,10 @@ def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None
     builder = PromptBuilder.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
     if positions:
-        complete(engine, builder, positions[0], params, heal, workspace, mode)   # warm-up: first-call costs are not latency
+        complete(engine, builder, positions[0], params, heal, workspace, mode, cfg.syntax_check)   # warm-up: first-call costs are not latency
     outcomes = []
     for i, pos in enumerate(positions):
-        o = complete(engine, builder, pos, params, heal, workspace, mode)
+        o = complete(engine, builder, pos, params, heal, workspace, mode, cfg.syntax_check)
         outcomes.append(o)
         if i < show:
             print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
@@ -466,6 +478,7 @@ def _config(args: argparse.Namespace):
     settings = {
         "maxTokens": args.max_tokens, "multiline": args.multiline, "maxLines": args.max_lines,
         "fimTemplate": args.fim_template, "prefixTokens": args.prefix_tokens, "suffixTokens": args.suffix_tokens,
+        "syntaxCheck": not getattr(args, "no_syntax_check", False),
         "workspaceContext": any(m != "none" for m in _modes(args)),
     }
     if args.context_tokens is not None:
@@ -569,6 +582,8 @@ def _print_table(r: dict[str, Any]) -> None:
                                         f"at whitespace-only cursors"),
             ("repeated-line cycles", f"{r['repeated_line_rate']:.3%}"),
             ("parses after insertion", f"{r['parses_after_insertion']:.3%} of {r['parse_checked']} checked"),
+            ("syntax check", f"{r['syntax_checked']} checked {r['syntax_outcomes']}, p50 / p95 "
+                             f"{r['syntax_check_p50_ms']:.2f} / {r['syntax_check_p95_ms']:.2f} ms"),
             ("empty", f"{r['empty_rate']:.3%}"),
             ("acceptance alpha", f"{r['alpha']:.3f}"),
             ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms")]

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from completiond.backends.remote import RemoteBackend, RemoteGeneration, RemoteRequest
 from completiond.completion.prompt import PromptOptions, skip_reason
-from completiond.completion.stops import TextRules, postprocess
+from completiond.completion.stops import TextRules, document_site, postprocess
 from completiond.completion.suggest import PromptError, Suggestion
 from completiond.completion.workspace import comment_for
 from completiond.models.fim import FimError, TextLayout, text_layout
@@ -81,7 +81,8 @@ def suggest_remote(backend: RemoteBackend, text: str, offset: int, cfg: Any, *, 
     le = len(text) if le < 0 else le
     line_prefix, line_suffix = text[ls:offset], text[offset:le]
     following = text[le + 1:min(len(text), le + 1 + FOLLOWING_CHARS)] if le < len(text) else ""
-    rules = TextRules(line_prefix, line_suffix, following, cfg.multiline, cfg.max_lines)
+    rules = TextRules(line_prefix, line_suffix, following, cfg.multiline, cfg.max_lines,
+                      document_site(text, offset, language, path), getattr(cfg, "syntax_check", True))
 
     context_chars = sum(len(p) + len(t) for p, t in context)
     prefix_chars = max(CHARS_PER_TOKEN * 16, cfg.prefix_tokens * CHARS_PER_TOKEN - context_chars)
@@ -109,6 +110,8 @@ def suggest_remote(backend: RemoteBackend, text: str, offset: int, cfg: Any, *, 
     if gen.finish_reason == "cancelled":
         return [], gen, warnings
     insert = postprocess(gen.text, rules, truncated=gen.finish_reason == "length")
+    if rules.syntax is not None:
+        gen.stats.update(rules.syntax.stats())
     if not insert or not insert.strip():
         return [], gen, warnings
     return [Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,

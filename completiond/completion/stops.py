@@ -39,6 +39,11 @@ suggestion that repeats the text right of the cursor (brackets and quotes by
 balance, other text when the overlap is telling), show nothing for an operand
 put in front of the one right of the cursor (`str(name)` before `"-".join`),
 and turn whitespace-only suggestions into "" (show nothing).
+Python documents (`StopRules.attach_document`, remote.py's `document_site`): the
+bracket rules also count the brackets earlier lines of the statement left open
+(a continuation line may close them) and the closers later lines owe them, and
+the final text passes syntax.check (the longest part that keeps the enclosing
+block parsing; the syntaxCheck setting).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from completiond.completion.healing import TokenBytes
+from completiond.completion.syntax import Site, Verdict, check, is_python, site_at
 
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in OPENERS.items()}
@@ -118,9 +124,10 @@ def bracket_scan(text: str) -> tuple[int, list[str]]:
     return depth, unmatched
 
 
-def open_stack(text: str) -> list[str]:
-    """Opening brackets still open at the end of text, innermost last (quoted strings skipped)."""
-    stack: list[str] = []
+def open_stack(text: str, before: Sequence[str] = ()) -> list[str]:
+    """Opening brackets still open at the end of text, innermost last (quoted strings skipped).
+    before: brackets already open where text starts (earlier lines of the statement)."""
+    stack: list[str] = list(before)
     for c in outside_strings(text)[0]:
         if c in OPENERS:
             stack.append(c)
@@ -144,17 +151,30 @@ class TextRules:
     """The stop rules on plain text; StopRules adds tokens around them."""
 
     def __init__(self, line_prefix: str, line_suffix: str = "", following: str = "", multiline: str = "auto",
-                 max_lines: int = 8):
+                 max_lines: int = 8, site: Site | None = None, check_syntax: bool = True):
         self.line_prefix = line_prefix
         self.line_suffix = line_suffix
         self.following = following
         self.max_lines = max(1, int(max_lines))
+        self.multiline_mode = multiline
         self.multiline = wants_multiline(line_prefix, line_suffix, multiline)
+        # Where the cursor sits in a Python document (syntax.site_at), or None: the cursor line is all
+        # the rules know of the code's structure.
+        self.site = site
+        self.check_syntax = check_syntax
+        self.syntax: Verdict | None = None   # the last syntax check's verdict (postprocess sets it)
         # Brackets open at the cursor, and how many of them the text right of
         # the cursor closes: the suggestion must leave exactly those open.
         self.open_depth = bracket_scan(line_prefix)[0]
         self.open_brackets = open_stack(line_prefix)
         self.suffix_closers = _suffix_closers(line_suffix)
+        if site is not None and site.open_before:
+            # A continuation line: brackets opened on earlier lines of the statement are open here too
+            # (`foo(a,` / `    b|` may close with ")"), and the ones the lines below close stay open.
+            self.open_brackets = open_stack(line_prefix, site.open_before)
+            self.open_depth = len(self.open_brackets)
+            room = max(0, self.open_depth - self.suffix_closers)
+            self.suffix_closers += min(site.closed_below, room)
         self.carry = max(0, self.open_depth - self.suffix_closers)
         if line_prefix.strip():
             # The block is the one the cursor line belongs to; after an
@@ -362,19 +382,20 @@ def _trim_blank_tail(s: str, pos: int) -> int:
     return len(head.rstrip(" \t\n"))
 
 
-def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "") -> str:
+def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "", open_depth: int | None = None) -> str:
     """Remove the end of `s` that repeats the start of the text right of the cursor.
 
     An overlap of two or more characters that is not only closing brackets
     (`", b)"`, `'")'`, `"):"`) is removed; closing brackets alone only when
     the line would otherwise close more brackets than it opens (`f(a)` in
-    `print(|)` stays).
+    `print(|)` stays). open_depth: brackets open at the cursor (default: those the line prefix opens).
     """
     ls = line_suffix.strip()
     body = s.rstrip()
     if not ls or not body:
         return s
-    open_depth = bracket_scan(line_prefix)[0]
+    if open_depth is None:
+        open_depth = bracket_scan(line_prefix)[0]
     owed = _suffix_closers(line_suffix)
     for k in range(min(len(body), len(ls)), 0, -1):
         overlap = ls[:k]
@@ -472,14 +493,24 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
             s = _drop_last_line(s)
         while _dangling_last_line(s, rules.following):
             s = _drop_last_line(s)
-    s = trim_suffix_overlap(s, rules.line_suffix, rules.line_prefix).rstrip()
+    s = trim_suffix_overlap(s, rules.line_suffix, rules.line_prefix, rules.open_depth).rstrip()
     if not s.strip() or collides_with_suffix(s, rules.line_prefix, rules.line_suffix):
         return ""
     if keep_newline:
         # The closer right of the cursor then lands on its own line, at the
         # opener's indentation, instead of being glued to the last line.
         s += "\n" + rules.line_prefix[: len(rules.line_prefix) - len(rules.line_prefix.lstrip())]
+    if rules.site is not None and rules.check_syntax:
+        # Python: the longest part that keeps the block parsing (syntax.py; bounded, never raises).
+        rules.syntax = check(rules.site, s)
+        s = rules.syntax.text
     return s
+
+
+def document_site(text: str, offset: int, language: str | None = None, path: str | None = None) -> Site | None:
+    """Where the cursor sits in a Python document (syntax.site_at); None for other languages and for
+    a cursor in no block that fits the syntax check's bound."""
+    return site_at(text, offset) if is_python(language, path) else None
 
 
 class StopRules:
@@ -513,6 +544,27 @@ class StopRules:
     @property
     def multiline(self) -> bool:
         return self.rules.multiline
+
+    @property
+    def syntax(self) -> Verdict | None:
+        """The syntax check's verdict on the last suggestion (None: not Python, or not checked)."""
+        return self.rules.syntax
+
+    def attach_document(self, text: str, offset: int, language: str | None = None, path: str | None = None,
+                        check_syntax: bool = True) -> None:
+        """Let the rules see the document around the cursor; call it before generation starts.
+
+        Python only (other languages keep the cursor-line rules): brackets that earlier lines of
+        the statement left open, closers the lines below owe them, and the syntax check of the
+        final suggestion (check_syntax: the syntaxCheck setting).
+        """
+        site = document_site(text, offset, language, path)
+        old = self.rules
+        if site is None or text[text.rfind("\n", 0, offset) + 1:offset] != old.line_prefix:
+            return
+        self.rules = TextRules(old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines,
+                               site, check_syntax)
+        self.rules.whitespace_healed = old.whitespace_healed
 
     def _sync(self, tokens: Sequence[int]) -> None:
         if len(tokens) < len(self._ends):

@@ -123,6 +123,9 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
         prompt = builder.build(text, offset, context=context, path=path, language=language)
         if prompt.skip_reason is not None:
             return [], None
+        if prompt.stop is not None:
+            # Python: the statement's open brackets for the stop rules, and the syntax check.
+            prompt.stop.attach_document(text, offset, language, path, getattr(cfg, "syntax_check", True))
         constraint = prompt.constraint
         run_params = params
         if i and params.temperature > 0:
@@ -143,8 +146,11 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
             continue
         # The stop rules already dropped text repeating the rest of the line, so the
         # suggestion is a pure insertion at the cursor.
+        stats = gen.stats.to_dict()
+        if prompt.stop is not None and prompt.stop.syntax is not None:
+            stats.update(prompt.stop.syntax.stats())
         found.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
-                                finish_reason=gen.finish_reason, stats=gen.stats.to_dict()))
+                                finish_reason=gen.finish_reason, stats=stats))
     return found, first
 
 

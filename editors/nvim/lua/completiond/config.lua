@@ -89,6 +89,8 @@ M.defaults = {
     multiline = "auto",
     -- Most lines in a multi-line suggestion. (integer; range 1..200)
     maxLines = 8,
+    -- Python: show only what keeps the code around the cursor parsing (the longest part of a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse without the suggestion either is left to the user. (boolean)
+    syntaxCheck = true,
     -- Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens. (string; one of "auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")
     fimTemplate = "auto",
     -- When the cursor is inside a word, back up its last token and constrain the output to start with the removed text. (boolean)
