@@ -422,8 +422,9 @@ async def test_editor_gets_one_message_for_broken_streams(fake, start, tmp_path)
     assert len(told) == 1 and fake.url in told[0] and "retries" in told[0], s.client.messages
     stats = await s.stats()
     assert stats["status"]["state"] in ("ready", "busy") and stats["status"]["device"] == "remote"
-    # The server is mended: once the backoff has passed, suggestions arrive.
-    fake.plan.mode, fake.plan.pieces = "stream", ["1 + 2"]
+    # The server is mended: once the backoff has passed, suggestions arrive (valid after the typed
+    # `x = abc`: the syntax check would drop a bare "1 + 2" there).
+    fake.plan.mode, fake.plan.pieces = "stream", ["+ 1 + 2"]
     for _ in range(100):
         s.type(" ", uri=uri)
         result = await inline_at(s, uri)
