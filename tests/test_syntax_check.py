@@ -47,6 +47,30 @@ def test_mid_edit_elsewhere_cannot_be_judged_and_passes_unchanged():
     assert check(site, "y = x +").outcome == "unjudged"
 
 
+def test_a_cursor_line_the_suggestion_cannot_complete_shows_nothing():
+    # Only the line being typed is unfinished (the block parses with it set aside): a suggestion that
+    # leaves it invalid, whole or cut, is not shown; one that completes it is.
+    before = "def f(x):\n    y = compute(x, "
+    assert at_cursor("1 +", before=before) == ""
+    assert at_cursor("1) +", before=before) == "1)"
+    # A continuation line inside brackets opened above is never set aside.
+    before = "def f(x):\n    y = compute(x,\n                "
+    assert at_cursor("1 +", before=before) == "1 +"
+
+
+def test_decorators_and_docstrings_do_not_end_or_start_a_block():
+    text = "class A:\n    @prop\n    def f(self):\n        return 1\n"
+    cursor = text.index("@prop") + len("@prop")
+    site = site_at(text, cursor)
+    assert "def f(self)" in site.tail
+    assert shown(text, "erty", cursor=cursor) == "erty"
+    # Inside a docstring (its lines are prose, not statements) nothing is judged.
+    text = '"""Module.\n\nGeneric utili\nMore text.\n"""\n\nimport os\n'
+    cursor = text.index("utili") + len("utili")
+    assert not site_at(text, cursor).checkable
+    assert shown(text, "ties (", cursor=cursor) == "ties ("
+
+
 def test_other_languages_and_the_setting_off_are_untouched():
     assert at_cursor("y = x +", check_syntax=False) == "y = x +"
     js = "function f(x) {\n  "

@@ -10,8 +10,11 @@ Two uses, both on a bounded region of the document (never the whole file):
 * `check(site, suggestion)` parses the region with the suggestion inserted. If that does not parse,
   the longest cut of the suggestion that does is shown (cuts at line ends, then at token boundaries
   of the first line); if no cut parses but the region parses with nothing inserted, the suggestion
-  would break valid code and nothing is shown; if nothing parses either way the user is mid-edit
-  somewhere in the region, the check cannot judge, and the suggestion passes unchanged.
+  would break valid code and nothing is shown. If it does not parse with nothing inserted either, the
+  user is mid-edit: on the cursor line itself when the region parses with that line set aside (then
+  a suggestion that does not complete the line into valid code is not shown either), else somewhere
+  else in the region, where the check cannot judge and the suggestion passes unchanged. While a
+  string is being typed at the cursor the region's end is unknown, and nothing is judged.
 
 Cost bound: at most MAX_PARSES calls of `ast.parse`, each on at most MAX_REGION_CHARS characters (plus
 the suggestion), and one regex scan of the region. Region finding walks at most MAX_REGION_CHARS
@@ -44,6 +47,14 @@ _SCAN = re.compile(
     r"|[()\[\]{}]",
     re.S | re.M)
 _TOKEN = re.compile(r"\w+|\S")
+# How a statement can start: a keyword, a decorator, a literal or bracket, or a name followed by what
+# follows names in code (an operator, a call, an index, an annotation, a comma) or nothing.
+# Docstring prose (`Generic utilities.`, `.. versionchanged::`) does not match.
+_STATEMENT = re.compile(
+    r"(?:def|class|async|if|for|while|try|with|return|import|from|raise|assert|del|pass|break|continue|global"
+    r"|nonlocal|yield|await|lambda|not|match|case|type)\b"
+    r"|[@\"'(\[{0-9*~-]"
+    r"|[A-Za-z_][\w.]*\s*(?:[-=(\[:.,+*/%|&^<>!@;]|$)")
 
 
 def is_python(language: str | None, path: str | None = None) -> bool:
@@ -61,6 +72,8 @@ class Site:
     tail: str                       # the region from the cursor to its end
     open_before: tuple[str, ...]    # brackets still open at the start of the cursor line, outermost first
     closed_below: int               # closers in the lines below the cursor line that close brackets open above
+    line_prefix: str = ""           # the cursor line up to the cursor (the end of head)
+    line_suffix: str = ""           # the cursor line from the cursor (the start of tail)
     # False while a string is being typed at the cursor (or the cursor is inside a triple-quoted one): where
     # the region ends is then unknown (a docstring's lines look like code), so no verdict is given.
     checkable: bool = True
@@ -110,6 +123,8 @@ def _line_kind(line: str) -> tuple[int, str] | None:
         return indent, "closer"
     if _CONTINUES.match(body):
         return indent, "continue"
+    if not _STATEMENT.match(body):
+        return None   # prose (a docstring's lines): neither starts nor ends a block
     return indent, "stmt"
 
 
@@ -161,14 +176,17 @@ def _block_end(text: str, le: int, start: int, indent: int) -> int | None:
     """Where the block starting at `start` with `indent` ends after the cursor line (the next line that
     starts a statement at that indentation or less); None past MAX_REGION_CHARS."""
     p = le + 1
+    decorated = text[text.rfind("\n", 0, le) + 1:le].lstrip().startswith("@")
     while p < len(text):
         q = text.find("\n", p)
         q = len(text) if q < 0 else q
         kind = _line_kind(text[p:q])
         if kind is not None:
             ind, what = kind
-            if ind < indent and what != "closer" or ind == indent and what == "stmt":
+            # The definition a decorator line decorates belongs to the decorator's statement.
+            if ind < indent and what != "closer" or ind == indent and what == "stmt" and not decorated:
                 return p if p - start <= MAX_REGION_CHARS else None
+            decorated = text[p:q].lstrip().startswith("@")
         if q - start > MAX_REGION_CHARS:
             return None
         p = q + 1
@@ -191,7 +209,8 @@ def site_at(text: str, offset: int) -> Site | None:
         # A nested block is parsed as the body of a wrapper statement, so its indentation is legal.
         wrap = "if 1:\n" if indent else ""
         before: tuple[str, ...] = () if in_string else tuple(stack)
-        return Site(head=wrap + text[start:offset], tail=text[offset:end], open_before=before,
+        return Site(head=wrap + text[start:offset], tail=text[offset:end], line_prefix=text[ls:offset],
+                    line_suffix=text[offset:le], open_before=before,
                     closed_below=closed_below if before else 0,
                     checkable=not in_string and not _typing_string(text[ls:offset]))
     return None
@@ -267,11 +286,26 @@ def check(site: Site, s: str) -> Verdict:
         return done(s, "unjudged")
     if not s.strip() or ok(s):
         return done(s, "parses")
-    for c in cuts(s, MAX_PARSES - 2):
-        if count >= MAX_PARSES - 1:   # one parse stays for the nothing-inserted test
+    for c in cuts(s, MAX_PARSES - 3):
+        if count >= MAX_PARSES - 2:   # two parses stay for the nothing-inserted and cursor-line tests
             break
         if ok(c):
             return done(c, "cut")
     if ok(""):
         return done("", "dropped")
+    if not site.open_before and _only_this_line_is_broken(site):
+        # The user is mid-edit here, not elsewhere: the block parses with the cursor line set aside,
+        # and neither the suggestion nor any cut of it completes that line into valid code.
+        count += 1
+        return done("", "dropped")
     return done(s, "unjudged")
+
+
+def _only_this_line_is_broken(site: Site) -> bool:
+    """The region parses with the cursor line replaced by `pass` at its indentation (a continuation line
+    inside brackets is never set aside: callers check open_before)."""
+    line = site.line_prefix + site.line_suffix
+    indent = line[: len(line) - len(line.lstrip(" \t"))]
+    head = site.head[: len(site.head) - len(site.line_prefix)]
+    tail = site.tail[len(site.line_suffix):]
+    return parses(head + indent + "pass" + tail)
