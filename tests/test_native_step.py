@@ -28,6 +28,27 @@ def _need_native():
         pytest.skip(f"native step unavailable here: {native.reason()}")
 
 
+def float_kernel() -> str:
+    """The widest kernel this CPU runs that computes in float32 throughout (the AVX512_BF16 build rounds
+    activation rows to bf16 for bf16 panels: tests/test_native_bf16.py holds it to its own reference)."""
+    return [k for k in native.supported_kernels() if not native.library(k).cd_bf16_dot()][-1]
+
+
+class _float_step:
+    """eng's native step bound to float_kernel() for the block: comparisons with the float32 PyTorch path."""
+
+    def __init__(self, eng: Engine):
+        self.eng = eng
+
+    def __enter__(self):
+        self.saved = self.eng.fwd.native
+        self.eng.fwd.native = native.NativeStep(native.library(float_kernel()), self.eng.fwd, self.saved.weights_setting)
+        return self.eng.fwd.native
+
+    def __exit__(self, *exc):
+        self.eng.fwd.native = self.saved
+
+
 @pytest.fixture(scope="module")
 def bundled(bundled_model_dir) -> Engine:
     return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
@@ -101,12 +122,13 @@ def test_long_context_attention_over_several_chunks(bundled):
     _need_native()
     prompt = _ids(bundled, TEXT * 3, 700)
     ref = bundled.model(torch.tensor([prompt])).logits[0, -4:].float()
-    seq = bundled.new_sequence(len(prompt))
-    bundled.prefill(seq, prompt[:-4], None)
-    for i, tok in enumerate(prompt[-4:]):
-        logits = _pass(bundled, seq, [tok])
-        seq.commit([tok])
-        torch.testing.assert_close(logits[-1], ref[i], rtol=1e-4, atol=1e-4)
+    with _float_step(bundled):
+        seq = bundled.new_sequence(len(prompt))
+        bundled.prefill(seq, prompt[:-4], None)
+        for i, tok in enumerate(prompt[-4:]):
+            logits = _pass(bundled, seq, [tok])
+            seq.commit([tok])
+            torch.testing.assert_close(logits[-1], ref[i], rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()
@@ -256,8 +278,9 @@ def test_draft_head_rows_match_the_torch_path(bundled):
     bundled.set_draft_vocab(range(0, 4096, 3))
     try:
         seq = bundled.new_sequence(32)
-        h = bundled.run_layers(bundled.embed(_ids(bundled, TEXT)[:12]), 0, bundled.num_layers, 0, seq)
-        got = bundled.draft_head(h)
+        with _float_step(bundled):
+            h = bundled.run_layers(bundled.embed(_ids(bundled, TEXT)[:12]), 0, bundled.num_layers, 0, seq)
+            got = bundled.draft_head(h)
         with _torch_only(bundled):
             want = bundled.draft_head(h)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -398,9 +421,11 @@ def test_bf16_weights_are_read_as_bf16_and_give_the_float32_bits(bundled):
     """The bundled model ships bf16: the native step reads its bf16 panels (half the bytes) and every
     pass, head and draft returns exactly what float32 panels of the same values return."""
     _need_native()
-    fast = bundled.fwd.native
-    assert fast.weights() == "bf16" and "bf16 weights" in bundled.decode_step_in_use()
-    plain = native.NativeStep(native.library(), bundled.fwd, "float32")
+    saved = bundled.fwd.native
+    assert saved.weights() == "bf16" and "bf16 weights" in bundled.decode_step_in_use()
+    fast = native.NativeStep(native.library(float_kernel()), bundled.fwd, "auto")
+    assert fast.weights() == "bf16"
+    plain = native.NativeStep(native.library(float_kernel()), bundled.fwd, "float32")
     assert plain.weights() == "float32"
     prompt = _ids(bundled, TEXT * 2, 300)
     results = {}
@@ -420,14 +445,15 @@ def test_bf16_weights_are_read_as_bf16_and_give_the_float32_bits(bundled):
             out += [torch.tensor(tokens), states]
             results[name] = out
         finally:
-            bundled.fwd.native = fast
+            bundled.fwd.native = saved
     for a, b in zip(results["bf16"], results["float32"]):
         assert torch.equal(a, b)
 
 
 @torch.inference_mode()
-def test_a_float32_model_keeps_float32_panels_and_a_bf16_valued_one_gets_bf16(tmp_path):
+def test_a_float32_model_keeps_float32_panels_and_a_bf16_valued_one_gets_bf16(tmp_path, monkeypatch):
     _need_native()
+    monkeypatch.setenv("COMPLETIOND_KERNEL", float_kernel())  # compared with the float32 PyTorch path
     d = make_tiny_model(tmp_path / "rounded", layers=2, seed=7)
     from safetensors.torch import load_file, save_file
     w = load_file(d / "model.safetensors")

@@ -271,8 +271,8 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
            "layers": engine.num_layers, "parameters": parameter_count(engine), "weights": engine.weights,
            "weights_in_use": engine.weights_in_use(), "kernel": native_mod.kernel_name(),
            "native_reason": engine.fwd.native_reason, "weight_bytes": wbytes,
-           # the embedding table lookups read one row of per token; with tied weights the LM head's panels
-           # are a second copy of it, so it is resident beside the streamed bytes
+           # the embedding table lookups read one row of per token; a tied bf16 head is read from it (no
+           # second copy), an int8 or float32 head's panels are a copy beside it
            "embedding_bytes": embed.numel() * embed.element_size(), "decode_step": engine.decode_step_in_use(),
            "resident_ids": engine.resident_ids, "context": len(prompts[0]), "rss_after_warmup_bytes": rss_warm}
     bound_ms = 1000 * wbytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
