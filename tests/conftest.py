@@ -48,3 +48,30 @@ def bundled_model_dir() -> Path:
     path = default_model_dir()
     assert (path / "config.json").is_file(), f"bundled model missing at {path}: run `completiond train-default`"
     return path
+
+
+def float32_kernel() -> str | None:
+    """The widest native kernel this CPU runs that computes in float32 throughout (None: no native step).
+    The AVX512_BF16 build rounds activation rows to bf16 for bf16 panels, so tests that hold the engine to
+    transformers' float32 modules load it with this one (tests/test_native_bf16.py holds that build to its
+    own reference)."""
+    from completiond.engine import native
+
+    usable = [k for k in native.supported_kernels() if native.library(k) is not None and not native.library(k).cd_bf16_dot()]
+    return usable[-1] if usable else None
+
+
+class float32_kernel_env:
+    """COMPLETIOND_KERNEL set to float32_kernel() inside the block (engines loaded there keep it)."""
+
+    def __enter__(self):
+        self.saved = os.environ.get("COMPLETIOND_KERNEL")
+        kernel = float32_kernel()
+        if kernel:
+            os.environ["COMPLETIOND_KERNEL"] = kernel
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            os.environ.pop("COMPLETIOND_KERNEL", None)
+        else:
+            os.environ["COMPLETIOND_KERNEL"] = self.saved

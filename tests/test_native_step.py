@@ -29,9 +29,8 @@ def _need_native():
 
 
 def float_kernel() -> str:
-    """The widest kernel this CPU runs that computes in float32 throughout (the AVX512_BF16 build rounds
-    activation rows to bf16 for bf16 panels: tests/test_native_bf16.py holds it to its own reference)."""
-    return [k for k in native.supported_kernels() if not native.library(k).cd_bf16_dot()][-1]
+    from tests.conftest import float32_kernel
+    return float32_kernel()
 
 
 class _float_step:
