@@ -144,6 +144,28 @@ def test_complete_command_in_process(tiny_model_dir, tmp_path):
     assert out.returncode == 2 and "cannot read" in out.stderr
 
 
+def test_complete_in_process_names_the_file_to_the_suggestion(monkeypatch):
+    """The file's path reaches suggest(), as an editor's document URI does: it names the language, so a
+    Python file gets the syntax check of its suggestion on the command line too."""
+    from completiond.commands import complete
+    from completiond.completion import suggest as suggest_mod
+    from completiond.serving import service
+
+    class FakeEngine:
+        name, device = "fake", "cpu"
+
+    seen = {}
+
+    def fake_suggest(engine, text, offset, cfg, cancel=None, path=None, **kw):
+        seen["path"] = path
+        return None, None
+
+    monkeypatch.setattr(service, "load_engine", lambda cfg, progress=None, warn=None: FakeEngine())
+    monkeypatch.setattr(suggest_mod, "suggest", fake_suggest)
+    result = complete.complete_in_process(config.Config(), "x = 1\n", 4, "/src/t.py")
+    assert seen["path"] == "/src/t.py" and result["finish_reason"] == "skipped"
+
+
 @pytest.mark.slow
 def test_complete_command_via_daemon_then_stop(tiny_model_dir, tmp_path):
     src = tmp_path / "example.py"

@@ -112,7 +112,7 @@ class LoadReporter:
         self.stream.flush()
 
 
-def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
+def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = None) -> dict[str, Any]:
     from completiond.completion.suggest import suggest
     from completiond.serving.service import LOAD_PHASES, load_engine
     from completiond.engine.engine import CancelToken
@@ -124,7 +124,8 @@ def complete_in_process(cfg: Any, text: str, offset: int) -> dict[str, Any]:
                          warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
-    suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=None)
+    # the path names the language (the Python syntax check of the suggestion) as an editor's document would
+    suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=path)
     if gen is None:
         return {"suggestion": None, "finish_reason": "skipped", "stats": {}, "latency_ms": 0.0,
                 "load_ms": round(load_ms, 1), "model": engine.name, "device": engine.device}
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if args.daemon:
             result = asyncio.run(complete_via_daemon(cfg, path, text, offset))
         else:
-            result = complete_in_process(cfg, text, offset)
+            result = complete_in_process(cfg, text, offset, str(path))
     except Exception as exc:  # the CLI's last line of defence: one clear line, not a traceback
         name = type(exc).__name__
         if name not in ("EngineError", "PromptError", "RemoteError", "DaemonUnavailable", "OSError",
