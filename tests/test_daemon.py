@@ -84,9 +84,11 @@ async def test_open_complete_and_status(daemon):
     c = await daemon.connect()
     try:
         assert c.welcome["v"] == wire.VERSION
-        text = "def add(a, b):\n    ret"
+        # typed so far: "ret"; the fake's "urn a + b" then completes valid code (the Python syntax check
+        # would cut an insertion that breaks it)
+        text = "def add(a, b):\n    re"
         c.notify("open", {"uri": "file:///a.py", "version": 1, "text": text})
-        c.notify("change", {"uri": "file:///a.py", "version": 2, "edits": [[len(text), len(text), "u"]]})
+        c.notify("change", {"uri": "file:///a.py", "version": 2, "edits": [[len(text), len(text), "t"]]})
         result = await c.request("complete", {"uri": "file:///a.py", "version": 2, "offset": len(text) + 1}, timeout=10)
         assert result["version"] == 2
         # The fake engine ignores the prompt and always continues with "urn a + b".
