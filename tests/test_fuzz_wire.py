@@ -126,9 +126,9 @@ def inproc(tmp_path_factory):
 def sentinel(inproc):
     """Another client, connected all along: it must be unaffected by the fuzzing."""
     probe = stress.WireProbe(inproc.socket_path)
-    probe.request("open", {"uri": "file:///sentinel.py", "version": 1, "text": "def add(a, b):\n    return "})
+    probe.request("open", {"uri": "file:///sentinel.py", "version": 1, "text": "def add(a, b):\n    ret"})
     yield probe
-    reply = probe.request("complete", {"uri": "file:///sentinel.py", "version": 1, "offset": 25})
+    reply = probe.request("complete", {"uri": "file:///sentinel.py", "version": 1, "offset": 22})
     assert reply.get("r", {}).get("suggestion", {}).get("text") == "urn a + b", reply
     probe.close()
     assert not inproc.errors, f"exceptions escaped daemon handlers: {inproc.errors[:3]}"

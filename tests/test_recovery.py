@@ -24,7 +24,7 @@ from completiond.serving.wire import Code
 from test_fuzz_wire import InProcDaemon
 from test_scheduler import FakeEngine
 
-TEXT = "def add(a, b):\n    return a + b\n\n\ndef main():\n    x = "
+TEXT = "def add(a, b):\n    return a + b\n\n\ndef main():\n    ret"  # the fake engine's "urn a + b" completes it validly
 
 
 def inline(lsp: stress.RawLsp, uri: str, text: str) -> asyncio.Future:
