@@ -433,13 +433,7 @@ class PromptBuilder:
             ids = tpl.context_ids(files, current_path=path)
             if len(ids) <= budget:
                 break
-            # Shorten the last file by lines; drop it when nothing of it fits.
-            last_path, last_text = files[-1]
-            lines = last_text.splitlines(keepends=True)
-            if len(lines) > 1:
-                files = files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
-            else:
-                files = files[:-1]
+            files = _shorten_last(files)
             ids = []
         self._contexts[key] = tuple(ids)
         if len(self._contexts) > 8:
@@ -455,13 +449,17 @@ class PromptBuilder:
                             for p, t in files)
             if len(self._encode(block, first=True)) <= budget:   # cached: the same block comes back every keystroke
                 return block
-            last_path, last_text = files[-1]
-            lines = last_text.splitlines(keepends=True)
-            if len(lines) > 1:
-                files = files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
-            else:
-                files = files[:-1]
+            files = _shorten_last(files)
         return ""
+
+
+def _shorten_last(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The context files with the last one cut to two thirds of its lines, or dropped when it has one line."""
+    last_path, last_text = files[-1]
+    lines = last_text.splitlines(keepends=True)
+    if len(lines) > 1:
+        return files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
+    return files[:-1]
 
 
 def _line_start(text: str, end: int, lines: int) -> int:
