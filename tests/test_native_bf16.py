@@ -11,18 +11,14 @@ import torch
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
 from tests.conftest import make_tiny_model
+from tests.test_native_vnni import kernel_lib
 
 BF16 = "avx512-bf16"
 FLAGS = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 
 
 def _bf16_lib():
-    if BF16 not in native.supported_kernels():
-        pytest.skip("this CPU has no AVX512_BF16")
-    lib = native.library(BF16)
-    if lib is None:
-        pytest.skip(f"the {BF16} build is unavailable here: {native.reason(BF16)}")
-    return lib
+    return kernel_lib(BF16, "AVX512_BF16")
 
 
 def test_the_bf16_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):

@@ -19,13 +19,18 @@ from tests.conftest import make_tiny_model
 VNNI = "avx512-vnni"
 
 
-def _vnni_lib():
-    if VNNI not in native.supported_kernels():
-        pytest.skip("this CPU has no AVX512_VNNI")
-    lib = native.library(VNNI)
+def kernel_lib(kernel: str, flag: str):
+    """The loaded build of kernel, or a skip naming the CPU flag it needs (or why the build is unavailable)."""
+    if kernel not in native.supported_kernels():
+        pytest.skip(f"this CPU has no {flag}")
+    lib = native.library(kernel)
     if lib is None:
-        pytest.skip(f"the {VNNI} build is unavailable here: {native.reason(VNNI)}")
+        pytest.skip(f"the {kernel} build is unavailable here: {native.reason(kernel)}")
     return lib
+
+
+def _vnni_lib():
+    return kernel_lib(VNNI, "AVX512_VNNI")
 
 
 def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
