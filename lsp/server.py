@@ -298,6 +298,9 @@ class CompletionServer(LanguageServer):
         except OSError as exc:
             log.warning("cannot watch %s (%s): edits to it apply after restarting the editor", path, exc)
             return
+        # The file was read before the watch was armed (at start-up, while the model may still be importing):
+        # an edit made in between raised no event, so read it once more now that edits are seen.
+        changed.set()
         try:
             while True:
                 await changed.wait()

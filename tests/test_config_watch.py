@@ -90,3 +90,25 @@ async def test_lsp_reloads_on_change_and_survives_a_broken_file(tmp_path, monkey
         assert not watch.done()
     finally:
         watch.cancel()
+
+
+async def test_an_edit_before_the_watch_is_armed_is_applied(tmp_path, monkeypatch):
+    """The file is read at start-up, the watch is armed later on a worker thread (in --no-daemon mode
+    while the model is importing): an edit in between raised no event and was lost (a CI run saw it)."""
+    from completiond.lsp.server import CompletionServer
+
+    path = tmp_path / "config.toml"
+    path.write_text("maxTokens = 9\n")
+    server = CompletionServer(no_daemon=True, config_file=path)
+    path.write_text("maxTokens = 7\n")   # before any watch exists
+    applied: list = []
+    monkeypatch.setattr(server, "apply_settings", lambda: applied.append(server.file_cfg))
+    watch = asyncio.ensure_future(server.watch_config_file(settle=0.05))
+    try:
+        for _ in range(200):
+            if applied:
+                break
+            await asyncio.sleep(0.05)
+        assert applied and applied[-1].max_tokens == 7
+    finally:
+        watch.cancel()
