@@ -211,3 +211,48 @@ def test_remote_path_checks_python_suggestions(language, expected):
     found, gen, _ = suggest_remote(_Backend("y = x +\n"), text, len(FUNC), cfg, cancel=CancelToken(),
                                    path="/w/a.py" if language == "python" else "/w/a.js", language=language)
     assert [s.text for s in found] == [expected]
+
+
+def test_a_one_line_string_typed_at_the_cursor_is_judged():
+    # A quote left open ends at its line, so the region is known: the suggestion must close it. (Before,
+    # any text typed inside a string passed unjudged: `'tool` + `olo` broke the file on accept.)
+    before = "def f(x):\n    y = name('tool"
+    assert site_at(before + AFTER, len(before)).checkable
+    assert at_cursor("olo", before=before) == ""
+    assert at_cursor("z.curried')", before=before) == "z.curried')"
+    assert at_cursor("z')\n    y = name('tool", before=before) == "z')"
+    # A triple quote is still open-ended: its lines may be prose, nothing is judged.
+    before = 'def f(x):\n    """Retu'
+    assert not site_at(before + AFTER, len(before)).checkable
+
+
+def test_mid_edit_below_a_suggestion_that_breaks_first_is_cut_or_dropped():
+    # The block is broken after the cursor (line 3 never closes its bracket), so nothing that is inserted
+    # parses; the parser still reaches the cursor. A suggestion it fails inside is cut before that point
+    # when the shorter text lets it reach the old error again, and dropped otherwise.
+    before = "def f(x):\n    y = "
+    after = "\n    z = (1,\n"
+    text = before + after
+    assert check(site_at(text, len(before)), "x + 1").outcome == "unjudged"   # the error stays below
+    assert at_cursor("x + 1)", before=before, after=after) == "x + 1"
+    assert at_cursor("x + ]", before=before, after=after) == ""
+    # The missing colon of a def with its body below: a stray quote is not shown.
+    before = "class A:\n    def do_fix_work()"
+    after = "\n        run('Fix')\n"
+    assert at_cursor("' -> None:", before=before, after=after) == ""
+    assert at_cursor(" -> None:", before=before, after=after) == " -> None:"
+
+
+def test_a_bracket_left_open_above_is_judged_where_the_parser_stops():
+    # `'(' was never closed` is reported at the opener, above the cursor, but found at the end: the
+    # parser read everything. Before, that placed the error above the cursor and nothing was judged.
+    before = "def f():\n    return g(a,\n             b"
+    after = "\n\n\ndef h():\n    pass\n"
+    assert at_cursor(", c", before=before, after=after) == ", c"   # still unfinished, as it was
+    assert at_cursor(", c]", before=before, after=after) == ", c"
+    # The line below closes two of the brackets open at the cursor: a suggestion may not close them
+    # (before, it did and left that line dangling), and what is left must parse.
+    before = "def f():\n    assert list(map(firs"
+    after = "\n                    partitionby(identity, x))) == 1\n"
+    assert site_at(before + after, len(before)).closed_below == 2
+    assert at_cursor('t, "a")) == [1]', before=before, after=after) == "t,"

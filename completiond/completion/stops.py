@@ -168,11 +168,13 @@ class TextRules:
         self.open_depth = bracket_scan(line_prefix)[0]
         self.open_brackets = open_stack(line_prefix)
         self.suffix_closers = _suffix_closers(line_suffix)
-        if site is not None and site.open_before:
-            # A continuation line: brackets opened on earlier lines of the statement are open here too
-            # (`foo(a,` / `    b|` may close with ")"), and the ones the lines below close stay open.
-            self.open_brackets = open_stack(line_prefix, site.open_before)
-            self.open_depth = len(self.open_brackets)
+        if site is not None:
+            if site.open_before:
+                # A continuation line: brackets opened on earlier lines of the statement are open here too
+                # (`foo(a,` / `    b|` may close with ")").
+                self.open_brackets = open_stack(line_prefix, site.open_before)
+                self.open_depth = len(self.open_brackets)
+            # The ones the lines below close stay open (`list(map(f|` above `    xs)) == 1`).
             room = max(0, self.open_depth - self.suffix_closers)
             self.suffix_closers += min(site.closed_below, room)
         self.carry = max(0, self.open_depth - self.suffix_closers)

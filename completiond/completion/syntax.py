@@ -13,8 +13,12 @@ Two uses, both on a bounded region of the document (never the whole file):
   would break valid code and nothing is shown. If it does not parse with nothing inserted either, the
   user is mid-edit: on the cursor line itself when the region parses with that line set aside (then
   a suggestion that does not complete the line into valid code is not shown either), else somewhere
-  else in the region, where the check cannot judge and the suggestion passes unchanged. While a
-  string is being typed at the cursor the region's end is unknown, and nothing is judged.
+  else in the region. There the parser's first error decides: broken above the cursor, nothing can be
+  judged and the suggestion passes unchanged; broken at or below it, the suggestion must let the parser
+  get past the inserted text and no earlier than before (past the cursor line, when that line is where
+  it stopped: the suggestion must complete it), else it is cut before the point where the parser stops
+  inside it, or not shown. While a triple-quoted string is being typed at the cursor the region's end
+  is unknown, and nothing is judged (a one-line string ends at its line).
 
 Cost bound: at most MAX_PARSES calls of `ast.parse`, each on at most MAX_REGION_CHARS characters (plus
 the suggestion), and one regex scan of the region. Region finding walks at most MAX_REGION_CHARS
@@ -72,6 +76,7 @@ class Site:
     tail: str                       # the region from the cursor to its end
     open_before: tuple[str, ...]    # brackets still open at the start of the cursor line, outermost first
     closed_below: int               # closers in the lines below the cursor line that close brackets open above
+                                    # them (0 when no bracket is open at the cursor)
     line_prefix: str = ""           # the cursor line up to the cursor (the end of head)
     line_suffix: str = ""           # the cursor line from the cursor (the start of tail)
     # False while a string is being typed at the cursor (or the cursor is inside a triple-quoted one): where
@@ -211,26 +216,33 @@ def site_at(text: str, offset: int) -> Site | None:
         before: tuple[str, ...] = () if in_string else tuple(stack)
         return Site(head=wrap + text[start:offset], tail=text[offset:end], line_prefix=text[ls:offset],
                     line_suffix=text[offset:le], open_before=before,
-                    closed_below=closed_below if before else 0,
+                    closed_below=closed_below if before or scan_brackets(text[ls:offset])[0] else 0,
                     checkable=not in_string and not _typing_string(text[ls:offset]))
     return None
 
 
 def _typing_string(line_prefix: str) -> bool:
-    """The cursor line's text ends inside a string literal, or with `""` / `''` (a triple quote half typed)."""
+    """The cursor line's text ends inside a triple-quoted string literal, or with `""` / `''` (a triple
+    quote half typed). A one-line string left open ends at its line whatever follows, so the region is
+    known and a suggestion inside it is judged like any other (it must close the string to parse)."""
     last = None
     for m in _SCAN.finditer(line_prefix):
         last = m.group()
     if last is None or last[0] not in "'\"":
         return False
-    q = last[:3] if last[:3] in ('"""', "'''") else last[0]
-    if len(last) < 2 * len(q) or not last.endswith(q):
-        return True
+    if last[:3] in ('"""', "'''"):
+        return len(last) < 6 or not last.endswith(last[:3])
     return last in ('""', "''") and line_prefix.endswith(last)
 
 
 def parses(source: str) -> bool:
     """Whether `source` is valid Python syntax. Only the parser runs (no compile, no code)."""
+    return error_at(source) is None
+
+
+def error_at(source: str) -> int | None:
+    """None when `source` is valid Python syntax, else the offset in it where the parser reports its
+    first error (len(source) when it names no place). Only the parser runs (no compile, no code)."""
     with warnings.catch_warnings():
         # Invalid escape sequences and the like are warnings of the parser, not errors. (The filter
         # is process-wide while it is set; these categories are all it touches.)
@@ -238,11 +250,28 @@ def parses(source: str) -> bool:
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
             ast.parse(source)
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            # SyntaxError includes IndentationError; ValueError: NUL characters (before 3.12);
-            # MemoryError / RecursionError: nesting too deep for the parser.
-            return False
-    return True
+        except SyntaxError as exc:   # IndentationError included
+            if str(exc.msg).endswith("was never closed"):
+                # Reported at the opener, but found at the end: the parser read everything after it.
+                return len(source)
+            return _offset(source, exc.lineno, exc.offset)
+        except (ValueError, MemoryError, RecursionError):
+            # ValueError: NUL characters (before 3.12); MemoryError / RecursionError: nesting too deep.
+            return len(source)
+    return None
+
+
+def _offset(source: str, lineno: int | None, col: int | None) -> int:
+    """The character offset of (1-based line, 1-based column) in source, clamped to it."""
+    if not lineno:
+        return len(source)
+    pos = 0
+    for _ in range(lineno - 1):
+        nl = source.find("\n", pos)
+        if nl < 0:
+            return len(source)
+        pos = nl + 1
+    return min(len(source), pos + max(0, (col or 1) - 1))
 
 
 def cuts(s: str, limit: int = MAX_PARSES) -> list[str]:
@@ -274,10 +303,14 @@ def check(site: Site, s: str) -> Verdict:
     t0 = time.perf_counter()
     count = 0
 
+    errors: dict[str, int | None] = {}   # insertion -> where the region with it fails to parse
+
     def ok(insert: str) -> bool:
         nonlocal count
-        count += 1
-        return parses(site.head + insert + site.tail)
+        if insert not in errors:
+            count += 1
+            errors[insert] = error_at(site.head + insert + site.tail)
+        return errors[insert] is None
 
     def done(text: str, outcome: str) -> Verdict:
         return Verdict(text, outcome, count, 1000 * (time.perf_counter() - t0))
@@ -286,8 +319,8 @@ def check(site: Site, s: str) -> Verdict:
         return done(s, "unjudged")
     if not s.strip() or ok(s):
         return done(s, "parses")
-    for c in cuts(s, MAX_PARSES - 3):
-        if count >= MAX_PARSES - 2:   # two parses stay for the nothing-inserted and cursor-line tests
+    for c in cuts(s, MAX_PARSES - 4):
+        if count >= MAX_PARSES - 3:   # three parses stay for the nothing-inserted, cursor-line and mid-edit tests
             break
         if ok(c):
             return done(c, "cut")
@@ -298,7 +331,40 @@ def check(site: Site, s: str) -> Verdict:
         # and neither the suggestion nor any cut of it completes that line into valid code.
         count += 1
         return done("", "dropped")
-    return done(s, "unjudged")
+    # Mid-edit: the region is broken with nothing inserted, so no insertion parses. When the parser got past
+    # the cursor without the suggestion, the suggestion is judged by where the parser stops with it: past
+    # the inserted text, and no earlier than before (past the cursor line, when that line is where it
+    # stopped before: the suggestion must complete it). If it stops inside the suggestion, the text before
+    # that point is tried once; otherwise nothing is shown.
+    p, e0 = len(site.head), errors[""]
+    if e0 is None or e0 < p:
+        return done(s, "unjudged")   # broken above the cursor: nothing to compare with
+    line_end = p + len(site.line_suffix)
+    floor = line_end + 1 if e0 <= line_end else e0
+
+    def consistent(insert: str) -> bool:
+        # An error at the very end (an unclosed bracket or block at the end of the file) is no place: the
+        # parser read everything, and an unfinished region may end that way with any good suggestion.
+        e = errors[insert]
+        end = len(site.head) + len(insert) + len(site.tail)
+        return e is not None and e >= p + len(insert) and (e - len(insert) >= floor or e == end)
+
+    if consistent(s):
+        return done(s, "unjudged")
+    e1 = errors[s]
+    if e1 is not None and p <= e1 < p + len(s) and count < MAX_PARSES:
+        c = _cut_before(s, e1 - p)
+        if c.strip() and (c in errors or count < MAX_PARSES) and (ok(c) or consistent(c)):
+            return done(c, "cut")
+    return done("", "dropped")
+
+
+def _cut_before(s: str, at: int) -> str:
+    """s cut before offset `at`, back to the last whole token (or line end) before it, right-trimmed."""
+    head = s[:at]
+    if at < len(s) and head and (head[-1].isalnum() or head[-1] == "_") and (s[at].isalnum() or s[at] == "_"):
+        head = re.sub(r"\w+$", "", head)   # the error is inside a word: not half of it
+    return head.rstrip()
 
 
 def _only_this_line_is_broken(site: Site) -> bool:
