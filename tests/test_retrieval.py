@@ -92,6 +92,9 @@ def test_query_leaves_out_the_identifier_being_typed_and_names_the_ones_at_the_c
     assert q.partial == "jit" and "jit" not in q.terms
     assert q.names[0] == "attempt" and "exponential_backoff" in q.names
     assert q.imports["exponential_backoff"] == "pkg.timing"
+    # The cursor line is what line matching looks for (the imports scan once overwrote it with the
+    # file's first 20,000 characters, so no line ever matched).
+    assert q.head == "wait = exponential_backoff(attempt) + jit"
 
 
 # -- the workspace's retrieval ---------------------------------------------------------

@@ -587,8 +587,8 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
         weights[t] = weights.get(t, 0.0) + 0.5
     prev_line_start = text.rfind("\n", 0, max(0, ls - 1)) + 1 if ls else 0
     names = list(dict.fromkeys(reversed(near + terms_of(text[prev_line_start:ls]))))
-    head = text[: min(len(text), 20000)]
-    return Query(weights, names[:6], imports_of(head), (max(0, cur_line - window_before), cur_line + window_after + 1),
+    imports = imports_of(text[: min(len(text), 20000)])
+    return Query(weights, names[:6], imports, (max(0, cur_line - window_before), cur_line + window_after + 1),
                  cur_line, partial, head)
 
 
