@@ -256,3 +256,16 @@ def test_a_bracket_left_open_above_is_judged_where_the_parser_stops():
     after = "\n                    partitionby(identity, x))) == 1\n"
     assert site_at(before + after, len(before)).closed_below == 2
     assert at_cursor('t, "a")) == [1]', before=before, after=after) == "t,"
+
+
+def test_an_unfinished_line_must_not_leave_the_next_one_dangling():
+    # The true line opens a call the next lines continue; a suggestion that completes the cursor line
+    # some other way leaves `    name=...` an unexpected indent: not shown. An error further below is
+    # not this edit's: there the suggestion only must not make things worse.
+    before = "@pyt"
+    after = '\n    name="stdlib_log_method",\n)\ndef f():\n    pass\n'
+    assert at_cursor("est.fixture(autouse=True)", before=before, after=after) == ""
+    assert at_cursor("est.fixture(", before=before, after=after) == "est.fixture("
+    before = "def f(x):\n    y = x."
+    after = "\n    z = 1\n    w = (2,\n    return y\n"
+    assert at_cursor("real", before=before, after=after) == "real"

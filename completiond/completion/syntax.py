@@ -15,9 +15,9 @@ Two uses, both on a bounded region of the document (never the whole file):
   a suggestion that does not complete the line into valid code is not shown either), else somewhere
   else in the region. There the parser's first error decides: broken above the cursor, nothing can be
   judged and the suggestion passes unchanged; broken at or below it, the suggestion must let the parser
-  get past the inserted text and no earlier than before (past the cursor line, when that line is where
-  it stopped: the suggestion must complete it), else it is cut before the point where the parser stops
-  inside it, or not shown. While a triple-quoted string is being typed at the cursor the region's end
+  get past the inserted text and no earlier than before (past the cursor line and the code line after
+  it, when the parser stopped on one of them: the suggestion must complete this edit), else it is cut
+  before the point where the parser stops inside it, or not shown. While a triple-quoted string is being typed at the cursor the region's end
   is unknown, and nothing is judged (a one-line string ends at its line).
 
 Cost bound: at most MAX_PARSES calls of `ast.parse`, each on at most MAX_REGION_CHARS characters (plus
@@ -339,8 +339,11 @@ def check(site: Site, s: str) -> Verdict:
     p, e0 = len(site.head), errors[""]
     if e0 is None or e0 < p:
         return done(s, "unjudged")   # broken above the cursor: nothing to compare with
-    line_end = p + len(site.line_suffix)
-    floor = line_end + 1 if e0 <= line_end else e0
+    # An error on the cursor line or the code line after it is taken to be this edit's: the suggestion
+    # must get the parser past both (a line left unfinished leaves the next one dangling: `@pyt` above
+    # `    name="x",`). One further below is someone else's: the parser must get no less far than before.
+    near = _next_code_line_end(site.tail, len(site.line_suffix))
+    floor = p + near + 1 if e0 <= p + near else e0
 
     def consistent(insert: str) -> bool:
         # An error at the very end (an unclosed bracket or block at the end of the file) is no place: the
@@ -357,6 +360,20 @@ def check(site: Site, s: str) -> Verdict:
         if c.strip() and (c in errors or count < MAX_PARSES) and (ok(c) or consistent(c)):
             return done(c, "cut")
     return done("", "dropped")
+
+
+def _next_code_line_end(tail: str, line_end: int) -> int:
+    """In tail (starting at the cursor, its cursor line ending at `line_end`), where the first line below
+    the cursor line that is not blank or a comment ends (line_end when there is none)."""
+    p = line_end
+    while p < len(tail):
+        q = tail.find("\n", p + 1)
+        q = len(tail) if q < 0 else q
+        line = tail[p + 1:q].strip()
+        if line and not line.startswith("#"):
+            return q
+        p = q
+    return line_end
 
 
 def _cut_before(s: str, at: int) -> str:
