@@ -92,9 +92,6 @@ def test_query_leaves_out_the_identifier_being_typed_and_names_the_ones_at_the_c
     assert q.partial == "jit" and "jit" not in q.terms
     assert q.names[0] == "attempt" and "exponential_backoff" in q.names
     assert q.imports["exponential_backoff"] == "pkg.timing"
-    # The cursor line is what line matching looks for (the imports scan once overwrote it with the
-    # file's first 20,000 characters, so no line ever matched).
-    assert q.head == "wait = exponential_backoff(attempt) + jit"
 
 
 # -- the workspace's retrieval ---------------------------------------------------------
@@ -397,32 +394,6 @@ def test_an_edit_splits_only_its_own_lines_and_gives_the_chunks_a_fresh_index_wo
     fresh_index = RetrievalIndex()
     fresh_index.update(key, "/w/m.py", "python", text)
     assert index.postings.keys() == fresh_index.postings.keys() and index.total_length == fresh_index.total_length
-
-
-def test_a_chunk_with_a_line_that_begins_like_the_cursor_line_comes_first(tmp_path):
-    # Many chunks share the words; one has a line that begins as the cursor line does.
-    for i in range(6):
-        (tmp_path / f"noise{i}.py").write_text("".join(
-            f"def f{i}_{k}(session, config):\n    result = other(session.request, config, session, result)\n\n\n"
-            for k in range(3)))
-    filler = "".join(f"alpha_{k} = beta_{k}(gamma_{k}, delta_{k})\n" for k in range(8))
-    (tmp_path / "hit.py").write_text(filler + "result = session.request(config, retries=5)\n")
-    w = _ws(tmp_path)
-    text = "session = make()\nconfig = load()\nresult = session.req"
-    ctx = w.context(tmp_path / "main.py", "python", 160, text=text, offset=len(text), mode="retrieval")
-    assert ctx and ctx[0][0] == "hit.py"
-
-
-def test_line_matches_find_lines_that_begin_like_the_cursor_line():
-    index = RetrievalIndex()
-    index.update((DISK, "/w/noise.py"), "/w/noise.py", "python",
-                 "def f(session, config):\n    result = other(session.request, config)\n")
-    index.update((DISK, "/w/hit.py"), "/w/hit.py", "python",
-                 "def g(session, config):\n    result = session.request(config, retries=5)\n")
-    hits = index.line_matches("result = session.req", lambda c: True)
-    assert [index.chunks[c].path for c in hits] == ["/w/hit.py"]
-    assert index.line_matches("result = session.req", lambda c: False) == []
-    assert index.line_matches("x = 1", lambda c: True) == []          # too short to say anything
 
 
 def test_status_shows_the_index_and_its_background_scan(tmp_path):

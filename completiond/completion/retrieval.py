@@ -476,28 +476,6 @@ class RetrievalIndex:
                 scores[cid] = scores.get(cid, 0.0) + w * idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * c.length / avg))
         return scores
 
-    def line_matches(self, head: str, allowed: Callable[[Chunk], bool], min_chars: int = 6,
-                     limit: int = 200) -> list[int]:
-        """Chunks with a line that starts (after indentation) with `head`, found among the chunks
-        holding all of its complete identifiers (the rarest one's postings first)."""
-        if len(head) < min_chars:
-            return []
-        words = [t for t in terms_of(head) if not head.endswith(t)] or terms_of(head)
-        lists = sorted((self.postings.get(t, ()) for t in set(words)), key=len)
-        if not lists or not lists[0] or len(lists[0]) > 5000:
-            return []
-        found = []
-        needle = "\n" + head
-        for cid in lists[0]:
-            c = self.chunks[cid]
-            if all(cid in other for other in lists[1:]):
-                body = "\n" + "\n".join(ln.lstrip() for ln in c.text.split("\n"))
-                if needle in body and allowed(c):
-                    found.append(cid)
-                    if len(found) >= limit:
-                        break
-        return found
-
     def completions(self, partial: str, limit: int = 6) -> list[str]:
         """Indexed terms that complete the identifier being typed (the most widely used first)."""
         if len(partial) < 2:
@@ -547,7 +525,6 @@ class Query:
     window: tuple[int, int]     # [first, last) line of the current window (chunks overlapping it are dropped)
     line: int                   # cursor line
     partial: str = ""           # the identifier being typed, up to the cursor
-    head: str = ""              # the cursor line up to the cursor, without its indentation
 
 
 def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int = 4,
@@ -559,7 +536,6 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     cur_line = text.count("\n", 0, ls)
     # The identifier being typed is unfinished: leave it out (it also changes on every keystroke).
     line_head = text[ls:offset]
-    head = line_head.strip()
     m = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", line_head)
     partial = ""
     if m:
@@ -589,7 +565,7 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     names = list(dict.fromkeys(reversed(near + terms_of(text[prev_line_start:ls]))))
     imports = imports_of(text[: min(len(text), 20000)])
     return Query(weights, names[:6], imports, (max(0, cur_line - window_before), cur_line + window_after + 1),
-                 cur_line, partial, head)
+                 cur_line, partial)
 
 
 def jaccard(a: Iterable[str], b: Iterable[str]) -> float:
@@ -608,7 +584,6 @@ class Selector:
         self.dup_threshold = dup_threshold
         self.max_definitions = max_definitions
         self.complete_partial = True
-        self.line_match = True
         self.best_last = False       # new chunks enter in reverse rank order: the best one nearest the file
         self.margin = margin         # a held block gives way to a fresh pick worth more than (1 + margin) times it
         self.in_file = True          # the current file's own chunks (outside the window) are candidates
@@ -632,10 +607,6 @@ class Selector:
                 terms[t] = terms.get(t, 0.0) + 1.0
         defs = index.definitions(query.names, query.imports, admitted)[: self.max_definitions]
         scores = index.bm25(terms, admitted)
-        if self.line_match:
-            # Chunks holding a line that begins as the cursor line does: the model can copy its rest.
-            for cid in index.line_matches(query.head, admitted):
-                scores[cid] = scores.get(cid, 0.0) + 100.0
         ranked = sorted(scores, key=lambda cid: (-scores[cid], cid))
         must = set(defs)
         wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))
