@@ -10,9 +10,11 @@ half-precision or GPU models, or with COMPLETIOND_NATIVE=0, the engine keeps the
 Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline), "avx512"
 (AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers) and "avx512-vnni" (avx512 plus AVX512_VNNI).
 kernel_name() is the one place that picks the build for this CPU (COMPLETIOND_KERNEL names a narrower
-one); avx2 and avx512 compute every output column with the same fmadd chain, so they give the same bits.
-avx512-vnni computes float32 and bf16 panels as avx512 does, but int8 ones as w8a8: each activation row
-quantised to int8 per row, exact int32 sums by vpdpbusd (its own, still row-for-row exact, arithmetic).
+one); avx2 and avx512 compute every float32 and bf16 output column with the same fmadd chain, so they give
+the same bits. int8 matrices: avx512 widens the weights (weight-only); avx512-vnni computes them as w8a8,
+each activation row quantised to int8 per row, exact int32 sums by vpdpbusd (its own, still row-for-row
+exact, arithmetic), and avx2 computes the very same integers with vpmaddubsw/vpmaddwd (widening each
+weight cost more there than the bytes int8 saves), so avx2 and avx512-vnni give int8 models the same bits.
 "avx512-bf16" (avx512-vnni plus AVX512_BF16) also computes bf16 panels with vdpbf16ps on activation rows
 rounded to bf16 (half the instructions of widening the weights, so a verify pass of several rows stays
 near the cost of one; a small accuracy cost, which `completiond bench --quality` measures).

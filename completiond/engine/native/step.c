@@ -290,12 +290,7 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
         lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw_, 16));                                          \
         hi = _mm256_castsi256_ps(_mm256_and_si256(raw_, _mm256_set1_epi32((int)0xFFFF0000u)));          \
     } while (0)
-#define LOAD_I8(w, k, lo, hi)                                                                           \
-    do {                                                                                                \
-        __m128i raw_ = _mm_loadu_si128((const __m128i *)((const int8_t *)(w) + (size_t)(k) * PW));      \
-        lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw_));                                            \
-        hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw_, 8)));                         \
-    } while (0)
+/* int8 panels: w8a8 in k-quads (gemm_vnni below), never widened to float32 */
 
 static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b, float *yrow, int j, int out) {
     if (sc) {
@@ -369,7 +364,9 @@ static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b
 
 KERNELS(mkf, float, LOAD_F32)
 KERNELS_BF16(mkb, uint16_t, LOAD_BF16)
+#ifdef LOAD_I8 /* weight-only int8 (the avx512 build) */
 KERNELS(mki, int8_t, LOAD_I8)
+#endif
 
 #define ROWS(NAME, R, NP_WIDE)                                                                           \
     do {                                                                                                 \
@@ -507,6 +504,131 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
             for (; p + 4 <= qb; p += 4) mkv_1_4(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
             for (; p + 2 <= qb; p += 2) mkv_1_2(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
             for (; p < qb; p++) mkv_1_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
+            break;
+        }
+        default: break;
+        }
+    }
+}
+#elif !defined(__AVX512F__)
+/* ------------------------------------------------------------------ int8 x int8 (AVX2 build)
+ * Without VNNI, widening every int8 weight to float32 (two instructions per 8 weights) cost more than the
+ * bytes int8 saves: the bundled model ran slower in int8 than in bf16, and the larger shapes 1.16-1.28x
+ * their bandwidth bound. So the AVX2 build computes FMT_I8 as w8a8 too, in the VNNI build's layout (k-quads,
+ * the same scale tensor; the offset corrections are unused here) and with its integers: each activation
+ * row quantised the same way, but kept signed; vpmaddubsw multiplies |x| (u8) by the weights with x's sign
+ * (vpsignb), and vpmaddwd against ones sums each column's four products into an int32 lane. The weights are
+ * within +-127 (quantize_int8), so no 16-bit pair sum saturates (2 * 127 * 127 < 32768), and the sums are
+ * the exact integers sum_k q_x * q_w the VNNI build gets: the float tail below is its three rounded ops. */
+#define I8_QUADS 1
+
+/* row x [in] -> xq [in4] (signed, padding 0), its scale *xs: the VNNI build's quantize_row, kept signed */
+static void quantize_row(const float *x, int in, int in4, int8_t *xq, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= in; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    float amax = 0.0f;
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
+    for (; i < in; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *xs = amax / 127.0f;
+    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
+#define Q8(o) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + (o)), iv), lo), hi))
+    for (i = 0; i + 32 <= in; i += 32) { /* nearest even (MXCSR's default), as the VNNI build rounds */
+        __m256i a = _mm256_packs_epi32(Q8(0), Q8(8)), b = _mm256_packs_epi32(Q8(16), Q8(24));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order));
+    }
+#undef Q8
+    for (; i < in; i++) xq[i] = (int8_t)(int)nearbyintf(fminf(fmaxf(x[i] * inv, -127.0f), 127.0f));
+    for (; i < in4; i++) xq[i] = 0;
+}
+
+/* columns j..j+15 of one row from their int32 sums: ((float)acc * wscale) * xscale, then + bias, each
+ * rounded on its own (no contraction into an fma: the VNNI build's explicit-rounding multiplies) */
+__attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc, float xs,
+                                                                   const float *b, float *yrow, int j, int out) {
+    const __m256 xv = _mm256_set1_ps(xs);
+    __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), _mm256_loadu_ps(sc + j)), xv);
+    __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_loadu_ps(sc + j + 8)), xv);
+    if (j + PW <= out) {
+        if (b) {
+            f0 = _mm256_add_ps(f0, _mm256_loadu_ps(b + j));
+            f1 = _mm256_add_ps(f1, _mm256_loadu_ps(b + j + 8));
+        }
+        _mm256_storeu_ps(yrow + j, f0);
+        _mm256_storeu_ps(yrow + j + 8, f1);
+        return;
+    }
+    float tmp[PW];
+    _mm256_storeu_ps(tmp, f0);
+    _mm256_storeu_ps(tmp + 8, f1);
+    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
+}
+
+/* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and two broadcasts
+ * fit AVX2's 16 registers for (1, 2), (2, 1), (3, 1) and (4, 1) */
+#define MKV(R, NP)                                                                                      \
+    static inline void mkv_##R##_##NP(const int8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
+                                      const float *sc, const float *b, float *y, int ldy, int out) {    \
+        __m256i acc[R][NP][2];                                                                          \
+        const size_t ps = (size_t)in4 * PW;                                                             \
+        const int8_t *pan[NP];                                                                          \
+        const __m256i ones = _mm256_set1_epi16(1);                                                      \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const int8_t *)Wp + (size_t)(p0 + n) * ps; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n][0] = acc[r][n][1] = _mm256_setzero_si256(); \
+        for (int k = 0; k < in4; k += 4) {                                                              \
+            __m256i w0[NP], w1[NP];                                                                     \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
+                w0[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW));                 \
+                w1[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW + 32));            \
+            }                                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
+                int32_t quad;                                                                           \
+                memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
+                const __m256i xv = _mm256_set1_epi32(quad), xa = _mm256_abs_epi8(xv);                   \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
+                    acc[r][n][0] = _mm256_add_epi32(acc[r][n][0], _mm256_madd_epi16(                    \
+                        _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0[n], xv)), ones));                  \
+                    acc[r][n][1] = _mm256_add_epi32(acc[r][n][1], _mm256_madd_epi16(                    \
+                        _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1[n], xv)), ones));                  \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
+                store_w8a8(acc[r][n][0], acc[r][n][1], sc, xs[r], b, y + (size_t)r * ldy, (p0 + n) * PW, out); \
+    }
+MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1)
+
+/* bytes of scratch one thread needs to quantise t rows of up to in values */
+static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
+
+#define VROWS1(R)                                                                                       \
+    for (int p = qa; p < qb; p++) mkv_##R##_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out)
+
+/* gemm_panels for FMT_I8 in this build: as the VNNI build's, rows in blocks of 4 over each panel group */
+static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
+                      float *y, int ldy, int pa, int pb, void *scratch) {
+    const int in4 = (in + 3) / 4 * 4;
+    int8_t *xq = (int8_t *)scratch;
+    float *xs = (float *)((char *)scratch + (((size_t)t * in4 + 63) & ~(size_t)63));
+    for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
+        const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;
+        int r = 0;
+        for (; r + 4 <= t; r += 4) VROWS1(4);
+        switch (t - r) {
+        case 3: VROWS1(3); break;
+        case 2: VROWS1(2); break;
+        case 1: {
+            int p = qa;
+            for (; p + 2 <= qb; p += 2) mkv_1_2(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out);
+            for (; p < qb; p++) mkv_1_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out);
             break;
         }
         default: break;
