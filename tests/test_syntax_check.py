@@ -269,3 +269,18 @@ def test_an_unfinished_line_must_not_leave_the_next_one_dangling():
     before = "def f(x):\n    y = x."
     after = "\n    z = 1\n    w = (2,\n    return y\n"
     assert at_cursor("real", before=before, after=after) == "real"
+
+
+def test_the_parse_count_is_every_parse_made_and_stays_within_the_bound(monkeypatch):
+    import ast
+
+    calls = []
+    real = ast.parse
+    monkeypatch.setattr(syntax.ast, "parse", lambda *a, **k: calls.append(1) or real(*a, **k))
+    many = "a\nb\nc\nd\ne\nf\ng\nh\ni(\nj)k l m n o p q r s t u v w x y z ] ) )"
+    for before, after in [("def f(x):\n    y = ", "\n    z = (1,\n"), ("@pyt", '\n    name="x",\n)\n'),
+                          ("def f(x):\n    z = 1 +\n    ", AFTER), (FUNC, AFTER)]:
+        for s in (many, "x + 1)", "est.fixture(autouse=True)"):
+            calls.clear()
+            verdict = check(site_at(before + after, len(before)), s)
+            assert verdict.parses == len(calls) <= MAX_PARSES, (before, s, verdict)

@@ -326,11 +326,12 @@ def check(site: Site, s: str) -> Verdict:
             return done(c, "cut")
     if ok(""):
         return done("", "dropped")
-    if not site.open_before and _only_this_line_is_broken(site):
-        # The user is mid-edit here, not elsewhere: the block parses with the cursor line set aside,
-        # and neither the suggestion nor any cut of it completes that line into valid code.
+    if not site.open_before:
         count += 1
-        return done("", "dropped")
+        if _only_this_line_is_broken(site):
+            # The user is mid-edit here, not elsewhere: the block parses with the cursor line set aside,
+            # and neither the suggestion nor any cut of it completes that line into valid code.
+            return done("", "dropped")
     # Mid-edit: the region is broken with nothing inserted, so no insertion parses. When the parser got past
     # the cursor without the suggestion, the suggestion is judged by where the parser stops with it: past
     # the inserted text, and no earlier than before (past the cursor line, when that line is where it
