@@ -334,9 +334,8 @@ def check(site: Site, s: str) -> Verdict:
             return done("", "dropped")
     # Mid-edit: the region is broken with nothing inserted, so no insertion parses. When the parser got past
     # the cursor without the suggestion, the suggestion is judged by where the parser stops with it: past
-    # the inserted text, and no earlier than before (past the cursor line, when that line is where it
-    # stopped before: the suggestion must complete it). If it stops inside the suggestion, the text before
-    # that point is tried once; otherwise nothing is shown.
+    # the inserted text, and no earlier than the floor below. If it stops inside the suggestion, the text
+    # before that point is tried once; otherwise nothing is shown.
     p, e0 = len(site.head), errors[""]
     if e0 is None or e0 < p:
         return done(s, "unjudged")   # broken above the cursor: nothing to compare with
@@ -358,7 +357,7 @@ def check(site: Site, s: str) -> Verdict:
     e1 = errors[s]
     if e1 is not None and p <= e1 < p + len(s) and count < MAX_PARSES:
         c = _cut_before(s, e1 - p)
-        if c.strip() and (c in errors or count < MAX_PARSES) and (ok(c) or consistent(c)):
+        if c.strip() and (ok(c) or consistent(c)):
             return done(c, "cut")
     return done("", "dropped")
 
