@@ -570,7 +570,7 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
 }
 
 /* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and two broadcasts
- * fit AVX2's 16 registers for (1, 2), (2, 1), (3, 1) and (4, 1) */
+ * fit AVX2's 16 registers for (1, 2) and (1..5, 1) */
 #define MKV(R, NP)                                                                                      \
     static inline void mkv_##R##_##NP(const int8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
                                       const float *sc, const float *b, float *y, int ldy, int out) {    \
@@ -603,7 +603,7 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
                 store_w8a8(acc[r][n][0], acc[r][n][1], sc, xs[r], b, y + (size_t)r * ldy, (p0 + n) * PW, out); \
     }
-MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1)
+MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1) MKV(5, 1)
 
 /* bytes of scratch one thread needs to quantise t rows of up to in values */
 static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
@@ -621,8 +621,9 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
     for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
         const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;
         int r = 0;
-        for (; r + 4 <= t; r += 4) VROWS1(4);
+        for (; r + 4 <= t && t - r != 5; r += 4) VROWS1(4);
         switch (t - r) {
+        case 5: VROWS1(5); break; /* K = 4's verify pass: one block, not a block and a lone row */
         case 3: VROWS1(3); break;
         case 2: VROWS1(2); break;
         case 1: {
