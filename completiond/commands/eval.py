@@ -289,28 +289,17 @@ def suffix_collision(pos: Position, suggestion: str) -> bool:
     return collides_with_suffix(suggestion, _line_prefix(pos), pos.text[pos.offset:le])
 
 
-def _parses(source: str) -> bool:
-    import ast
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # invalid escape sequences and the like are warnings, not errors
-        try:
-            ast.parse(source)
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            return False
-    return True
-
-
 def parse_check(pos: Position, suggestion: str) -> bool | None:
     """Whether the Python file still parses with the suggestion inserted at the cursor; None where the
     check does not apply (not Python, no suggestion, or the file does not parse with its true text)."""
+    from completiond.completion.syntax import parses
+
     if not pos.path.endswith(".py") or not suggestion:
         return None
     head, tail = pos.text[:pos.offset], pos.text[pos.offset:]
-    if not _parses(head + pos.target + tail):
+    if not parses(head + pos.target + tail):
         return None
-    return _parses(head + suggestion + tail)
+    return parses(head + suggestion + tail)
 
 
 def validity(done: list[Outcome]) -> dict[str, Any]:

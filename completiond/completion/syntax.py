@@ -17,8 +17,9 @@ Two uses, both on a bounded region of the document (never the whole file):
   judged and the suggestion passes unchanged; broken at or below it, the suggestion must let the parser
   get past the inserted text and no earlier than before (past the cursor line and the code line after
   it, when the parser stopped on one of them: the suggestion must complete this edit), else it is cut
-  before the point where the parser stops inside it, or not shown. While a triple-quoted string is being typed at the cursor the region's end
-  is unknown, and nothing is judged (a one-line string ends at its line).
+  before the point where the parser stops inside it, or not shown. While a triple-quoted string is
+  being typed at the cursor the region's end is unknown, and nothing is judged (a one-line string ends
+  at its line).
 
 Cost bound: at most MAX_PARSES calls of `ast.parse`, each on at most MAX_REGION_CHARS characters (plus
 the suggestion), and one regex scan of the region. Region finding walks at most MAX_REGION_CHARS

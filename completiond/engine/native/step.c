@@ -468,9 +468,6 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
 MKV(1, 4) MKV(1, 2) MKV(1, 1) MKV(2, 2) MKV(2, 1) MKV(3, 2) MKV(3, 1) MKV(4, 2) MKV(4, 1)
 MKV(5, 2) MKV(5, 1) MKV(6, 2) MKV(6, 1) MKV(7, 2) MKV(7, 1) MKV(8, 2) MKV(8, 1)
 
-/* bytes of scratch one thread needs to quantise t rows of up to in values */
-static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
-
 #define VROWS(R, NP_WIDE)                                                                                \
     do {                                                                                                 \
         int p = qa;                                                                                      \
@@ -547,26 +544,14 @@ static void quantize_row(const float *x, int in, int in4, int8_t *xq, float *xs)
     for (; i < in4; i++) xq[i] = 0;
 }
 
-/* columns j..j+15 of one row from their int32 sums: ((float)acc * wscale) * xscale, then + bias, each
- * rounded on its own (no contraction into an fma: the VNNI build's explicit-rounding multiplies) */
+/* columns j..j+15 of one row from their int32 sums: ((float)acc * wscale) * xscale, then + bias (store16),
+ * each rounded on its own (no contraction into an fma: the VNNI build's explicit-rounding multiplies) */
 __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc, float xs,
                                                                    const float *b, float *yrow, int j, int out) {
     const __m256 xv = _mm256_set1_ps(xs);
     __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), _mm256_loadu_ps(sc + j)), xv);
     __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_loadu_ps(sc + j + 8)), xv);
-    if (j + PW <= out) {
-        if (b) {
-            f0 = _mm256_add_ps(f0, _mm256_loadu_ps(b + j));
-            f1 = _mm256_add_ps(f1, _mm256_loadu_ps(b + j + 8));
-        }
-        _mm256_storeu_ps(yrow + j, f0);
-        _mm256_storeu_ps(yrow + j + 8, f1);
-        return;
-    }
-    float tmp[PW];
-    _mm256_storeu_ps(tmp, f0);
-    _mm256_storeu_ps(tmp + 8, f1);
-    for (int c = 0; c < PW && j + c < out; c++) yrow[j + c] = b ? tmp[c] + b[j + c] : tmp[c];
+    store16(f0, f1, NULL, b, yrow, j, out);
 }
 
 /* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and two broadcasts
@@ -605,9 +590,6 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
     }
 MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1) MKV(5, 1)
 
-/* bytes of scratch one thread needs to quantise t rows of up to in values */
-static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
-
 #define VROWS1(R)                                                                                       \
     for (int p = qa; p < qb; p++) mkv_##R##_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out)
 
@@ -638,6 +620,12 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
 }
 #else
 #define I8_QUADS 0
+#endif
+
+#if I8_QUADS
+/* bytes of scratch one thread needs to quantise t rows of up to in values (both w8a8 builds) */
+static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
+#else
 static size_t vnni_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
 
