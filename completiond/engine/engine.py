@@ -32,7 +32,8 @@ from completiond.engine.cancel import CancelToken  # noqa: F401  (part of the en
 from completiond.engine import hub
 from completiond.engine.draft import Draft, EarlyExitDraft, LookupDraft
 from completiond.engine.draft_model import DraftModelDraft, tokenizer_mismatch
-from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, attach, find_and_attach
+from completiond.engine import checkpoint
+from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, adapter_paths, attach, find_and_attach
 from completiond.engine import medusa as medusa_mod
 from completiond.engine import native as native_mod
 from completiond.engine.forward import Forward, packs_bf16_checkpoint
@@ -244,7 +245,7 @@ class Engine:
              progress: Callable[[str], None] | None = None,
              download_progress: Callable[[int, int], None] | None = None,
              warn: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None,
-             weights: str = "auto") -> "Engine":
+             weights: str = "auto", reader: str = "auto") -> "Engine":
         """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine.
 
         A hub id or short name is fetched into the Hugging Face cache first (engine/hub.py: safetensors and
@@ -253,11 +254,17 @@ class Engine:
         before the weights load, when the model will probably not fit the device's memory.
 
         weights: the native CPU step's weight format (native.WEIGHT_FORMATS): auto keeps the model's values
-        (bf16 panels for bf16 values), bf16 rounds them to bf16, int8 quantises them per output channel."""
+        (bf16 panels for bf16 values), bf16 rounds them to bf16, int8 quantises them per output channel.
+
+        reader: "auto" reads a large bf16 checkpoint bound for the native CPU step with engine/checkpoint.py
+        (no transformers model code: less resident memory) where it can; "transformers" always uses
+        AutoModelForCausalLM (the training commands, which need its modules)."""
         if weights not in native_mod.WEIGHT_FORMATS:
             raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native_mod.WEIGHT_FORMATS)}")
+        if reader not in ("auto", "transformers"):
+            raise EngineError(f"unknown reader {reader!r}; use auto or transformers")
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from completiond.engine import memory
 
@@ -320,8 +327,18 @@ class Engine:
             tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
             if progress is not None:
                 progress("weights")
-            hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
-                                                      trust_remote_code=trust_remote_code, local_files_only=True)
+            light = None
+            if reader == "auto" and compute_dtype is not None:
+                light = checkpoint.eligible(config, local, trust_remote_code)
+                if light is None and any(p.exists() for p in adapter_paths(local, model_identity(local))):
+                    light = "an exit adapter is built from transformers' layer classes"
+                if light is None:
+                    hf = checkpoint.read(local, torch_dtype)
+            if light is not None or reader != "auto" or compute_dtype is None:
+                from transformers import AutoModelForCausalLM
+
+                hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
+                                                          trust_remote_code=trust_remote_code, local_files_only=True)
         except OSError as exc:
             raise EngineError(f"cannot load model {name} from {source}: {exc}") from exc
         except ValueError as exc:
