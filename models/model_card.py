@@ -466,7 +466,19 @@ def _training_md(t: dict) -> str:
 * **FIM** on {t['fim_rate']:.0%} of samples ({t['spm_rate']:.0%} of them SPM); every middle ends at a line or block
   boundary and is closed with `<|endoftext|>`.
 * Rebuild: `completiond train-default --run-dir DIR` (a directory outside the checkout), then
-  `--export`; the recipe is in `models/train_default.py`, every stage in `training_summary.json`."""
+  `--export`; the recipe is in `models/train_default.py`, every stage in `training_summary.json`.{_context_stage_md(t)}"""
+
+
+def _context_stage_md(t: dict) -> str:
+    """The repository-context stage (models/train_context.py), when the model had one."""
+    c = t.get("context_stage")
+    if not c:
+        return ""
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in c["shares"].items())
+    return f"""
+* **Repository context** (a later stage, `{c['recipe']}`): {c['tokens'] / 1e6:.1f}M more tokens in {c['steps']:,} steps
+  ({c['seconds'] / 3600:.1f} hours, peak LR {c['lr']}) on prompts the daemon itself builds for training packages: chunks its
+  retrieval picks from the rest of the package in front of the file, then the missing middle (samples: {shares})."""
 
 
 def write_card(model_dir: Path, r: dict) -> None:
