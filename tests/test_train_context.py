@@ -157,3 +157,33 @@ def test_the_run_directory_must_be_outside_the_checkout(tmp_path):
     root = Path(__file__).resolve().parents[1]
     assert tc.main(["--run-dir", str(root / "runs-inside"), "--steps", "1"]) == 2
     assert not (root / "runs-inside").exists()
+
+
+def test_context_free_samples_also_draw_from_the_extra_files(archives, tmp_path):
+    from completiond.commands import train_context as tc
+
+    found, listed, _, _ = archives
+    roots = tc.extract(found, listed, tmp_path / "src", heldout=("held",), log=lambda s: None)
+    lib = tmp_path / "stdlib"
+    lib.mkdir()
+    marker = "def only_in_the_extra_files(argument):\n    return argument * 2\n" * 6
+    (lib / "extra.py").write_text(marker)
+    s = tc.ContextSampler(roots, default_model_dir(), 256, seed=2, extra_files=[(lib, lib / "extra.py")])
+    text = lambda seq: s.tok.decode(seq)  # noqa: E731
+    plain = [text(s._plain()) for _ in range(40)]
+    free = [text(s._fim(with_context=False) or []) for _ in range(40)]
+    with_context = [text(s._fim(with_context=True) or []) for _ in range(20)]
+    assert any("only_in_the_extra_files" in t for t in plain)
+    assert any("only_in_the_extra_files" in t for t in free)
+    assert not any("only_in_the_extra_files" in t for t in with_context)   # retrieval needs a package
+
+
+def test_shares_are_checked():
+    import argparse
+
+    from completiond.commands import train_context as tc
+
+    assert tc._shares("retrieval=1,none=0") == {"retrieval": 1.0, "none": 0.0}
+    for bad in ("retrieval", "retrieval=x", "other=1", "none=0", "plain=-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tc._shares(bad)

@@ -10,8 +10,9 @@ format by construction. Samples without context and plain windows are mixed in s
 did well before (no context, the held-out loss) is kept; the LayerSkip exit losses and the draft exits'
 distillation stay as in the base recipe (`Trainer.train_step`).
 
-Data: the training packages of `train_packages.lock` (never the held-out ones, never stdlib: the
-evaluation projects of issue 29 are not in the list either). It is a command, not part of models/,
+Data: the training packages of `train_packages.lock` (never the held-out ones; the evaluation projects
+of issue 29 are not in the list either), and for the context-free samples also the stdlib's training
+split (corpus.training_files: held-out files excluded). It is a command, not part of models/,
 because its samples come from the completion layer. Usage, with RUN outside the checkout:
 
     nice -n 19 completiond train-context --run-dir RUN --steps 800 --minutes 60
@@ -30,7 +31,7 @@ from pathlib import Path
 from completiond.models import data_prep, default_model_dir
 from completiond.models.train_default import Trainer, fim_split, load_tokenizer, run_dir_problem, save_model
 
-SHARES = {"retrieval": 0.55, "none": 0.2, "plain": 0.25}   # sample kinds per batch, on average
+SHARES = {"retrieval": 0.5, "none": 0.2, "plain": 0.3}   # sample kinds per batch, on average
 
 
 def extract(archives: dict[str, Path], listed: list[tuple[str, str]], out: Path,
@@ -61,7 +62,7 @@ class ContextSampler:
     """Batches of (prompt + middle) samples built by the daemon's retrieval and prompt code."""
 
     def __init__(self, roots: list[Path], model_dir: Path, seq_len: int, seed: int, shares=SHARES,
-                 workspaces: int = 64):
+                 workspaces: int = 64, extra_files: list[tuple[Path, Path]] = ()):
         import numpy as np
         from transformers import AutoTokenizer
 
@@ -83,7 +84,11 @@ class ContextSampler:
             self.files += [(root, p) for p in sorted(root.rglob("*.py")) if p.stat().st_size > 200]
         if not self.files:
             raise ValueError("no training files: run the extraction first")
+        # Context-free samples also come from these (the stdlib's training split): without them the
+        # stage drifts from what the base run mostly saw, and context-free quality drops.
+        self.any_files = self.files + [(r, p) for r, p in extra_files if p.stat().st_size > 200]
         self.kinds, self.weights = list(shares), list(shares.values())
+        self.weights_by_kind = dict(shares)
         self._ws: dict[Path, object] = {}
         self._ws_max = workspaces
         self.counts = {k: 0 for k in shares}
@@ -103,7 +108,8 @@ class ContextSampler:
         return ws
 
     def _fim(self, with_context: bool):
-        root, path = self.files[self.rng.randrange(len(self.files))]
+        pool = self.files if with_context else self.any_files   # retrieval needs a package around the file
+        root, path = pool[self.rng.randrange(len(pool))]
         text = path.read_text(encoding="utf-8")
         prefix, middle, suffix = fim_split(text, self.np_rng, 0.1)
         doc, cursor = prefix + suffix, len(prefix)
@@ -131,7 +137,7 @@ class ContextSampler:
 
     def _plain(self):
         # A window of one package's files joined as the base run joined them.
-        root, path = self.files[self.rng.randrange(len(self.files))]
+        root, path = self.any_files[self.rng.randrange(len(self.any_files))]
         ids = self.tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False) + [self.sep]
         start = self.rng.randrange(max(1, len(ids) - 64))
         return ids[start:start + self.seq_len + 1]
@@ -201,7 +207,12 @@ def train(a) -> int:
     tok, ids = load_tokenizer(a.model)
     trainer = Trainer(cfg, _NoStream(a.seq_len), tok, ids, "cpu", precision="fp32")
     ckpt = a.run_dir / "ckpt.pt"
-    sampler = ContextSampler(roots, a.model, a.seq_len, cfg["seed"])
+    extra = []
+    if a.stdlib:
+        from completiond.models import corpus
+
+        extra = [(corpus.stdlib_root(), f.path) for f in corpus.training_files()]   # held-out files excluded
+    sampler = ContextSampler(roots, a.model, a.seq_len, cfg["seed"], shares=a.shares, extra_files=extra)
     if ckpt.is_file():
         st = torch.load(ckpt, map_location="cpu", weights_only=False)
         trainer.model.load_state_dict(st["model"])
@@ -224,7 +235,7 @@ def train(a) -> int:
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(), "step": trainer.step,
                     "tokens": trainer.tokens, "seconds": trainer.seconds, "sampler": sampler.state(),
-                    "cfg": cfg}, tmp)
+                    "cfg": cfg, "shares": sampler.weights_by_kind, "stdlib": bool(extra)}, tmp)
         tmp.replace(ckpt)
 
     while trainer.step < steps and time.time() < deadline:
@@ -257,11 +268,22 @@ def export(a) -> int:
     meta = json.loads((a.model / "completiond.json").read_text())
     summary = json.loads((a.model / "training_summary.json").read_text())
     summary["context_stage"] = {"steps": st["step"], "tokens": st["tokens"], "seconds": round(st["seconds"], 1),
-                                "lr": st["cfg"]["lr"], "batch_size": st["cfg"]["batch_size"], "shares": SHARES,
+                                "lr": st["cfg"]["lr"], "batch_size": st["cfg"]["batch_size"],
+                                "shares": st.get("shares", SHARES), "stdlib": st.get("stdlib", True),
                                 "recipe": "completiond/commands/train_context.py"}
     save_model(model, out, a.model, meta, summary)
     print(f"exported to {out}")
     return 0
+
+
+def _shares(text: str) -> dict[str, float]:
+    try:
+        out = {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shares {text!r}: expected kind=weight pairs separated by commas") from None
+    if set(out) - set(SHARES) or not out or min(out.values()) < 0 or sum(out.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"--shares {text!r}: kinds are {', '.join(SHARES)}, weights >= 0, not all 0")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -271,7 +293,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="the model to continue from (default: the bundled one)")
     p.add_argument("--steps", type=int, default=1000, help="planned steps (the learning rate's cosine spans them)")
     p.add_argument("--minutes", type=float, default=60.0, help="stop (and save) after this long")
-    p.add_argument("--lr", type=float, default=4e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--shares", type=_shares, default=dict(SHARES),
+                   help="sample kinds, e.g. retrieval=0.5,none=0.2,plain=0.3")
+    p.add_argument("--no-stdlib", dest="stdlib", action="store_false",
+                   help="context-free samples from the training packages only (not the stdlib's training split)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
