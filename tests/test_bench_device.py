@@ -46,6 +46,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
     shape, tiny, missing = r["models"]
     assert shape["model"] == "tiny-qwen2 (random weights, 8192-token vocabulary)" and shape["layers"] == 4
     assert shape["vocab"] == "real: 8192 tokens" and shape["weights"] == "auto"
+    assert shape["reader"] == tiny["reader"] == "transformers"   # small: transformers' modules serve the PyTorch path
     assert "does not exist" in missing["error"]
     for m in (shape, tiny):
         assert m["context"] == 64  # every prompt exactly --context tokens
@@ -92,15 +93,23 @@ def test_weights_reach_the_engine(monkeypatch, capsys):
     seen = []
 
     def fake_load(model=None, **kwargs):
-        seen.append(kwargs.get("weights"))
+        seen.append((kwargs.get("weights"), kwargs.get("reader")))
         raise EngineError("not loading in this test")
 
     monkeypatch.setattr(Engine, "load", staticmethod(fake_load))
     assert bench_device.main(["--json", "--models", "bundled", "--weights", "int8,bf16", "--bandwidth-mb", "1"]) == 0
-    assert seen == ["int8", "bf16"]
+    assert seen == [("int8", "auto"), ("bf16", "auto")]
     r = json.loads(capsys.readouterr().out)
     assert [(m["weights"], m["error"]) for m in r["models"]] == [("int8", "not loading in this test"),
                                                                  ("bf16", "not loading in this test")]
+    seen.clear()
+    assert bench_device.main(["--json", "--models", "bundled", "--weights", "bf16", "--reader", "auto,transformers",
+                              "--bandwidth-mb", "1"]) == 0
+    assert seen == [("bf16", "auto"), ("bf16", "transformers")]
+    r = json.loads(capsys.readouterr().out)
+    assert [m["reader"] for m in r["models"]] == ["auto", "transformers"]
+    with pytest.raises(SystemExit):
+        bench_device.main(["--reader", "fast"])
 
 
 # ----------------------------------------------------------------------------- the llama.cpp peer

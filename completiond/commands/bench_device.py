@@ -65,6 +65,7 @@ SHAPES = {
 }
 DEFAULT_MODELS = ("bundled", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 WEIGHT_FORMATS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
+READERS = ("auto", "transformers")  # Engine.load(reader=...)
 LLAMA_TYPES = ("f32", "bf16", "q8_0")
 # Which llama.cpp type stores the weights as our format does: the pairs the ratios compare.
 PEER_TYPE = {"float32": "f32", "bf16": "bf16", "int8": "q8_0"}
@@ -90,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", type=lambda v: _csv(v, WEIGHT_FORMATS, "--weights"),
                    help="weight formats of the native step to measure, comma-separated (auto, bf16, int8): each "
                         "loads the model once")
+    p.add_argument("--reader", default="auto", type=lambda v: _csv(v, READERS, "--reader"),
+                   help="how the weights are read, comma-separated: auto (a large bf16 checkpoint without "
+                        "transformers' model code, engine/checkpoint.py) or transformers; each loads the model once")
     p.add_argument("--vocab", choices=("real", "bundled"), default="real",
                    help="random shapes: the real model's vocabulary size, or the bundled tokenizer's 8,192 tokens")
     p.add_argument("--context", type=int, default=512, help="prompt tokens before decoding starts")
@@ -427,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from completiond.engine.checkpoint import CausalLM
     from completiond.engine.engine import Engine, EngineError, pick_device
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
@@ -454,15 +459,16 @@ def _run(args: argparse.Namespace) -> int:
                 log(f"  not measured: {exc}")
                 continue
             ours = []
-            for weights in args.weights:
+            for weights, reader in [(w, r) for w in args.weights for r in args.reader]:
                 gc.collect()
                 rss_before = rss_bytes()
                 t0 = time.perf_counter()
                 try:
                     engine = Engine.load(path if path is not None else name if name != "bundled" else None,
-                                         device=device, dtype=args.dtype, threads=threads, weights=weights)
+                                         device=device, dtype=args.dtype, threads=threads, weights=weights,
+                                         reader=reader)
                 except (EngineError, ValueError, OSError) as exc:
-                    result["models"].append({"model": label, "weights": weights, "error": str(exc)})
+                    result["models"].append({"model": label, "weights": weights, "reader": reader, "error": str(exc)})
                     log(f"  not measured: {exc}")
                     continue
                 load_s = time.perf_counter() - t0
@@ -475,6 +481,8 @@ def _run(args: argparse.Namespace) -> int:
                     entry = report_model(engine, prompts, args.repeats, args.max_tokens, args.max_k, bandwidth, log,
                                          sampling=not args.no_sampling)
                 entry.update(vocab=vocab, load_s=round(load_s, 2), rss_before_load_bytes=rss_before,
+                             reader=("completiond (engine/checkpoint.py)" if isinstance(engine.model, CausalLM)
+                                     else "transformers"),
                              rss_after_load_bytes=rss_after,
                              rss_load_delta_bytes=rss_after - rss_before if rss_after and rss_before else None)
                 if rss_after and rss_before:
