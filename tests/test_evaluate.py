@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from completiond import cli
-from completiond.commands.eval import (Position, complete, edit_similarity, is_duplication, levenshtein, pick_positions,
-                                  summarize, Outcome)
+from completiond.commands.eval import (Position, complete, edit_similarity, holds_line, is_duplication, levenshtein,
+                                  pick_positions, summarize, Outcome)
 from completiond.completion.prompt import PromptBuilder
 from tests.conftest import build_tokenizer
 
@@ -74,6 +74,15 @@ def test_metric_helpers():
     assert not is_duplication(pos, "f(x)")          # its own bracket pair: the ")" right of the cursor is still needed
     line = Position("a.py", "def f():\n    \n    return 1\n", 13, "", "eol")
     assert is_duplication(line, "y = 2\n    return 1")
+
+
+def test_a_block_holds_the_line_only_when_it_shows_the_whole_line():
+    pos = Position("a.py", "def f(x):\n    return g(\n", 23, "x, 2)", "eol")   # the file has "    return g(x, 2)"
+    assert holds_line(pos, "import os\n  return g(x, 2)  \n")        # indentation and trailing space aside
+    assert not holds_line(pos, "return g(x, 3)\nreturn g(\n")         # another call, or only the typed part
+    assert not holds_line(pos, "")
+    blank = Position("a.py", "x = 1\n\n", 6, "", "eol")
+    assert not holds_line(blank, "\n\n")                               # an empty line is not an answer
 
 
 def test_validity_metrics():

@@ -300,6 +300,8 @@ def test_eval_runs_the_context_modes_side_by_side(tiny_model_dir, tmp_path, caps
     for summary in r["context"].values():
         assert summary["positions"] == 3 and "next_line_exact_match" in summary and summary["p50_ms"] > 0
     assert r["context"]["none"]["mean_context_tokens"] == 0
+    assert r["context"]["none"]["context_holds_line_rate"] == 0   # no block, nothing shown
+    assert all(0 <= s["context_holds_line_rate"] <= 1 for s in r["context"].values())
     assert r["index"]["files"] == 2
 
 

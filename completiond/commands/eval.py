@@ -331,6 +331,14 @@ def validity(done: list[Outcome]) -> dict[str, Any]:
     }
 
 
+def holds_line(pos: Position, block: str) -> bool:
+    """Whether the context block shows the cursor's whole line as the file has it: the most a block can
+    hand the model to copy (how far retrieval could go, beside what the model made of it)."""
+    ls = pos.text.rfind("\n", 0, pos.offset) + 1
+    line = (pos.text[ls:pos.offset] + pos.target).strip()
+    return bool(line) and any(b.strip() == line for b in block.splitlines())
+
+
 def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     done = [o for o in outcomes if o.skipped is None]
     n = len(done)
@@ -357,6 +365,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "p90_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))] if ms else 0.0,
         "mean_prompt_tokens": prompt_tokens / n if n else 0.0,
         "mean_context_tokens": sum(o.stats.get("context_tokens", 0) for o in done) / n if n else 0.0,
+        "context_holds_line_rate": sum(bool(o.stats.get("context_holds_line")) for o in done) / n if n else 0.0,
         "by_kind": {k: sum(o.position.kind == k for o in done) for k in sorted({o.position.kind for o in done})},
         **validity(done),
     }
@@ -388,7 +397,9 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
         gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
         suggestion = prompt.suggestion(gen.tokens, gen.finish_reason)
         ms = 1000 * (time.perf_counter() - t0)
-        stats = dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids))
+        stats = dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids),
+                     context_holds_line=holds_line(pos, engine.tokenizer.decode(prompt.context_ids))
+                     if prompt.context_ids else False)
         if prompt.stop.syntax is not None:
             stats.update(prompt.stop.syntax.stats())
         outcome = Outcome(pos, suggestion, ms, stats)
@@ -553,6 +564,7 @@ def _print_modes(r: dict[str, Any]) -> None:
     rows = [("positions", "positions", "{:d}"), ("next-line exact match", "next_line_exact_match", "{:.3f}"),
             ("edit similarity", "edit_similarity", "{:.3f}"), ("latency p50 ms", "p50_ms", "{:.1f}"),
             ("latency p90 ms", "p90_ms", "{:.1f}"), ("context tokens (mean)", "mean_context_tokens", "{:.0f}"),
+            ("block holds the line", "context_holds_line_rate", "{:.3f}"),
             ("prompt tokens (mean)", "mean_prompt_tokens", "{:.0f}"), ("empty", "empty_rate", "{:.3f}")]
     width = max(len(label) for label, _, _ in rows)
     print(f"model {r['model']} on {r['device']}, contextTokens {r['context_tokens']}, source {r['source']}")
