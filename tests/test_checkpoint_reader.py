@@ -135,3 +135,13 @@ def test_sharded_checkpoints_and_missing_tensors(tmp_path):
     save_file(kept, d / first, metadata={"format": "pt"})
     with pytest.raises(EngineError, match="post_attention_layernorm"):
         checkpoint.read(d, torch.bfloat16)
+    # a shard that is not safetensors at all
+    (d / first).write_bytes(b"\x00" * 64)
+    with pytest.raises(EngineError, match="not a readable safetensors file"):
+        checkpoint.read(d, torch.bfloat16)
+    # an index this reader cannot trust leaves the checkpoint to transformers
+    cfg = json.loads((d / "config.json").read_text())
+    for bad in ("{", json.dumps({"weight_map": {"a": "../outside.safetensors"}}), json.dumps({"nothing": 1}),
+                json.dumps({"weight_map": {}})):
+        (d / "model.safetensors.index.json").write_text(bad)
+        assert checkpoint.eligible(cfg, d, False) == "no safetensors weights"

@@ -41,9 +41,16 @@ def eligible(config: dict, directory: Path, trust_remote_code: bool) -> str | No
 
 
 def _weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files; none for an index this reader cannot trust (a malformed one,
+    or shard names that leave the directory): transformers' load then reports what is wrong."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        if not names or any(not isinstance(n, str) or "/" in n or "\\" in n or n.startswith(".") for n in names):
+            return []
         return [directory / n for n in names]
     single = directory / "model.safetensors"
     return [single] if single.is_file() else []
@@ -155,6 +162,7 @@ class CausalLM(nn.Module):
 
 def read(directory: Path, dtype: torch.dtype) -> CausalLM:
     """The model in `directory`, its tensors in dtype (a bf16 checkpoint read as bf16 stays as stored)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoConfig, GenerationConfig
 
@@ -167,7 +175,11 @@ def read(directory: Path, dtype: torch.dtype) -> CausalLM:
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     tensors: dict[str, torch.Tensor] = {}
     for f in _weight_files(directory):
-        for k, v in load_file(str(f)).items():
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError) as exc:
+            raise EngineError(f"{f}: not a readable safetensors file ({exc})") from None
+        for k, v in part.items():
             tensors[k] = v if v.dtype == dtype else v.to(dtype)
     try:
         return CausalLM(tensors, config, generation)
