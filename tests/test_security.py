@@ -248,6 +248,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     # directory (never a downloaded file); it holds numpy RNG state, which weights_only refuses.
     ("models/train_default.py", "torch.load()"): "own training checkpoint",
     ("models/train_default.py", "weights_only=False"): "own training checkpoint",
+    # train-context's own checkpoint, in the user's run directory; plain containers only, read with
+    # weights_only=True (no code is unpickled)
+    ("completiond/commands/train_context.py", "torch.load()"): "own checkpoint, weights_only=True",
 }
 
 

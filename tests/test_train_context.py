@@ -144,6 +144,10 @@ def test_train_then_export_offline(archives, tmp_path):
     assert tc.main(["--run-dir", str(run), "--export", "--out", str(out)]) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["context_stage"]["steps"] == 2
+    # a second run resumes from the checkpoint (read with weights_only=True) and goes on to the new total
+    assert tc.main(args[:args.index("--steps")] + ["--steps", "3"] + args[args.index("--steps") + 2:]) == 0
+    assert tc.main(["--run-dir", str(run), "--export", "--out", str(out)]) == 0
+    assert json.loads((out / "training_summary.json").read_text())["context_stage"]["steps"] == 3
     assert summary["parameters"] == json.loads((default_model_dir() / "training_summary.json").read_text())["parameters"]
     model = AutoModelForCausalLM.from_pretrained(str(out))
     base = AutoModelForCausalLM.from_pretrained(str(default_model_dir()))

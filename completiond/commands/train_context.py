@@ -213,7 +213,7 @@ def train(a) -> int:
         extra = [(corpus.stdlib_root(), f.path) for f in corpus.training_files()]   # held-out files excluded
     sampler = ContextSampler(roots, a.model, a.seq_len, cfg["seed"], shares=a.shares, extra_files=extra)
     if ckpt.is_file():
-        st = torch.load(ckpt, map_location="cpu", weights_only=False)
+        st = torch.load(ckpt, map_location="cpu", weights_only=True)
         trainer.model.load_state_dict(st["model"])
         trainer.opt.load_state_dict(st["opt"])
         trainer.step, trainer.tokens, trainer.seconds = st["step"], st["tokens"], st["seconds"]
@@ -231,6 +231,7 @@ def train(a) -> int:
     t_save = time.time()
 
     def save():
+        # plain containers and tensors only, so that it loads with weights_only=True (no unpickling of code)
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(), "step": trainer.step,
                     "tokens": trainer.tokens, "seconds": trainer.seconds, "sampler": sampler.state(),
@@ -260,7 +261,7 @@ def export(a) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    st = torch.load(a.run_dir / "ckpt.pt", map_location="cpu", weights_only=False)
+    st = torch.load(a.run_dir / "ckpt.pt", map_location="cpu", weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(a.model), torch_dtype=torch.float32)
     model.load_state_dict(st["model"])
     out = a.out or a.model
