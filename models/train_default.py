@@ -325,8 +325,6 @@ class Sampler:
         return seq + [self.ids["<|fim_pad|>"]] * pad, mask + [0] * pad
 
     def batch(self, bsz: int):
-        import torch
-
         seqs, masks = [], []
         for _ in range(bsz):
             start = self._next_chunk()
@@ -334,11 +332,19 @@ class Sampler:
             seq, mask = self._fim(start) if fim else self._plain(start)
             seqs.append(seq)
             masks.append(mask)
-        x = torch.tensor(seqs, dtype=torch.long)
-        m = torch.tensor(masks, dtype=torch.bool)
-        labels = x[:, 1:].clone()
-        labels[~m[:, 1:]] = -100
-        return x[:, :-1].contiguous(), labels
+        return to_batch(seqs, masks)
+
+
+def to_batch(seqs: list[list[int]], masks: list[list[int]]):
+    """(inputs, labels) of equal-length samples [B, T+1]: labels are the next tokens, -100 where the
+    mask says padding."""
+    import torch
+
+    x = torch.tensor(seqs, dtype=torch.long)
+    m = torch.tensor(masks, dtype=torch.bool)
+    labels = x[:, 1:].clone()
+    labels[~m[:, 1:]] = -100
+    return x[:, :-1].contiguous(), labels
 
 
 def stream_windows(stream, seq_len: int, count: int, seed: int = 1234):
@@ -473,7 +479,10 @@ def pick_precision(model, device: str, seq_len: int, wanted: str = "auto", budge
 class Trainer:
     """One model, its optimizer, schedule and sampler; save/load give an exact resume."""
 
-    def __init__(self, cfg: dict, data, tok, ids: dict, device: str, precision: str | None = None, log=print):
+    def __init__(self, cfg: dict, data, tok, ids: dict, device: str, precision: str | None = None, log=print,
+                 sampler=None):
+        """sampler: where batches come from (anything with batch/state/load_state); by default the base
+        run's Sampler over data's training stream (data may then be None)."""
         import numpy as np
         import torch
 
@@ -489,8 +498,9 @@ class Trainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                                       {"params": no_decay, "weight_decay": 0.0}],
                                      lr=cfg["lr"], betas=(0.9, 0.95), eps=1e-8, fused=(device == "cuda"))
-        self.sampler = Sampler(data.streams["train"], data.docs["train"], tok, ids, cfg["seq_len"], cfg["fim_rate"],
-                               cfg["spm_rate"], cfg["empty_middle"], cfg["seed"])
+        self.sampler = sampler if sampler is not None else Sampler(
+            data.streams["train"], data.docs["train"], tok, ids, cfg["seq_len"], cfg["fim_rate"], cfg["spm_rate"],
+            cfg["empty_middle"], cfg["seed"])
         self.step, self.tokens, self.seconds = 0, 0, 0.0
         self.stages: list[dict] = []
         if precision is None:

@@ -11,31 +11,18 @@ import torch
 from completiond.engine import checkpoint, forward
 from completiond.engine.engine import Engine, EngineError, SamplingParams
 from completiond.models.tiny import make_tiny_model
+from tests.test_native_step import _need_native
 
 QWEN = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|file_sep|>"]
 FAMILIES = {"llama": {}, "qwen2": dict(special_tokens=QWEN, tokenizer_class="Qwen2Tokenizer"),
             "qwen3": dict(special_tokens=QWEN, tokenizer_class="Qwen2Tokenizer"), "mistral": {}}
 
 
-def _bf16(d):
-    from safetensors.torch import load_file, save_file
-
-    w = load_file(d / "model.safetensors")
-    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, d / "model.safetensors", metadata={"format": "pt"})
-    return d
-
-
-def _need_native():
-    from tests.test_native_step import _need_native as need
-
-    need()
-
-
 @pytest.fixture(params=sorted(FAMILIES))
 def family_model(request, tmp_path):
     fam = request.param
-    return fam, _bf16(make_tiny_model(tmp_path / fam, family=fam, layers=3, seed=11, peaked=True,
-                                      tokenizer=FAMILIES[fam] or None))
+    return fam, make_tiny_model(tmp_path / fam, family=fam, layers=3, seed=11, peaked=True, dtype="bfloat16",
+                                tokenizer=FAMILIES[fam] or None)
 
 
 @torch.inference_mode()
@@ -64,7 +51,7 @@ def test_the_reader_holds_transformers_tensors_and_rope_tables(family_model):
 def test_static_rope_scaling_gives_transformers_tables(tmp_path, scaling):
     from transformers import AutoModelForCausalLM
 
-    d = _bf16(make_tiny_model(tmp_path / "m", layers=2, seed=3))
+    d = make_tiny_model(tmp_path / "m", layers=2, seed=3, dtype="bfloat16")
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_scaling"] = scaling
     cfg.pop("rope_parameters", None)
@@ -96,7 +83,7 @@ def test_the_engine_reads_large_bf16_checkpoints_itself_with_the_same_output(fam
 
 def test_what_the_reader_does_not_take_loads_through_transformers(tmp_path, monkeypatch):
     _need_native()
-    d = _bf16(make_tiny_model(tmp_path / "m", layers=2, seed=5))
+    d = make_tiny_model(tmp_path / "m", layers=2, seed=5, dtype="bfloat16")
     cfg = json.loads((d / "config.json").read_text())
     assert checkpoint.eligible(cfg, d, trust_remote_code=True) is not None
     assert checkpoint.eligible({**cfg, "hidden_act": "gelu"}, d, False) is not None
@@ -117,7 +104,7 @@ def test_what_the_reader_does_not_take_loads_through_transformers(tmp_path, monk
 def test_sharded_checkpoints_and_missing_tensors(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    d = _bf16(make_tiny_model(tmp_path / "m", layers=2, seed=9))
+    d = make_tiny_model(tmp_path / "m", layers=2, seed=9, dtype="bfloat16")
     w = load_file(d / "model.safetensors")
     names = sorted(w)
     half = len(names) // 2

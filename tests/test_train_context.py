@@ -4,12 +4,12 @@ prompts (retrieval and layout) followed by the missing middle, built offline fro
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from completiond.models import default_model_dir
+from tests.test_train_default import _wheel
 
 UTIL = '''def clamp_between(value, lowest, highest):
     """value moved into [lowest, highest]."""
@@ -40,24 +40,15 @@ class Gauge:
 '''
 
 
-def _wheel(path: Path, name: str, licence: str, files: dict[str, str]) -> Path:
-    whl = path / f"{name}-1.0-py3-none-any.whl"
-    with zipfile.ZipFile(whl, "w") as z:
-        z.writestr(f"{name}-1.0.dist-info/METADATA", f"Metadata-Version: 2.4\nName: {name}\nVersion: 1.0\n{licence}\n\n")
-        for rel, text in files.items():
-            z.writestr(rel, text)
-    return whl
-
-
 @pytest.fixture()
 def archives(tmp_path):
     dl = tmp_path / "downloads"
     dl.mkdir()
     found = {
-        "gauge": _wheel(dl, "gauge", "License-Expression: MIT",
+        "gauge": _wheel(dl, "gauge", "1.0", "License-Expression: MIT",
                         {"gauge/util.py": UTIL, "gauge/user.py": USER, "gauge/_vendor/x.py": "X = 1\n" * 80}),
-        "held": _wheel(dl, "held", "License-Expression: MIT", {"held/a.py": UTIL}),
-        "gpl": _wheel(dl, "gpl", "License-Expression: GPL-3.0-only", {"gpl/a.py": UTIL}),
+        "held": _wheel(dl, "held", "1.0", "License-Expression: MIT", {"held/a.py": UTIL}),
+        "gpl": _wheel(dl, "gpl", "1.0", "License-Expression: GPL-3.0-only", {"gpl/a.py": UTIL}),
     }
     listed = [("gauge", "MIT"), ("held", "MIT"), ("gpl", "GPL")]
     plist = tmp_path / "packages.txt"

@@ -334,8 +334,7 @@ def validity(done: list[Outcome]) -> dict[str, Any]:
 def holds_line(pos: Position, block: str) -> bool:
     """Whether the context block shows the cursor's whole line as the file has it: the most a block can
     hand the model to copy (how far retrieval could go, beside what the model made of it)."""
-    ls = pos.text.rfind("\n", 0, pos.offset) + 1
-    line = (pos.text[ls:pos.offset] + pos.target).strip()
+    line = (_line_prefix(pos) + pos.target).strip()
     return bool(line) and any(b.strip() == line for b in block.splitlines())
 
 

@@ -21,6 +21,7 @@ because its samples come from the completion layer. Usage, with RUN outside the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import sys
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from completiond.models import data_prep, default_model_dir
-from completiond.models.train_default import Trainer, fim_split, load_tokenizer, run_dir_problem, save_model
+from completiond.models.train_default import Trainer, fim_split, load_tokenizer, run_dir_problem, save_model, to_batch
 
 SHARES = {"retrieval": 0.5, "none": 0.2, "plain": 0.3}   # sample kinds per batch, on average
 
@@ -86,12 +87,11 @@ class ContextSampler:
         # Context-free samples also come from these (the stdlib's training split): without them the
         # stage drifts from what the base run mostly saw, and context-free quality drops.
         self.any_files = self.files + [(r, p) for r, p in extra_files if p.stat().st_size > 200]
-        self.kinds, self.weights = list(shares), list(shares.values())
-        self.weights_by_kind = dict(shares)
+        self.shares = dict(shares)
         self._ws: dict[Path, object] = {}
         self._ws_max = workspaces
         self.counts = {k: 0 for k in shares}
-        self.context_share = []   # context tokens / prompt tokens of retrieval samples (logged)
+        self.context_share = collections.deque(maxlen=80)   # context / prompt tokens of recent retrieval samples (logged)
 
     def _workspace(self, root: Path):
         from completiond.completion.workspace import Workspace
@@ -143,24 +143,17 @@ class ContextSampler:
 
     def sample(self):
         while True:
-            kind = self.rng.choices(self.kinds, self.weights)[0]
+            kind = self.rng.choices(list(self.shares), list(self.shares.values()))[0]
             seq = self._plain() if kind == "plain" else self._fim(kind == "retrieval")
             if seq and len(seq) >= 2:
                 self.counts[kind] += 1
                 return seq
 
     def batch(self, bsz: int):
-        import torch
-
         seqs = [self.sample() for _ in range(bsz)]
-        x = torch.full((bsz, self.seq_len + 1), self.pad, dtype=torch.long)
-        m = torch.zeros((bsz, self.seq_len + 1), dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            x[i, :len(s)] = torch.tensor(s)
-            m[i, :len(s)] = True
-        labels = x[:, 1:].clone()
-        labels[~m[:, 1:]] = -100
-        return x[:, :-1].contiguous(), labels
+        width = self.seq_len + 1
+        return to_batch([s + [self.pad] * (width - len(s)) for s in seqs],
+                        [[1] * len(s) + [0] * (width - len(s)) for s in seqs])
 
     def state(self) -> dict:
         return {"rng": self.rng.getstate(), "np_rng": self.np_rng.bit_generator.state}
@@ -168,15 +161,6 @@ class ContextSampler:
     def load_state(self, st: dict) -> None:
         self.rng.setstate(st["rng"])
         self.np_rng.bit_generator.state = st["np_rng"]
-
-
-class _NoStream:
-    """Trainer builds the base run's sampler from a token stream; this stage replaces it."""
-    def __init__(self, seq_len: int):
-        import numpy as np
-
-        self.streams = {"train": np.zeros(seq_len + 2, dtype=np.uint16)}
-        self.docs = {"train": np.array([0, seq_len + 2])}
 
 
 def _base_cfg(model_dir: Path, lr: float, steps: int, seq_len: int, batch: int) -> dict:
@@ -204,7 +188,6 @@ def train(a) -> int:
     steps = a.steps
     cfg = _base_cfg(a.model, a.lr, steps, a.seq_len, a.batch_size)
     tok, ids = load_tokenizer(a.model)
-    trainer = Trainer(cfg, _NoStream(a.seq_len), tok, ids, "cpu", precision="fp32")
     ckpt = a.run_dir / "ckpt.pt"
     extra = []
     if a.stdlib:
@@ -212,6 +195,7 @@ def train(a) -> int:
 
         extra = [(corpus.stdlib_root(), f.path) for f in corpus.training_files()]   # held-out files excluded
     sampler = ContextSampler(roots, a.model, a.seq_len, cfg["seed"], shares=a.shares, extra_files=extra)
+    trainer = Trainer(cfg, None, tok, ids, "cpu", precision="fp32", sampler=sampler)
     if ckpt.is_file():
         st = torch.load(ckpt, map_location="cpu", weights_only=True)
         trainer.model.load_state_dict(st["model"])
@@ -225,7 +209,6 @@ def train(a) -> int:
             raise SystemExit(f"{a.model}: weights do not fit the recorded architecture "
                              f"(missing {missing}, unexpected {unexpected})")
         trainer.model.tie_weights()
-    trainer.sampler = sampler
     log = (a.run_dir / "log.jsonl").open("a")
     deadline = time.time() + 60 * a.minutes
     t_save = time.time()
@@ -235,7 +218,7 @@ def train(a) -> int:
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"model": trainer.model.state_dict(), "opt": trainer.opt.state_dict(), "step": trainer.step,
                     "tokens": trainer.tokens, "seconds": trainer.seconds, "sampler": sampler.state(),
-                    "cfg": cfg, "shares": sampler.weights_by_kind, "stdlib": bool(extra)}, tmp)
+                    "cfg": cfg, "shares": sampler.shares, "stdlib": bool(extra)}, tmp)
         tmp.replace(ckpt)
 
     while trainer.step < steps and time.time() < deadline:
@@ -243,7 +226,7 @@ def train(a) -> int:
         r = trainer.train_step()
         trainer.seconds += time.time() - t0
         if trainer.step % 10 == 0:
-            share = sampler.context_share[-80:]
+            share = sampler.context_share
             rec = {"step": trainer.step, "tokens": trainer.tokens, "loss": round(r["loss"], 4),
                    "kl": round(r["kl"], 4), "lr": r["lr"], "s_per_step": round(trainer.seconds / max(1, trainer.step), 2),
                    "kinds": dict(sampler.counts), "context_share": round(sum(share) / max(1, len(share)), 3)}

@@ -19,9 +19,7 @@ import torch
 from torch import nn
 
 from completiond.errors import EngineError
-
-# Families whose checkpoints use the Llama tensor names (q_norm/k_norm per head for qwen3).
-FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head
 
 
 def eligible(config: dict, directory: Path, trust_remote_code: bool) -> str | None:

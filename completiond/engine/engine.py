@@ -321,6 +321,7 @@ class Engine:
         if dtype == "auto" and device == "cpu" and isinstance(config, dict) and packs_bf16_checkpoint(config, local):
             torch_dtype, compute_dtype = torch.bfloat16, torch.float32
         source = str(local)
+        model_id = model_identity(local)
         try:
             if progress is not None:
                 progress("tokenizer")
@@ -330,7 +331,7 @@ class Engine:
             light = None
             if reader == "auto" and compute_dtype is not None:
                 light = checkpoint.eligible(config, local, trust_remote_code)
-                if light is None and any(p.exists() for p in adapter_paths(local, model_identity(local))):
+                if light is None and any(p.exists() for p in adapter_paths(local, model_id)):
                     light = "an exit adapter is built from transformers' layer classes"
                 if light is None:
                     hf = checkpoint.read(local, torch_dtype)
@@ -346,7 +347,6 @@ class Engine:
         if progress is not None:
             progress("device")
         hf.to(device).eval()
-        model_id = model_identity(local)
         info = ModelInfo.read(local)
         if progress is not None:
             progress("engine")
