@@ -470,7 +470,7 @@ def _training_md(t: dict) -> str:
 
 
 def _context_stage_md(t: dict) -> str:
-    """The repository-context stage (models/train_context.py), when the model had one."""
+    """The repository-context stage (`completiond train-context`), when the model had one."""
     c = t.get("context_stage")
     if not c:
         return ""

@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loads the model once")
     p.add_argument("--reader", default="auto", type=lambda v: _csv(v, READERS, "--reader"),
                    help="how the weights are read, comma-separated: auto (a large bf16 checkpoint without "
-                        "transformers' model code, engine/checkpoint.py) or transformers; each loads the model once")
+                        "transformers' model code, engine/checkpoint.py) or transformers; each loads the model once (RSS "
+                        "compares only across processes: a second load starts from the first one's heap)")
     p.add_argument("--vocab", choices=("real", "bundled"), default="real",
                    help="random shapes: the real model's vocabulary size, or the bundled tokenizer's 8,192 tokens")
     p.add_argument("--context", type=int, default=512, help="prompt tokens before decoding starts")
