@@ -41,7 +41,7 @@ def test_the_reader_holds_transformers_tensors_and_rope_tables(family_model):
     x = torch.zeros(1, dtype=torch.float32)
     for mine, ref in zip(ours.model.rotary_emb(x, pos), theirs.model.rotary_emb(x, pos)):
         assert torch.equal(mine, ref), fam
-    assert ours.config.to_dict() == theirs.config.to_dict()
+    assert _reads(ours.config) == _reads(theirs.config)
 
 
 @torch.inference_mode()
@@ -132,3 +132,129 @@ def test_sharded_checkpoints_and_missing_tensors(tmp_path):
                 json.dumps({"weight_map": {}})):
         (d / "model.safetensors.index.json").write_text(bad)
         assert checkpoint.eligible(cfg, d, False) == "no safetensors weights"
+
+
+# ------------------------------------------------------------------ the light config and tokenizer
+ENGINE_READS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")
+
+
+def _reads(cfg) -> dict:
+    """What the engine, its adapter and rope read of a config, the way they read it."""
+    out = {k: getattr(cfg, k, None) for k in ENGINE_READS}
+    out["head_dim"] = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out["window"] = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    out["rope"] = (rope.get("rope_type", "default"), float(rope["rope_theta"]))
+    return out
+
+
+# config.json as transformers 4 wrote them for real checkpoints of each family (sizes shrunk)
+LEGACY = {
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151643,
+              "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 32768,
+              "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+              "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+              "vocab_size": 151936},
+    "llama": {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+              "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 16384, "model_type": "llama",
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "pretraining_tp": 1,
+              "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": False,
+              "torch_dtype": "bfloat16", "vocab_size": 32016},
+    "mistral": {"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+                "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 32768, "model_type": "mistral",
+                "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-05,
+                "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "bos_token_id": 151643, "eos_token_id": 151645,
+              "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128,
+              "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+              "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+              "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+              "use_sliding_window": False, "vocab_size": 151936},
+}
+
+
+def _variants(fam: str, saved: dict):
+    """config.json variants: as transformers 5 saves it, as transformers 4 did, each defaulted key left out
+    in turn, and the keys transformers derives when null."""
+    yield "saved", saved
+    yield "legacy", LEGACY[fam]
+    for k in checkpoint.CONFIG_DEFAULTS[fam]:
+        for base_name, base in (("saved", saved), ("legacy", LEGACY[fam])):
+            yield f"{base_name} without {k}", {n: v for n, v in base.items() if n != k}
+    yield "null derived", {**LEGACY[fam], "num_key_value_heads": None, "head_dim": None}
+    yield "window on", {**LEGACY[fam], "use_sliding_window": True, "sliding_window": 1024}
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_the_light_config_reads_as_transformers_config_does(tmp_path, fam):
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    saved = json.loads((make_tiny_model(tmp_path / "m", family=fam, layers=2, dtype="bfloat16")
+                        / "config.json").read_text())
+    d = tmp_path / "c"
+    d.mkdir()
+    for name, raw in _variants(fam, saved):
+        (d / "config.json").write_text(json.dumps(raw))
+        try:
+            theirs = AutoConfig.from_pretrained(d)
+        except StrictDataclassError:
+            continue   # a null this family's class refuses: a config transformers cannot load at all
+        light = checkpoint.light_config(raw, d)
+        assert light is not None, (fam, name)
+        assert _reads(light) == _reads(theirs), (fam, name)
+
+
+def test_the_light_config_stands_aside_where_config_json_does_not_say_enough(tmp_path):
+    raw = LEGACY["qwen2"]
+    assert checkpoint.light_config(raw, tmp_path) is not None
+    for bad in ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, {"model_type": "gpt2"},
+                {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+                {"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+                {"rope_theta": None}, {"hidden_size": None}, {"vocab_size": "many"}, {"rms_norm_eps": "x"},
+                {"num_key_value_heads": 2.5}, {"max_position_embeddings": None}):
+        assert checkpoint.light_config({**raw, **bad}, tmp_path) is None, bad
+    assert checkpoint.light_config({k: v for k, v in raw.items() if k != "num_hidden_layers"}, tmp_path) is None
+    assert checkpoint.light_config({k: v for k, v in raw.items() if k != "rope_theta"}, tmp_path) is None
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+@pytest.mark.parametrize("declared", [None, "TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer",
+                                      "LlamaTokenizerFast", "GPT2TokenizerFast"])
+def test_the_tokenizer_is_the_one_autotokenizer_picks(tmp_path, fam, declared):
+    from transformers import AutoTokenizer
+
+    d = make_tiny_model(tmp_path / "m", family=fam, layers=1, tokenizer=FAMILIES[fam] or None)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("tokenizer_class", None)
+    if declared:
+        tc["tokenizer_class"] = declared
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    raw = json.loads((d / "config.json").read_text())
+    ours, theirs = checkpoint.load_tokenizer(d, raw, False), AutoTokenizer.from_pretrained(d)
+    assert type(ours) is type(theirs)
+    text = "def f(x):\n    return x  # ünïcode\t<|fim_prefix|>"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.decode(ours(text).input_ids) == theirs.decode(theirs(text).input_ids)
+    assert (ours.eos_token_id, ours.unk_token_id, ours.all_special_ids) == \
+        (theirs.eos_token_id, theirs.unk_token_id, theirs.all_special_ids)
+    assert ours.get_vocab() == theirs.get_vocab()
+
+
+def test_a_large_llama_checkpoint_loads_without_transformers_model_loading_code(tmp_path):
+    """The memory point of the light config: no config class, so none of the modules it drags in."""
+    import subprocess
+    import sys
+
+    _need_native()
+    d = make_tiny_model(tmp_path / "m", family="llama", layers=2, dtype="bfloat16")
+    code = ("import sys; from completiond.engine import forward, checkpoint; forward.TRANSPOSED_COPY_LIMIT = 0; "
+            "from completiond.engine.engine import Engine; e = Engine.load(sys.argv[1], device='cpu'); "
+            "assert isinstance(e.model, checkpoint.CausalLM); "
+            "print(sorted(m for m in ('sympy', 'torch.distributed.tensor', 'kernels') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -45,6 +45,15 @@ def test_config_values_past_the_limits_are_refused_before_allocation(tiny_model_
         hub.check_config("org/m", json.loads((path / "config.json").read_text()))
 
 
+@pytest.mark.parametrize("key, value", [("rms_norm_eps", "small"), ("num_key_value_heads", 2.5),
+                                        ("tie_word_embeddings", "yes")])
+def test_a_config_value_of_the_wrong_type_is_a_clear_error(tiny_model_dir, tmp_path, key, value):
+    # transformers' config classes check types with their own exception class, not a ValueError
+    path = copy_with(tiny_model_dir, tmp_path, **{key: value})
+    with pytest.raises(EngineError, match=f"cannot (load|use) model .*{key}"):
+        Engine.load(path, device="cpu")
+
+
 @pytest.mark.parametrize("key, value", [("num_hidden_layers", 1000), ("vocab_size", 2_000_000),
                                         ("intermediate_size", 1 << 20)])
 def test_a_config_that_describes_more_than_its_weights_is_refused_naming_the_value(tiny_model_dir, tmp_path,

@@ -8,11 +8,17 @@ layers, norm, rotary_emb}, model.lm_head), hold the checkpoint's tensors as they
 compute rope tables exactly as transformers' rotary modules do. They have no forward pass of their
 own: the engine runs its Forward over them. Engine.load uses them only for what they can stand in for
 (`eligible`); anything else loads through transformers as before.
+
+Its config and tokenizer avoid transformers' config classes too: importing any of them imports the model
+loading code (torch.distributed, sympy, kernels: about 55 MB more). `light_config` stands in for the
+config class where config.json says all the engine reads, and `load_tokenizer` tells AutoTokenizer the
+model's type from config.json, so that it picks the very class it would pick with the config loaded.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -158,19 +164,27 @@ class CausalLM(nn.Module):
             raise EngineError(f"the checkpoint has tensors this reader does not place: {', '.join(sorted(t)[:5])}")
 
 
-def read(directory: Path, dtype: torch.dtype) -> CausalLM:
-    """The model in `directory`, its tensors in dtype (a bf16 checkpoint read as bf16 stays as stored)."""
+def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> CausalLM:
+    """The model in `directory`, its tensors in dtype (a bf16 checkpoint read as bf16 stays as stored).
+    raw: config.json as read already (else read here)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    from transformers import AutoConfig, GenerationConfig
 
-    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    try:
-        generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
-    except OSError:
-        generation = None   # no generation_config.json: config.json's ids decide
+    if raw is None:
+        raw = json.loads((directory / "config.json").read_text())
+    config = light_config(raw, directory)
+    if config is not None:
+        generation = _generation_config(directory)
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        try:
+            generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+        except OSError:
+            generation = None   # no generation_config.json: config.json's ids decide
     # as from_pretrained records it: the dtype the weights were loaded in
-    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
+    setattr(config, "dtype" if hasattr(config, "dtype") or isinstance(config, LightConfig) else "torch_dtype", dtype)
     tensors: dict[str, torch.Tensor] = {}
     for f in _weight_files(directory):
         try:
@@ -183,3 +197,99 @@ def read(directory: Path, dtype: torch.dtype) -> CausalLM:
         return CausalLM(tensors, config, generation)
     except KeyError as exc:
         raise EngineError(f"{directory}: the checkpoint lacks the tensor {exc.args[0]}") from None
+
+
+# ------------------------------------------------------------------ config and tokenizer, light
+# What transformers' config classes fill in for a key that config.json leaves out, for each key the engine
+# reads (tests compare every entry with the installed transformers). None: derived as the class derives it.
+# A key the engine reads that is neither in config.json nor here keeps light_config from standing in.
+_COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_key_value_heads": None, "pad_token_id": None}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None},
+    "mistral": {**_COMMON, "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2,
+                "num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096},
+    "qwen2": {**_COMMON, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096},
+    "qwen3": {**_COMMON, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096, "head_dim": 128},
+}
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class LightConfig(SimpleNamespace):
+    """config.json as attributes, with what the family's transformers config class derives from it."""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def light_config(raw: dict, directory: Path) -> LightConfig | None:
+    """A stand-in for transformers' config of this model, or None when config.json does not say enough
+    (then AutoConfig reads it): a family of FAMILIES, the sizes given, and the default rope (scaled rope
+    tables come from transformers' own functions, which take its config)."""
+    family = raw.get("model_type")
+    if family not in CONFIG_DEFAULTS or any(not isinstance(raw.get(k), int) for k in _REQUIRED):
+        return None
+    if "rope_parameters" in raw:
+        rope = raw["rope_parameters"]
+        if not isinstance(rope, dict) or set(rope) - {"rope_type", "rope_theta"}:
+            return None
+        kind, theta = rope.get("rope_type", "default"), rope.get("rope_theta")
+    else:
+        kind, theta = ("default" if raw.get("rope_scaling") is None else "scaled"), raw.get("rope_theta")
+    if kind != "default" or not isinstance(theta, (int, float)):
+        return None
+    c = {**CONFIG_DEFAULTS[family], **raw}
+    if c["num_key_value_heads"] is None:
+        c["num_key_value_heads"] = c["num_attention_heads"]
+    if "head_dim" in c and c["head_dim"] is None:
+        c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    if "use_sliding_window" in c and not c["use_sliding_window"]:
+        c["sliding_window"] = None   # Qwen: a window only where use_sliding_window says so
+    sizes = ("num_key_value_heads", "max_position_embeddings") + (("head_dim",) if "head_dim" in c else ())
+    if any(not isinstance(c[k], int) for k in sizes) or not isinstance(c["rms_norm_eps"], (int, float)):
+        return None   # transformers' config class reports what is wrong
+    c["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    c.pop("rope_scaling", None)
+    c.pop("rope_theta", None)
+    c["_name_or_path"] = str(directory)
+    return LightConfig(**c)
+
+
+def _generation_config(directory: Path) -> SimpleNamespace | None:
+    """generation_config.json's token ids (all the engine reads of it), or None without one."""
+    from completiond.engine.hub import read_json
+
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(data, dict):
+        raise EngineError(f"{path}: not a JSON object")
+    return SimpleNamespace(**{k: data.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+
+
+def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
+    """AutoTokenizer's tokenizer for the model in directory (config.json read as raw), without loading
+    the config class when AutoTokenizer would not need it: tokenizer_config.json names the tokenizer
+    class and no remote code is involved. AutoTokenizer's choice then rests on the config's model_type,
+    model_name, tokenizer_class and name (tests compare the result with a plain AutoTokenizer load)."""
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    try:
+        tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_cfg = None
+    if (not trust_remote_code and isinstance(tok_cfg, dict) and isinstance(tok_cfg.get("tokenizer_class"), str)
+            and "auto_map" not in tok_cfg and "auto_map" not in raw and isinstance(raw.get("model_type"), str)):
+        fields = {"model_type": raw["model_type"], "tokenizer_class": raw.get("tokenizer_class"),
+                  "_name_or_path": str(directory)}
+        if "model_name" in raw:
+            fields["model_name"] = raw["model_name"]
+        kwargs["config"] = SimpleNamespace(**fields)
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code,
+                                         local_files_only=True, **kwargs)

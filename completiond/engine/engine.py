@@ -264,7 +264,7 @@ class Engine:
         if reader not in ("auto", "transformers"):
             raise EngineError(f"unknown reader {reader!r}; use auto or transformers")
         import transformers
-        from transformers import AutoTokenizer
+        from huggingface_hub.errors import StrictDataclassError
 
         from completiond.engine import memory
 
@@ -325,7 +325,8 @@ class Engine:
         try:
             if progress is not None:
                 progress("tokenizer")
-            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
+            raw = config if isinstance(config, dict) else {}
+            tok = checkpoint.load_tokenizer(local, raw, trust_remote_code)
             if progress is not None:
                 progress("weights")
             light = None
@@ -334,7 +335,7 @@ class Engine:
                 if light is None and any(p.exists() for p in adapter_paths(local, model_id)):
                     light = "an exit adapter is built from transformers' layer classes"
                 if light is None:
-                    hf = checkpoint.read(local, torch_dtype)
+                    hf = checkpoint.read(local, torch_dtype, raw)
             if light is not None or reader != "auto" or compute_dtype is None:
                 from transformers import AutoModelForCausalLM
 
@@ -342,7 +343,8 @@ class Engine:
                                                           trust_remote_code=trust_remote_code, local_files_only=True)
         except OSError as exc:
             raise EngineError(f"cannot load model {name} from {source}: {exc}") from exc
-        except ValueError as exc:
+        except (ValueError, StrictDataclassError) as exc:
+            # StrictDataclassError: a config.json value of the wrong type, as transformers' config classes check
             raise EngineError(f"cannot load model {name}: {exc}") from exc
         if progress is not None:
             progress("device")
