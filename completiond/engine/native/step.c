@@ -729,9 +729,10 @@ static size_t dot_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
 
 /* bytes of scratch one thread needs for t activation rows of up to in values (rounded or quantised) */
+static size_t split_scratch(int t, int in);
 static size_t row_scratch(int t, int in) {
-    size_t a = vnni_scratch(t, in), b = dot_scratch(t, in);
-    return a > b ? a : b;
+    size_t a = vnni_scratch(t, in), b = dot_scratch(t, in), c = BF16_DOT ? 0 : split_scratch(t, in);
+    return a > b ? (a > c ? a : c) : (b > c ? b : c);
 }
 
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
@@ -769,12 +770,15 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
  * A large model's tied embedding is its LM head too: packing the head into panels would keep a second copy
  * of the largest matrix (272 MB in the 0.5B shape). FMT_BF16_ROWS reads the model's own bf16 [out, in]
  * rows instead, as dot products: y[r, j] = b[j] + fold(acc), where acc holds 16 lane sums, each one
- * chain in k order, and fold adds lanes l and l + 8, then hsum8. The AVX2 and the AVX-512 builds run the
- * same chain per lane (two 8-lane accumulators are one 16-lane one) and the same fold; the BF16 build
- * multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k = 2l, 2l + 1 of each 32). Groups of
- * RJ output rows by blocks of RR activation rows: each weight row is read once from memory for all t. */
+ * chain in k order, and fold adds lanes l and l + 8, then hsum8. In the float32 builds (AVX2 and AVX-512,
+ * one code) lane l of each 16 k holds k = 2l and lane l + 8 holds k = 2l + 1: one 32-byte load of 16 bf16
+ * weights widens into both 8-lane halves with a shift and a mask (vpmovzxwd widening ran at about one
+ * per cycle and bound the whole head), and the activation rows are split into even and odd k once per
+ * call, in scratch. The BF16 build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k =
+ * 2l, 2l + 1 of each 32). Groups of RJ output rows by blocks of activation rows: each weight row is read
+ * once from memory for all t. */
 #define RJ 4
-#define RR 4
+#define RR 4 /* the BF16 build's block of activation rows */
 
 static inline void store_dot(float sum, const float *b, float *dst, int j) { *dst = b ? sum + b[j] : sum; }
 
@@ -812,55 +816,91 @@ static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out,
     }
 }
 #else
-/* the float32 chain: per 16 k, lanes 0-7 and 8-15 each one fmadd of widened weights */
+/* The float32 chain. A block of NR activation rows by one weight row keeps its 2 * NR chains and the
+ * widened weights in AVX2's 16 registers (the former block of 4 x 4 needed 32 chains and spilled them to
+ * the stack every k). A chain's ops do not depend on the block it is in, so every row gets the bits of a
+ * one-row pass. */
+static inline size_t split_floats(int in) { return ((size_t)in + 15) / 16 * 16; }
+
+/* x [t, in] -> xs [t, split_floats(in)]: per 16 k, the 8 even k, then the 8 odd k; zeros past in */
+static void split_rows(const float *x, int t, int in, float *xs) {
+    const size_t ld = split_floats(in);
+    for (int r = 0; r < t; r++)
+        for (size_t k = 0; k < ld; k += 16)
+            for (int l = 0; l < 16; l++) {
+                const size_t src = k + 2 * (size_t)(l & 7) + (size_t)(l >> 3);
+                xs[(size_t)r * ld + k + l] = src < (size_t)in ? x[(size_t)r * in + src] : 0.0f;
+            }
+}
+
+static size_t split_scratch(int t, int in) { return (size_t)t * split_floats(in) * sizeof(float) + 64; }
+
+
+
+
+#define ROWK(NR, NJ)                                                                                     \
+    static inline void rowk_##NR##_##NJ(const float *xs, size_t ld, int in, const uint16_t *W, const float *b, \
+                                        float *y, int ldy, int j) {                                     \
+        const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
+        __m256 lo[NR][NJ], hi[NR][NJ];                                                                   \
+        _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++)                                          \
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++) lo[rr][jj] = hi[rr][jj] = _mm256_setzero_ps(); \
+        const int in16 = in / 16 * 16;                                                                   \
+        int k = 0;                                                                                       \
+        for (; k < in16; k += 16) {                                                                      \
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++) {                                    \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(W + (size_t)(j + jj) * in + k)); \
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                       \
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));                       \
+                _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++) {                                \
+                    lo[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k), we, lo[rr][jj]);     \
+                    hi[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k + 8), wo, hi[rr][jj]); \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        if (k < in) { /* the last k < 16 through a zero-padded copy: x * 0 adds nothing to a chain */    \
+            for (int jj = 0; jj < NJ; jj++) {                                                            \
+                uint16_t wt[16] = {0};                                                                   \
+                memcpy(wt, W + (size_t)(j + jj) * in + k, sizeof(uint16_t) * (size_t)(in - k));         \
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)wt);                             \
+                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                       \
+                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));                       \
+                for (int rr = 0; rr < NR; rr++) {                                                        \
+                    lo[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k), we, lo[rr][jj]);     \
+                    hi[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k + 8), wo, hi[rr][jj]); \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++)                                          \
+            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++)                                      \
+                store_dot(hsum8(_mm256_add_ps(lo[rr][jj], hi[rr][jj])), b, y + (size_t)rr * ldy + j + jj, j + jj); \
+    }
+ROWK(1, 1) ROWK(2, 1) ROWK(3, 1) ROWK(4, 1) ROWK(5, 1) ROWK(6, 1)
+
+#define ROWS_EACH(NR) for (int jj = j; jj < j + jn; jj++) rowk_##NR##_1(xr, ld, in, W, b, yr, ldy, jj)
+
 static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
                       int j0, int j1, void *scratch) {
     (void)out;
-    (void)scratch;
-    const int in16 = in / 16 * 16;
+    const size_t ld = split_floats(in);
+    float *xs = (float *)scratch;
+    split_rows(x, t, in, xs);
+    /* RJ weight rows (a few KB) stay in L1 while every block of activation rows goes over them */
     for (int j = j0; j < j1; j += RJ) {
-        const int nj = j1 - j < RJ ? j1 - j : RJ;
-        for (int r0 = 0; r0 < t; r0 += RR) {
-            const int nr = t - r0 < RR ? t - r0 : RR;
-            __m256 lo[RR][RJ], hi[RR][RJ];
-            _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++)
-                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) lo[rr][jj] = hi[rr][jj] = _mm256_setzero_ps();
-            for (int k = 0; k < in; k += 16) {
-                /* the last k < 16 go through zero-padded copies: x * 0 adds nothing to a chain */
-                uint16_t wt[RJ][16];
-                float xt[RR][16];
-                const int tail = k >= in16;
-                __m256 wl[RJ], wh[RJ];
-                _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) {
-                    const uint16_t *src = W + (size_t)(j + (jj < nj ? jj : 0)) * in + k;
-                    if (tail) {
-                        memset(wt[jj], 0, sizeof wt[jj]);
-                        if (jj < nj) memcpy(wt[jj], src, sizeof(uint16_t) * (size_t)(in - k));
-                        src = wt[jj];
-                    }
-                    __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
-                    __m256i c = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 8)));
-                    wl[jj] = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
-                    wh[jj] = _mm256_castsi256_ps(_mm256_slli_epi32(c, 16));
-                }
-                _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++) {
-                    if (rr >= nr) break;
-                    const float *xr = x + (size_t)(r0 + rr) * in + k;
-                    if (tail) {
-                        memset(xt[rr], 0, sizeof xt[rr]);
-                        memcpy(xt[rr], xr, sizeof(float) * (size_t)(in - k));
-                        xr = xt[rr];
-                    }
-                    const __m256 xl = _mm256_loadu_ps(xr), xh = _mm256_loadu_ps(xr + 8);
-                    _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++) {
-                        lo[rr][jj] = _mm256_fmadd_ps(xl, wl[jj], lo[rr][jj]);
-                        hi[rr][jj] = _mm256_fmadd_ps(xh, wh[jj], hi[rr][jj]);
-                    }
-                }
+        const int jn = j1 - j < RJ ? j1 - j : RJ;
+        for (int r0 = 0; r0 < t;) {
+            const int left = t - r0, blocks = (left + 5) / 6, nr = (left + blocks - 1) / blocks; /* even blocks <= 6 */
+            const float *xr = xs + (size_t)r0 * ld;
+            float *yr = y + (size_t)r0 * ldy;
+            switch (nr) {
+            case 6: ROWS_EACH(6); break;
+            case 5: ROWS_EACH(5); break;
+            case 4: ROWS_EACH(4); break;
+            case 3: ROWS_EACH(3); break;
+            case 2: ROWS_EACH(2); break;
+            default: ROWS_EACH(1);
             }
-            for (int rr = 0; rr < nr; rr++)
-                for (int jj = 0; jj < nj; jj++)
-                    store_dot(hsum8(_mm256_add_ps(lo[rr][jj], hi[rr][jj])), b, y + (size_t)(r0 + rr) * ldy + j + jj, j + jj);
+            r0 += nr;
         }
     }
 }
