@@ -135,6 +135,11 @@ codes = [
     layers(1, 0, L, cap), layers(2, 0, L, cap - 1), layers(1, 2, 1, n), layers(1, 0, L + 1, n), layers(0, 0, L, n),
     layers(1, -1, L, n), layers(2, 0, L, n, torch.tensor([0, 10**9])), layers(1, 0, L, -4),
 ]
+kept = step.model.layers[0].wfmt
+for bad in (native.FMT_BF16_ROWS, 7, -1):  # layers are panels only: a row-major or unknown format is refused
+    step.model.layers[0].wfmt = bad
+    codes.append(layers(1, 0, L, n))
+step.model.layers[0].wfmt = kept
 assert all(c < -1 for c in codes), codes
 assert torch.equal(seq.k, guard[0]) and torch.equal(seq.v, guard[1]), "a refused call wrote into the cache"
 assert ran > 0

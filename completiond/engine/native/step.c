@@ -753,10 +753,16 @@ static size_t dot_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
 
 /* bytes of scratch one thread needs for t activation rows of up to in values (rounded or quantised) */
+static size_t panel_scratch(int t, int in) {
+    size_t a = vnni_scratch(t, in), b = dot_scratch(t, in);
+    return a > b ? a : b;
+}
+
+/* the same where the matrix may also be a row-major bf16 head (the float32 builds split its activation rows) */
 static size_t split_scratch(int t, int in);
 static size_t row_scratch(int t, int in) {
-    size_t a = vnni_scratch(t, in), b = dot_scratch(t, in), c = BF16_DOT ? 0 : split_scratch(t, in);
-    return a > b ? (a > c ? a : c) : (b > c ? b : c);
+    size_t a = panel_scratch(t, in), c = BF16_DOT ? 0 : split_scratch(t, in);
+    return a > c ? a : c;
 }
 
 /* t rows of x [t, in] times the panels [pa, pb) of Wp: y [t, ldy] at the panels' columns. Rows go in
@@ -1086,6 +1092,8 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
               const float *sin_t, int nthreads) {
     const int d = m->d, H = m->H, KV = m->KV, hd = m->hd, I = m->I, nq = H + 2 * KV, qw = nq * hd;
     if (t < 1 || first < 0 || last > m->n_layers || first > last || d < 1 || hd < 1 || KV < 1 || H % KV) return CD_ESIZE;
+    for (int i = first; i < last; i++) /* layers are panels: a row-major format would want scratch they do not get */
+        if (m->layers[i].wfmt < FMT_F32 || m->layers[i].wfmt > FMT_I8) return CD_ESIZE;
     if (pos < 0 || cap < 1 || pos > cap - t) return CD_EPOS; /* the slots pos..pos+t-1 must exist */
     if (rope_pos) {
         for (int r = 0; r < t; r++)
@@ -1131,7 +1139,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     /* per-thread scratch for activation rows quantised (VNNI build) or rounded to bf16 (BF16 build); 0 bytes elsewhere */
     int maxin = d > H * hd ? d : H * hd;
     if (I > maxin) maxin = I;
-    const size_t qper = (row_scratch(t, maxin) + 63) & ~(size_t)63;
+    const size_t qper = (panel_scratch(t, maxin) + 63) & ~(size_t)63; /* layers are panels only */
     char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
     if (qper && !qscr) { free(buf); free(row_items); free(kidx); return CD_ENOMEM; }
 
