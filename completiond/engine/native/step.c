@@ -802,9 +802,8 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
  * rows instead, as dot products: y[r, j] = b[j] + fold(acc), where acc holds 16 lane sums, each one
  * chain in k order, and fold adds lanes l and l + 8, then hsum8. In the float32 builds (AVX2 and AVX-512,
  * one code) lane l of each 16 k holds k = 2l and lane l + 8 holds k = 2l + 1: one 32-byte load of 16 bf16
- * weights widens into both 8-lane halves with a shift and a mask (vpmovzxwd widening ran at about one
- * per cycle and bound the whole head), and the activation rows are split into even and odd k once per
- * call, in scratch. The BF16 build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k =
+ * weights widens into both 8-lane halves with a shift and a mask (no shuffle-port vpmovzxwd per 8
+ * weights), and the activation rows are split into even and odd k once per call, in scratch. The BF16 build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k =
  * 2l, 2l + 1 of each 32). Groups of RJ output rows by blocks of activation rows: each weight row is read
  * once from memory for all t. */
 #define RJ 4
