@@ -36,6 +36,13 @@
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
  * with 8 KB ahead (4-16 KB alike; 1 KB too little). One-row kernels are bound by the stream itself: without. */
 #define PF_AHEAD 8192
+
+/* rows in the next block when `left` rows remain and a block holds at most `most`: blocks as even as they
+ * come (t = 6 in blocks of up to 5: 3 + 3) */
+static inline int even_block(int left, int most) {
+    const int blocks = (left + most - 1) / most;
+    return (left + blocks - 1) / blocks;
+}
 #define CHUNK 256 /* keys per attention chunk: fixed, so a position's result never depends on t */
 
 typedef struct {
@@ -269,9 +276,8 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
 #define KERNELS(NAME, ELT, LOAD) KERNELS_WITH(MK, NAME, ELT, LOAD)
 #define KERNELS_BF16(NAME, ELT, LOAD) KERNELS_WITH(MKP, NAME, ELT, LOAD)
 #define BLOCK 8 /* rows per full block */
-#define EVEN_BLOCKS 0 /* t > BLOCK: full blocks, then the rest */
-#define ROWS_REST(NAME, N)                                                                               \
-    switch (N) {                                                                                         \
+#define ROWS_REST(NAME)                                                                                  \
+    switch (t - r) {                                                                                     \
     case 7: ROWS(NAME, 7, 2); break;                                                                     \
     case 6: ROWS(NAME, 6, 2); break;                                                                     \
     case 5: ROWS(NAME, 5, 2); break;                                                                     \
@@ -363,9 +369,8 @@ static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b
 /* t > BLOCK: full blocks, then the rest. Blocks as even as they come (t = 8: 4 + 4) measured slower than
  * 6 + 2 here (0.5B shape, bf16, K = 7: 2.13-2.34 against 1.89-2.07 of a step, interleaved runs): the 6-row
  * block's twelve chains outweigh a second pass of a 2-row block over weights still in cache. */
-#define EVEN_BLOCKS 0
-#define ROWS_REST(NAME, N)                                                                               \
-    switch (N) {                                                                                         \
+#define ROWS_REST(NAME)                                                                                  \
+    switch (t - r) {                                                                                     \
     case 5: ROWS(NAME, 5, 1); break;                                                                     \
     case 4: ROWS(NAME, 4, 1); break;                                                                     \
     case 3: ROWS(NAME, 3, 1); break;                                                                     \
@@ -398,18 +403,14 @@ KERNELS(mki, int8_t, LOAD_I8)
     for (int qa = pa; qa < pb; qa += PANEL_GROUP) {                                                      \
         const int qb = qa + PANEL_GROUP < pb ? qa + PANEL_GROUP : pb;                                    \
         int r = 0;                                                                                       \
-        while (t - r >= 2) {                                                                             \
-            const int left_ = t - r, blocks_ = (left_ + BLOCK - 1) / BLOCK;                              \
-            const int nr_ = EVEN_BLOCKS ? (left_ + blocks_ - 1) / blocks_ : left_ < BLOCK ? left_ : BLOCK; \
-            if (nr_ == BLOCK) ROWS_FULL(NAME);                                                           \
-            else ROWS_REST(NAME, nr_)                                                                    \
-            r += nr_;                                                                                    \
-        }                                                                                                \
+        for (; r + BLOCK <= t; r += BLOCK) ROWS_FULL(NAME);                                              \
         if (t - r == 1) {                                                                                \
             int p = qa;                                                                                  \
             for (; p + 4 <= qb; p += 4) NAME##_1_4(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
             for (; p + 2 <= qb; p += 2) NAME##_1_2(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
             for (; p < qb; p++) NAME##_1_1(x + (size_t)r * in, in, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out); \
+        } else {                                                                                         \
+            ROWS_REST(NAME)                                                                              \
         }                                                                                                \
     }
 
@@ -626,7 +627,7 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
         /* blocks of up to 5 rows, as even as they come: K = 4's pass is one block, t = 6 is 3 + 3 (4 + 2
          * measured 1.85-2.10 of a step at K = 5 on the 0.5B shape, 3 + 3 1.79-1.96, interleaved runs) */
         while (t - r >= 2) {
-            const int left = t - r, blocks = (left + 4) / 5, nr = (left + blocks - 1) / blocks;
+            const int nr = even_block(t - r, 5);
             switch (nr) {
             case 5: VROWS1(5); break;
             case 4: VROWS1(4); break;
@@ -761,7 +762,7 @@ static size_t panel_scratch(int t, int in) {
 /* the same where the matrix may also be a row-major bf16 head (the float32 builds split its activation rows) */
 static size_t split_scratch(int t, int in);
 static size_t row_scratch(int t, int in) {
-    size_t a = panel_scratch(t, in), c = BF16_DOT ? 0 : split_scratch(t, in);
+    size_t a = panel_scratch(t, in), c = split_scratch(t, in);
     return a > c ? a : c;
 }
 
@@ -803,8 +804,8 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
  * chain in k order, and fold adds lanes l and l + 8, then hsum8. In the float32 builds (AVX2 and AVX-512,
  * one code) lane l of each 16 k holds k = 2l and lane l + 8 holds k = 2l + 1: one 32-byte load of 16 bf16
  * weights widens into both 8-lane halves with a shift and a mask (no shuffle-port vpmovzxwd per 8
- * weights), and the activation rows are split into even and odd k once per call, in scratch. The BF16 build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k =
- * 2l, 2l + 1 of each 32). Groups of RJ output rows by blocks of activation rows: each weight row is read
+ * weights), and the activation rows are split into even and odd k once per call, in scratch. The BF16
+ * build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k = 2l, 2l + 1 of each 32). Groups of RJ output rows by blocks of activation rows: each weight row is read
  * once from memory for all t. */
 #define RJ 4
 #define RR 4 /* the BF16 build's block of activation rows */
@@ -812,6 +813,8 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
 static inline void store_dot(float sum, const float *b, float *dst, int j) { *dst = b ? sum + b[j] : sum; }
 
 #if BF16_DOT
+static size_t split_scratch(int t, int in) { (void)t; (void)in; return 0; } /* rounds rows into dot_scratch */
+
 static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
                       int j0, int j1, void *scratch) {
     (void)out;
@@ -864,51 +867,44 @@ static void split_rows(const float *x, int t, int in, float *xs) {
 
 static size_t split_scratch(int t, int in) { return (size_t)t * split_floats(in) * sizeof(float) + 64; }
 
+/* 16 k of one weight row (RAW: its 16 bf16 bits) into every row's two chains (lo, hi, xs, ld, k and odd
+ * are rowk's) */
+#define ROWK_CHUNK(NR, RAW)                                                                              \
+    do {                                                                                                 \
+        const __m256 we_ = _mm256_castsi256_ps(_mm256_slli_epi32(RAW, 16));                              \
+        const __m256 wo_ = _mm256_castsi256_ps(_mm256_and_si256(RAW, odd));                              \
+        _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++) {                                        \
+            lo[rr] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k), we_, lo[rr]);                    \
+            hi[rr] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k + 8), wo_, hi[rr]);                \
+        }                                                                                                \
+    } while (0)
 
-
-
-#define ROWK(NR, NJ)                                                                                     \
-    static inline void rowk_##NR##_##NJ(const float *xs, size_t ld, int in, const uint16_t *W, const float *b, \
-                                        float *y, int ldy, int j) {                                     \
+/* NR activation rows (split) against weight row j */
+#define ROWK(NR)                                                                                         \
+    static inline void rowk_##NR(const float *xs, size_t ld, int in, const uint16_t *W, const float *b,  \
+                                 float *y, int ldy, int j) {                                            \
         const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);                                         \
-        __m256 lo[NR][NJ], hi[NR][NJ];                                                                   \
-        _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++)                                          \
-            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++) lo[rr][jj] = hi[rr][jj] = _mm256_setzero_ps(); \
+        const uint16_t *w = W + (size_t)j * in;                                                          \
+        __m256 lo[NR], hi[NR];                                                                           \
+        _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++) lo[rr] = hi[rr] = _mm256_setzero_ps();   \
         const int in16 = in / 16 * 16;                                                                   \
         int k = 0;                                                                                       \
         for (; k < in16; k += 16) {                                                                      \
-            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++) {                                    \
-                if (NR > 1) /* compile-time; see PF_AHEAD */                                             \
-                    _mm_prefetch((const char *)(W + (size_t)(j + jj) * in + k) + PF_AHEAD, _MM_HINT_T0); \
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(W + (size_t)(j + jj) * in + k)); \
-                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                       \
-                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));                       \
-                _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++) {                                \
-                    lo[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k), we, lo[rr][jj]);     \
-                    hi[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k + 8), wo, hi[rr][jj]); \
-                }                                                                                        \
-            }                                                                                            \
+            if (NR > 1) /* compile-time; see PF_AHEAD */                                                 \
+                _mm_prefetch((const char *)(w + k) + PF_AHEAD, _MM_HINT_T0);                             \
+            ROWK_CHUNK(NR, _mm256_loadu_si256((const __m256i *)(w + k)));                                \
         }                                                                                                \
         if (k < in) { /* the last k < 16 through a zero-padded copy: x * 0 adds nothing to a chain */    \
-            for (int jj = 0; jj < NJ; jj++) {                                                            \
-                uint16_t wt[16] = {0};                                                                   \
-                memcpy(wt, W + (size_t)(j + jj) * in + k, sizeof(uint16_t) * (size_t)(in - k));         \
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)wt);                             \
-                const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));                       \
-                const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, odd));                       \
-                for (int rr = 0; rr < NR; rr++) {                                                        \
-                    lo[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k), we, lo[rr][jj]);     \
-                    hi[rr][jj] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + rr * ld + k + 8), wo, hi[rr][jj]); \
-                }                                                                                        \
-            }                                                                                            \
+            uint16_t wt[16] = {0};                                                                       \
+            memcpy(wt, w + k, sizeof(uint16_t) * (size_t)(in - k));                                      \
+            ROWK_CHUNK(NR, _mm256_loadu_si256((const __m256i *)wt));                                     \
         }                                                                                                \
         _Pragma("GCC unroll 8") for (int rr = 0; rr < NR; rr++)                                          \
-            _Pragma("GCC unroll 8") for (int jj = 0; jj < NJ; jj++)                                      \
-                store_dot(hsum8(_mm256_add_ps(lo[rr][jj], hi[rr][jj])), b, y + (size_t)rr * ldy + j + jj, j + jj); \
+            store_dot(hsum8(_mm256_add_ps(lo[rr], hi[rr])), b, y + (size_t)rr * ldy + j, j);             \
     }
-ROWK(1, 1) ROWK(2, 1) ROWK(3, 1) ROWK(4, 1) ROWK(5, 1) ROWK(6, 1)
+ROWK(1) ROWK(2) ROWK(3) ROWK(4) ROWK(5) ROWK(6)
 
-#define ROWS_EACH(NR) for (int jj = j; jj < j + jn; jj++) rowk_##NR##_1(xr, ld, in, W, b, yr, ldy, jj)
+#define ROWS_EACH(NR) for (int jj = j; jj < j + jn; jj++) rowk_##NR(xr, ld, in, W, b, yr, ldy, jj)
 
 static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out, const float *b, float *y, int ldy,
                       int j0, int j1, void *scratch) {
@@ -920,7 +916,7 @@ static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out,
     for (int j = j0; j < j1; j += RJ) {
         const int jn = j1 - j < RJ ? j1 - j : RJ;
         for (int r0 = 0; r0 < t;) {
-            const int left = t - r0, blocks = (left + 5) / 6, nr = (left + blocks - 1) / blocks; /* even blocks <= 6 */
+            const int nr = even_block(t - r0, 6);
             const float *xr = xs + (size_t)r0 * ld;
             float *yr = y + (size_t)r0 * ldy;
             switch (nr) {
