@@ -16,7 +16,6 @@ model's type from config.json, so that it picks the very class it would pick wit
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from completiond.engine.hub import read_json
 from completiond.errors import EngineError
 from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head
 
@@ -50,7 +50,7 @@ def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(read_json(index)["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return []
         if not names or any(not isinstance(n, str) or "/" in n or "\\" in n or n.startswith(".") for n in names):
@@ -171,7 +171,7 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
     from safetensors.torch import load_file
 
     if raw is None:
-        raw = json.loads((directory / "config.json").read_text())
+        raw = read_json(directory / "config.json")
     config = light_config(raw, directory)
     if config is not None:
         generation = _generation_config(directory)
@@ -258,8 +258,6 @@ def light_config(raw: dict, directory: Path) -> LightConfig | None:
 
 def _generation_config(directory: Path) -> SimpleNamespace | None:
     """generation_config.json's token ids (all the engine reads of it), or None without one."""
-    from completiond.engine.hub import read_json
-
     path = directory / "generation_config.json"
     if not path.is_file():
         return None
@@ -281,7 +279,7 @@ def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
 
     kwargs: dict[str, Any] = {}
     try:
-        tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
+        tok_cfg = read_json(directory / "tokenizer_config.json")
     except (OSError, ValueError):
         tok_cfg = None
     if (not trust_remote_code and isinstance(tok_cfg, dict) and isinstance(tok_cfg.get("tokenizer_class"), str)

@@ -299,9 +299,10 @@ class Engine:
             config = hub.read_json(local / "config.json")
         except (OSError, ValueError) as exc:
             raise EngineError(f"cannot load model {name}: config.json is unreadable: {exc}") from None
+        raw = config if isinstance(config, dict) else {}
         try:
             hub.check_side_files(local)
-            hub.check_config(name, config if isinstance(config, dict) else {}, trust_remote_code)
+            hub.check_config(name, raw, trust_remote_code)
         except hub.HubError as exc:
             raise EngineError(f"cannot use model {name}: {exc}") from None
         refusal = memory.config_fit_error(name, config, local, torch.tensor([], dtype=torch_dtype).element_size(),
@@ -318,25 +319,24 @@ class Engine:
         # A large bf16 checkpoint on the CPU with the native step: read as bf16 and packed layer by layer
         # (forward.packs_bf16_checkpoint), never widened to float32 as a whole; computed in float32.
         compute_dtype = None
-        if dtype == "auto" and device == "cpu" and isinstance(config, dict) and packs_bf16_checkpoint(config, local):
+        if dtype == "auto" and device == "cpu" and raw and packs_bf16_checkpoint(raw, local):
             torch_dtype, compute_dtype = torch.bfloat16, torch.float32
         source = str(local)
         model_id = model_identity(local)
         try:
             if progress is not None:
                 progress("tokenizer")
-            raw = config if isinstance(config, dict) else {}
             tok = checkpoint.load_tokenizer(local, raw, trust_remote_code)
             if progress is not None:
                 progress("weights")
-            light = None
-            if reader == "auto" and compute_dtype is not None:
-                light = checkpoint.eligible(config, local, trust_remote_code)
-                if light is None and any(p.exists() for p in adapter_paths(local, model_id)):
-                    light = "an exit adapter is built from transformers' layer classes"
-                if light is None:
-                    hf = checkpoint.read(local, torch_dtype, raw)
-            if light is not None or reader != "auto" or compute_dtype is None:
+            # why transformers' model classes load this model rather than engine/checkpoint.py (None: they do not)
+            why_transformers = ("asked for" if reader != "auto" else "not packed from bf16" if compute_dtype is None
+                                else checkpoint.eligible(raw, local, trust_remote_code))
+            if why_transformers is None and any(p.exists() for p in adapter_paths(local, model_id)):
+                why_transformers = "an exit adapter is built from transformers' layer classes"
+            if why_transformers is None:
+                hf = checkpoint.read(local, torch_dtype, raw)
+            else:
                 from transformers import AutoModelForCausalLM
 
                 hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
