@@ -72,11 +72,12 @@ def build_tokenizer(directory: Path, vocab_size: int = 400, special_tokens: list
 
 
 def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hidden: int = 64, seed: int = 0,
-                    dtype: str = "float32", peaked: bool = False, tokenizer: dict | None = None) -> Path:
+                    dtype: str = "float32", peaked: bool = False, tokenizer: dict | None = None, heads: int = 4,
+                    kv_heads: int = 2) -> Path:
     """Write a random tiny model of the given family to `directory`.
 
     tokenizer: keyword arguments of build_tokenizer (a family's special tokens); its eos and bos
-    become the config's.
+    become the config's. heads, kv_heads: query and KV heads (hidden must divide by heads).
 
     peaked=True scales the LM head so that logits are far apart: random tiny
     models otherwise have near-tied logits, and a batched and a single-token
@@ -94,7 +95,7 @@ def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hid
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     bos = tok.bos_token_id if tok.bos_token_id is not None else eos
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                   eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=True)
     if family == "llama":
         cfg = transformers.LlamaConfig(**common)
@@ -106,7 +107,7 @@ def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hid
         cfg = transformers.MistralConfig(**common, sliding_window=None)
         cls = transformers.MistralForCausalLM
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=hidden // 4)
+        cfg = transformers.Qwen3Config(**common, head_dim=hidden // heads)
         cls = transformers.Qwen3ForCausalLM
     elif family == "starcoder2":  # not a layout the engine runs: its refusal is tested
         cfg = transformers.Starcoder2Config(**common)

@@ -218,13 +218,55 @@ def _tree_mask(parents: list[int], p0: int) -> torch.Tensor:
     return torch.cat([torch.ones(t, p0, dtype=torch.bool), anc], 1)
 
 
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory) -> Engine:
+    """Qwen2.5-Coder-0.5B's grouping (14 query heads on 2 KV heads), tiny: the bundled model has a KV head
+    per query head, so only a model like this one has attention batch several q heads on one KV head."""
+    d = make_tiny_model(tmp_path_factory.mktemp("native-gqa"), family="qwen2", layers=2, hidden=112, heads=14,
+                        kv_heads=2, seed=3)
+    return Engine.load(d, device="cpu", dtype="float32")
+
+
 @torch.inference_mode()
-@pytest.mark.parametrize("p0", [40, 250])  # 250: the deeper nodes' keys cross the 256-key chunk boundary
-def test_tree_nodes_are_bit_exact_with_plain_steps(bundled, p0):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_grouped_heads_every_row_of_a_long_pass_is_a_one_row_step(gqa, threads):
+    """Attention's work items batch the (row, q head) pairs that read one KV head, at most 16 to a batch
+    (more batches where threads would idle): 5 rows and native.MAX_ROWS rows (231 pairs), past a 256-key
+    chunk, every row bit for bit a one-row step."""
+    _need_native()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n, p0 = native.MAX_ROWS, 280
+        prompt = _ids(gqa, TEXT * 8, p0 + n)
+        base = gqa.new_sequence(p0 + n + 8)
+        gqa.prefill(base, prompt[:p0], None)
+        seq, singles = base.copy_prefix(p0, n + 8), []
+        for tok in prompt[p0:]:
+            singles.append(_pass(gqa, seq, [tok]))
+            seq.commit([tok])
+        singles = torch.cat(singles)  # [n, V]
+        for rows in (5, n):
+            got = _pass(gqa, base.copy_prefix(p0, n + 8), prompt[p0:p0 + rows])
+            assert torch.equal(got, singles[:rows]), rows
+        # and every pair is the right (row, q head): the model, as the PyTorch path computes it
+        with _float_step(gqa):
+            got = _pass(gqa, base.copy_prefix(p0, n + 8), prompt[p0:])
+        with _torch_only(gqa):
+            want = _pass(gqa, base.copy_prefix(p0, n + 8), prompt[p0:])
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max().item()
+    finally:
+        torch.set_num_threads(saved)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("model,p0", [("bundled", 40), ("bundled", 250), ("gqa", 250)])  # 250: the deeper
+def test_tree_nodes_are_bit_exact_with_plain_steps(request, model, p0):           # nodes' keys cross a chunk
     """Every node of a token tree (ancestors at non-consecutive slots) gets, bit for bit, the logits and
     the K/V of plain one-token steps along its path: attention sums in the logical sequence's order,
     whatever slots the ancestors sit in. Float32, the native path, no tolerance."""
     _need_native()
+    bundled = request.getfixturevalue(model)
     prompt = _ids(bundled, TEXT * 4, p0 + 20)
     # node 0 the root; two branches interleaved in slot order, one of depth 9, so a node's ancestors are
     # spread over every other slot

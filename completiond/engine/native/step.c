@@ -975,7 +975,7 @@ static void share_items(int n, int tid, int nt, int *a, int *b) {
  * ancestors at scattered slots, itself) are gathered in order into kidx, so chunks, 8-key groups and
  * chains fall exactly where a plain step at the node's position puts them, and its bits are that step's. */
 
-#define ROW_GROUP 16 /* rows scored together (the stack holds their scores) */
+#define ROW_GROUP 16 /* query vectors scored together (the stack holds their scores) */
 /* the cache slot of the row's i-th key in logical order: kidx (a tree node's visible slots, one row per
  * call) or the identity (a causal row) */
 #define KEY(i) (kidx ? kidx[i] : (i))
@@ -1013,15 +1013,19 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
     for (int r = 0; r < nr; r++) {
         float *o = part[r] + 2;
         memset(o, 0, (size_t)hd * sizeof(float));
-        mx[r] = -INFINITY;
-        for (int i = 0; i < n[r]; i++) {
-            if (s[r][i] > mx[r]) mx[r] = s[r][i];
-        }
+        /* The max over 8 lanes, then across them: the value of a scan in key order (a maximum does not
+         * depend on the order, and of +0 and -0 either gives every exp(s - m) and merge weight the same bits). */
+        int n8 = (n[r] + 7) & ~7;
+        for (int i = n[r]; i < n8; i++) s[r][i] = -INFINITY;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int i = 0; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s[r] + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        mx[r] = _mm_cvtss_f32(m4);
         part[r][0] = mx[r];
         part[r][1] = 0.0f;
         if (mx[r] == -INFINITY) continue;
-        int n8 = (n[r] + 7) & ~7;
-        for (int i = n[r]; i < n8; i++) s[r][i] = -INFINITY;
         __m256 lsum = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx[r]);
         for (int i = 0; i < n8; i += 8) {
             __m256 sv = _mm256_loadu_ps(s[r] + i);
@@ -1123,8 +1127,15 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
         row_items[r + 1] = row_items[r] + H * ((keys + CHUNK - 1) / CHUNK);
     }
     const int items = row_items[t];
-    const int rg = mask ? 1 : ROW_GROUP; /* rows per attention work item */
-    const int nch = (maxkeys + CHUNK - 1) / CHUNK, ngroups = (t + rg - 1) / rg;
+    /* Attention work items (KV head, chunk, unit, batch). The query vectors that read one KV head are
+     * the pairs (row, q head of its group): every row's (causal: one unit of t * group pairs) or one row's
+     * (tree: a unit per row, since its keys are its own), cut into nb even batches of at most ROW_GROUP.
+     * A batch reads its chunk of K and V once for all its pairs, rather than once per q head: the group's
+     * heads share it from L1. More batches than the size asks for only where the threads would idle. */
+    const int nch = (maxkeys + CHUNK - 1) / CHUNK, units = mask ? t : 1, pairs = mask ? group : t * group;
+    int nb = (pairs + ROW_GROUP - 1) / ROW_GROUP;
+    const int busy = (2 * nthreads + KV * nch * units - 1) / (KV * nch * units);
+    if (busy > nb) nb = busy < pairs ? busy : pairs;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
     float *buf = malloc(floats * sizeof(float));
@@ -1176,20 +1187,20 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                 }
             }
 #pragma omp barrier
-            /* work items: (head, chunk, group of rows); a row has a part for each chunk it sees into */
-            share_items(H * nch * ngroups, tid, nt, &a, &b);
+            share_items(KV * nch * units * nb, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
-                int head = it / (nch * ngroups), c = (it / ngroups) % nch, grp = it % ngroups, g = head / group;
+                const int g = it / (nch * units * nb), c = (it / (units * nb)) % nch, u = (it / nb) % units,
+                          bt = it % nb;
                 const float *qs[ROW_GROUP];
-                const int *ki = NULL;
+                const int *ki = mask ? kidx + (size_t)u * width : NULL;
                 float *ps[ROW_GROUP];
                 int nk[ROW_GROUP], nr = 0;
-                for (int r = grp * rg; r < t && r < (grp + 1) * rg; r++) {
-                    int keys = mask ? nvis[r] : pos + r + 1;
+                for (int p = (int)((int64_t)pairs * bt / nb); p < (int)((int64_t)pairs * (bt + 1) / nb); p++) {
+                    const int r = mask ? u : p / group, head = g * group + p % group;
+                    const int keys = mask ? nvis[r] : pos + r + 1;
                     if (keys <= c * CHUNK) continue;
-                    int per_head = (row_items[r + 1] - row_items[r]) / H;
+                    const int per_head = (row_items[r + 1] - row_items[r]) / H;
                     qs[nr] = qkv + (size_t)r * qw + (size_t)head * hd;
-                    if (mask) ki = kidx + (size_t)r * width;
                     ps[nr] = parts + (size_t)(row_items[r] + head * per_head + c) * (hd + 2);
                     nk[nr++] = keys;
                 }
