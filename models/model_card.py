@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import inspect
 import json
 import random
 import re
@@ -85,10 +86,12 @@ def greedy(model, input_ids: list[int], max_new: int, stop_ids=(), stop_fn=None,
     out: list[int] = []
     x = torch.tensor([input_ids])
     past = None
+    # transformers 5.2x names the KV cache `cache` (past_key_values is deprecated, to go in 5.40); 4.x does not
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         for _ in range(max_new):
-            r = model(input_ids=x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
+            r = model(input_ids=x, use_cache=True, **{kw: past})
+            past = getattr(r, kw)
             nxt = int(r.logits[0, -1].argmax())
             if nxt in stop_ids:
                 return out, True
