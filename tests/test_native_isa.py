@@ -112,6 +112,75 @@ def test_int8_quantisation_is_symmetric_per_output_channel():
     assert torch.equal(packed.transpose(1, 2).reshape(48, 24)[:40], q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_quantisation_in_row_blocks_is_the_whole_matrix_formula(dtype):
+    """quantize_int8 works in blocks of rows (about 4 MB of float32 each): 300 rows of 8,192 are three
+    blocks, and give what the formula gives over the whole matrix at once, a zero row included; w is
+    left as it was."""
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(300, 8192, generator=g) * torch.rand(300, 1, generator=g)).to(dtype)
+    w[129] = 0.0
+    before = w.clone()
+    q, scale = native.quantize_int8(w)
+    f = w.float()
+    amax = f.abs().amax(dim=1)
+    want_scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    want = torch.round(f / want_scale[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(scale, want_scale) and torch.equal(q, want)
+    assert torch.equal(w, before)
+    # the row sums the VNNI layout's offset corrections take, summed in float32 while a block is at hand,
+    # and in int32 where a row is too wide for float32 to hold its sum exactly
+    for m in (w, torch.randn(2, 132_200, generator=g).to(dtype)):
+        q, _, sums = native._quantize_rows(m, True)
+        assert torch.equal(sums, q.sum(dim=1, dtype=torch.int32))
+
+
+def _bits(x: float) -> int:
+    """x's bf16 bits as int16 (x is bf16-exact)."""
+    return int(torch.tensor([x]).to(torch.bfloat16).view(torch.int16)[0])
+
+
+@pytest.mark.parametrize("out,width", [(16, 8), (37, 13), (48, 6), (5, 3)])
+def test_every_packed_layout_puts_each_weight_where_step_c_reads_it(out, width):
+    """pack_as against the layouts written out weight by weight (padded rows and k zero): whatever this CPU
+    runs, the AVX-512 builds' pairs and quads layouts included. Shapes with and without padding."""
+    g = torch.Generator().manual_seed(out * width)
+    w = torch.randn(out, width, generator=g).to(torch.bfloat16).float()
+    P, n = native.PANEL, -(-out // native.PANEL)
+    q, scale = native.quantize_int8(w)
+
+    def wt(r: int, k: int) -> float:
+        return float(w[r, k]) if r < out and k < width else 0.0
+
+    def qt(r: int, k: int) -> int:
+        return int(q[r, k]) if r < out and k < width else 0
+
+    packed, sc = native.pack_as(w, native.FMT_F32)
+    assert sc is None and packed.shape == (n, width, P)
+    assert packed.tolist() == [[[wt(p * P + c, k) for c in range(P)] for k in range(width)] for p in range(n)]
+    for src in (w, w.to(torch.bfloat16)):  # a float32 model's bf16-exact values, and a bf16 model's own
+        packed, sc = native.pack_as(src, native.FMT_BF16)
+        assert sc is None and packed.dtype == torch.int16 and packed.shape == (n, width, P)
+        assert packed.tolist() == [[[_bits(wt(p * P + c, k)) for c in native._BF16_ORDER] for k in range(width)]
+                                   for p in range(n)]
+        packed, sc = native.pack_as(src, native.FMT_BF16, pairs=True)
+        h = -(-width // 2)
+        assert sc is None and packed.dtype == torch.int16 and packed.shape == (n, h, P, 2)
+        assert packed.tolist() == [[[[_bits(wt(p * P + c, 2 * k + j)) for j in range(2)] for c in range(P)]
+                                    for k in range(h)] for p in range(n)]
+    want_scales = [float(scale[r]) if r < out else 1.0 for r in range(n * P)]
+    packed, sc = native.pack_as(w, native.FMT_I8)
+    assert packed.dtype == torch.int8 and packed.shape == (n, width, P) and sc.tolist() == want_scales
+    assert packed.tolist() == [[[qt(p * P + c, k) for c in range(P)] for k in range(width)] for p in range(n)]
+    packed, sc = native.pack_as(w, native.FMT_I8, quads=True)
+    h = -(-width // 4)
+    assert packed.dtype == torch.int8 and packed.shape == (n, h, P, 4)
+    assert packed.tolist() == [[[[qt(p * P + c, 4 * k + j) for j in range(4)] for c in range(P)] for k in range(h)]
+                               for p in range(n)]
+    assert sc[:n * P].tolist() == want_scales
+    assert sc[n * P:].view(torch.int32).tolist() == [128 * sum(qt(r, k) for k in range(width)) for r in range(n * P)]
+
+
 @torch.inference_mode()
 def test_int8_panels_compute_the_dequantised_model(tmp_path, monkeypatch):
     """weights="int8": every pass (prefill too) reads int8 panels, and computes what the PyTorch path
