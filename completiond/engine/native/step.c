@@ -805,8 +805,8 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
  * one code) lane l of each 16 k holds k = 2l and lane l + 8 holds k = 2l + 1: one 32-byte load of 16 bf16
  * weights widens into both 8-lane halves with a shift and a mask (no shuffle-port vpmovzxwd per 8
  * weights), and the activation rows are split into even and odd k once per call, in scratch. The BF16
- * build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k = 2l, 2l + 1 of each 32). Groups of RJ output rows by blocks of activation rows: each weight row is read
- * once from memory for all t. */
+ * build multiplies bf16-rounded activation rows with vdpbf16ps (lane l: k = 2l, 2l + 1 of each 32).
+ * Groups of RJ output rows by blocks of activation rows: each weight row is read once from memory for all t. */
 #define RJ 4
 #define RR 4 /* the BF16 build's block of activation rows */
 
@@ -1194,8 +1194,9 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                 const float *qs[ROW_GROUP];
                 const int *ki = mask ? kidx + (size_t)u * width : NULL;
                 float *ps[ROW_GROUP];
-                int nk[ROW_GROUP], nr = 0;
-                for (int p = (int)((int64_t)pairs * bt / nb); p < (int)((int64_t)pairs * (bt + 1) / nb); p++) {
+                int nk[ROW_GROUP], nr = 0, p0, p1;
+                share_items(pairs, bt, nb, &p0, &p1); /* batch bt's pairs: the even cut threads get */
+                for (int p = p0; p < p1; p++) {
                     const int r = mask ? u : p / group, head = g * group + p % group;
                     const int keys = mask ? nvis[r] : pos + r + 1;
                     if (keys <= c * CHUNK) continue;
