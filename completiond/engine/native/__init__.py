@@ -433,10 +433,9 @@ def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False,
             packed = q4.view(panels, PANEL, in4 // 4, 4).transpose(1, 2).contiguous()  # [panels, in4/4, PANEL, 4]
             return packed, torch.cat([scales, corr.view(torch.float32)])
         return _padded(q, panels * PANEL, inp).view(panels, PANEL, inp).transpose(1, 2).contiguous(), scales
-    src = w if w.dtype == torch.bfloat16 and fmt == FMT_BF16 else w.float()
     if fmt == FMT_F32:
-        return _padded(src, panels * PANEL, inp).view(panels, PANEL, inp).transpose(1, 2).contiguous(), None
-    src = src.to(torch.bfloat16)
+        return _padded(w.float(), panels * PANEL, inp).view(panels, PANEL, inp).transpose(1, 2).contiguous(), None
+    src = w.to(torch.bfloat16)  # a bf16 model's own values as they are; float32 rounded to bf16
     if pairs:
         in2 = inp + inp % 2
         pairs_ = _padded(src, panels * PANEL, in2).view(panels, PANEL, in2 // 2, 2).transpose(1, 2)
