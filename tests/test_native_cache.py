@@ -26,6 +26,7 @@ int cd_abi(void) { return %d; }
 const char *cd_kernel(void) { return "avx2"; }
 int cd_bf16_pairs(void) { return 0; }
 int cd_i8_quads(void) { return 0; }
+int cd_act_levels(void) { return 0; }
 int cd_bf16_dot(void) { return 0; }
 int cd_gemm(void) { return 0; }
 int cd_layers(void) { return 0; }

@@ -745,9 +745,12 @@ class Engine:
 
     def decode_step_in_use(self) -> str:
         """Which forward pass decode steps take, in words (status displays)."""
-        if self.fwd.native is not None:
-            return (f"native (engine/native/step.c, {self.fwd.native.kernel} kernels, {torch.get_num_threads()} threads, "
-                    f"{self.fwd.native.weights()} weights)")
+        native = self.fwd.native
+        if native is not None:
+            weights = f"{native.weights()} weights"
+            if native.act_levels and "int8" in weights:  # w8a8: the activations' precision is the kernel's
+                weights += f", {native.act_levels.bit_length() + 1}-bit activations"
+            return f"native (engine/native/step.c, {native.kernel} kernels, {torch.get_num_threads()} threads, {weights})"
         return f"PyTorch ({self.fwd.native_reason})"
 
     def weights_in_use(self) -> str:

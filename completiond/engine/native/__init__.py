@@ -13,8 +13,10 @@ kernel_name() is the one place that picks the build for this CPU (COMPLETIOND_KE
 one); avx2 and avx512 compute every float32 and bf16 output column with the same fmadd chain, so they give
 the same bits. int8 matrices: avx512 widens the weights (weight-only); avx512-vnni computes them as w8a8,
 each activation row quantised to int8 per row, exact int32 sums by vpdpbusd (its own, still row-for-row
-exact, arithmetic), and avx2 computes the very same integers with vpmaddubsw/vpmaddwd (widening each
-weight cost more there than the bytes int8 saves), so avx2 and avx512-vnni give int8 models the same bits.
+exact, arithmetic); avx2 computes them as w8a8 too, with vpmaddubsw/vpmaddwd (widening each weight cost
+more there than the bytes int8 saves), on activation rows of 7 bits, within +-63 (act_levels), which
+vpmaddubsw's unsigned operand takes as they are: fewer instructions per row than 8 bits, a small accuracy
+cost that `completiond bench --quality` measures, and int8 results that differ from avx512-vnni's.
 "avx512-bf16" (avx512-vnni plus AVX512_BF16) also computes bf16 panels with vdpbf16ps on activation rows
 rounded to bf16 (half the instructions of widening the weights, so a verify pass of several rows stays
 near the cost of one; a small accuracy cost, which `completiond bench --quality` measures).
@@ -50,7 +52,7 @@ from completiond.errors import EngineError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 12
+ABI = 13
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
 # weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
 # drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
@@ -289,6 +291,7 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
     lib.cd_kernel.restype = ctypes.c_char_p
     lib.cd_bf16_pairs.restype = ctypes.c_int
     lib.cd_i8_quads.restype = ctypes.c_int
+    lib.cd_act_levels.restype = ctypes.c_int
     lib.cd_bf16_dot.restype = ctypes.c_int
     lib.cd_gemm.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, vp]
     lib.cd_gemm.restype = i32
@@ -517,6 +520,7 @@ class NativeStep:
         self.kernel = lib.cd_kernel().decode()
         self.bf16_pairs = bool(lib.cd_bf16_pairs())  # the build's bf16 panel layout
         self.i8_quads = bool(lib.cd_i8_quads())  # the build's int8 layout (k-quads: w8a8 on VNNI)
+        self.act_levels = int(lib.cd_act_levels())  # w8a8: activation rows as integers within +-this (0: none)
         self.bf16_dot = bool(lib.cd_bf16_dot())  # bf16 panels times bf16-rounded activations (AVX512_BF16)
         self.weights_setting = weights
         self.release = release

@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 12
+#define CD_ABI 13
 /* Bytes ahead of the weights a kernel of several activation rows reads, prefetched. Such a kernel computes
  * long enough per byte that the hardware prefetcher falls behind and each weight line arrives late: one
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
@@ -427,6 +427,7 @@ KERNELS(mki, int8_t, LOAD_I8)
 #undef CD_KERNEL
 #define CD_KERNEL "avx512-vnni"
 #define I8_QUADS 1
+#define ACT_LEVELS 127
 
 /* row x [in] -> xq [in4] (u8 = q + 128, padding 128), its scale *xs */
 static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs) {
@@ -530,15 +531,23 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
  * Without VNNI, widening every int8 weight to float32 (two instructions per 8 weights) cost more than the
  * bytes int8 saves: the bundled model ran slower in int8 than in bf16, and the larger shapes 1.16-1.28x
  * their bandwidth bound. So the AVX2 build computes FMT_I8 as w8a8 too, in the VNNI build's layout (k-quads,
- * the same scale tensor; the offset corrections are unused here) and with its integers: each activation
- * row quantised the same way, but kept signed; vpmaddubsw multiplies |x| (u8) by the weights with x's sign
- * (vpsignb), and vpmaddwd against ones sums each column's four products into an int32 lane. The weights are
- * within +-127 (quantize_int8), so no 16-bit pair sum saturates (2 * 127 * 127 < 32768), and the sums are
- * the exact integers sum_k q_x * q_w the VNNI build gets: the float tail below is its three rounded ops. */
+ * the same scale tensor and offset corrections), with vpmaddubsw (u8 x s8, adjacent pairs summed to int16)
+ * and vpmaddwd against ones (the pairs of pairs to int32).
+ *
+ * Its activations have 7 bits (within +-63, ACT_LEVELS), not the VNNI build's 8: stored as u8 q + 64, they
+ * go straight into vpmaddubsw's unsigned operand, and no pair sum can saturate (2 * 127 * 127 < 32768).
+ * Eight bits needed |x| and x's sign moved onto the weights (vpabsb, vpsignb) for every row and weight
+ * vector: 10 instructions per row per 64 weights, against 6 now. On a 2-core Zen 3 (AVX2 only) a 5-row
+ * pass of the 0.5B shape's layers went from 19.5 to 16.0 ms and a one-row step from 12.9 to 11.7 ms
+ * (old and new library in one process, interleaved); the loss cost is in docs/PERFORMANCE.md. The sums
+ * are exact integers: sum_k (q_x + 64) q_w, less 64 sum_k q_w (half the VNNI build's 128 sum_k q_w), so
+ * the order of the adds cannot matter and the float tail is the VNNI build's three rounded ops. */
+#define ACT_LEVELS 63
 #define I8_QUADS 1
+_Static_assert(2 * (ACT_LEVELS + 1) == 128, "store_w8a8 takes the offset's sums as half the VNNI build's corrections");
 
-/* row x [in] -> xq [in4] (signed, padding 0), its scale *xs: the VNNI build's quantize_row, kept signed */
-static void quantize_row(const float *x, int in, int in4, int8_t *xq, float *xs) {
+/* row x [in] -> xq [in4] (u8 = q + 64 with |q| <= 63, padding 64), its scale *xs */
+static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 mx = _mm256_setzero_ps();
     int i = 0;
@@ -548,25 +557,29 @@ static void quantize_row(const float *x, int in, int in4, int8_t *xq, float *xs)
     float amax = 0.0f;
     for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
     for (; i < in; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *xs = amax / 127.0f;
-    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const float inv = amax > 0.0f ? (float)ACT_LEVELS / amax : 0.0f;
+    *xs = amax / (float)ACT_LEVELS;
+    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-(float)ACT_LEVELS), hi = _mm256_set1_ps((float)ACT_LEVELS);
+    const __m256i off8 = _mm256_set1_epi8(ACT_LEVELS + 1);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
 #define Q8(o) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + (o)), iv), lo), hi))
     for (i = 0; i + 32 <= in; i += 32) { /* nearest even (MXCSR's default), as the VNNI build rounds */
         __m256i a = _mm256_packs_epi32(Q8(0), Q8(8)), b = _mm256_packs_epi32(Q8(16), Q8(24));
-        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order));
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_add_epi8(_mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order), off8));
     }
 #undef Q8
-    for (; i < in; i++) xq[i] = (int8_t)(int)nearbyintf(fminf(fmaxf(x[i] * inv, -127.0f), 127.0f));
-    for (; i < in4; i++) xq[i] = 0;
+    for (; i < in; i++) xq[i] = (uint8_t)((int)nearbyintf(fminf(fmaxf(x[i] * inv, -(float)ACT_LEVELS), (float)ACT_LEVELS)) + ACT_LEVELS + 1);
+    for (; i < in4; i++) xq[i] = ACT_LEVELS + 1;
 }
 
-/* columns j..j+15 of one row from their int32 sums: ((float)acc * wscale) * xscale, then + bias (store16),
- * each rounded on its own (no contraction into an fma: the VNNI build's explicit-rounding multiplies) */
-__attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc, float xs,
+/* columns j..j+15 of one row from their int32 sums less the offset's (corr: 128 sum_k q_w, so half of it):
+ * ((float)acc * wscale) * xscale, then + bias (store16), each rounded on its own (no contraction into an
+ * fma: the VNNI build's explicit-rounding multiplies) */
+__attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc, const int32_t *corr, float xs,
                                                                    const float *b, float *yrow, int j, int out) {
     const __m256 xv = _mm256_set1_ps(xs);
+    a0 = _mm256_sub_epi32(a0, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j)), 1));
+    a1 = _mm256_sub_epi32(a1, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j + 8)), 1));
     __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), _mm256_loadu_ps(sc + j)), xv);
     __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_loadu_ps(sc + j + 8)), xv);
     store16(f0, f1, NULL, b, yrow, j, out);
@@ -575,8 +588,8 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
 /* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and two broadcasts
  * fit AVX2's 16 registers for (1, 2) and (1..5, 1) */
 #define MKV(R, NP)                                                                                      \
-    static inline void mkv_##R##_##NP(const int8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
-                                      const float *sc, const float *b, float *y, int ldy, int out) {    \
+    static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
+                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, int out) {    \
         __m256i acc[R][NP][2];                                                                          \
         const size_t ps = (size_t)in4 * PW;                                                             \
         const int8_t *pan[NP];                                                                          \
@@ -596,29 +609,30 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 int32_t quad;                                                                           \
                 memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
-                const __m256i xv = _mm256_set1_epi32(quad), xa = _mm256_abs_epi8(xv);                   \
+                const __m256i xv = _mm256_set1_epi32(quad);                   \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
                     acc[r][n][0] = _mm256_add_epi32(acc[r][n][0], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0[n], xv)), ones));                  \
+                        _mm256_maddubs_epi16(xv, w0[n]), ones));                  \
                     acc[r][n][1] = _mm256_add_epi32(acc[r][n][1], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1[n], xv)), ones));                  \
+                        _mm256_maddubs_epi16(xv, w1[n]), ones));                  \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                         \
-                store_w8a8(acc[r][n][0], acc[r][n][1], sc, xs[r], b, y + (size_t)r * ldy, (p0 + n) * PW, out); \
+                store_w8a8(acc[r][n][0], acc[r][n][1], sc, corr, xs[r], b, y + (size_t)r * ldy, (p0 + n) * PW, out); \
     }
 MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1) MKV(5, 1)
 
 #define VROWS1(R)                                                                                       \
-    for (int p = qa; p < qb; p++) mkv_##R##_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out)
+    for (int p = qa; p < qb; p++) mkv_##R##_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out)
 
 /* gemm_panels for FMT_I8 in this build: as the VNNI build's, rows in blocks of 4 over each panel group */
 static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
                       float *y, int ldy, int pa, int pb, void *scratch) {
     const int in4 = (in + 3) / 4 * 4;
-    int8_t *xq = (int8_t *)scratch;
+    const int32_t *corr = (const int32_t *)(sc + (size_t)(out + PW - 1) / PW * PW);
+    uint8_t *xq = (uint8_t *)scratch;
     float *xs = (float *)((char *)scratch + (((size_t)t * in4 + 63) & ~(size_t)63));
     for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
     for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
@@ -638,13 +652,14 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
         }
         if (t - r == 1) {
             int p = qa;
-            for (; p + 2 <= qb; p += 2) mkv_1_2(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out);
-            for (; p < qb; p++) mkv_1_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, b, y + (size_t)r * ldy, ldy, out);
+            for (; p + 2 <= qb; p += 2) mkv_1_2(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
+            for (; p < qb; p++) mkv_1_1(xq + (size_t)r * in4, in4, xs + r, Wp, p, sc, corr, b, y + (size_t)r * ldy, ldy, out);
         }
     }
 }
 #else
 #define I8_QUADS 0
+#define ACT_LEVELS 0
 #endif
 
 #if I8_QUADS
@@ -944,6 +959,9 @@ int cd_bf16_dot(void) { return BF16_DOT; }
 
 /* 1: this build reads int8 panels in k-quads with the offset corrections after the scales (w8a8, VNNI) */
 int cd_i8_quads(void) { return I8_QUADS; }
+
+/* the w8a8 builds' activation levels: each row is quantised to integers within +-ACT_LEVELS (0: weight-only) */
+int cd_act_levels(void) { return ACT_LEVELS; }
 
 /* this thread's panels of an out-column matrix */
 static void share_panels(int out, int tid, int nt, int *pa, int *pb) {
