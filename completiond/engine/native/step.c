@@ -455,7 +455,8 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define MKV(R, NP)                                                                                      \
     static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
-                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, int out) { \
+                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, \
+                                      int out) {                                                        \
         __m512i acc[R][NP];                                                                             \
         const size_t ps = (size_t)in4 * PW;                                                             \
         const int8_t *pan[NP];                                                                          \
@@ -544,7 +545,7 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
  * the order of the adds cannot matter and the float tail is the VNNI build's three rounded ops. */
 #define ACT_LEVELS 63
 #define I8_QUADS 1
-_Static_assert(2 * (ACT_LEVELS + 1) == 128, "store_w8a8 takes the offset's sums as half the VNNI build's corrections");
+_Static_assert(2 * (ACT_LEVELS + 1) == 128, "store_w8a8 takes the offset's sums as half the stored corrections");
 
 /* row x [in] -> xq [in4] (u8 = q + 64 with |q| <= 63, padding 64), its scale *xs */
 static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs) {
@@ -559,24 +560,30 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
     for (; i < in; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float inv = amax > 0.0f ? (float)ACT_LEVELS / amax : 0.0f;
     *xs = amax / (float)ACT_LEVELS;
-    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-(float)ACT_LEVELS), hi = _mm256_set1_ps((float)ACT_LEVELS);
+    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-(float)ACT_LEVELS);
+    const __m256 hi = _mm256_set1_ps((float)ACT_LEVELS);
     const __m256i off8 = _mm256_set1_epi8(ACT_LEVELS + 1);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
 #define Q8(o) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + (o)), iv), lo), hi))
     for (i = 0; i + 32 <= in; i += 32) { /* nearest even (MXCSR's default), as the VNNI build rounds */
         __m256i a = _mm256_packs_epi32(Q8(0), Q8(8)), b = _mm256_packs_epi32(Q8(16), Q8(24));
-        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_add_epi8(_mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order), off8));
+        const __m256i q = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
+        _mm256_storeu_si256((__m256i *)(xq + i), _mm256_add_epi8(q, off8));
     }
 #undef Q8
-    for (; i < in; i++) xq[i] = (uint8_t)((int)nearbyintf(fminf(fmaxf(x[i] * inv, -(float)ACT_LEVELS), (float)ACT_LEVELS)) + ACT_LEVELS + 1);
+    for (; i < in; i++) {
+        const float v = fminf(fmaxf(x[i] * inv, -(float)ACT_LEVELS), (float)ACT_LEVELS);
+        xq[i] = (uint8_t)((int)nearbyintf(v) + ACT_LEVELS + 1);
+    }
     for (; i < in4; i++) xq[i] = ACT_LEVELS + 1;
 }
 
 /* columns j..j+15 of one row from their int32 sums less the offset's (corr: 128 sum_k q_w, so half of it):
  * ((float)acc * wscale) * xscale, then + bias (store16), each rounded on its own (no contraction into an
  * fma: the VNNI build's explicit-rounding multiplies) */
-__attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc, const int32_t *corr, float xs,
-                                                                   const float *b, float *yrow, int j, int out) {
+__attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc,
+                                                                   const int32_t *corr, float xs, const float *b,
+                                                                   float *yrow, int j, int out) {
     const __m256 xv = _mm256_set1_ps(xs);
     a0 = _mm256_sub_epi32(a0, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j)), 1));
     a1 = _mm256_sub_epi32(a1, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j + 8)), 1));
@@ -585,11 +592,12 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
     store16(f0, f1, NULL, b, yrow, j, out);
 }
 
-/* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and two broadcasts
+/* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and a broadcast
  * fit AVX2's 16 registers for (1, 2) and (1..5, 1) */
 #define MKV(R, NP)                                                                                      \
     static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
-                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, int out) {    \
+                                      const float *sc, const int32_t *corr, const float *b, float *y, int ldy, \
+                                      int out) {                                                        \
         __m256i acc[R][NP][2];                                                                          \
         const size_t ps = (size_t)in4 * PW;                                                             \
         const int8_t *pan[NP];                                                                          \
@@ -601,7 +609,7 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
             __m256i w0[NP], w1[NP];                                                                     \
             if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);       \
+                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
                 w0[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW));                 \
                 w1[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW + 32));            \
@@ -609,12 +617,12 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 int32_t quad;                                                                           \
                 memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
-                const __m256i xv = _mm256_set1_epi32(quad);                   \
+                const __m256i xv = _mm256_set1_epi32(quad);                                             \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
                     acc[r][n][0] = _mm256_add_epi32(acc[r][n][0], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xv, w0[n]), ones));                  \
+                        _mm256_maddubs_epi16(xv, w0[n]), ones));                                        \
                     acc[r][n][1] = _mm256_add_epi32(acc[r][n][1], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xv, w1[n]), ones));                  \
+                        _mm256_maddubs_epi16(xv, w1[n]), ones));                                        \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
