@@ -423,6 +423,11 @@ KERNELS(mki, int8_t, LOAD_I8)
  * offset. Integer sums are exact, so the order of the adds cannot matter; the float tail is the same
  * three rounded ops for every row: ((float)(acc - corr) * wscale[j]) * xscale[r], then + bias. A row's
  * result depends only on its own activations and the weights, whatever t, the blocking or the threads. */
+/* the k-quads layout's offset corrections (128 sum_k q[j, k], int32), after the out columns' padded scales */
+static inline const int32_t *i8_corrections(const float *sc, int out) {
+    return (const int32_t *)(sc + (size_t)(out + PW - 1) / PW * PW);
+}
+
 #if defined(__AVX512VNNI__)
 #undef CD_KERNEL
 #define CD_KERNEL "avx512-vnni"
@@ -501,7 +506,7 @@ MKV(5, 2) MKV(5, 1) MKV(6, 2) MKV(6, 1) MKV(7, 2) MKV(7, 1) MKV(8, 2) MKV(8, 1)
 static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
                       float *y, int ldy, int pa, int pb, void *scratch) {
     const int in4 = (in + 3) / 4 * 4;
-    const int32_t *corr = (const int32_t *)(sc + (size_t)(out + PW - 1) / PW * PW);
+    const int32_t *corr = i8_corrections(sc, out);
     uint8_t *xq = (uint8_t *)scratch;
     float *xs = (float *)((char *)scratch + (((size_t)t * in4 + 63) & ~(size_t)63));
     for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
@@ -639,7 +644,7 @@ MKV(1, 2) MKV(1, 1) MKV(2, 1) MKV(3, 1) MKV(4, 1) MKV(5, 1)
 static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
                       float *y, int ldy, int pa, int pb, void *scratch) {
     const int in4 = (in + 3) / 4 * 4;
-    const int32_t *corr = (const int32_t *)(sc + (size_t)(out + PW - 1) / PW * PW);
+    const int32_t *corr = i8_corrections(sc, out);
     uint8_t *xq = (uint8_t *)scratch;
     float *xs = (float *)((char *)scratch + (((size_t)t * in4 + 63) & ~(size_t)63));
     for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
