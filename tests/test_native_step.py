@@ -278,8 +278,8 @@ def test_grouped_heads_tree_nodes_are_bit_exact_with_plain_steps(gqa):
     _tree_is_plain_steps(gqa, 250)
 
 
-def _tree_is_plain_steps(bundled: Engine, p0: int) -> None:
-    prompt = _ids(bundled, TEXT * 4, p0 + 20)
+def _tree_is_plain_steps(eng: Engine, p0: int) -> None:
+    prompt = _ids(eng, TEXT * 4, p0 + 20)
     # node 0 the root; two branches interleaved in slot order, one of depth 9, so a node's ancestors are
     # spread over every other slot
     parents = [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
@@ -289,11 +289,11 @@ def _tree_is_plain_steps(bundled: Engine, p0: int) -> None:
     for i, par in enumerate(parents):
         depth.append(0 if par < 0 else depth[par] + 1)
     t = len(parents)
-    base = bundled.new_sequence(p0 + t + 16)
-    bundled.prefill(base, prompt[:p0], None)
+    base = eng.new_sequence(p0 + t + 16)
+    eng.prefill(base, prompt[:p0], None)
     tree_seq = base.copy_prefix(p0, t + 16)
-    got = _pass(bundled, tree_seq, tokens, tree=(torch.tensor(depth) + p0, _tree_mask(parents, p0)))
-    L = bundled.num_layers
+    got = _pass(eng, tree_seq, tokens, tree=(torch.tensor(depth) + p0, _tree_mask(parents, p0)))
+    L = eng.num_layers
     for i in range(t):
         path, j = [], i
         while j >= 0:
@@ -302,7 +302,7 @@ def _tree_is_plain_steps(bundled: Engine, p0: int) -> None:
         path.reverse()
         seq = base.copy_prefix(p0, t + 16)
         for node in path:
-            want = _pass(bundled, seq, [tokens[node]])
+            want = _pass(eng, seq, [tokens[node]])
             seq.commit([tokens[node]])
         assert torch.equal(got[i], want[0]), (i, depth[i], (got[i] - want[0]).abs().max().item())
         slot = p0 + len(path) - 1  # where the plain steps put node i's K/V
