@@ -1,6 +1,7 @@
-"""The AVX512_BF16 kernel (issue 27 item 3): where the CPU has avx512_bf16, bf16 matrices run on vdpbf16ps
-with each activation row rounded to bf16 (nearest even): the values of that rounded product, every row of
-a 33-row pass the bits of a one-row pass, and speculative greedy output equal to plain greedy output.
+"""The AVX512_BF16 kernel (issue 27 item 3; emulated over AVX2 where the CPU lacks AVX512_BF16,
+tests/emulated_kernels.py): bf16 matrices run on vdpbf16ps with each activation row rounded to bf16
+(nearest even): the values of that rounded product, every row of a 33-row pass the bits of a one-row
+pass, and speculative greedy output equal to plain greedy output.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import torch
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
 from tests.conftest import make_tiny_model
+from tests import emulated_kernels
 from tests.test_native_vnni import kernel_lib
 
 BF16 = "avx512-bf16"
 FLAGS = {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 
 
-def _bf16_lib():
-    return kernel_lib(BF16, "AVX512_BF16")
+def _bf16_lib(monkeypatch: pytest.MonkeyPatch | None = None):
+    return kernel_lib(BF16, monkeypatch)
 
 
 def test_the_bf16_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
@@ -72,8 +74,7 @@ def test_bf16_dot_is_the_rounded_activation_product_and_row_for_row(width, out):
 @torch.inference_mode()
 @pytest.mark.parametrize("weights", ["auto", "bf16"])
 def test_bf16_dot_speculative_greedy_equals_plain_greedy(tmp_path, monkeypatch, weights):
-    _bf16_lib()
-    monkeypatch.setenv("COMPLETIOND_KERNEL", BF16)
+    _bf16_lib(monkeypatch)
     d = make_tiny_model(tmp_path / "m", layers=4, seed=29)
     if weights == "auto":  # a bf16 checkpoint: auto keeps its values in bf16 panels
         from safetensors.torch import load_file, save_file
@@ -91,9 +92,10 @@ def test_bf16_dot_speculative_greedy_equals_plain_greedy(tmp_path, monkeypatch, 
 @torch.inference_mode()
 @pytest.mark.parametrize("width,out", [(37, 50), (64, 16), (896, 70)])
 def test_a_bf16_head_is_read_row_major_alike_by_every_kernel(width, out):
-    """FMT_BF16_ROWS (a large model's bf16 LM head, read where it lies, no panel copy) in every kernel this
-    CPU runs: each row of a pass the bits of a one-row pass; the float32 kernels the same bits as each other
-    and the product's values; the AVX512_BF16 kernel the product of bf16-rounded activations."""
+    """FMT_BF16_ROWS (a large model's bf16 LM head, read where it lies, no panel copy) in every kernel
+    (emulated where this CPU lacks it): each row of a pass the bits of a one-row pass; the float32 kernels
+    the same bits as each other and the product's values; the AVX512_BF16 kernel the product of
+    bf16-rounded activations."""
     from tests.test_native_step import _need_native
     _need_native()
     g = torch.Generator().manual_seed(out)
@@ -106,8 +108,8 @@ def test_a_bf16_head_is_read_row_major_alike_by_every_kernel(width, out):
     exact = x.double() @ w.double().T + bias.double()
     rounded = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
     widened = []
-    for kernel in native.supported_kernels():
-        lib = native.library(kernel)
+    for kernel in emulated_kernels.kernels():
+        lib = emulated_kernels.library(kernel)
 
         def run(r: torch.Tensor) -> torch.Tensor:
             r = r.contiguous()

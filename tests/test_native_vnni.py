@@ -1,8 +1,8 @@
-"""The w8a8 int8 kernels (issue 27 item 3): where the CPU has avx512_vnni (vpdpbusd sums), and in the AVX2
-build (vpmaddubsw / vpmaddwd sums), int8 matrices run as w8a8 (each activation row quantised symmetric per
-row, within +-127 on VNNI and +-63 on AVX2: cd_act_levels): exactly the integer arithmetic of a reference,
-every row of a 33-row pass the bits of a one-row pass, and speculative greedy output equal to plain greedy
-output under int8 weights.
+"""The w8a8 int8 kernels (issue 27 item 3): in the VNNI builds (vpdpbusd sums; emulated over AVX2 where the
+CPU lacks AVX512_VNNI, tests/emulated_kernels.py) and in the AVX2 build (vpmaddubsw / vpmaddwd sums), int8
+matrices run as w8a8 (each activation row quantised symmetric per row, within +-127 on VNNI and +-63 on
+AVX2: cd_act_levels): exactly the integer arithmetic of a reference, every row of a 33-row pass the bits
+of a one-row pass, and speculative greedy output equal to plain greedy output under int8 weights.
 """
 
 from __future__ import annotations
@@ -15,28 +15,25 @@ import torch
 
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
+from tests import emulated_kernels
 from tests.conftest import make_tiny_model
 
 VNNI = "avx512-vnni"
 
 
-def kernel_lib(kernel: str, flag: str):
-    """The loaded build of kernel, or a skip naming the CPU flag it needs (or why the build is unavailable)."""
-    if kernel not in native.supported_kernels():
-        pytest.skip(f"this CPU has no {flag}")
-    lib = native.library(kernel)
-    if lib is None:
-        pytest.skip(f"the {kernel} build is unavailable here: {native.reason(kernel)}")
-    return lib
+def kernel_lib(kernel: str, monkeypatch: pytest.MonkeyPatch | None = None):
+    """kernel's build: this CPU's own, or, for an AVX-512 build it cannot run, the emulated one
+    (tests/emulated_kernels.py); with monkeypatch, the engine picks it too."""
+    return emulated_kernels.library(kernel, monkeypatch)
 
 
 def _vnni_lib():
-    return kernel_lib(VNNI, "AVX512_VNNI")
+    return kernel_lib(VNNI)
 
 
-# the builds that compute int8 matrices as w8a8, the CPU flag each needs, and its activation levels
-W8A8 = {"avx2": "AVX2/FMA", VNNI: "AVX512_VNNI"}
-LEVELS = {"avx2": 63, VNNI: 127}
+# the builds that compute int8 matrices as w8a8 (avx512-bf16 is avx512-vnni's int8 code), and their
+# activation levels
+LEVELS = {"avx2": 63, VNNI: 127, "avx512-bf16": 127}
 
 
 def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
@@ -70,10 +67,10 @@ def _w8a8_reference(x: np.ndarray, w: torch.Tensor, bias: np.ndarray, levels: in
     return (y + bias).astype(f32)
 
 
-@pytest.mark.parametrize("kernel", sorted(W8A8))
+@pytest.mark.parametrize("kernel", sorted(LEVELS))
 @pytest.mark.parametrize("width,out", [(37, 50), (64, 16), (896, 70), (4864, 33)])
 def test_w8a8_int8_is_exactly_the_w8a8_reference_and_row_for_row(kernel, width, out):
-    lib = kernel_lib(kernel, W8A8[kernel])
+    lib = kernel_lib(kernel)
     assert lib.cd_i8_quads() == 1 and lib.cd_act_levels() == LEVELS[kernel]
     g = torch.Generator().manual_seed(width)
     t = 33
@@ -107,10 +104,9 @@ def test_w8a8_int8_is_exactly_the_w8a8_reference_and_row_for_row(kernel, width, 
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kernel", sorted(W8A8))
+@pytest.mark.parametrize("kernel", sorted(LEVELS))
 def test_w8a8_int8_speculative_greedy_equals_plain_greedy(kernel, tmp_path, monkeypatch):
-    kernel_lib(kernel, W8A8[kernel])
-    monkeypatch.setenv("COMPLETIOND_KERNEL", kernel)
+    kernel_lib(kernel, monkeypatch)
     d = make_tiny_model(tmp_path / "m", layers=4, seed=23)
     eng = Engine.load(d, device="cpu", dtype="float32", weights="int8")
     assert eng.fwd.native.kernel == kernel and eng.fwd.native.i8_quads and eng.weights_in_use() == "int8"

@@ -287,6 +287,12 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
         _reasons[kernel] = f"cannot build or load the native step: {exc}"
         log.warning("%s; using the PyTorch path", _reasons[kernel])
         return None
+    _libs[kernel] = typed(lib)
+    return lib
+
+
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with its entry points' argument and result types declared (ctypes calls them unchecked otherwise)."""
     i32, f32, vp, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64
     lib.cd_kernel.restype = ctypes.c_char_p
     lib.cd_bf16_pairs.restype = ctypes.c_int
@@ -305,7 +311,6 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
     lib.cd_verify_greedy.argtypes = [ctypes.POINTER(_Model), vp, i32, vp, i32, i32, i32, vp, f32, vp, i32, vp, i32,
                                      vp, vp, vp, i32, vp, vp, i32, vp]
     lib.cd_verify_greedy.restype = i32
-    _libs[kernel] = lib
     return lib
 
 

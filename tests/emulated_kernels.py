@@ -1,0 +1,105 @@
+"""The native step's kernels for the tests: every build this CPU runs, and, on a CPU without AVX-512, the
+AVX-512 builds (avx512, avx512-vnni, avx512-bf16) compiled with their AVX-512 intrinsics emulated by SIMDe
+(the simde-py package, a test dependency) over AVX2, so that their code (layouts, row blocking, tails,
+masks, offset corrections, the one-row exactness of every pass) is run by every machine the suite runs
+on, not only by the rare one that has the instructions. An emulated build runs the code, not the silicon:
+its speed means nothing, and its vpdpbusd / vdpbf16ps are SIMDe's and avx512_emulation.h's reading of the
+instruction set reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from completiond.engine import native
+
+SHIM = Path(__file__).with_name("avx512_emulation.h")
+DEFINES = {"avx512": [], "avx512-vnni": ["-DEMULATE_VNNI"], "avx512-bf16": ["-DEMULATE_VNNI", "-DEMULATE_BF16"]}
+_built: dict[str, ctypes.CDLL | str | RuntimeError] = {}  # kernel -> library, or why there is none
+
+
+def _build_all() -> None:
+    """Compile every emulated build at once (one process each: a few seconds apiece on 2 cores)."""
+    try:
+        import simde_py
+    except ImportError:
+        for kernel in DEFINES:
+            _built[kernel] = "simde-py is not installed (pip install -e '.[test]')"
+        return
+    cc = native._compiler()
+    if cc is None or "avx2" not in native.supported_kernels():
+        for kernel in DEFINES:
+            _built[kernel] = "no C compiler, or no AVX2/FMA to emulate AVX-512 on"
+        return
+    out_dir = Path(tempfile.mkdtemp(prefix="completiond-emulated-"))
+    jobs = {}
+    for kernel, defines in DEFINES.items():
+        out = out_dir / f"step-{kernel}.so"
+        cmd = [cc, "-O2", "-mavx2", "-mfma", "-Wno-psabi", "-I", simde_py.get_include(), "-include", str(SHIM),
+               *defines, "-fopenmp", "-fPIC", "-shared", "-o", str(out), str(native.SOURCE), "-lm"]
+        jobs[kernel] = (out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for kernel, (out, proc) in jobs.items():
+        try:
+            _, err = proc.communicate(timeout=native.COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _built[kernel] = f"compiling the emulated {kernel} build took over {native.COMPILE_TIMEOUT_S} s"
+            continue
+        if proc.returncode != 0:
+            # a failure to compile is the code's fault, not the machine's: the tests fail with it
+            _built[kernel] = RuntimeError(f"the emulated {kernel} build does not compile:\n{err[-3000:]}")
+            continue
+        lib = native.typed(ctypes.CDLL(str(out)))
+        assert lib.cd_abi() == native.ABI and lib.cd_kernel().decode() == kernel
+        _built[kernel] = lib
+    shutil.rmtree(out_dir, ignore_errors=True)  # loaded libraries stay mapped
+
+
+def emulated(kernel: str) -> ctypes.CDLL:
+    """The emulated build of an AVX-512 kernel, or a skip saying why there is none here."""
+    if not _built:
+        _build_all()
+    got = _built[kernel]
+    if isinstance(got, RuntimeError):
+        raise got
+    if isinstance(got, str):
+        pytest.skip(got)
+    return got
+
+
+def kernels() -> list[str]:
+    """Every kernel the tests run: this CPU's builds, then the AVX-512 ones it lacks, emulated where SIMDe
+    and a compiler are at hand (a build that does not compile stays in: its tests fail with the error)."""
+    here = native.supported_kernels()
+    missing = [k for k in DEFINES if k not in here]
+    if missing and not _built:
+        _build_all()
+    return here + [k for k in missing if not isinstance(_built[k], str)]
+
+
+def library(kernel: str, monkeypatch: pytest.MonkeyPatch | None = None) -> ctypes.CDLL:
+    """kernel's build: this CPU's own where it runs it, else the emulated one. With monkeypatch, the engine
+    picks it too for the test (COMPLETIOND_KERNEL, as a user would, and the build registered as available)."""
+    if kernel in native.supported_kernels():
+        lib = native.library(kernel)
+        if lib is None:
+            pytest.skip(f"the {kernel} build is unavailable here: {native.reason(kernel)}")
+    else:
+        lib = emulated(kernel)
+        if monkeypatch is not None:
+            here = native.supported_kernels()
+            monkeypatch.setattr(native, "supported_kernels", lambda: here + [kernel])
+            monkeypatch.setitem(native._libs, kernel, lib)
+    if monkeypatch is not None:
+        monkeypatch.setenv("COMPLETIOND_KERNEL", kernel)
+    return lib
+
+
+def is_emulated(kernel: str) -> bool:
+    return kernel not in native.supported_kernels()
