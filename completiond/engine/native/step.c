@@ -34,7 +34,9 @@
 /* Bytes ahead of the weights a kernel of several activation rows reads, prefetched. Such a kernel computes
  * long enough per byte that the hardware prefetcher falls behind and each weight line arrives late: one
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
- * with 8 KB ahead (4-16 KB alike; 1 KB too little). One-row kernels are bound by the stream itself: without. */
+ * with 8 KB ahead (4-16 KB alike; 1 KB too little). One-row kernels are bound by the stream itself: without.
+ * Measured in the AVX2 build; the AVX-512 builds' panel kernels prefetch alike, not yet measured on an
+ * AVX-512 CPU (their verify passes cost 1.6-1.8 steps at K = 4 there on 2026-12-04, as AVX2's did before). */
 #define PF_AHEAD 8192
 
 /* rows in the next block when `left` rows remain and a block holds at most `most`: blocks as even as they
@@ -210,6 +212,9 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
         for (int k = 0; k < in; k++) {                                                                  \
             __m512 w[NP];                                                                               \
+            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
+                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) LOAD(pan[n], k, w[n]);                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k]);                                      \
@@ -239,6 +244,8 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
         for (; k + 1 < in; k += 2) {                                                                    \
             __m512 w0[NP], w1[NP];                                                                      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
+                if (R > 1) /* compile-time; see PF_AHEAD */                                             \
+                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
                 __m512i raw_ = _mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW));             \
                 w0[n] = _mm512_castsi512_ps(_mm512_slli_epi32(raw_, 16));                               \
                 w1[n] = _mm512_castsi512_ps(_mm512_and_si512(raw_, himask));                            \
@@ -470,6 +477,9 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_si512();    \
         for (int k = 0; k < in4; k += 4) {                                                              \
             __m512i w[NP];                                                                              \
+            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
+                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) w[n] = _mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW)); \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 int32_t quad;                                                                           \
@@ -723,6 +733,9 @@ static size_t dot_scratch(int t, int in) { return (size_t)t * bf16_row_halves(in
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
         for (int k2 = 0; k2 < in2; k2++) {                                                              \
             __m512bh w[NP];                                                                             \
+            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
+                    _mm_prefetch((const char *)(pan[n] + (size_t)k2 * 2 * PW) + PF_AHEAD, _MM_HINT_T0); \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
                 w[n] = (__m512bh)_mm512_loadu_si512((const void *)(pan[n] + (size_t)k2 * 2 * PW));      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
