@@ -28,6 +28,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+if os.environ.get("COMPLETIOND_TEST_CPU"):  # e.g. avx512-bf16: tests/emulated_kernels.py's emulate_cpu
+    from tests import emulated_kernels
+
+    emulated_kernels.emulate_cpu(os.environ["COMPLETIOND_TEST_CPU"].strip().lower())
+
 from completiond.models.tiny import SPECIAL_TOKENS, build_tokenizer, make_tiny_model  # noqa: F401,E402  (fixtures below; tests import them from here)
 
 

@@ -22,6 +22,7 @@ from completiond.engine import native
 SHIM = Path(__file__).with_name("avx512_emulation.h")
 DEFINES = {"avx512": [], "avx512-vnni": ["-DEMULATE_VNNI"], "avx512-bf16": ["-DEMULATE_VNNI", "-DEMULATE_BF16"]}
 _built: dict[str, ctypes.CDLL | str | RuntimeError] = {}  # kernel -> library, or why there is none
+_real_widest: str | None = None  # under emulate_cpu: the widest build this CPU itself runs
 
 
 def _build_all() -> None:
@@ -103,3 +104,43 @@ def library(kernel: str, monkeypatch: pytest.MonkeyPatch | None = None) -> ctype
 
 def is_emulated(kernel: str) -> bool:
     return kernel not in native.supported_kernels()
+
+
+def emulate_cpu(kernel: str) -> None:
+    """The suite as on a CPU whose widest build is kernel (COMPLETIOND_TEST_CPU, read by conftest.py): its
+    flags added to this CPU's, and every AVX-512 build up to kernel served emulated, in this process
+    (subprocesses the tests start run this CPU's own builds). For finding, on a machine without AVX-512,
+    what would fail on one with it; slower than a native run."""
+    if kernel not in DEFINES:
+        raise pytest.UsageError(f"COMPLETIOND_TEST_CPU={kernel!r}: choose one of {', '.join(DEFINES)}")
+    real_flags, real_library = native._cpu_flags, native.library
+    if set(native.KERNELS[kernel][0]) <= set(real_flags().split()):
+        return  # this CPU runs it: nothing to emulate
+    served = [k for k in DEFINES if set(native.KERNELS[k][0]) <= set(native.KERNELS[kernel][0])]
+    _build_all()
+    for k in served:
+        if not isinstance(_built[k], ctypes.CDLL):
+            raise pytest.UsageError(f"COMPLETIOND_TEST_CPU={kernel}: no emulated {k} build: {_built[k]}")
+    flags = " ".join(dict.fromkeys(real_flags().split() + list(native.KERNELS[kernel][0])))
+
+    def library(k: str | None = None) -> ctypes.CDLL | None:
+        k = k or native.kernel_name()
+        if k not in served:
+            return real_library(k)
+        why = native._unavailable(k)  # COMPLETIOND_NATIVE=0 and the rest, as the real one checks
+        if why is not None:
+            native._reasons[k] = why
+            return None
+        return _built[k]
+
+    global _real_widest
+    _real_widest = native.supported_kernels()[-1]
+    native._cpu_flags = lambda: flags
+    native.library = library
+
+
+def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test of building and caching the library itself: under emulate_cpu, the kernel built is one
+    this CPU runs (an emulated build is never compiled by native._build)."""
+    if _real_widest is not None:
+        monkeypatch.setenv("COMPLETIOND_KERNEL", _real_widest)

@@ -18,6 +18,7 @@ import torch
 
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
+from tests import emulated_kernels
 from tests.conftest import make_tiny_model
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -357,6 +358,7 @@ def test_float64_and_switched_off_models_keep_the_torch_path(tiny_model_dir, mon
 
 
 def test_a_broken_compiler_falls_back_with_a_reason(tiny_model_dir, monkeypatch, tmp_path, caplog):
+    emulated_kernels.real_build(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing cached: it must compile
     monkeypatch.setenv("CC", "false")
     native._reset_for_tests()
@@ -378,6 +380,7 @@ def built_in_tmp(monkeypatch, tmp_path):
     """The native library built into an empty cache under tmp_path: its path."""
     if native._compiler() is None:
         pytest.skip("no C compiler here")
+    emulated_kernels.real_build(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     native._reset_for_tests()
     try:
