@@ -14,6 +14,7 @@ static inline simde__m512i emu_cvtepi8_epi32(simde__m128i a) {
     for (int i = 0; i < 16; i++) d[i] = s[i];
     simde__m512i r; memcpy(&r, d, 64); return r;
 }
+#undef _mm512_cvtepi8_epi32
 #define _mm512_cvtepi8_epi32(a) emu_cvtepi8_epi32(a)
 
 static inline simde__m128i emu_cvtepi32_epi8(simde__m512i a) { /* truncates, as vpmovdb */
@@ -22,9 +23,11 @@ static inline simde__m128i emu_cvtepi32_epi8(simde__m512i a) { /* truncates, as 
     for (int i = 0; i < 16; i++) d[i] = (int8_t)(uint8_t)(uint32_t)s[i];
     simde__m128i r; memcpy(&r, d, 16); return r;
 }
+#undef _mm512_cvtepi32_epi8
 #define _mm512_cvtepi32_epi8(a) emu_cvtepi32_epi8(a)
 
 /* the rounding argument is always round-to-nearest-even here, MXCSR's default mode */
+#undef _mm512_mul_round_ps
 #define _mm512_mul_round_ps(a, b, rounding) simde_mm512_mul_ps(a, b)
 
 static inline uint16_t emu_bf16(float f) { /* round to nearest even, as vcvtne2ps2bf16 (NaN stays NaN) */
