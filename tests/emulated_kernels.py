@@ -22,7 +22,7 @@ from completiond.engine import native
 SHIM = Path(__file__).with_name("avx512_emulation.h")
 DEFINES = {"avx512": [], "avx512-vnni": ["-DEMULATE_VNNI"], "avx512-bf16": ["-DEMULATE_VNNI", "-DEMULATE_BF16"]}
 _built: dict[str, ctypes.CDLL | str | RuntimeError] = {}  # kernel -> library, or why there is none
-_real_widest: str | None = None  # under emulate_cpu: the widest build this CPU itself runs
+_real: tuple | None = None  # under emulate_cpu: native's own _cpu_flags and library
 
 
 def _build_all() -> None:
@@ -133,14 +133,15 @@ def emulate_cpu(kernel: str) -> None:
             return None
         return _built[k]
 
-    global _real_widest
-    _real_widest = native.supported_kernels()[-1]
+    global _real
+    _real = (real_flags, real_library)
     native._cpu_flags = lambda: flags
     native.library = library
 
 
 def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For a test of building and caching the library itself: under emulate_cpu, the kernel built is one
-    this CPU runs (an emulated build is never compiled by native._build)."""
-    if _real_widest is not None:
-        monkeypatch.setenv("COMPLETIOND_KERNEL", _real_widest)
+    """For a test of building, caching and choosing the library itself: under emulate_cpu, this CPU's own
+    flags and builds again for the test (an emulated build is never compiled by native._build)."""
+    if _real is not None:
+        monkeypatch.setattr(native, "_cpu_flags", _real[0])
+        monkeypatch.setattr(native, "library", _real[1])

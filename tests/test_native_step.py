@@ -375,6 +375,37 @@ def test_a_broken_compiler_falls_back_with_a_reason(tiny_model_dir, monkeypatch,
         native._reset_for_tests()
 
 
+def test_a_build_the_compiler_cannot_make_falls_back_to_the_next_narrower(tiny_model_dir, monkeypatch, tmp_path,
+                                                                          caplog):
+    """A CPU with AVX512_BF16 and a compiler too old for it (or for any AVX-512 build): the widest build
+    this CPU runs that compiles, avx2 here, with a warning naming what failed; never the PyTorch path."""
+    emulated_kernels.real_build(monkeypatch)
+    if native._compiler() is None or "avx2" not in native.supported_kernels():
+        pytest.skip("no C compiler or no AVX2/FMA here")
+    cc = tmp_path / "old-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *-mavx512*) echo "cc: error: unrecognized command-line option" >&2; '
+                  f'exit 1;; esac\nexec {native._compiler()} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    flags = native._cpu_flags() + " " + " ".join(native.KERNELS["avx512-bf16"][0])
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    native._reset_for_tests()
+    try:
+        assert native.kernel_name() == "avx512-bf16"
+        eng = Engine.load(tiny_model_dir, device="cpu", dtype="float32")
+        assert eng.fwd.native is not None and eng.fwd.native.kernel == "avx2", eng.fwd.native_reason
+        assert "avx2 kernels" in eng.decode_step_in_use()
+        warned = [r.getMessage() for r in caplog.records if "native step: using the avx2 kernels" in r.getMessage()]
+        assert len(warned) == 1 and "not avx512-bf16" in warned[0] and "unrecognized command-line option" in warned[0]
+        assert native.reason("avx512-vnni") and native.reason("avx512") and native.reason("avx2") is None
+        Engine.load(tiny_model_dir, device="cpu", dtype="float32")  # warned once per process, not per load
+        assert sum("native step: using the avx2 kernels" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        native._reset_for_tests()
+
+
 @pytest.fixture
 def built_in_tmp(monkeypatch, tmp_path):
     """The native library built into an empty cache under tmp_path: its path."""

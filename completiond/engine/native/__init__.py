@@ -106,6 +106,7 @@ class _Model(ctypes.Structure):
 
 _libs: dict[str, ctypes.CDLL | None] = {}  # kernel -> loaded library (None: failed, _reasons says why)
 _reasons: dict[str, str] = {}
+_logged: set[str] = set()  # the fallbacks library() has warned about ("": to the PyTorch path)
 
 
 def cache_dir() -> Path:
@@ -267,9 +268,34 @@ def _build(cc: str, kernel: str) -> Path:
 
 
 def library(kernel: str | None = None) -> ctypes.CDLL | None:
-    """The loaded native library for kernel (default: kernel_name()), built on first use; None (and
-    reason() says why) when unavailable."""
-    kernel = kernel or kernel_name()
+    """The loaded native library for kernel, built on first use; None (and reason() says why) when
+    unavailable. Without a kernel: kernel_name()'s build, or where that one cannot be built or loaded (a
+    compiler or assembler older than the CPU: no -mavx512bf16, no vpdpbusd) the next narrower build this
+    CPU runs, down to avx2, with a warning naming what failed."""
+    if kernel is not None:
+        return _load(kernel)
+    order = _order()
+    for k in order:
+        lib = _load(k)
+        if lib is not None:
+            if k != order[0] and k not in _logged:
+                _logged.add(k)
+                log.warning("native step: using the %s kernels, not %s (%s)", k, order[0], reason())
+            return lib
+    if "" not in _logged and _unavailable(order[0]) is None:  # it should have worked: say so, once
+        _logged.add("")
+        log.warning("%s; using the PyTorch path", reason())
+    return None
+
+
+def _order() -> list[str]:
+    """The builds library() tries: kernel_name()'s, then the narrower ones this CPU runs, widest first."""
+    chosen, usable = kernel_name(), supported_kernels()
+    return [chosen] + (usable[:usable.index(chosen)][::-1] if chosen in usable else [])
+
+
+def _load(kernel: str) -> ctypes.CDLL | None:
+    """library(kernel): this one build or None."""
     if kernel in _libs:
         return _libs[kernel]
     _libs[kernel] = None
@@ -285,7 +311,6 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
             raise RuntimeError(f"{path} has ABI {lib.cd_abi()}, expected {ABI}")
     except (OSError, RuntimeError) as exc:
         _reasons[kernel] = f"cannot build or load the native step: {exc}"
-        log.warning("%s; using the PyTorch path", _reasons[kernel])
         return None
     _libs[kernel] = typed(lib)
     return lib
@@ -327,12 +352,21 @@ def _unavailable(kernel: str) -> str | None:
 
 
 def reason(kernel: str | None = None) -> str | None:
-    return _reasons.get(kernel or kernel_name())
+    """Why kernel's build is unavailable; without a kernel, why kernel_name()'s is (and, where every
+    narrower one failed too, why each did)."""
+    if kernel is not None:
+        return _reasons.get(kernel)
+    order = _order()
+    failed = [k for k in order if k in _reasons]
+    if len(order) > 1 and len(failed) == len(order):
+        return "; ".join(f"{k}: {_reasons[k]}" for k in order)
+    return _reasons.get(order[0])
 
 
 def _reset_for_tests() -> None:
     _libs.clear()
     _reasons.clear()
+    _logged.clear()
 
 
 def trim_heap() -> None:
