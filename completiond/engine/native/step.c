@@ -35,8 +35,9 @@
  * long enough per byte that the hardware prefetcher falls behind and each weight line arrives late: one
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
  * with 8 KB ahead (4-16 KB alike; 1 KB too little). One-row kernels are bound by the stream itself: without.
- * Measured in the AVX2 build; the AVX-512 builds' panel kernels prefetch alike, not yet measured on an
- * AVX-512 CPU (their verify passes cost 1.6-1.8 steps at K = 4 there on 2026-12-04, as AVX2's did before). */
+ * Measured in the AVX2 build; the AVX-512 builds' panel kernels and the AVX512_BF16 build's row-major head
+ * prefetch alike, not yet measured on an AVX-512 CPU (their verify passes cost 1.6-1.8 steps at K = 4
+ * there on 2026-12-04, as AVX2's did before). */
 #define PF_AHEAD 8192
 
 /* rows in the next block when `left` rows remain and a block holds at most `most`: blocks as even as they
@@ -872,6 +873,9 @@ static void gemm_rows(const float *x, int t, int in, const uint16_t *W, int out,
             for (int k = 0; k < in; k += 32) {
                 const __mmask32 m = in - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (in - k)) - 1);
                 __m512bh w[RJ];
+                if (t > 1 && r0 == 0) /* see PF_AHEAD; the later blocks of rows find the weights in cache */
+                    _Pragma("GCC unroll 8") for (int jj = 0; jj < nj; jj++)
+                        _mm_prefetch((const char *)(W + (size_t)(j + jj) * in + k) + PF_AHEAD, _MM_HINT_T0);
                 _Pragma("GCC unroll 8") for (int jj = 0; jj < RJ; jj++)
                     w[jj] = (__m512bh)(jj < nj ? _mm512_maskz_loadu_epi16(m, W + (size_t)(j + jj) * in + k) : _mm512_setzero_si512());
                 _Pragma("GCC unroll 8") for (int rr = 0; rr < RR; rr++) {
