@@ -1,9 +1,9 @@
-"""The native step's kernels for the tests: every build this CPU runs, and, on a CPU without AVX-512, the
-AVX-512 builds (avx512, avx512-vnni, avx512-bf16) compiled with their AVX-512 intrinsics emulated by SIMDe
-(the simde-py package, a test dependency) over AVX2, so that their code (layouts, row blocking, tails,
+"""The native step's kernels for the tests: every build this CPU runs, and the AVX-512 and AVX-VNNI builds
+it cannot run (avx2-vnni, avx512, avx512-vnni, avx512-bf16) compiled with those intrinsics emulated by
+SIMDe (the simde-py package, a test dependency) over AVX2, so that their code (layouts, row blocking, tails,
 masks, offset corrections, the one-row exactness of every pass) is run by every machine the suite runs
 on, not only by the rare one that has the instructions. An emulated build runs the code, not the silicon:
-its speed means nothing, and its vpdpbusd / vdpbf16ps are SIMDe's and avx512_emulation.h's reading of the
+its speed means nothing, and its vpdpbusd / vdpbf16ps are SIMDe's and isa_emulation.h's reading of the
 instruction set reference.
 """
 
@@ -19,8 +19,9 @@ import pytest
 
 from completiond.engine import native
 
-SHIM = Path(__file__).with_name("avx512_emulation.h")
-DEFINES = {"avx512": [], "avx512-vnni": ["-DEMULATE_VNNI"], "avx512-bf16": ["-DEMULATE_VNNI", "-DEMULATE_BF16"]}
+SHIM = Path(__file__).with_name("isa_emulation.h")
+DEFINES = {"avx2-vnni": ["-DEMULATE_AVXVNNI"], "avx512": [], "avx512-vnni": ["-DEMULATE_VNNI"],
+           "avx512-bf16": ["-DEMULATE_VNNI", "-DEMULATE_BF16"]}
 _built: dict[str, ctypes.CDLL | str | RuntimeError] = {}  # kernel -> library, or why there is none
 _real: tuple | None = None  # under emulate_cpu: native's own _cpu_flags and library
 

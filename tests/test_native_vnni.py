@@ -33,7 +33,7 @@ def _vnni_lib():
 
 # the builds that compute int8 matrices as w8a8 (avx512-bf16 is avx512-vnni's int8 code), and their
 # activation levels
-LEVELS = {"avx2": 63, VNNI: 127, "avx512-bf16": 127}
+LEVELS = {"avx2": 63, "avx2-vnni": 127, VNNI: 127, "avx512-bf16": 127}
 
 
 def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
@@ -48,6 +48,21 @@ def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
     else:
         assert native.library("avx2").cd_i8_quads() == 1  # AVX2 without VNNI: w8a8 with vpmaddubsw
         assert VNNI not in native.supported_kernels() and native.kernel_name() != VNNI
+
+
+def test_avx_vnni_without_avx512_picks_the_avx2_vnni_build(monkeypatch):
+    """The dispatch alone (flags as /proc/cpuinfo names them): AVX-VNNI without AVX-512 (Alder Lake and
+    later) gets avx2-vnni; with AVX-512 too (Sapphire Rapids) the AVX-512 builds stay wider."""
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "sse2 avx avx2 fma avx_vnni")
+    assert native.supported_kernels() == ["avx2", "avx2-vnni"] and native.kernel_name() == "avx2-vnni"
+    monkeypatch.setenv("COMPLETIOND_KERNEL", "avx2")  # a narrower one, as a user may ask
+    assert native.kernel_name() == "avx2"
+    monkeypatch.delenv("COMPLETIOND_KERNEL")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "avx2 fma avx_vnni avx512f avx512dq avx512bw avx512vl "
+                                                      "avx512_vnni avx512_bf16")
+    assert native.kernel_name() == "avx512-bf16"
+    assert native._order() == ["avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2"]  # library()'s fallbacks
 
 
 def _w8a8_reference(x: np.ndarray, w: torch.Tensor, bias: np.ndarray, levels: int) -> np.ndarray:

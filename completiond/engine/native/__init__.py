@@ -7,8 +7,9 @@ is an accelerator, never a requirement: without a compiler, on a CPU without AVX
 half-precision or GPU models, or with COMPLETIOND_NATIVE=0, the engine keeps the PyTorch path, and
 `reason()` says why.
 
-Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline), "avx512"
-(AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers) and "avx512-vnni" (avx512 plus AVX512_VNNI).
+Kernels: step.c is compiled once per instruction set, "avx2" (AVX2 + FMA, the baseline), "avx2-vnni"
+(avx2 plus AVX-VNNI), "avx512" (AVX-512 F/DQ/BW/VL: 16-lane panels, 32 registers) and "avx512-vnni"
+(avx512 plus AVX512_VNNI).
 kernel_name() is the one place that picks the build for this CPU (COMPLETIOND_KERNEL names a narrower
 one); avx2 and avx512 compute every float32 and bf16 output column with the same fmadd chain, so they give
 the same bits. int8 matrices: avx512 widens the weights (weight-only); avx512-vnni computes them as w8a8,
@@ -16,7 +17,8 @@ each activation row quantised to int8 per row, exact int32 sums by vpdpbusd (its
 exact, arithmetic); avx2 computes them as w8a8 too, with vpmaddubsw/vpmaddwd (widening each weight cost
 more there than the bytes int8 saves), on activation rows of 7 bits, within +-63 (act_levels), which
 vpmaddubsw's unsigned operand takes as they are: fewer instructions per row than 8 bits, a small accuracy
-cost that `completiond bench --quality` measures, and int8 results that differ from avx512-vnni's.
+cost that `completiond bench --quality` measures, and int8 results that differ from avx512-vnni's;
+avx2-vnni is avx2 with vpdpbusd on ymm: 8-bit activations, avx512-vnni's int8 results.
 "avx512-bf16" (avx512-vnni plus AVX512_BF16) also computes bf16 panels with vdpbf16ps on activation rows
 rounded to bf16 (half the instructions of widening the weights, so a verify pass of several rows stays
 near the cost of one; a small accuracy cost, which `completiond bench --quality` measures).
@@ -62,6 +64,8 @@ COMPILE_TIMEOUT_S = 300  # one build per kernel, once per machine: ~15 s on an i
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
 KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
+    # AVX2 plus AVX-VNNI (vpdpbusd on ymm; Alder Lake and later, Zen 5): int8 as w8a8 on 8-bit activations
+    "avx2-vnni": (("avx2", "fma", "avx_vnni"), ["-mavx2", "-mfma", "-mavxvnni"]),
     "avx512": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
                ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]),
     # AVX-512 plus vpdpbusd: int8 matrices as w8a8 (activation rows quantised per row), the rest as avx512

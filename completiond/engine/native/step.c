@@ -559,11 +559,25 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
  * (old and new library in one process, interleaved); the loss cost is in docs/PERFORMANCE.md. The sums
  * are exact integers: sum_k (q_x + 64) q_w, less 64 sum_k q_w (half the VNNI build's 128 sum_k q_w), so
  * the order of the adds cannot matter and the float tail is the VNNI build's three rounded ops. */
-#define ACT_LEVELS 63
 #define I8_QUADS 1
-_Static_assert(2 * (ACT_LEVELS + 1) == 128, "store_w8a8 takes the offset's sums as half the stored corrections");
+#if defined(__AVXVNNI__)
+/* AVX-VNNI (Alder Lake and later, Zen 5: vpdpbusd on ymm, without AVX-512): the 8-bit activations and the
+ * one instruction per row and 32 products of the AVX-512 VNNI build, in this build's registers and layout.
+ * Not measured on such a CPU yet (none has been at hand); tested emulated (tests/emulated_kernels.py). */
+#undef CD_KERNEL
+#define CD_KERNEL "avx2-vnni"
+#define ACT_LEVELS 127
+#define OFFSET_SHIFT 0 /* the offset is 128: the stored corrections as they are */
+#define DOT4(acc, xv, w) _mm256_dpbusd_avx_epi32(acc, xv, w)
+#else
+#define ACT_LEVELS 63
+#define OFFSET_SHIFT 1 /* the offset is 64: half the stored corrections */
+#define DOT4(acc, xv, w) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w), _mm256_set1_epi16(1)))
+#endif
+_Static_assert((ACT_LEVELS + 1) << OFFSET_SHIFT == 128, "store_w8a8 scales the stored corrections to the offset");
 
-/* row x [in] -> xq [in4] (u8 = q + 64 with |q| <= 63, padding 64), its scale *xs */
+/* row x [in] -> xq [in4] (u8 = q + ACT_LEVELS + 1 with |q| <= ACT_LEVELS, padding ACT_LEVELS + 1), its
+ * scale *xs */
 static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 mx = _mm256_setzero_ps();
@@ -578,7 +592,7 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
     *xs = amax / (float)ACT_LEVELS;
     const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-(float)ACT_LEVELS);
     const __m256 hi = _mm256_set1_ps((float)ACT_LEVELS);
-    const __m256i off8 = _mm256_set1_epi8(ACT_LEVELS + 1);
+    const __m256i off8 = _mm256_set1_epi8((char)(uint8_t)(ACT_LEVELS + 1)); /* added mod 256 */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
 #define Q8(o) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + (o)), iv), lo), hi))
     for (i = 0; i + 32 <= in; i += 32) { /* nearest even (MXCSR's default), as the VNNI build rounds */
@@ -594,22 +608,23 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
     for (; i < in4; i++) xq[i] = ACT_LEVELS + 1;
 }
 
-/* columns j..j+15 of one row from their int32 sums less the offset's (corr: 128 sum_k q_w, so half of it):
+/* columns j..j+15 of one row from their int32 sums less the offset's (corr: 128 sum_k q_w, so half of it
+ * for an offset of 64):
  * ((float)acc * wscale) * xscale, then + bias (store16), each rounded on its own (no contraction into an
  * fma: the VNNI build's explicit-rounding multiplies) */
 __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, __m256i a1, const float *sc,
                                                                    const int32_t *corr, float xs, const float *b,
                                                                    float *yrow, int j, int out) {
     const __m256 xv = _mm256_set1_ps(xs);
-    a0 = _mm256_sub_epi32(a0, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j)), 1));
-    a1 = _mm256_sub_epi32(a1, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j + 8)), 1));
+    a0 = _mm256_sub_epi32(a0, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j)), OFFSET_SHIFT));
+    a1 = _mm256_sub_epi32(a1, _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(corr + j + 8)), OFFSET_SHIFT));
     __m256 f0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a0), _mm256_loadu_ps(sc + j)), xv);
     __m256 f1 = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a1), _mm256_loadu_ps(sc + j + 8)), xv);
     store16(f0, f1, NULL, b, yrow, j, out);
 }
 
-/* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones and a broadcast
- * fit AVX2's 16 registers for (1, 2) and (1..5, 1) */
+/* R rows x NP panels: R * NP * 2 int32 accumulators, NP * 2 weight registers, the ones (vpmaddwd's) and a
+ * broadcast fit AVX2's 16 registers for (1, 2) and (1..5, 1) */
 #define MKV(R, NP)                                                                                      \
     static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
                                       const float *sc, const int32_t *corr, const float *b, float *y, int ldy, \
@@ -617,7 +632,6 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
         __m256i acc[R][NP][2];                                                                          \
         const size_t ps = (size_t)in4 * PW;                                                             \
         const int8_t *pan[NP];                                                                          \
-        const __m256i ones = _mm256_set1_epi16(1);                                                      \
         _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) pan[n] = (const int8_t *)Wp + (size_t)(p0 + n) * ps; \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                             \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n][0] = acc[r][n][1] = _mm256_setzero_si256(); \
@@ -635,10 +649,8 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
                 memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
                 const __m256i xv = _mm256_set1_epi32(quad);                                             \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                  \
-                    acc[r][n][0] = _mm256_add_epi32(acc[r][n][0], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xv, w0[n]), ones));                                        \
-                    acc[r][n][1] = _mm256_add_epi32(acc[r][n][1], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(xv, w1[n]), ones));                                        \
+                    acc[r][n][0] = DOT4(acc[r][n][0], xv, w0[n]);                                       \
+                    acc[r][n][1] = DOT4(acc[r][n][1], xv, w1[n]);                                       \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \

@@ -1,7 +1,7 @@
-/* Test-only (tests/emulated_kernels.py): step.c's AVX-512 builds compiled for a CPU with AVX2/FMA only.
- * Force-included before step.c: its AVX-512 intrinsics become SIMDe's (simde-py), which compute them over
- * 256-bit halves; those SIMDe lacks, and those whose SIMDe form differs from the hardware in a way the
- * tests could see, are written out below from the instruction set reference. */
+/* Test-only (tests/emulated_kernels.py): step.c's AVX-512 and AVX-VNNI builds compiled for a CPU with
+ * AVX2/FMA only. Force-included before step.c: its AVX-512 and VNNI intrinsics become SIMDe's (simde-py),
+ * which compute them over 256-bit halves; those SIMDe lacks, and those whose SIMDe form differs from the
+ * hardware in a way the tests could see, are written out below from the instruction set reference. */
 #include <immintrin.h>
 #include <string.h>
 #include <math.h>
@@ -81,11 +81,19 @@ static inline simde__m512i emu_maskz_loadu_epi16(simde__mmask32 k, const void *p
 #undef _mm512_maskz_loadu_epi16
 #define _mm512_maskz_loadu_epi16(k, p) emu_maskz_loadu_epi16(k, p)
 
+/* AVX-VNNI's ymm vpdpbusd (the avx2-vnni build) is AVX512VL+VNNI's, VEX-encoded: the same sums */
+#undef _mm256_dpbusd_avx_epi32
+#define _mm256_dpbusd_avx_epi32(src, a, b) simde_mm256_dpbusd_epi32(src, a, b)
+
 /* which build: step.c reads the compiler's ISA macros, defined here after every header has been read */
+#ifdef EMULATE_AVXVNNI
+#define __AVXVNNI__ 1
+#else
 #define __AVX512F__ 1
 #define __AVX512DQ__ 1
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
+#endif
 #ifdef EMULATE_VNNI
 #define __AVX512VNNI__ 1
 #endif
