@@ -64,7 +64,8 @@ COMPILE_TIMEOUT_S = 300  # one build per kernel, once per machine: ~15 s on an i
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
 KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     "avx2": (("avx2", "fma"), ["-mavx2", "-mfma"]),
-    # AVX2 plus AVX-VNNI (vpdpbusd on ymm; Alder Lake and later, Zen 5): int8 as w8a8 on 8-bit activations
+    # AVX2 plus AVX-VNNI (vpdpbusd on ymm; Intel since Alder Lake, where AVX-512 is off): int8 as w8a8 on
+    # 8-bit activations
     "avx2-vnni": (("avx2", "fma", "avx_vnni"), ["-mavx2", "-mfma", "-mavxvnni"]),
     "avx512": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
                ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]),

@@ -561,9 +561,9 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
  * the order of the adds cannot matter and the float tail is the VNNI build's three rounded ops. */
 #define I8_QUADS 1
 #if defined(__AVXVNNI__)
-/* AVX-VNNI (Alder Lake and later, Zen 5: vpdpbusd on ymm, without AVX-512): the 8-bit activations and the
- * one instruction per row and 32 products of the AVX-512 VNNI build, in this build's registers and layout.
- * Not measured on such a CPU yet (none has been at hand); tested emulated (tests/emulated_kernels.py). */
+/* AVX-VNNI (Intel since Alder Lake, whose cores have no AVX-512: vpdpbusd on ymm): the 8-bit activations
+ * and the one instruction per row and 32 products of the AVX-512 VNNI build, in this build's registers and
+ * layout. Not measured on such a CPU yet (none has been at hand); tested emulated (tests/emulated_kernels.py). */
 #undef CD_KERNEL
 #define CD_KERNEL "avx2-vnni"
 #define ACT_LEVELS 127
