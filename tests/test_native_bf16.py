@@ -11,8 +11,8 @@ import torch
 
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
-from tests.conftest import make_tiny_model
 from tests import emulated_kernels
+from tests.conftest import make_tiny_model
 from tests.test_native_vnni import kernel_lib
 
 BF16 = "avx512-bf16"

@@ -51,8 +51,9 @@ def test_kernel_choice_is_one_function_and_status_names_it(bundled, monkeypatch)
 @pytest.mark.parametrize("weights", ["auto", "float32", "int8"])
 def test_every_kernel_gives_every_row_the_bits_of_a_one_row_step(bundled, weights):
     """Passes of 2..33 rows (a verify pass of 32 drafted tokens and the pending one) against 33 one-row
-    steps, in every kernel (emulated where this CPU lacks it); the kernels against each other (the same fmadd chain per
-    column), and float32 panels against the PyTorch path."""
+    steps, in every kernel (emulated where this CPU lacks it); kernels of the same arithmetic against each
+    other (the same fmadd chain per column, or the same integer sums), and float32 panels against the
+    PyTorch path."""
     _need_native()
     prompt = _ids(bundled, TEXT * 4, 300)  # past one 256-key attention chunk
     n0, rows = 260, 33
@@ -79,18 +80,22 @@ def test_every_kernel_gives_every_row_the_bits_of_a_one_row_step(bundled, weight
                 assert torch.equal(batch.k[:L, :, n0:n0 + t], seq.k[:L, :, n0:n0 + t]), (kernel, t)
             per_kernel[kernel] = singles
         first = next(iter(per_kernel.values()))
-        # Kernels that compute this format alike give the same bits. int8 is w8a8 in avx2 and the VNNI builds
-        # (each its own levels, tested against its reference in tests/test_native_vnni.py) and weight-only in
-        # avx512; bf16 panels meet bf16-rounded activations in avx512-bf16 (tests/test_native_bf16.py).
-        alike = {}
+        # Kernels that compute this format alike give the same bits: float32 and widened bf16 everywhere;
+        # int8 as w8a8 with the same activation levels (avx2's 63; avx2-vnni's and the AVX-512 VNNI builds'
+        # 127) or weight-only (avx512); bf16 panels on bf16-rounded activations (avx512-bf16).
+        alike: dict[tuple, dict[str, torch.Tensor]] = {}
         for kernel, singles in per_kernel.items():
             lib = emulated_kernels.library(kernel)
             if weights == "int8" and lib.cd_i8_quads():
-                continue
-            if weights == "auto" and lib.cd_bf16_dot():
-                continue
-            alike.setdefault(kernel, singles)
-        assert all(torch.equal(singles, next(iter(alike.values()))) for singles in alike.values()), list(alike)
+                key = ("w8a8", lib.cd_act_levels())
+            elif weights == "auto" and lib.cd_bf16_dot():
+                key = ("bf16 dot",)
+            else:
+                key = ("float32 arithmetic",)
+            alike.setdefault(key, {})[kernel] = singles
+        for key, group in alike.items():
+            results = list(group.values())
+            assert all(torch.equal(r, results[0]) for r in results), (key, list(group))
         if weights == "float32":
             bundled.fwd.native = None
             ref = bundled.new_sequence(n0 + rows)
@@ -190,8 +195,8 @@ def test_every_packed_layout_puts_each_weight_where_step_c_reads_it(out, width):
 @torch.inference_mode()
 def test_int8_panels_compute_the_dequantised_model(tmp_path, monkeypatch):
     """weights="int8": every pass (prefill too) reads int8 panels, and computes what the PyTorch path
-    computes on the dequantised weights (the weight-only kernel of the avx512 build; the w8a8 builds, avx2
-    and avx512-vnni, have their own test in test_native_vnni)."""
+    computes on the dequantised weights (the weight-only kernel of the avx512 build; the w8a8 builds have
+    their own test in test_native_vnni)."""
     _need_native()
     emulated_kernels.library("avx512", monkeypatch)  # emulated where the CPU has no AVX-512
     d = make_tiny_model(tmp_path / "m", layers=3, seed=11)
