@@ -1,8 +1,9 @@
 """The w8a8 int8 kernels (issue 27 item 3): in the VNNI builds (avx2-vnni, avx512-vnni, avx512-bf16:
 vpdpbusd sums; emulated over AVX2 where the CPU lacks the instructions, tests/emulated_kernels.py) and in the
 AVX2 build (vpmaddubsw / vpmaddwd sums), int8 matrices run as w8a8 (each activation row quantised symmetric
-per row, within +-127 on VNNI and +-63 on AVX2: cd_act_levels): exactly the integer arithmetic of a reference, every row of a 33-row pass the bits
-of a one-row pass, and speculative greedy output equal to plain greedy output under int8 weights.
+per row, within +-127 on VNNI and +-63 on AVX2: cd_act_levels): exactly the integer arithmetic of a
+reference, every row of a 33-row pass the bits of a one-row pass, and speculative greedy output equal to
+plain greedy output under int8 weights.
 """
 
 from __future__ import annotations
