@@ -63,21 +63,19 @@ static inline simde__m512 emu_dpbf16_ps(simde__m512 src, simde__m512bh a, simde_
 
 /* Masked loads read only the lanes their mask keeps, as the hardware does (it suppresses faults on the
  * others): SIMDe's load the whole 64 bytes, past the end of a row that ends at a page boundary. */
+static inline void emu_maskz_copy(void *dst, const void *p, uint32_t k, int lane_bytes) {
+    memset(dst, 0, 64);
+    for (int i = 0; i < 64 / lane_bytes; i++)
+        if (k >> i & 1) memcpy((char *)dst + lane_bytes * i, (const char *)p + lane_bytes * i, (size_t)lane_bytes);
+}
 static inline simde__m512 emu_maskz_loadu_ps(simde__mmask16 k, const void *p) {
-    float d[16] = {0};
-    for (int i = 0; i < 16; i++)
-        if (k >> i & 1) memcpy(d + i, (const char *)p + 4 * i, 4);
-    simde__m512 r; memcpy(&r, d, 64); return r;
+    simde__m512 r; emu_maskz_copy(&r, p, k, 4); return r;
+}
+static inline simde__m512i emu_maskz_loadu_epi16(simde__mmask32 k, const void *p) {
+    simde__m512i r; emu_maskz_copy(&r, p, k, 2); return r;
 }
 #undef _mm512_maskz_loadu_ps
 #define _mm512_maskz_loadu_ps(k, p) emu_maskz_loadu_ps(k, p)
-
-static inline simde__m512i emu_maskz_loadu_epi16(simde__mmask32 k, const void *p) {
-    uint16_t d[32] = {0};
-    for (int i = 0; i < 32; i++)
-        if (k >> i & 1) memcpy(d + i, (const char *)p + 2 * i, 2);
-    simde__m512i r; memcpy(&r, d, 64); return r;
-}
 #undef _mm512_maskz_loadu_epi16
 #define _mm512_maskz_loadu_epi16(k, p) emu_maskz_loadu_epi16(k, p)
 
