@@ -103,10 +103,6 @@ def library(kernel: str, monkeypatch: pytest.MonkeyPatch | None = None) -> ctype
     return lib
 
 
-def is_emulated(kernel: str) -> bool:
-    return kernel not in native.supported_kernels()
-
-
 def emulate_cpu(kernel: str) -> None:
     """The suite as on a CPU whose widest build is kernel (COMPLETIOND_TEST_CPU, read by conftest.py): its
     flags added to this CPU's, and every AVX-512 build up to kernel served emulated, in this process
@@ -114,7 +110,7 @@ def emulate_cpu(kernel: str) -> None:
     what would fail on one with it; slower than a native run."""
     if kernel not in DEFINES:
         raise pytest.UsageError(f"COMPLETIOND_TEST_CPU={kernel!r}: choose one of {', '.join(DEFINES)}")
-    real_flags, real_library = native._cpu_flags, native.library
+    real_flags, real_load = native._cpu_flags, native._load
     if set(native.KERNELS[kernel][0]) <= set(real_flags().split()):
         return  # this CPU runs it: nothing to emulate
     served = [k for k in DEFINES if set(native.KERNELS[k][0]) <= set(native.KERNELS[kernel][0])]
@@ -124,20 +120,17 @@ def emulate_cpu(kernel: str) -> None:
             raise pytest.UsageError(f"COMPLETIOND_TEST_CPU={kernel}: no emulated {k} build: {_built[k]}")
     flags = " ".join(dict.fromkeys(real_flags().split() + list(native.KERNELS[kernel][0])))
 
-    def library(k: str | None = None) -> ctypes.CDLL | None:
-        k = k or native.kernel_name()
-        if k not in served:
-            return real_library(k)
-        why = native._unavailable(k)  # COMPLETIOND_NATIVE=0 and the rest, as the real one checks
-        if why is not None:
-            native._reasons[k] = why
-            return None
-        return _built[k]
+    def load(k: str) -> ctypes.CDLL | None:
+        # native.library() keeps its choice and fallbacks; only what it loads for a served build changes.
+        # An unavailable one (COMPLETIOND_NATIVE=0 and the rest) goes to the real _load for its reason.
+        if k in served and native._unavailable(k) is None:
+            return _built[k]
+        return real_load(k)
 
     global _real
-    _real = (real_flags, real_library)
+    _real = (real_flags, real_load)
     native._cpu_flags = lambda: flags
-    native.library = library
+    native._load = load
 
 
 def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -145,4 +138,4 @@ def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
     flags and builds again for the test (an emulated build is never compiled by native._build)."""
     if _real is not None:
         monkeypatch.setattr(native, "_cpu_flags", _real[0])
-        monkeypatch.setattr(native, "library", _real[1])
+        monkeypatch.setattr(native, "_load", _real[1])
