@@ -39,6 +39,14 @@
  * prefetch alike, not yet measured on an AVX-512 CPU (their verify passes cost 1.6-1.8 steps at K = 4
  * there on 2026-12-04, as AVX2's did before). */
 #define PF_AHEAD 8192
+/* in a kernel of R rows over NP panels (both compile-time constants): each panel's weights PF_AHEAD bytes
+ * past its element `off`, where R > 1 */
+#define PF_PANELS(R, NP, pan, off)                                                                      \
+    do {                                                                                                \
+        if ((R) > 1)                                                                                    \
+            _Pragma("GCC unroll 8") for (int n_ = 0; n_ < (NP); n_++)                                   \
+                _mm_prefetch((const char *)((pan)[n_] + (off)) + PF_AHEAD, _MM_HINT_T0);                \
+    } while (0)
 
 /* rows in the next block when `left` rows remain and a block holds at most `most`: blocks as even as they
  * come (t = 6 in blocks of up to 5: 3 + 3) */
@@ -213,9 +221,7 @@ static inline void store16(__m512 a, const float *sc, const float *b, float *yro
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
         for (int k = 0; k < in; k++) {                                                                  \
             __m512 w[NP];                                                                               \
-            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
+            PF_PANELS(R, NP, pan, (size_t)k * PW);                                                      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) LOAD(pan[n], k, w[n]);                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 __m512 xv = _mm512_set1_ps(x[(size_t)r * in + k]);                                      \
@@ -344,9 +350,7 @@ static inline void store16(__m256 a0, __m256 a1, const float *sc, const float *b
                 acc[r][n][0] = acc[r][n][1] = _mm256_setzero_ps();                                      \
         for (int k = 0; k < in; k++) {                                                                  \
             __m256 w0[NP], w1[NP];                                                                      \
-            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);       \
+            PF_PANELS(R, NP, pan, (size_t)k * PW);                                                      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) LOAD(pan[n], k, w0[n], w1[n]);         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 __m256 xv = _mm256_broadcast_ss(x + (size_t)r * in + k);                                \
@@ -478,9 +482,7 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_si512();    \
         for (int k = 0; k < in4; k += 4) {                                                              \
             __m512i w[NP];                                                                              \
-            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
+            PF_PANELS(R, NP, pan, (size_t)k * PW);                                                      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) w[n] = _mm512_loadu_si512((const void *)(pan[n] + (size_t)k * PW)); \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
                 int32_t quad;                                                                           \
@@ -637,9 +639,7 @@ __attribute__((optimize("fp-contract=off"))) static void store_w8a8(__m256i a0, 
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n][0] = acc[r][n][1] = _mm256_setzero_si256(); \
         for (int k = 0; k < in4; k += 4) {                                                              \
             __m256i w0[NP], w1[NP];                                                                     \
-            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k * PW) + PF_AHEAD, _MM_HINT_T0);      \
+            PF_PANELS(R, NP, pan, (size_t)k * PW);                                                      \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                      \
                 w0[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW));                 \
                 w1[n] = _mm256_loadu_si256((const __m256i *)(pan[n] + (size_t)k * PW + 32));            \
@@ -746,9 +746,7 @@ static size_t dot_scratch(int t, int in) { return (size_t)t * bf16_row_halves(in
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_setzero_ps();       \
         for (int k2 = 0; k2 < in2; k2++) {                                                              \
             __m512bh w[NP];                                                                             \
-            if (R > 1) /* compile-time; see PF_AHEAD */                                                 \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                    \
-                    _mm_prefetch((const char *)(pan[n] + (size_t)k2 * 2 * PW) + PF_AHEAD, _MM_HINT_T0); \
+            PF_PANELS(R, NP, pan, (size_t)k2 * 2 * PW);                                                 \
             _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++)                                        \
                 w[n] = (__m512bh)_mm512_loadu_si512((const void *)(pan[n] + (size_t)k2 * 2 * PW));      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                       \
