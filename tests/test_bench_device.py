@@ -74,6 +74,12 @@ def test_every_weight_format_is_measured_and_stays_exact(peaked_dir):
     assert "int8 weights" in int8["decode_step"]
     assert int8["weight_bytes"] < bf16["weight_bytes"]
     assert bf16["early_exit"]["greedy_identical"] and int8["early_exit"]["greedy_identical"]
+    for m in (bf16, int8):  # the arithmetic floor under verify_cost_by_k, at 1..K+1 rows
+        assert list(m["matmul_arithmetic_ms_by_rows"]) == ["1", "2", "3"]
+        assert list(m["matmul_arithmetic_vs_plain_by_k"]) == ["1", "2"]
+        assert all(v > 0 for v in m["matmul_arithmetic_ms_by_rows"].values())
+        assert m["matmul_arithmetic_vs_plain_by_k"]["2"] == pytest.approx(
+            m["matmul_arithmetic_ms_by_rows"]["3"] / m["plain_ms_per_token"], rel=0.05, abs=0.002)  # each rounded
     assert "sampling_t0.8" not in bf16
 
 

@@ -29,6 +29,7 @@ int cd_i8_quads(void) { return 0; }
 int cd_act_levels(void) { return 0; }
 int cd_bf16_dot(void) { return 0; }
 int cd_gemm(void) { return 0; }
+int cd_arith(void) { return 0; }
 int cd_layers(void) { return 0; }
 int cd_head(void) { return 0; }
 int cd_draft_greedy(void) { return 0; }

@@ -306,3 +306,37 @@ def test_every_kernel_reads_its_panel_layouts_alike(width):
         assert all(torch.equal(r, results[0]) for r in results), fmt
         torch.testing.assert_close(results[0], ref_i8 if fmt == native.FMT_I8 else ref, rtol=1e-4, atol=1e-4)
     assert torch.equal(outs[native.FMT_F32][0], outs[native.FMT_BF16][0])  # bf16 values: the float32 bits
+
+
+@torch.inference_mode()
+def test_the_arithmetic_timer_computes_the_product_it_times(bundled):
+    """cd_arith (bench-device's in-cache arithmetic rate) repeats the very product cd_gemm computes, split over
+    threads, in every kernel and format; it refuses bad sizes; and the bytes it is weighed against are the
+    packed bytes a step reads."""
+    _need_native()
+    g = torch.Generator().manual_seed(9)
+    V, width = 80, 64
+    w = torch.randn(V, width, generator=g).to(torch.bfloat16).float()
+    for kernel in emulated_kernels.kernels():
+        lib = emulated_kernels.library(kernel)
+        pairs, quads = bool(lib.cd_bf16_pairs()), bool(lib.cd_i8_quads())
+        for fmt in (native.FMT_F32, native.FMT_BF16, native.FMT_I8, native.FMT_BF16_ROWS):
+            if fmt == native.FMT_BF16_ROWS:
+                packed, scales = w.to(torch.bfloat16).view(torch.int16), None
+            else:
+                packed, scales = native.pack_as(w, fmt, pairs, quads)
+            for t in (1, 5):
+                x = torch.randn(t, width, generator=g)
+                want, got = torch.empty(t, V), torch.full((t, V), float("nan"))
+                assert lib.cd_gemm(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V, None,
+                                   want.data_ptr()) == 0
+                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V,
+                                    got.data_ptr(), 3, 2) == 0
+                assert torch.equal(got, want), (kernel, fmt, t)
+                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V,
+                                    got.data_ptr(), 0, 2) == -2, (kernel, fmt)
+    step = bundled.fwd.native
+    by_format = step.bytes_by_format()
+    assert sum(by_format.values()) == step.packed_bytes() > 0
+    for fmt in by_format:
+        assert step.arithmetic_rate(fmt, 2, seconds=0.01, repeats=1) > 0

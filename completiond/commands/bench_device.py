@@ -10,6 +10,9 @@ format asked for (`--weights`):
 * resident memory (RSS) after the load, beside the weight bytes;
 * `verify_cost_by_k`: one pass over K+1 positions ÷ one single-token step, K = 1..8 (and, where the native
   step runs, its one-call greedy verify ÷ its one-call plain step: `native_verify_cost_by_k`);
+* where the native step runs, the floor under those ratios: the matrix products' arithmetic alone at 1..K+1
+  rows (this build's kernels on weights held in cache, no memory stream to wait on), in ms and ÷ a plain
+  step (`matmul_arithmetic_ms_by_rows`, `matmul_arithmetic_vs_plain_by_k`);
 * early-exit speculation at the model's calibrated (or heuristic) E and K: decode ms/token and whether
   its greedy output equals plain greedy decoding token for token (random weights draft badly: this
   row measures the machinery, not a draft's worth);
@@ -306,6 +309,10 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     if native_by_k:
         out["native_verify_cost_by_k"] = native_by_k
     log(f"  verify_cost_by_k {by_k}" + (f"; native (one call) {native_by_k}" if native_by_k else ""))
+    if engine.fwd.native is not None:
+        out.update(matmul_arithmetic(engine.fwd.native, max_k, plain_ms))
+        log(f"  matmul arithmetic alone (weights in cache): {out['matmul_arithmetic_ms_by_rows']} ms by rows; "
+            f"÷ a plain step, by K: {out['matmul_arithmetic_vs_plain_by_k']}")
     if sampling:
         sampled = {}
         for name, spec in (("plain", False), ("early_exit", True)):
@@ -320,6 +327,18 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
         out["sampling_t0.8"] = sampled
         log(f"  sampling at 0.8: {sampled}")
     return out
+
+
+def matmul_arithmetic(native, max_k: int, plain_ms: float) -> dict:
+    """How long the model's matrix products take at 1..max_k+1 rows as arithmetic alone: each format's
+    packed bytes ÷ the rate its kernels consume cache-resident weights at that many rows, on every thread.
+    A pass cannot cost less than its arithmetic, however well the stream of weights hides under it, so
+    the K row ÷ a plain step is a floor for verify_cost_by_k (attention, norms and argmax left out)."""
+    by_format = native.bytes_by_format()
+    ms = {rows: 1000 * sum(size / native.arithmetic_rate(fmt, rows) for fmt, size in by_format.items())
+          for rows in range(1, max_k + 2)}
+    return {"matmul_arithmetic_ms_by_rows": {str(r): round(v, 4) for r, v in ms.items()},
+            "matmul_arithmetic_vs_plain_by_k": {str(k): round(ms[k + 1] / plain_ms, 3) for k in range(1, max_k + 1)}}
 
 
 # ----------------------------------------------------------------------------- the llama.cpp peer

@@ -42,8 +42,10 @@ import os
 import platform
 import shutil
 import stat
+import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ from completiond.errors import EngineError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("step.c")
-ABI = 13
+ABI = 14
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
 # weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
 # drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
@@ -331,6 +333,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cd_bf16_dot.restype = ctypes.c_int
     lib.cd_gemm.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, vp]
     lib.cd_gemm.restype = i32
+    lib.cd_arith.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, i32, i32]
+    lib.cd_arith.restype = i32
     lib.cd_layers.argtypes = [ctypes.POINTER(_Model), vp, i32, i32, i32, i32, vp, vp, i32, vp, vp, i32, vp, vp, i32]
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, i32, vp, vp, i32]
@@ -646,13 +650,48 @@ class NativeStep:
 
     def packed_bytes(self) -> int:
         """Bytes of the packed panels (layers and LM head) this step reads."""
-        total = 0
-        for _, mats, scales, *_ in self._bound.values():
-            total += sum(m.numel() * m.element_size() for m in mats)
-            total += sum(s.numel() * 4 for s in scales if s is not None)
-        for _, packed, _, scales in self._packed.values():
-            total += packed.numel() * packed.element_size() + (0 if scales is None else scales.numel() * 4)
-        return total
+        return sum(self.bytes_by_format().values())
+
+    def bytes_by_format(self) -> dict[int, int]:
+        """The packed bytes (layers and LM head, int8 scales included) by the format step.c reads them in."""
+        out: dict[int, int] = {}
+        for _, mats, scales, _gate_b, _up_b, fmt, _inter in self._bound.values():
+            size = sum(m.numel() * m.element_size() for m in mats) + sum(s.numel() * 4 for s in scales if s is not None)
+            out[fmt] = out.get(fmt, 0) + size
+        for _, packed, fmt, scales in self._packed.values():
+            size = packed.numel() * packed.element_size() + (0 if scales is None else scales.numel() * 4)
+            out[fmt] = out.get(fmt, 0) + size
+        return out
+
+    def arithmetic_rate(self, fmt: int, rows: int, seconds: float = 0.1, repeats: int = 5,
+                        cache_bytes: int = 256 << 10) -> float:
+        """Weight bytes per second this build's kernels for format fmt consume at `rows` rows, on all of
+        torch's threads at once, from a random [cols, d] matrix of about cache_bytes per thread, which
+        stays in cache: the arithmetic alone, with no memory stream to wait on (step.c's cd_arith). The
+        median of `repeats` timings of about `seconds` each."""
+        d, threads = self.model.d, torch.get_num_threads()
+        per_weight = {FMT_F32: 4, FMT_BF16: 2, FMT_BF16_ROWS: 2, FMT_I8: 1}[fmt]
+        cols = max(1, cache_bytes // (d * per_weight * PANEL)) * PANEL * threads
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(cols, d, generator=gen) * 0.02  # [cols, d]
+        if fmt == FMT_BF16_ROWS:
+            packed, scales = w.to(torch.bfloat16).view(torch.int16), None
+        else:
+            packed, scales = pack_as(w, fmt, self.bf16_pairs, self.i8_quads)
+        x, y = torch.randn(rows, d, generator=gen), torch.empty(rows, cols)
+        nbytes = packed.numel() * packed.element_size()
+
+        def timed(reps: int) -> float:
+            t0 = time.perf_counter()
+            _check(self.lib.cd_arith(x.data_ptr(), rows, d, packed.data_ptr(), fmt, _ptr(scales), cols, y.data_ptr(),
+                                     reps, threads), f"arithmetic timing at {rows} rows")
+            return time.perf_counter() - t0
+
+        reps = 4
+        while (took := timed(reps)) < seconds / 4 and reps < 1 << 24:  # warms up and sizes the repeats
+            reps *= 4
+        reps = max(1, round(reps * seconds / took))
+        return nbytes * reps / statistics.median(timed(reps) for _ in range(repeats))
 
     def _rope(self) -> None:
         self.model.rope_len = self.fwd._cos.shape[0]

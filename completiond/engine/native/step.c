@@ -30,7 +30,7 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 13
+#define CD_ABI 14
 /* Bytes ahead of the weights a kernel of several activation rows reads, prefetched. Such a kernel computes
  * long enough per byte that the hardware prefetcher falls behind and each weight line arrives late: one
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
@@ -1341,6 +1341,32 @@ int cd_gemm(const float *x, int t, int in, const void *W, int wfmt, const float 
     gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, 0, (out + PW - 1) / PW, scr);
     _mm_setcsr(csr);
     free(scr);
+    return 0;
+}
+
+/* The matrix arithmetic alone: `reps` products of x [t, in] with W (packed from [out, in] in format wfmt),
+ * each of nthreads threads computing its share of the panels over and over inside one parallel region (no
+ * fork or join between repeats). With W small enough to stay in cache, the time says how fast this build's
+ * kernels consume weights at t rows when no memory stream holds them back (bench-device sets that against
+ * a streamed step). y [t, out]: the product, as cd_gemm's. */
+int cd_arith(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, float *y, int reps,
+             int nthreads) {
+    if (t < 1 || in < 1 || out < 1 || reps < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale))
+        return CD_ESIZE;
+    if (nthreads < 1) nthreads = 1;
+    const size_t qper = (row_scratch(t, in) + 63) & ~(size_t)63;
+    char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
+    if (qper && !qscr) return CD_ENOMEM;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const unsigned int csr = denormals_off();
+        int a, b;
+        share_panels(out, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
+        char *scr = qscr ? qscr + (size_t)omp_get_thread_num() * qper : NULL;
+        for (int r = 0; r < reps; r++) gemm_panels(x, t, in, W, wfmt, wscale, out, NULL, y, out, a, b, scr);
+        _mm_setcsr(csr);
+    }
+    free(qscr);
     return 0;
 }
 
