@@ -664,7 +664,7 @@ class NativeStep:
         return out
 
     def arithmetic_rate(self, fmt: int, rows: int, seconds: float = 0.1, repeats: int = 5,
-                        cache_bytes: int = 256 << 10) -> float:
+                        cache_bytes: int = 128 << 10) -> float:
         """Weight bytes per second this build's kernels for format fmt consume at `rows` rows, on all of
         torch's threads at once, from a random [cols, d] matrix of about cache_bytes per thread, which
         stays in cache: the arithmetic alone, with no memory stream to wait on (step.c's cd_arith). The
