@@ -235,3 +235,20 @@ def test_random_model_is_bf16_with_random_biases(tmp_path):
     assert torch.equal(load_file(str(again / "model.safetensors"))["model.embed_tokens.weight"],
                        tensors["model.embed_tokens.weight"])  # seeded: the peer and we see one model
     assert os.path.exists(model / "tokenizer.json")
+
+
+def test_the_table_prints_each_figure_under_its_heading(capsys):
+    """The non-JSON report: one row per model, every cell under its own heading, the arithmetic floor beside
+    the verify costs it bounds, and a model that failed reported in a row of the same width."""
+    row = {"model": "m", "weights_in_use": "bf16", "plain_ms_per_token": 30.0, "bandwidth_bound_ms_per_token": 29.0,
+           "rss_delta_vs_weight_bytes": 1.05, "early_exit": {"ms_per_token": 40.0, "greedy_identical": True},
+           "verify_cost_by_k": {"1": 1.1, "2": 1.2}, "native_verify_cost_by_k": {"1": 1.15, "2": 1.25},
+           "matmul_arithmetic_vs_plain_by_k": {"1": 0.45, "2": 0.6}, "sampling_t0.8": {"plain": {"ms_per_token": 31.0}}}
+    bench_device._print_table({"device_name": "cpu", "torch": "2", "threads": 2, "copy_bandwidth_gbs": 30.0,
+                               "context": 512, "cuda_graphs": "no", "models": [row, {"model": "x", "error": "gone"}]})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    head, _, measured, failed = lines
+    cells = dict(zip([c.strip() for c in head.split("|")[1:-1]], [c.strip() for c in measured.split("|")[1:-1]]))
+    assert cells["verify cost K=1..8"] == "1.15, 1.25" and cells["its arithmetic floor"] == "0.45, 0.6"
+    assert cells["sampling 0.8"] == "plain: 31.0" and cells["plain ms/token"] == "30.0"
+    assert len(failed.split("|")) == len(head.split("|")) and "not measured: gone" in failed

@@ -565,20 +565,21 @@ def _print_table(r: dict) -> None:
     print(f"\n{r['device_name']} (torch {r['torch']}, {r['threads']} threads), copy bandwidth "
           f"{r['copy_bandwidth_gbs']} GB/s; context {r['context']}; CUDA graphs: {r['cuda_graphs']}")
     print("| model | weights | plain ms/token | bound ms/token | llama.cpp (type) ms/token | ours ÷ peer | RSS delta ÷ "
-          "weight bytes | early exit ms/token (identical) | verify cost K=1..8 | sampling 0.8 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "weight bytes | early exit ms/token (identical) | verify cost K=1..8 | its arithmetic floor | sampling 0.8 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in r["models"]:
         if "error" in m:
-            print(f"| {m['model']} | {m.get('weights', '')} | not measured: {m['error']} | | | | | | | |")
+            print(f"| {m['model']} | {m.get('weights', '')} | not measured: {m['error']} | | | | | | | | |")
             continue
         ee = m["early_exit"]
         vc = ", ".join(str(v) for v in m.get("native_verify_cost_by_k", m["verify_cost_by_k"]).values())
+        floor = ", ".join(str(v) for v in m.get("matmul_arithmetic_vs_plain_by_k", {}).values())
         smp = "; ".join(f"{k}: {v.get('ms_per_token', v.get('error'))}" for k, v in m.get("sampling_t0.8", {}).items())
         peer = m.get("peer")
         peer_cell = f"{peer['ms_per_token']} ({peer['type']})" if peer else ""
         print(f"| {m['model']} | {m['weights_in_use']} | {m['plain_ms_per_token']} | {m['bandwidth_bound_ms_per_token']} | "
               f"{peer_cell} | {peer['ours_over_peer'] if peer else ''} | {m.get('rss_delta_vs_weight_bytes', '')} | "
-              f"{ee['ms_per_token']} ({ee['greedy_identical']}) | {vc} | {smp} |")
+              f"{ee['ms_per_token']} ({ee['greedy_identical']}) | {vc} | {floor} | {smp} |")
     for label, peer in r.get("llama_cpp", {}).items():
         kinds = ", ".join(f"{k} {t['ms_per_token']}" for k, t in peer["types"].items())
         print(f"llama.cpp on {label} (GGUF layout {peer['layout']}): {kinds} ms/token")
