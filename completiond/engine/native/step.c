@@ -1304,55 +1304,16 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     return 0;
 }
 
-/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
-int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wfmt, const float *wscale,
-            int V, const float *bias, float *out, int nthreads) {
-    if (t < 1 || d < 1 || V < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
-    if (nthreads < 1) nthreads = 1;
-    float *x = malloc(sizeof(float) * (size_t)t * d);
-    if (!x) return CD_ENOMEM;
-    for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
-    const size_t qper = (row_scratch(t, d) + 63) & ~(size_t)63;
-    char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
-    if (qper && !qscr) { free(x); return CD_ENOMEM; }
-#pragma omp parallel num_threads(nthreads)
-    {
-        const unsigned int csr = denormals_off();
-        int a, b;
-        share_panels(V, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
-        gemm_panels(x, t, d, W, wfmt, wscale, V, bias, out, V, a, b,
-                    qscr ? (char *)qscr + (size_t)omp_get_thread_num() * qper : NULL);
-        _mm_setcsr(csr);
-    }
-    free(qscr);
-    free(x);
-    return 0;
+/* the sizes every matrix entry point checks (wscale: the int8 format's scales, which it cannot go without) */
+static inline int matrix_args_bad(int t, int in, int out, int wfmt, const float *wscale) {
+    return t < 1 || in < 1 || out < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale);
 }
 
-/* One matrix product, y [t, out] = x [t, in] times W (packed from [out, in] in format wfmt) + bias, in one
- * thread and with no norm: the tests compare each build's arithmetic with a reference through it. */
-int cd_gemm(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, const float *bias,
-            float *y) {
-    if (t < 1 || in < 1 || out < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale)) return CD_ESIZE;
-    void *scr = NULL;
-    const size_t q = row_scratch(t, in);
-    if (q && !(scr = malloc(q))) return CD_ENOMEM;
-    const unsigned int csr = denormals_off();
-    gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, 0, (out + PW - 1) / PW, scr);
-    _mm_setcsr(csr);
-    free(scr);
-    return 0;
-}
-
-/* The matrix arithmetic alone: `reps` products of x [t, in] with W (packed from [out, in] in format wfmt),
- * each of nthreads threads computing its share of the panels over and over inside one parallel region (no
- * fork or join between repeats). With W small enough to stay in cache, the time says how fast this build's
- * kernels consume weights at t rows when no memory stream holds them back (bench-device sets that against
- * a streamed step). y [t, out]: the product, as cd_gemm's. */
-int cd_arith(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, float *y, int reps,
-             int nthreads) {
-    if (t < 1 || in < 1 || out < 1 || reps < 1 || wfmt < FMT_F32 || wfmt > FMT_BF16_ROWS || (wfmt == FMT_I8 && !wscale))
-        return CD_ESIZE;
+/* `reps` products y [t, out] = x [t, in] times W (packed from [out, in] in format wfmt) + bias, the panels
+ * shared out over nthreads threads in one parallel region: each thread computes its share `reps` times with
+ * no fork or join between (cd_head once, cd_arith over and over). 0, or CD_ENOMEM. */
+static int gemm_threads(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out,
+                        const float *bias, float *y, int reps, int nthreads) {
     if (nthreads < 1) nthreads = 1;
     const size_t qper = (row_scratch(t, in) + 63) & ~(size_t)63;
     char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
@@ -1363,11 +1324,48 @@ int cd_arith(const float *x, int t, int in, const void *W, int wfmt, const float
         int a, b;
         share_panels(out, omp_get_thread_num(), omp_get_num_threads(), &a, &b);
         char *scr = qscr ? qscr + (size_t)omp_get_thread_num() * qper : NULL;
-        for (int r = 0; r < reps; r++) gemm_panels(x, t, in, W, wfmt, wscale, out, NULL, y, out, a, b, scr);
+        for (int r = 0; r < reps; r++) gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, a, b, scr);
         _mm_setcsr(csr);
     }
     free(qscr);
     return 0;
+}
+
+/* Final norm + an LM head (or a subset of its rows): x [t, d] -> logits [t, V], W packed from [V, d]. */
+int cd_head(const float *h, int t, int d, const float *norm_w, float eps, const void *W, int wfmt, const float *wscale,
+            int V, const float *bias, float *out, int nthreads) {
+    if (matrix_args_bad(t, d, V, wfmt, wscale)) return CD_ESIZE;
+    float *x = malloc(sizeof(float) * (size_t)t * d);
+    if (!x) return CD_ENOMEM;
+    for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, norm_w, eps, x + (size_t)r * d);
+    const int rc = gemm_threads(x, t, d, W, wfmt, wscale, V, bias, out, 1, nthreads);
+    free(x);
+    return rc;
+}
+
+/* One matrix product, y [t, out] = x [t, in] times W (packed from [out, in] in format wfmt) + bias, in one
+ * thread and with no norm: the tests compare each build's arithmetic with a reference through it. */
+int cd_gemm(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, const float *bias,
+            float *y) {
+    if (matrix_args_bad(t, in, out, wfmt, wscale)) return CD_ESIZE;
+    void *scr = NULL;
+    const size_t q = row_scratch(t, in);
+    if (q && !(scr = malloc(q))) return CD_ENOMEM;
+    const unsigned int csr = denormals_off();
+    gemm_panels(x, t, in, W, wfmt, wscale, out, bias, y, out, 0, (out + PW - 1) / PW, scr);
+    _mm_setcsr(csr);
+    free(scr);
+    return 0;
+}
+
+/* The matrix arithmetic alone: `reps` products of x [t, in] with W, as cd_head computes its product but
+ * with no norm and no bias, over and over. With W small enough to stay in cache, the time says how fast
+ * this build's kernels consume weights at t rows when no memory stream holds them back (bench-device sets
+ * that against a streamed step). y [t, out]: the product, as cd_gemm's. */
+int cd_arith(const float *x, int t, int in, const void *W, int wfmt, const float *wscale, int out, float *y, int reps,
+             int nthreads) {
+    if (matrix_args_bad(t, in, out, wfmt, wscale) || reps < 1) return CD_ESIZE;
+    return gemm_threads(x, t, in, W, wfmt, wscale, out, NULL, y, reps, nthreads);
 }
 
 /* index of the largest of n logits: the first of equal maxima, as torch.argmax */
