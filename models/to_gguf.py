@@ -5,7 +5,8 @@ a random model shaped like a real one) as GGUF, so llama.cpp can run it: the tea
 
 Why our own writer and not llama.cpp's converter: that converter identifies the tokenizer by a hash of
 its pre-tokenizer output and does not know ours. Our split is GPT-2's (byte-level, GPT-2's regex), so
-the file names the `gpt-2` pre-tokenizer; tests/test_backend_remote.py checks that llama.cpp's greedy
+the file names the `gpt-2` pre-tokenizer (a Qwen2 tokenizer's split, as bench-device's random Qwen2 models
+carry it, is named `qwen2`); tests/test_backend_remote.py checks that llama.cpp's greedy
 output through it is token for token our engine's. Written with the `gguf` package (the GGUF writer
 llama.cpp publishes); nothing is copied from llama.cpp.
 
@@ -30,6 +31,27 @@ _FIM_KEYS = (("FIM_PRE_ID", "<|fim_prefix|>"), ("FIM_SUF_ID", "<|fim_suffix|>"),
 
 class GgufError(CompletionError):
     """A model this writer cannot express as GGUF."""
+
+
+# Qwen2's split as its tokenizer.json states it (Qwen2.5's files, and what transformers' Qwen2Tokenizer saves);
+# llama.cpp's `qwen2` pre-tokenizer runs the same expression.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def pre_tokenizer_name(pre: dict) -> str | None:
+    """llama.cpp's name for a byte-level pre-tokenizer of tokenizer.json (`gpt-2`, `qwen2`), None for another."""
+    if not isinstance(pre, dict):
+        return None
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"   # ByteLevel's own regex is GPT-2's
+    parts = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if (isinstance(parts, list) and len(parts) == 2 and all(isinstance(p, dict) for p in parts)
+            and parts[0].get("type") == "Split"
+            and parts[0].get("pattern") == {"Regex": QWEN2_SPLIT} and parts[0].get("behavior") == "Isolated"
+            and not parts[0].get("invert") and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex")):
+        return "qwen2"
+    return None
 
 
 def _unpermute(weight, n_head: int):
@@ -77,9 +99,9 @@ def convert(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
     except GgufError as exc:
         raise GgufError(f"{model_dir}: {exc}") from None
     model = tok.get("model") or {}
-    pre = tok.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-        raise GgufError(f"{model_dir}: tokenizer is not a byte-level BPE with GPT-2's split")
+    split = pre_tokenizer_name(tok.get("pre_tokenizer") or {})
+    if model.get("type") != "BPE" or split is None:
+        raise GgufError(f"{model_dir}: tokenizer is not a byte-level BPE with GPT-2's or Qwen2's split")
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     hidden = int(config["hidden_size"])
@@ -127,7 +149,7 @@ def convert(model_dir: Path, out: Path, dtype: str = "f32") -> Path:
         writer.add_vocab_size(size)
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bf16" else gguf.LlamaFileType.ALL_F32)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt-2")
+        writer.add_tokenizer_pre(split)
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         writer.add_token_merges(merges)

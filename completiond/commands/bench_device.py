@@ -163,7 +163,7 @@ def shape_config(shape: str, vocab: str = "real") -> dict:
 
 def random_model(shape: str, directory: Path, vocab: str = "real", seed: int = 0) -> Path:
     """A Qwen2 model of this shape with random bf16 weights (std 0.02; q/k/v biases too, so that every
-    tensor a converter must carry is non-zero; norms 1), written with the bundled tokenizer.
+    tensor a converter must carry is non-zero; norms 1), written with the bundled tokenizer's vocabulary.
 
     Written tensor by tensor from a seeded generator, not through transformers' initialisation: a 1.5B
     model is then seconds, and the process never holds a float32 copy of it."""
@@ -197,8 +197,11 @@ def random_model(shape: str, directory: Path, vocab: str = "real", seed: int = 0
             p + "mlp.down_proj.weight": normal(h, inter)})
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    # The bundled tokenizer's vocabulary as transformers' Qwen2 class reads and saves it, with Qwen2's split:
+    # a real Qwen2 directory's tokenizer.json describes what its tokenizer class does, and this one must too.
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir() / name, directory / name)
+    transformers.AutoTokenizer.from_pretrained(str(directory)).save_pretrained(str(directory))
     return directory
 
 

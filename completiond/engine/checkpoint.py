@@ -16,6 +16,7 @@ model's type from config.json, so that it picks the very class it would pick wit
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -176,6 +177,7 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
     if config is not None:
         generation = _generation_config(directory)
     else:
+        quiet_transformers()
         from transformers import AutoConfig, GenerationConfig
 
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -197,6 +199,22 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
         return CausalLM(tensors, config, generation)
     except KeyError as exc:
         raise EngineError(f"{directory}: the checkpoint lacks the tensor {exc.args[0]}") from None
+
+
+def quiet_transformers() -> None:
+    """No progress bars or warnings from transformers on the user's terminal: called before each use of it
+    (importing it is left to the paths that need it, for the resident memory it costs)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """The errors a load raises for a bad config value: ValueError, and huggingface_hub's StrictDataclassError
+    (a value of the wrong type, as transformers' config classes check) once transformers has loaded it."""
+    errors = sys.modules.get("huggingface_hub.errors")
+    return (ValueError,) + ((errors.StrictDataclassError,) if errors is not None else ())
 
 
 # ------------------------------------------------------------------ config and tokenizer, light
@@ -271,10 +289,20 @@ def _generation_config(directory: Path) -> SimpleNamespace | None:
 
 
 def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
+    """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
+    as AutoTokenizer's does (engine/tokenizer.py), else AutoTokenizer's."""
+    from completiond.engine.tokenizer import light_tokenizer
+
+    light = light_tokenizer(directory, raw, trust_remote_code)
+    return light if light is not None else auto_tokenizer(directory, raw, trust_remote_code)
+
+
+def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
     """AutoTokenizer's tokenizer for the model in directory (config.json read as raw), without loading
     the config class when AutoTokenizer would not need it: tokenizer_config.json names the tokenizer
     class and no remote code is involved. AutoTokenizer's choice then rests on the config's model_type,
     model_name, tokenizer_class and name (tests compare the result with a plain AutoTokenizer load)."""
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     kwargs: dict[str, Any] = {}

@@ -263,13 +263,8 @@ class Engine:
             raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native_mod.WEIGHT_FORMATS)}")
         if reader not in ("auto", "transformers"):
             raise EngineError(f"unknown reader {reader!r}; use auto or transformers")
-        import transformers
-        from huggingface_hub.errors import StrictDataclassError
-
         from completiond.engine import memory
 
-        transformers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.set_verbosity_error()
         bundled = not model
         if not model:
             from completiond.models import default_model_dir
@@ -337,14 +332,14 @@ class Engine:
             if why_transformers is None:
                 hf = checkpoint.read(local, torch_dtype, raw)
             else:
+                checkpoint.quiet_transformers()
                 from transformers import AutoModelForCausalLM
 
                 hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
                                                           trust_remote_code=trust_remote_code, local_files_only=True)
         except OSError as exc:
             raise EngineError(f"cannot load model {name} from {source}: {exc}") from exc
-        except (ValueError, StrictDataclassError) as exc:
-            # StrictDataclassError: a config.json value of the wrong type, as transformers' config classes check
+        except checkpoint.config_errors() as exc:
             raise EngineError(f"cannot load model {name}: {exc}") from exc
         if progress is not None:
             progress("device")

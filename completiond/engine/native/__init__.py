@@ -42,7 +42,6 @@ import os
 import platform
 import shutil
 import stat
-import statistics
 import subprocess
 import tempfile
 import time
@@ -691,6 +690,8 @@ class NativeStep:
         while (took := timed(reps)) < seconds / 4 and reps < 1 << 24:  # warms up and sizes the repeats
             reps *= 4
         reps = max(1, round(reps * seconds / took))
+        import statistics   # here, not at the top: it imports decimal, about 1.5 MiB the daemon never uses
+
         return nbytes * reps / statistics.median(timed(reps) for _ in range(repeats))
 
     def _rope(self) -> None:

@@ -1,0 +1,349 @@
+"""The model's tokenizer read by the `tokenizers` library alone, where it is proven to act as transformers' does.
+
+Why: building the tokenizer is the one thing a CPU daemon on engine/checkpoint.py still imported transformers
+for. That import costs about 33 MiB of resident memory (0.035x of a 0.5B model's bf16 weights) and 1.7 s of
+every start. tokenizer.json already describes the whole pipeline, so `tokenizers.Tokenizer` can run it.
+
+But AutoTokenizer is the reference, and in transformers 5 it does not always do what the file says: a family's
+class may rebuild the pipeline in code (Qwen2Tokenizer lays its own pre-tokenizer over the file's vocabulary),
+add a BOS token from tokenizer_config.json, or clean up spaces on decode. So nothing is assumed. The first time
+a tokenizer is seen, a child process (`python -m completiond.engine.tokenizer DIR`) loads both and compares them
+(`differences`): vocabulary, every id's token and text, and encode/decode of a probe set (code, whitespace,
+Unicode, every added token in text). It stores the verdict in the user's cache, keyed by the tokenizer files'
+contents, the config fields AutoTokenizer reads, and the installed transformers and tokenizers versions. Only a
+verdict of "same" lets `light_tokenizer` stand in; anything else (a difference, a failed check, remote code, no
+tokenizer.json) leaves the load to AutoTokenizer, as before. A process that has imported transformers anyway
+uses AutoTokenizer directly: there is nothing left to save.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from completiond.engine.hub import SIDE_FILE_LIMITS, TOKENIZER_FILES, read_json
+from completiond.fileio import read_file
+
+log = logging.getLogger(__name__)
+
+CHECK_VERSION = 1          # bumped when the comparison changes: older verdicts are then checked again
+CHECK_TIMEOUT_S = 300      # the child imports transformers and compares; seconds on any machine
+RECORD_LIMIT = 1 << 20
+# the config.json fields AutoTokenizer's choice of class rests on (checkpoint.auto_tokenizer passes these)
+CONFIG_FIELDS = ("model_type", "tokenizer_class", "model_name", "auto_map")
+ID_FIELDS = ("eos_token_id", "bos_token_id", "unk_token_id", "pad_token_id")
+
+
+class Encoding(dict):
+    """What `tokenizer(text)` returns, as transformers' BatchEncoding is read here: ["input_ids"] or .input_ids."""
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self["input_ids"]
+
+
+class LightTokenizer:
+    """The subset of a transformers tokenizer the engine, prompts, stops and healing use, over tokenizer.json.
+
+    Special ids come from the verdict record (transformers' values for these very files); decode applies
+    transformers' space clean-up when tokenizer_config.json asks for it."""
+
+    def __init__(self, path: Path, ids: dict[str, int | None], clean_up: bool):
+        import tokenizers
+
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        # encode_special_tokens is state on the Rust object: set and used under one lock
+        self._lock = threading.Lock()
+        self.name_or_path = str(path.parent)
+        self.clean_up_tokenization_spaces = clean_up
+        self.eos_token_id, self.bos_token_id, self.unk_token_id, self.pad_token_id = (ids.get(k) for k in ID_FIELDS)
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        with self._lock:
+            self._tok.encode_special_tokens = split_special_tokens
+            try:
+                return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            finally:
+                self._tok.encode_special_tokens = False
+
+    def __call__(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> Encoding:
+        return Encoding(input_ids=self.encode(text, add_special_tokens, split_special_tokens))
+
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        return clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            tid = self._tok.token_to_id(tokens)
+            return self.unk_token_id if tid is None else tid
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
+
+def clean_up_spaces(text: str) -> str:
+    """The space clean-up transformers applies on decode when clean_up_tokenization_spaces is set."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+# ------------------------------------------------------------------ the verdict cache
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "completiond" / "tokenizers"
+
+
+def verdict_key(directory: Path, raw: dict) -> str:
+    """What AutoTokenizer's result depends on: the tokenizer files' bytes, the config fields it reads, and the
+    versions of the code that runs them (and of this check)."""
+    h = hashlib.sha256(f"completiond tokenizer check {CHECK_VERSION}\n".encode())
+    for dist in ("transformers", "tokenizers"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        h.update(f"{dist} {version}\n".encode())
+    h.update(json.dumps({k: raw.get(k) for k in CONFIG_FIELDS}, sort_keys=True, default=str).encode())
+    for name in TOKENIZER_FILES:
+        path = directory / name
+        if path.is_file():
+            data = read_file(path, SIDE_FILE_LIMITS.get(name, 1 << 20))
+            h.update(f"\n{name} {len(data)} ".encode())
+            h.update(hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def _record_path(key: str) -> Path:
+    return cache_dir() / f"{key}.json"
+
+
+def read_verdict(key: str) -> dict | None:
+    """The stored verdict for key, or None when there is none or it cannot be trusted (then it is checked again)."""
+    path = _record_path(key)
+    try:
+        data = json.loads(read_file(path, RECORD_LIMIT))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring the tokenizer verdict %s: %s", path, exc)
+        return None
+    ok = (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("same"), bool)
+          and isinstance(data.get("clean_up_tokenization_spaces"), bool)
+          and all(data.get(k) is None or (isinstance(data[k], int) and not isinstance(data[k], bool))
+                  for k in ID_FIELDS))
+    if not ok:
+        log.warning("ignoring the tokenizer verdict %s: not a record this version wrote", path)
+        return None
+    return data
+
+
+def write_verdict(record: dict) -> Path:
+    path = _record_path(record["key"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)   # atomic: two daemons checking the same files at once both leave one whole record
+    return path
+
+
+# ------------------------------------------------------------------ the decision
+
+def eligible(directory: Path, raw: dict, trust_remote_code: bool) -> str | None:
+    """None when the light tokenizer may be tried for this model, else why not."""
+    if trust_remote_code:
+        return "trust_remote_code asks for the model's own code"
+    if not (directory / "tokenizer.json").is_file():
+        return "no tokenizer.json"
+    if "auto_map" in raw:
+        return "config.json maps classes to the model's own code"
+    try:
+        tok_cfg = read_json(directory / "tokenizer_config.json")
+    except FileNotFoundError:
+        tok_cfg = {}
+    except (OSError, ValueError) as exc:
+        return f"tokenizer_config.json is unreadable ({exc})"
+    if not isinstance(tok_cfg, dict) or "auto_map" in tok_cfg:
+        return "tokenizer_config.json is not a plain object of settings"
+    return None
+
+
+def transformers_loaded() -> bool:
+    return "transformers" in sys.modules
+
+
+def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> LightTokenizer | None:
+    """The tokenizer without transformers when a check has shown it acts as AutoTokenizer's; None otherwise
+    (the caller then loads AutoTokenizer). Runs the check in a child process the first time these files are seen."""
+    if transformers_loaded():
+        return None
+    why = eligible(directory, raw, trust_remote_code)
+    if why is not None:
+        log.debug("tokenizer through transformers: %s", why)
+        return None
+    try:
+        key = verdict_key(directory, raw)
+    except OSError as exc:
+        log.warning("tokenizer through transformers: cannot read its files to key the check (%s)", exc)
+        return None
+    verdict = read_verdict(key)
+    if verdict is None:
+        verdict = _run_check(directory, key)
+        if verdict is None:
+            return None
+    if not verdict["same"]:
+        log.info("tokenizer through transformers: it differs from tokenizer.json read alone (%s)",
+                 "; ".join(verdict.get("differences", [])[:2]))
+        return None
+    try:
+        return LightTokenizer(directory / "tokenizer.json", verdict, verdict["clean_up_tokenization_spaces"])
+    except Exception as exc:   # tokenizers raises plain Exception for a file it cannot parse
+        log.warning("tokenizer through transformers: tokenizers cannot read tokenizer.json (%s)", exc)
+        return None
+
+
+def _run_check(directory: Path, key: str) -> dict | None:
+    log.info("checking once that %s's tokenizer reads the same without transformers", directory)
+    try:
+        done = subprocess.run([sys.executable, "-m", "completiond.engine.tokenizer", str(directory)],
+                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("tokenizer through transformers: the check did not finish (%s)", exc)
+        return None
+    if done.returncode != 0:
+        log.warning("tokenizer through transformers: the check failed (exit %d): %s", done.returncode,
+                    done.stderr.strip()[-600:])
+        return None
+    # None when the child saw other files than this key was made of (they changed in between)
+    return read_verdict(key)
+
+
+# ------------------------------------------------------------------ the check (in the child process)
+
+def probe_texts(tokens: Sequence[str]) -> list[str]:
+    """Text that exercises a code tokenizer's pipeline: code, whitespace runs, Unicode, digits, and each
+    added token alone and inside text; plus seeded random strings over the same characters."""
+    texts = [
+        "def f(x):\n    return x + 1\n", "class A:\n\tdef __init__(self):\n\t\tpass\n",
+        "for (int i = 0; i < n; ++i) {\n        sum += a[i];\n}\n", "fn main() { println!(\"{}\", 1_000); }",
+        "const x = `héllo ${name}`;  // ok\r\n", "SELECT * FROM t WHERE a <> 'b';", "<div class=\"x\">&amp;</div>",
+        "    ", "\t\t", "\n\n\n", "\r\n\r\n  ", " " * 17, "\n" + " " * 12 + "x", "a  b   c    d", "  leading",
+        "trailing  ", "", " ", "日本語のテキストと English", "emoji 🙂👍🏽 and e\u0301 and \u00a0nbsp \u200dzwj",
+        "مرحبا", "Ωμέγα", "0123456789 3.14159 -2e10 0xFF 1_000_000", "x=1;y=2\nz=x+y", "'''doc'''\n\"\"\"doc\"\"\"",
+        "don't I'm it's we've you're , . ? !", "hello . world ? yes ! no , maybe", "#!/usr/bin/env python3\n# -*- coding: utf-8 -*-",
+    ]
+    for t in tokens:
+        texts += [t, f"a{t}b", f" {t} ", f"x = 1\n{t}\n    y"]
+    for module in ("json", "textwrap", "string"):
+        path = Path(sys.modules[module].__file__) if module in sys.modules else None
+        if path is not None and path.is_file():
+            texts.append(path.read_text(encoding="utf-8", errors="replace")[:20000])
+    pool = "abcxyzABC_019 \t\n\r(){}[]<>:;,.'\"#@$%^&*+-=/\\|~`?!éßü日本🙂" + "".join(tokens[:8])
+    rng = random.Random(0)
+    texts += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 80))) for _ in range(300)]
+    return texts
+
+
+def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
+    """Where light acts otherwise than ref (a transformers tokenizer), at most limit of them; [] when nowhere."""
+    found: list[str] = []
+
+    def differ(what: str, a: Any, b: Any) -> bool:
+        if a != b and len(found) < limit:
+            found.append(f"{what}: transformers {str(a)[:120]!r}, tokenizer.json {str(b)[:120]!r}")
+        return a != b
+
+    if differ("size", len(ref), len(light)):
+        return found
+    rv, lv = ref.get_vocab(), light.get_vocab()
+    if rv != lv:
+        token = min(t for t in set(rv) | set(lv) if rv.get(t) != lv.get(t))
+        differ(f"id of {token!r} in the vocabulary", rv.get(token), lv.get(token))
+        return found
+    ids = list(range(len(ref)))
+    differ("tokens of ids", ref.convert_ids_to_tokens(ids), light.convert_ids_to_tokens(ids))
+    for i in ids:
+        if differ(f"decode([{i}])", ref.decode([i]), light.decode([i])):
+            break
+    for k in ID_FIELDS:
+        differ(k, getattr(ref, k, None), getattr(light, k))
+    added = sorted(getattr(ref, "added_tokens_encoder", {}) or {})
+    for name in [*added, "<|completiond: no such token|>"]:
+        differ(f"id of {name!r}", ref.convert_tokens_to_ids(name), light.convert_tokens_to_ids(name))
+    for text in probe_texts(added):
+        if (differ(f"tokenizer({text[:40]!r})", list(ref(text)["input_ids"]), light(text).input_ids)
+                | differ(f"encode({text[:40]!r})", ref.encode(text, add_special_tokens=False),
+                         light.encode(text, add_special_tokens=False))):
+            continue
+        split = ref.encode(text, add_special_tokens=False, split_special_tokens=True)
+        differ(f"encode({text[:40]!r}, split_special_tokens)", split,
+               light.encode(text, add_special_tokens=False, split_special_tokens=True))
+        for skip in (False, True):
+            differ(f"decode of {text[:40]!r}", ref.decode(split, skip_special_tokens=skip),
+                   light.decode(split, skip_special_tokens=skip))
+        if len(found) >= limit:
+            break
+    rng = random.Random(1)
+    for _ in range(500):
+        seq = [rng.randrange(len(ref)) for _ in range(rng.randint(1, 12))]
+        for skip in (False, True):
+            differ(f"decode({seq})", ref.decode(seq, skip_special_tokens=skip), light.decode(seq, skip_special_tokens=skip))
+    return found
+
+
+def check(directory: Path) -> dict:
+    """Compare AutoTokenizer's tokenizer of directory with the light one and store the verdict."""
+    from completiond.engine.checkpoint import auto_tokenizer
+
+    raw = read_json(directory / "config.json")
+    raw = raw if isinstance(raw, dict) else {}
+    key = verdict_key(directory, raw)   # before the load: files changed meanwhile then miss the parent's key
+    ref = auto_tokenizer(directory, raw, False)
+    ids = {k: getattr(ref, k, None) for k in ID_FIELDS}
+    # Whether decode cleans up spaces is the class's call (transformers 5 skips it for BPE models whatever
+    # tokenizer_config.json says): both ways are compared, and the verdict keeps the one that matches.
+    first: list[str] = []
+    for clean_up in (False, True):
+        found = differences(ref, LightTokenizer(directory / "tokenizer.json", ids, clean_up))
+        if not found:
+            break
+        first = first or found
+    else:
+        clean_up, found = False, first
+    record = {"key": key, "same": not found, "differences": found, "clean_up_tokenization_spaces": clean_up,
+              "tokenizer_class": type(ref).__name__, **ids}
+    write_verdict(record)
+    return record
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m completiond.engine.tokenizer MODEL_DIR", file=sys.stderr)
+        return 2
+    record = check(Path(argv[0]))
+    print(json.dumps({k: record[k] for k in ("same", "differences", "tokenizer_class")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

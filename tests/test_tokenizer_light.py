@@ -1,0 +1,206 @@
+"""engine/tokenizer.py: the tokenizer without transformers stands in only where a check has shown that it acts
+as AutoTokenizer's; a daemon process on engine/checkpoint.py then never imports transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from completiond.engine import checkpoint
+from completiond.engine import tokenizer as light_mod
+from completiond.engine.hub import read_json
+from completiond.models import default_model_dir
+from completiond.models.tiny import make_tiny_model
+from tests.test_checkpoint_reader import FAMILIES
+from tests.test_native_step import _need_native
+
+TEXTS = ["def f(x):\n    return x  # ünïcode\t<|fim_prefix|>", "\n\n        y = 1\r\n", "日本 🙂 don't , .", ""]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A verdict cache of the test's own; the check runs in this process (transformers is loaded here anyway:
+    the child process it stands for is tested once, below); transformers counts as not loaded."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(light_mod, "transformers_loaded", lambda: False)
+    runs = []
+
+    def in_process(directory, key):
+        runs.append(directory)
+        light_mod.check(directory)
+        return light_mod.read_verdict(key)
+
+    monkeypatch.setattr(light_mod, "_run_check", in_process)
+    return runs
+
+
+def _bundled_copy(tmp_path, model_type=None):
+    d = tmp_path / "bundled"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(default_model_dir() / name, d / name)
+    if model_type:
+        raw = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**raw, "model_type": model_type}))
+    return d
+
+
+def _same(ours, theirs):
+    for text in TEXTS:
+        assert ours(text).input_ids == list(theirs(text)["input_ids"])
+        ids = theirs.encode(text, add_special_tokens=False, split_special_tokens=True)
+        assert ours.encode(text, add_special_tokens=False, split_special_tokens=True) == ids
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.unk_token_id, len(ours)) == \
+        (theirs.eos_token_id, theirs.bos_token_id, theirs.unk_token_id, len(theirs))
+    assert ours.get_vocab() == theirs.get_vocab()
+    ids = list(range(len(theirs)))
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    assert [ours.decode([i]) for i in ids] == [theirs.decode([i]) for i in ids]
+
+
+def test_the_bundled_tokenizer_stands_in_and_acts_as_autotokenizer(tmp_path, cache):
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    ours = checkpoint.load_tokenizer(d, raw, False)
+    assert isinstance(ours, light_mod.LightTokenizer)
+    _same(ours, checkpoint.auto_tokenizer(d, raw, False))
+    assert ours.convert_tokens_to_ids("<|fim_middle|>") == ours.get_vocab()["<|fim_middle|>"]
+    assert ours.convert_tokens_to_ids("<|no such token|>") == ours.unk_token_id
+    assert ours.decode(ours.get_vocab()["<|fim_middle|>"]) == "<|fim_middle|>"
+
+
+def test_a_class_that_rebuilds_the_pipeline_keeps_autotokenizer(tmp_path, cache):
+    """Qwen2Tokenizer lays Qwen's split over any vocabulary: the bundled tokenizer.json read alone splits
+    indentation otherwise, so the check must find that, and the load must give transformers' tokenizer."""
+    d = _bundled_copy(tmp_path, model_type="qwen2")
+    raw = read_json(d / "config.json")
+    ours = checkpoint.load_tokenizer(d, raw, False)
+    assert not isinstance(ours, light_mod.LightTokenizer)
+    verdict = light_mod.read_verdict(light_mod.verdict_key(d, raw))
+    assert verdict["same"] is False and verdict["tokenizer_class"] == "Qwen2Tokenizer"
+    assert any("tokenizer(" in diff or "encode(" in diff for diff in verdict["differences"])
+    # what transformers' class saves describes what it does: that tokenizer.json stands in
+    checkpoint.auto_tokenizer(d, raw, False).save_pretrained(str(d))
+    again = checkpoint.load_tokenizer(d, raw, False)
+    assert isinstance(again, light_mod.LightTokenizer)
+    _same(again, checkpoint.auto_tokenizer(d, raw, False))
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+@pytest.mark.parametrize("declared", [None, "TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer",
+                                      "LlamaTokenizerFast"])
+def test_whatever_the_load_returns_acts_as_autotokenizer(tmp_path, cache, fam, declared):
+    from transformers import AutoTokenizer
+
+    d = make_tiny_model(tmp_path / "m", family=fam, layers=1, tokenizer=FAMILIES[fam] or None)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc.pop("tokenizer_class", None)
+    if declared:
+        tc["tokenizer_class"] = declared
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    raw = json.loads((d / "config.json").read_text())
+    ours = checkpoint.load_tokenizer(d, raw, False)
+    _same(ours, AutoTokenizer.from_pretrained(d))
+    verdict = light_mod.read_verdict(light_mod.verdict_key(d, raw))
+    assert isinstance(ours, light_mod.LightTokenizer) == verdict["same"]
+    if fam == "llama" and declared in (None, "TokenizersBackend", "PreTrainedTokenizerFast"):
+        assert verdict["same"], verdict   # the generic classes run tokenizer.json as it is: nothing may refuse them
+
+
+def test_a_verdict_is_reused_and_changed_files_are_checked_again(tmp_path, cache):
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+    assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+    assert len(cache) == 1
+    key = light_mod.verdict_key(d, raw)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "clean_up_tokenization_spaces": True}))
+    assert light_mod.verdict_key(d, raw) != key
+    ours = checkpoint.load_tokenizer(d, raw, False)
+    assert len(cache) == 2 and isinstance(ours, light_mod.LightTokenizer)
+    # transformers 5 skips the clean-up for a BPE model whatever the file says: the verdict follows what it does
+    theirs = checkpoint.auto_tokenizer(d, raw, False)
+    assert theirs.clean_up_tokenization_spaces and not ours.clean_up_tokenization_spaces
+    _same(ours, theirs)
+    assert ours.decode(ours.encode("a , b .", add_special_tokens=False)) == "a , b ."
+    assert light_mod.verdict_key(d, {**raw, "model_type": "qwen2"}) != light_mod.verdict_key(d, raw)
+
+
+def test_the_space_clean_up_is_transformers_own():
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    for text in ("a , b . c ? d ! e ' f", "I 'm you 're we 've it 's don n't", "  x  ,  y  ", "no change"):
+        assert light_mod.clean_up_spaces(text) == PreTrainedTokenizerBase.clean_up_tokenization(None, text)
+
+
+def test_a_damaged_or_foreign_verdict_is_checked_again(tmp_path, cache, caplog):
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    key = light_mod.verdict_key(d, raw)
+    path = light_mod.cache_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True)
+    for bad in (b"{not json", json.dumps({"key": "other", "same": True}).encode(),
+                json.dumps({"key": key, "same": True, "clean_up_tokenization_spaces": False,
+                            "eos_token_id": "0"}).encode(), b"\xff\xfe"):
+        path.write_bytes(bad)
+        assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+        assert "ignoring the tokenizer verdict" in caplog.text
+        caplog.clear()
+    assert len(cache) == 4
+
+
+def test_a_failed_or_hung_check_leaves_the_load_to_transformers(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(light_mod, "transformers_loaded", lambda: False)
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    for outcome in (subprocess.CompletedProcess([], 1, "", "Traceback: boom"),
+                    subprocess.TimeoutExpired(["python"], light_mod.CHECK_TIMEOUT_S), OSError("no python")):
+        def run(*a, outcome=outcome, **k):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        monkeypatch.setattr(light_mod.subprocess, "run", run)
+        assert not isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+        assert "tokenizer through transformers: the check" in caplog.text
+        caplog.clear()
+    assert not light_mod.cache_dir().exists() or not list(light_mod.cache_dir().iterdir())
+
+
+def test_remote_code_or_no_tokenizer_json_is_never_checked(tmp_path, cache):
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    assert light_mod.light_tokenizer(d, raw, True) is None
+    assert light_mod.light_tokenizer(d, {**raw, "auto_map": {"AutoTokenizer": "x.Y"}}, False) is None
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tc, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+    assert light_mod.light_tokenizer(d, raw, False) is None
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    (d / "tokenizer.json").unlink()
+    assert light_mod.light_tokenizer(d, raw, False) is None
+    assert cache == []
+
+
+def test_a_daemon_process_loads_a_bf16_model_without_importing_transformers(tmp_path):
+    """The point of it all: a fresh process (as the daemon is) checks once in a child, then reads the
+    tokenizer and the checkpoint, and decodes, with transformers never imported."""
+    _need_native()
+    d = make_tiny_model(tmp_path / "m", family="llama", layers=2, dtype="bfloat16")
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    code = ("import sys; from completiond.engine import forward, checkpoint, tokenizer; "
+            "forward.TRANSPOSED_COPY_LIMIT = 0; from completiond.engine.engine import Engine, SamplingParams; "
+            "e = Engine.load(sys.argv[1], device='cpu'); assert isinstance(e.model, checkpoint.CausalLM); "
+            "ids = e.tokenizer('def f(x):\\n    return').input_ids; out = e.generate(ids, SamplingParams(max_tokens=4)); "
+            "print(type(e.tokenizer).__name__, 0 < len(out.tokens) <= 4, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
+    for _ in range(2):   # the first start runs the check, the second reads its verdict
+        done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == "LightTokenizer True []"
+    assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 1
