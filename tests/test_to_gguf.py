@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from completiond.commands import bench_device
-from completiond.models.to_gguf import BUNDLED, GgufError, _unpermute, convert
+from completiond.models.to_gguf import BUNDLED, GgufError, _unpermute, convert, pre_tokenizer_name
 
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -77,6 +77,31 @@ def test_qwen2_f32(qwen2_dir, tmp_path):
         assert kind == "F32" and np.array_equal(data, value.float().numpy()), name
     assert fields["qwen2.rope.freq_base"].contents() == 1e6  # the shape's theta, not the 10,000 default
     assert fields["qwen2.attention.head_count_kv"].contents() == 2
+
+
+def test_the_pre_tokenizer_is_named_for_llama_cpp(qwen2_dir, tmp_path):
+    """The random Qwen2 model carries Qwen2's split (as Qwen2Tokenizer saves it), the bundled model GPT-2's;
+    llama.cpp must be told which, and any other split is refused rather than misnamed."""
+    _, fields = read_back(convert(qwen2_dir, tmp_path / "q.gguf", dtype="f32"))
+    assert fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    _, fields = read_back(convert(BUNDLED, tmp_path / "b.gguf", dtype="f32"))
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    qwen = json.loads((qwen2_dir / "tokenizer.json").read_text())["pre_tokenizer"]
+    assert pre_tokenizer_name(qwen) == "qwen2"
+    split = qwen["pretokenizers"][0]
+    for other in ({"type": "Metaspace"}, {"type": "ByteLevel", "use_regex": False}, [], "ByteLevel",
+                  {"type": "Sequence", "pretokenizers": [{**split, "pattern": {"Regex": r"\w+"}}, qwen["pretokenizers"][1]]},
+                  {"type": "Sequence", "pretokenizers": [split, {"type": "ByteLevel", "use_regex": True}]},
+                  {"type": "Sequence", "pretokenizers": [split, "ByteLevel"]}, {"type": "Sequence"}):
+        assert pre_tokenizer_name(other) is None, other
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (bad / name).write_bytes((qwen2_dir / name).read_bytes())
+    tok = json.loads((qwen2_dir / "tokenizer.json").read_text())
+    (bad / "tokenizer.json").write_text(json.dumps({**tok, "pre_tokenizer": {"type": "Metaspace"}}))
+    with pytest.raises(GgufError, match="GPT-2's or Qwen2's split"):
+        convert(bad, tmp_path / "m.gguf")
 
 
 def test_llama_layout_regroups_q_and_k_rows(tmp_path):
