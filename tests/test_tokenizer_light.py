@@ -73,6 +73,18 @@ def test_the_bundled_tokenizer_stands_in_and_acts_as_autotokenizer(tmp_path, cac
     assert ours.convert_tokens_to_ids("<|fim_middle|>") == ours.get_vocab()["<|fim_middle|>"]
     assert ours.convert_tokens_to_ids("<|no such token|>") == ours.unk_token_id
     assert ours.decode(ours.get_vocab()["<|fim_middle|>"]) == "<|fim_middle|>"
+    assert light_mod.describe(ours) == \
+        "tokenizers alone (tokenizer.json, checked to act as transformers' TokenizersBackend)"
+    assert light_mod.describe(checkpoint.auto_tokenizer(d, raw, False)) == "transformers (TokenizersBackend)"
+
+
+def test_status_names_the_tokenizer(tmp_path):
+    from completiond.commands.status import describe
+
+    status = {"state": "ready", "pid": 1, "model": "m", "device": "cpu", "uptime_s": 1.0,
+              "tokenizer": "tokenizers alone (tokenizer.json, checked to act as transformers' Qwen2Tokenizer)"}
+    stats = {"status": status, "requests": 0, "completed": 0, "superseded": 0, "cancelled": 0, "errors": 0}
+    assert f"  tokens   {status['tokenizer']}" in describe(stats, tmp_path)
 
 
 def test_a_class_that_rebuilds_the_pipeline_keeps_autotokenizer(tmp_path, cache):
@@ -198,9 +210,9 @@ def test_a_daemon_process_loads_a_bf16_model_without_importing_transformers(tmp_
             "forward.TRANSPOSED_COPY_LIMIT = 0; from completiond.engine.engine import Engine, SamplingParams; "
             "e = Engine.load(sys.argv[1], device='cpu'); assert isinstance(e.model, checkpoint.CausalLM); "
             "ids = e.tokenizer('def f(x):\\n    return').input_ids; out = e.generate(ids, SamplingParams(max_tokens=4)); "
-            "print(type(e.tokenizer).__name__, 0 < len(out.tokens) <= 4, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
+            "print(e.tokenizer_in_use().split(' (')[0], 0 < len(out.tokens) <= 4, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
     for _ in range(2):   # the first start runs the check, the second reads its verdict
         done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip().splitlines()[-1] == "LightTokenizer True []"
+        assert done.stdout.strip().splitlines()[-1] == "tokenizers alone True []"
     assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 1

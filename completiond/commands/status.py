@@ -84,6 +84,8 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
         lines.append("  last     " + ", ".join(last))
     if st.get("decode_step"):
         lines.append(f"  step     {st['decode_step']}")
+    if st.get("tokenizer"):
+        lines.append(f"  tokens   {st['tokenizer']}")
     if st.get("draft"):
         lines.append(f"  draft    {st['draft']}" + (f" (last request: {st['last_draft']})" if st.get("last_draft") else ""))
     if stats.get("draft_acceptance") is not None:

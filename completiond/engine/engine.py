@@ -748,6 +748,12 @@ class Engine:
             return f"native (engine/native/step.c, {native.kernel} kernels, {torch.get_num_threads()} threads, {weights})"
         return f"PyTorch ({self.fwd.native_reason})"
 
+    def tokenizer_in_use(self) -> str:
+        """Which library tokenizes, in words (status displays)."""
+        from completiond.engine.tokenizer import describe
+
+        return describe(self.tokenizer)
+
     def weights_in_use(self) -> str:
         """The weight format decode steps read: "bf16", "int8", "float32" (native panels), or the PyTorch
         path's dtype ("PyTorch float32") where the native step does not run."""

@@ -56,7 +56,7 @@ class LightTokenizer:
     Special ids come from the verdict record (transformers' values for these very files); decode applies
     transformers' space clean-up when tokenizer_config.json asks for it."""
 
-    def __init__(self, path: Path, ids: dict[str, int | None], clean_up: bool):
+    def __init__(self, path: Path, ids: dict[str, int | None], clean_up: bool, checked_against: str = ""):
         import tokenizers
 
         self._tok = tokenizers.Tokenizer.from_file(str(path))
@@ -64,6 +64,7 @@ class LightTokenizer:
         self._lock = threading.Lock()
         self.name_or_path = str(path.parent)
         self.clean_up_tokenization_spaces = clean_up
+        self.checked_against = checked_against   # the transformers class the check compared it with
         self.eos_token_id, self.bos_token_id, self.unk_token_id, self.pad_token_id = (ids.get(k) for k in ID_FIELDS)
 
     def __len__(self) -> int:
@@ -192,6 +193,13 @@ def transformers_loaded() -> bool:
     return "transformers" in sys.modules
 
 
+def describe(tok: Any) -> str:
+    """Which library tokenizes, in words (status displays)."""
+    if isinstance(tok, LightTokenizer):
+        return f"tokenizers alone (tokenizer.json, checked to act as transformers' {tok.checked_against or 'class'})"
+    return f"transformers ({type(tok).__name__})"
+
+
 def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> LightTokenizer | None:
     """The tokenizer without transformers when a check has shown it acts as AutoTokenizer's; None otherwise
     (the caller then loads AutoTokenizer). Runs the check in a child process the first time these files are seen."""
@@ -216,7 +224,8 @@ def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> Ligh
                  "; ".join(verdict.get("differences", [])[:2]))
         return None
     try:
-        return LightTokenizer(directory / "tokenizer.json", verdict, verdict["clean_up_tokenization_spaces"])
+        return LightTokenizer(directory / "tokenizer.json", verdict, verdict["clean_up_tokenization_spaces"],
+                              str(verdict.get("tokenizer_class", "")))
     except Exception as exc:   # tokenizers raises plain Exception for a file it cannot parse
         log.warning("tokenizer through transformers: tokenizers cannot read tokenizer.json (%s)", exc)
         return None

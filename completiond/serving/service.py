@@ -335,13 +335,15 @@ class Service:
             # How the engine drafts by default (calibrated), and what the last request's rounds drafted with.
             "draft": self._engine_says("draft_in_use"),
             "decode_step": self._engine_says("decode_step_in_use"),
+            "tokenizer": self._engine_says("tokenizer_in_use"),
             "last_draft": self.last.get("draft"),
             "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
 
     def _engine_says(self, method: str) -> str | None:
-        """The local engine's own description (draft_in_use, decode_step_in_use); a remote backend has none."""
+        """The local engine's own description (draft_in_use, decode_step_in_use, tokenizer_in_use); a remote
+        backend has none."""
         describe = getattr(self.engine, method, None)
         return describe() if callable(describe) else None
 
