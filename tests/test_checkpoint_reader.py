@@ -10,6 +10,7 @@ import torch
 
 from completiond.engine import checkpoint, forward
 from completiond.engine.engine import Engine, EngineError, SamplingParams
+from completiond.engine.tokenizer import auto_tokenizer
 from completiond.models.tiny import make_tiny_model
 from tests.test_native_step import _need_native
 
@@ -234,7 +235,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_picks(tmp_path, fam, declared):
         tc["tokenizer_class"] = declared
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     raw = json.loads((d / "config.json").read_text())
-    ours, theirs = checkpoint.load_tokenizer(d, raw, False), AutoTokenizer.from_pretrained(d)
+    ours, theirs = auto_tokenizer(d, raw, False), AutoTokenizer.from_pretrained(d)
     assert type(ours) is type(theirs)
     text = "def f(x):\n    return x  # ünïcode\t<|fim_prefix|>"
     assert ours(text).input_ids == theirs(text).input_ids

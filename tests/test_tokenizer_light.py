@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from completiond.engine import checkpoint
 from completiond.engine import tokenizer as light_mod
 from completiond.engine.hub import read_json
 from completiond.models import default_model_dir
@@ -67,15 +66,15 @@ def _same(ours, theirs):
 def test_the_bundled_tokenizer_stands_in_and_acts_as_autotokenizer(tmp_path, cache):
     d = _bundled_copy(tmp_path)
     raw = read_json(d / "config.json")
-    ours = checkpoint.load_tokenizer(d, raw, False)
+    ours = light_mod.load_tokenizer(d, raw, False)
     assert isinstance(ours, light_mod.LightTokenizer)
-    _same(ours, checkpoint.auto_tokenizer(d, raw, False))
+    _same(ours, light_mod.auto_tokenizer(d, raw, False))
     assert ours.convert_tokens_to_ids("<|fim_middle|>") == ours.get_vocab()["<|fim_middle|>"]
     assert ours.convert_tokens_to_ids("<|no such token|>") == ours.unk_token_id
     assert ours.decode(ours.get_vocab()["<|fim_middle|>"]) == "<|fim_middle|>"
     assert light_mod.describe(ours) == \
         "tokenizers alone (tokenizer.json, checked to act as transformers' TokenizersBackend)"
-    assert light_mod.describe(checkpoint.auto_tokenizer(d, raw, False)) == "transformers (TokenizersBackend)"
+    assert light_mod.describe(light_mod.auto_tokenizer(d, raw, False)) == "transformers (TokenizersBackend)"
 
 
 def test_status_names_the_tokenizer(tmp_path):
@@ -92,16 +91,16 @@ def test_a_class_that_rebuilds_the_pipeline_keeps_autotokenizer(tmp_path, cache)
     indentation otherwise, so the check must find that, and the load must give transformers' tokenizer."""
     d = _bundled_copy(tmp_path, model_type="qwen2")
     raw = read_json(d / "config.json")
-    ours = checkpoint.load_tokenizer(d, raw, False)
+    ours = light_mod.load_tokenizer(d, raw, False)
     assert not isinstance(ours, light_mod.LightTokenizer)
     verdict = light_mod.read_verdict(light_mod.verdict_key(d, raw))
     assert verdict["same"] is False and verdict["tokenizer_class"] == "Qwen2Tokenizer"
     assert any("tokenizer(" in diff or "encode(" in diff for diff in verdict["differences"])
     # what transformers' class saves describes what it does: that tokenizer.json stands in
-    checkpoint.auto_tokenizer(d, raw, False).save_pretrained(str(d))
-    again = checkpoint.load_tokenizer(d, raw, False)
+    light_mod.auto_tokenizer(d, raw, False).save_pretrained(str(d))
+    again = light_mod.load_tokenizer(d, raw, False)
     assert isinstance(again, light_mod.LightTokenizer)
-    _same(again, checkpoint.auto_tokenizer(d, raw, False))
+    _same(again, light_mod.auto_tokenizer(d, raw, False))
 
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
@@ -117,7 +116,7 @@ def test_whatever_the_load_returns_acts_as_autotokenizer(tmp_path, cache, fam, d
         tc["tokenizer_class"] = declared
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     raw = json.loads((d / "config.json").read_text())
-    ours = checkpoint.load_tokenizer(d, raw, False)
+    ours = light_mod.load_tokenizer(d, raw, False)
     _same(ours, AutoTokenizer.from_pretrained(d))
     verdict = light_mod.read_verdict(light_mod.verdict_key(d, raw))
     assert isinstance(ours, light_mod.LightTokenizer) == verdict["same"]
@@ -128,17 +127,17 @@ def test_whatever_the_load_returns_acts_as_autotokenizer(tmp_path, cache, fam, d
 def test_a_verdict_is_reused_and_changed_files_are_checked_again(tmp_path, cache):
     d = _bundled_copy(tmp_path)
     raw = read_json(d / "config.json")
-    assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
-    assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+    assert isinstance(light_mod.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+    assert isinstance(light_mod.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
     assert len(cache) == 1
     key = light_mod.verdict_key(d, raw)
     tc = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**tc, "clean_up_tokenization_spaces": True}))
     assert light_mod.verdict_key(d, raw) != key
-    ours = checkpoint.load_tokenizer(d, raw, False)
+    ours = light_mod.load_tokenizer(d, raw, False)
     assert len(cache) == 2 and isinstance(ours, light_mod.LightTokenizer)
     # transformers 5 skips the clean-up for a BPE model whatever the file says: the verdict follows what it does
-    theirs = checkpoint.auto_tokenizer(d, raw, False)
+    theirs = light_mod.auto_tokenizer(d, raw, False)
     assert theirs.clean_up_tokenization_spaces and not ours.clean_up_tokenization_spaces
     _same(ours, theirs)
     assert ours.decode(ours.encode("a , b .", add_special_tokens=False)) == "a , b ."
@@ -162,7 +161,7 @@ def test_a_damaged_or_foreign_verdict_is_checked_again(tmp_path, cache, caplog):
                 json.dumps({"key": key, "same": True, "clean_up_tokenization_spaces": False,
                             "eos_token_id": "0"}).encode(), b"\xff\xfe"):
         path.write_bytes(bad)
-        assert isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+        assert isinstance(light_mod.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
         assert "ignoring the tokenizer verdict" in caplog.text
         caplog.clear()
     assert len(cache) == 4
@@ -180,7 +179,7 @@ def test_a_failed_or_hung_check_leaves_the_load_to_transformers(tmp_path, monkey
                 raise outcome
             return outcome
         monkeypatch.setattr(light_mod.subprocess, "run", run)
-        assert not isinstance(checkpoint.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+        assert not isinstance(light_mod.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
         assert "tokenizer through transformers: the check" in caplog.text
         caplog.clear()
     assert not light_mod.cache_dir().exists() or not list(light_mod.cache_dir().iterdir())

@@ -9,10 +9,9 @@ compute rope tables exactly as transformers' rotary modules do. They have no for
 own: the engine runs its Forward over them. Engine.load uses them only for what they can stand in for
 (`eligible`); anything else loads through transformers as before.
 
-Its config and tokenizer avoid transformers' config classes too: importing any of them imports the model
-loading code (torch.distributed, sympy, kernels: about 55 MB more). `light_config` stands in for the
-config class where config.json says all the engine reads, and `load_tokenizer` tells AutoTokenizer the
-model's type from config.json, so that it picks the very class it would pick with the config loaded.
+Its config avoids transformers' config classes too: importing any of them imports the model loading code
+(torch.distributed, sympy, kernels: about 55 MB more). `light_config` stands in for the config class where
+config.json says all the engine reads (the tokenizer: engine/tokenizer.py).
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from completiond.engine.hub import read_json
+from completiond.engine.tokenizer import quiet_transformers
 from completiond.errors import EngineError
 from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head
 
@@ -201,15 +201,6 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
         raise EngineError(f"{directory}: the checkpoint lacks the tensor {exc.args[0]}") from None
 
 
-def quiet_transformers() -> None:
-    """No progress bars or warnings from transformers on the user's terminal: called before each use of it
-    (importing it is left to the paths that need it, for the resident memory it costs)."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
 def config_errors() -> tuple[type[BaseException], ...]:
     """The errors a load raises for a bad config value: ValueError, and huggingface_hub's StrictDataclassError
     (a value of the wrong type, as transformers' config classes check) once transformers has loaded it."""
@@ -286,36 +277,3 @@ def _generation_config(directory: Path) -> SimpleNamespace | None:
     if not isinstance(data, dict):
         raise EngineError(f"{path}: not a JSON object")
     return SimpleNamespace(**{k: data.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
-
-
-def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
-    """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
-    as AutoTokenizer's does (engine/tokenizer.py), else AutoTokenizer's."""
-    from completiond.engine.tokenizer import light_tokenizer
-
-    light = light_tokenizer(directory, raw, trust_remote_code)
-    return light if light is not None else auto_tokenizer(directory, raw, trust_remote_code)
-
-
-def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
-    """AutoTokenizer's tokenizer for the model in directory (config.json read as raw), without loading
-    the config class when AutoTokenizer would not need it: tokenizer_config.json names the tokenizer
-    class and no remote code is involved. AutoTokenizer's choice then rests on the config's model_type,
-    model_name, tokenizer_class and name (tests compare the result with a plain AutoTokenizer load)."""
-    quiet_transformers()
-    from transformers import AutoTokenizer
-
-    kwargs: dict[str, Any] = {}
-    try:
-        tok_cfg = read_json(directory / "tokenizer_config.json")
-    except (OSError, ValueError):
-        tok_cfg = None
-    if (not trust_remote_code and isinstance(tok_cfg, dict) and isinstance(tok_cfg.get("tokenizer_class"), str)
-            and "auto_map" not in tok_cfg and "auto_map" not in raw and isinstance(raw.get("model_type"), str)):
-        fields = {"model_type": raw["model_type"], "tokenizer_class": raw.get("tokenizer_class"),
-                  "_name_or_path": str(directory)}
-        if "model_name" in raw:
-            fields["model_name"] = raw["model_name"]
-        kwargs["config"] = SimpleNamespace(**fields)
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code,
-                                         local_files_only=True, **kwargs)

@@ -15,7 +15,6 @@ last one, `pending`, which is the next model input.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
@@ -36,6 +35,7 @@ from completiond.engine import checkpoint
 from completiond.engine.exit_adapter import AdapterDraft, ExitAdapter, adapter_paths, attach, find_and_attach
 from completiond.engine import medusa as medusa_mod
 from completiond.engine import native as native_mod
+from completiond.engine import tokenizer as tokenizer_mod
 from completiond.engine.forward import Forward, packs_bf16_checkpoint
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.lookup import OutputHistory
@@ -321,7 +321,7 @@ class Engine:
         try:
             if progress is not None:
                 progress("tokenizer")
-            tok = checkpoint.load_tokenizer(local, raw, trust_remote_code)
+            tok = tokenizer_mod.load_tokenizer(local, raw, trust_remote_code)
             if progress is not None:
                 progress("weights")
             # why transformers' model classes load this model rather than engine/checkpoint.py (None: they do not)
@@ -332,7 +332,7 @@ class Engine:
             if why_transformers is None:
                 hf = checkpoint.read(local, torch_dtype, raw)
             else:
-                checkpoint.quiet_transformers()
+                tokenizer_mod.quiet_transformers()
                 from transformers import AutoModelForCausalLM
 
                 hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, use_safetensors=True,
@@ -750,9 +750,7 @@ class Engine:
 
     def tokenizer_in_use(self) -> str:
         """Which library tokenizes, in words (status displays)."""
-        from completiond.engine.tokenizer import describe
-
-        return describe(self.tokenizer)
+        return tokenizer_mod.describe(self.tokenizer)
 
     def weights_in_use(self) -> str:
         """The weight format decode steps read: "bf16", "int8", "float32" (native panels), or the PyTorch

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 from completiond.engine.hub import SIDE_FILE_LIMITS, TOKENIZER_FILES, read_json
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 CHECK_VERSION = 1          # bumped when the comparison changes: older verdicts are then checked again
 CHECK_TIMEOUT_S = 300      # the child imports transformers and compares; seconds on any machine
 RECORD_LIMIT = 1 << 20
-# the config.json fields AutoTokenizer's choice of class rests on (checkpoint.auto_tokenizer passes these)
+# the config.json fields AutoTokenizer's choice of class rests on (auto_tokenizer passes these)
 CONFIG_FIELDS = ("model_type", "tokenizer_class", "model_name", "auto_map")
 ID_FIELDS = ("eos_token_id", "bos_token_id", "unk_token_id", "pad_token_id")
 
@@ -106,6 +107,48 @@ def clean_up_spaces(text: str) -> str:
                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(before, after)
     return text
+
+
+# ------------------------------------------------------------------ loading
+
+def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
+    """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
+    as AutoTokenizer's does, else AutoTokenizer's."""
+    light = light_tokenizer(directory, raw, trust_remote_code)
+    return light if light is not None else auto_tokenizer(directory, raw, trust_remote_code)
+
+
+def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
+    """AutoTokenizer's tokenizer for the model in directory (config.json read as raw), without loading
+    the config class when AutoTokenizer would not need it: tokenizer_config.json names the tokenizer
+    class and no remote code is involved. AutoTokenizer's choice then rests on the config's model_type,
+    model_name, tokenizer_class and name (tests compare the result with a plain AutoTokenizer load)."""
+    quiet_transformers()
+    from transformers import AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    try:
+        tok_cfg = read_json(directory / "tokenizer_config.json")
+    except (OSError, ValueError):
+        tok_cfg = None
+    if (not trust_remote_code and isinstance(tok_cfg, dict) and isinstance(tok_cfg.get("tokenizer_class"), str)
+            and "auto_map" not in tok_cfg and "auto_map" not in raw and isinstance(raw.get("model_type"), str)):
+        fields = {"model_type": raw["model_type"], "tokenizer_class": raw.get("tokenizer_class"),
+                  "_name_or_path": str(directory)}
+        if "model_name" in raw:
+            fields["model_name"] = raw["model_name"]
+        kwargs["config"] = SimpleNamespace(**fields)
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code,
+                                         local_files_only=True, **kwargs)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or warnings from transformers on the user's terminal: called before each use of it
+    (importing it is left to the paths that need it, for the resident memory it costs)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
 # ------------------------------------------------------------------ the verdict cache
@@ -322,8 +365,6 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
 
 def check(directory: Path) -> dict:
     """Compare AutoTokenizer's tokenizer of directory with the light one and store the verdict."""
-    from completiond.engine.checkpoint import auto_tokenizer
-
     raw = read_json(directory / "config.json")
     raw = raw if isinstance(raw, dict) else {}
     key = verdict_key(directory, raw)   # before the load: files changed meanwhile then miss the parent's key
