@@ -215,3 +215,15 @@ def test_a_daemon_process_loads_a_bf16_model_without_importing_transformers(tmp_
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == "tokenizers alone True []"
     assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 1
+
+
+def test_a_model_loaded_through_transformers_keeps_its_tokenizer_and_runs_no_check(tmp_path):
+    """The bundled model is small and loads through transformers' classes: importing transformers is paid
+    anyway, so no check runs and AutoTokenizer's tokenizer serves."""
+    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    code = ("from completiond.engine.engine import Engine; e = Engine.load(None, device='cpu'); "
+            "print(e.tokenizer_in_use())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "transformers (TokenizersBackend)"
+    assert not (tmp_path / "cache" / "completiond" / "tokenizers").exists()

@@ -318,17 +318,18 @@ class Engine:
             torch_dtype, compute_dtype = torch.bfloat16, torch.float32
         source = str(local)
         model_id = model_identity(local)
+        # why transformers' model classes load this model rather than engine/checkpoint.py (None: they do not)
+        why_transformers = ("asked for" if reader != "auto" else "not packed from bf16" if compute_dtype is None
+                            else checkpoint.eligible(raw, local, trust_remote_code))
+        if why_transformers is None and any(p.exists() for p in adapter_paths(local, model_id)):
+            why_transformers = "an exit adapter is built from transformers' layer classes"
         try:
             if progress is not None:
                 progress("tokenizer")
-            tok = tokenizer_mod.load_tokenizer(local, raw, trust_remote_code)
+            # the tokenizer without transformers only where the model loads without it: else nothing is saved
+            tok = tokenizer_mod.load_tokenizer(local, raw, trust_remote_code, light=why_transformers is None)
             if progress is not None:
                 progress("weights")
-            # why transformers' model classes load this model rather than engine/checkpoint.py (None: they do not)
-            why_transformers = ("asked for" if reader != "auto" else "not packed from bf16" if compute_dtype is None
-                                else checkpoint.eligible(raw, local, trust_remote_code))
-            if why_transformers is None and any(p.exists() for p in adapter_paths(local, model_id)):
-                why_transformers = "an exit adapter is built from transformers' layer classes"
             if why_transformers is None:
                 hf = checkpoint.read(local, torch_dtype, raw)
             else:

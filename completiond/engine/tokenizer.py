@@ -111,11 +111,11 @@ def clean_up_spaces(text: str) -> str:
 
 # ------------------------------------------------------------------ loading
 
-def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
+def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool, light: bool = True):
     """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
-    as AutoTokenizer's does, else AutoTokenizer's."""
-    light = light_tokenizer(directory, raw, trust_remote_code)
-    return light if light is not None else auto_tokenizer(directory, raw, trust_remote_code)
+    as AutoTokenizer's does (and light allows it), else AutoTokenizer's."""
+    found = light_tokenizer(directory, raw, trust_remote_code) if light else None
+    return found if found is not None else auto_tokenizer(directory, raw, trust_remote_code)
 
 
 def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
