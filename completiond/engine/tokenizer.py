@@ -306,9 +306,12 @@ def probe_texts(tokens: Sequence[str]) -> list[str]:
     ]
     for t in tokens:
         texts += [t, f"a{t}b", f" {t} ", f"x = 1\n{t}\n    y"]
-    for module in ("json", "textwrap", "string"):
-        path = Path(sys.modules[module].__file__) if module in sys.modules else None
-        if path is not None and path.is_file():
+    import string
+    import textwrap
+
+    for module in (json, textwrap, string):   # real code, present wherever Python is
+        path = Path(module.__file__)
+        if path.is_file():
             texts.append(path.read_text(encoding="utf-8", errors="replace")[:20000])
     pool = "abcxyzABC_019 \t\n\r(){}[]<>:;,.'\"#@$%^&*+-=/\\|~`?!éßü日本🙂" + "".join(tokens[:8])
     rng = random.Random(0)
