@@ -227,3 +227,27 @@ def test_a_model_loaded_through_transformers_keeps_its_tokenizer_and_runs_no_che
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "transformers (TokenizersBackend)"
     assert not (tmp_path / "cache" / "completiond" / "tokenizers").exists()
+
+
+def test_the_split_mode_is_set_and_used_under_one_lock(tmp_path):
+    """encode_special_tokens is state on the shared Rust tokenizer: the daemon's threads (requests, token
+    counting for context) must each get the mode they asked for, so setting it and encoding are one critical
+    section. (CPython rarely switches threads between the two, so a stress test would not catch its loss.)"""
+    import threading
+
+    d = _bundled_copy(tmp_path)
+    tok = light_mod.LightTokenizer(d / "tokenizer.json", {}, False)
+    text = "x <|fim_prefix|> y"
+    whole = tok.encode(text, add_special_tokens=False)
+    split = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert whole != split
+    out = []
+    with tok._lock:   # another thread mid-encode
+        t = threading.Thread(target=lambda: out.append(tok.encode(text, add_special_tokens=False,
+                                                                   split_special_tokens=True)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and out == []   # it waits: it neither set the mode nor encoded yet
+    t.join(10)
+    assert out == [split]
+    assert tok.encode(text, add_special_tokens=False) == whole   # the default mode is back
