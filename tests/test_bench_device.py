@@ -47,6 +47,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
     assert shape["model"] == "tiny-qwen2 (random weights, 8192-token vocabulary)" and shape["layers"] == 4
     assert shape["vocab"] == "real: 8192 tokens" and shape["weights"] == "auto"
     assert shape["reader"] == tiny["reader"] == "transformers"   # small: transformers' modules serve the PyTorch path
+    assert shape["tokenizer"] == "transformers (Qwen2Tokenizer)"   # imported for the model anyway: no check
     assert "does not exist" in missing["error"]
     for m in (shape, tiny):
         assert m["context"] == 64  # every prompt exactly --context tokens

@@ -285,6 +285,7 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
            # the embedding table lookups read one row of per token; a tied bf16 head is read from it (no
            # second copy), an int8 or float32 head's panels are a copy beside it
            "embedding_bytes": embed.numel() * embed.element_size(), "decode_step": engine.decode_step_in_use(),
+           "tokenizer": engine.tokenizer_in_use(),   # with transformers imported or not: part of the RSS
            "resident_ids": engine.resident_ids, "context": len(prompts[0]), "rss_after_warmup_bytes": rss_warm}
     bound_ms = 1000 * wbytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
     cal = engine.calibration
