@@ -185,6 +185,17 @@ def test_a_failed_or_hung_check_leaves_the_load_to_transformers(tmp_path, monkey
     assert not light_mod.cache_dir().exists() or not list(light_mod.cache_dir().iterdir())
 
 
+def test_the_environment_can_insist_on_transformers(tmp_path, cache, monkeypatch, caplog):
+    d = _bundled_copy(tmp_path)
+    raw = read_json(d / "config.json")
+    monkeypatch.setenv("COMPLETIOND_TOKENIZER", "transformers")
+    assert light_mod.describe(light_mod.load_tokenizer(d, raw, False)) == "transformers (TokenizersBackend)"
+    assert cache == []
+    monkeypatch.setenv("COMPLETIOND_TOKENIZER", "tokenizers")   # not a value: reported, auto used
+    assert isinstance(light_mod.load_tokenizer(d, raw, False), light_mod.LightTokenizer)
+    assert "neither auto nor transformers" in caplog.text
+
+
 def test_remote_code_or_no_tokenizer_json_is_never_checked(tmp_path, cache):
     d = _bundled_copy(tmp_path)
     raw = read_json(d / "config.json")

@@ -245,8 +245,13 @@ def describe(tok: Any) -> str:
 
 def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> LightTokenizer | None:
     """The tokenizer without transformers when a check has shown it acts as AutoTokenizer's; None otherwise
-    (the caller then loads AutoTokenizer). Runs the check in a child process the first time these files are seen."""
-    if transformers_loaded():
+    (the caller then loads AutoTokenizer). Runs the check in a child process the first time these files are seen.
+    COMPLETIOND_TOKENIZER=transformers always takes AutoTokenizer's: a way out should a text outside the
+    check's probe ever tokenize otherwise (report it: the probe then grows, and CHECK_VERSION with it)."""
+    forced = os.environ.get("COMPLETIOND_TOKENIZER", "auto").strip().lower()
+    if forced not in ("auto", "transformers", ""):
+        log.warning("COMPLETIOND_TOKENIZER=%r is neither auto nor transformers; using auto", forced)
+    if forced == "transformers" or transformers_loaded():
         return None
     why = eligible(directory, raw, trust_remote_code)
     if why is not None:
