@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,16 @@ def _same(ours, theirs):
     ids = list(range(len(theirs)))
     assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
     assert [ours.decode([i]) for i in ids] == [theirs.decode([i]) for i in ids]
+    # what the completion layer reads besides: healing's byte table, the FIM template's choice and ids
+    from completiond.completion.healing import TokenBytes
+    from completiond.models.fim import make_template
+
+    assert sorted(ours.all_special_ids) == sorted(theirs.all_special_ids)
+    assert TokenBytes(ours).table == TokenBytes(theirs).table
+    mine, ref = make_template(ours, "auto"), make_template(theirs, "auto")
+    assert (type(mine), vars(mine).keys()) == (type(ref), vars(ref).keys())
+    assert {k: v for k, v in vars(mine).items() if k != "tokenizer"} == \
+        {k: v for k, v in vars(ref).items() if k != "tokenizer"}
 
 
 def test_the_bundled_tokenizer_stands_in_and_acts_as_autotokenizer(tmp_path, cache):
@@ -262,3 +273,38 @@ def test_the_split_mode_is_set_and_used_under_one_lock(tmp_path):
     t.join(10)
     assert out == [split]
     assert tok.encode(text, add_special_tokens=False) == whole   # the default mode is back
+
+
+def test_suggestions_are_the_same_with_either_tokenizer(tmp_path, cache, monkeypatch):
+    """Through the whole completion pipeline (prompt and FIM layout, token healing, stop rules, the
+    speculative engine) a large bf16 checkpoint suggests the same text, token for token, whichever tokenizer
+    the load took."""
+    import torch
+
+    from completiond import config
+    from completiond.completion.suggest import suggest
+    from completiond.engine import forward
+    from completiond.engine.cancel import CancelToken
+    from completiond.engine.engine import Engine
+
+    _need_native()
+    monkeypatch.setattr(forward, "TRANSPOSED_COPY_LIMIT", 0)   # "large": read by checkpoint.py, packed
+    d = make_tiny_model(tmp_path / "m", family="qwen2", layers=3, seed=11, peaked=True, dtype="bfloat16",
+                        tokenizer=FAMILIES["qwen2"])
+    # as Qwen2Tokenizer saves it: the file then states what the class does, and the check passes
+    light_mod.auto_tokenizer(d, read_json(d / "config.json"), False).save_pretrained(str(d))
+    light = Engine.load(str(d), device="cpu")
+    monkeypatch.setenv("COMPLETIOND_TOKENIZER", "transformers")
+    auto = Engine.load(str(d), device="cpu")
+    assert light.tokenizer_in_use().startswith("tokenizers alone") and auto.tokenizer_in_use().startswith("transformers")
+    source = Path(light_mod.__file__).read_text(encoding="utf-8")[:3000]
+    cfg, _ = config.merge(config.Config(), {"model": str(d), "maxTokens": 12})
+    # after a keyword, after indentation, inside a call, mid-identifier, at the end
+    offsets = [source.index("def ") + 4, source.index("\n    ", 1000) + 5, source.index("(", 1500) + 1,
+               source.index("tokenizer", 2000) + 4, len(source)]
+    with torch.inference_mode():
+        for offset in offsets:
+            got = [suggest(e, source, offset, cfg, cancel=CancelToken(), path="tokenizer.py") for e in (light, auto)]
+            (s1, g1), (s2, g2) = got
+            assert g1 is not None and g1.tokens == g2.tokens, offset
+            assert (s1.text if s1 else None) == (s2.text if s2 else None), offset

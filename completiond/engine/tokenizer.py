@@ -35,7 +35,7 @@ from completiond.fileio import read_file
 
 log = logging.getLogger(__name__)
 
-CHECK_VERSION = 1          # bumped when the comparison changes: older verdicts are then checked again
+CHECK_VERSION = 2          # bumped when the comparison changes: older verdicts are then checked again
 CHECK_TIMEOUT_S = 300      # the child imports transformers and compares; seconds on any machine
 RECORD_LIMIT = 1 << 20
 # the config.json fields AutoTokenizer's choice of class rests on (auto_tokenizer passes these)
@@ -52,12 +52,14 @@ class Encoding(dict):
 
 
 class LightTokenizer:
-    """The subset of a transformers tokenizer the engine, prompts, stops and healing use, over tokenizer.json.
+    """The subset of a transformers tokenizer the engine, prompts, stops and healing use, over tokenizer.json:
+    encode/decode and id lookups, and what healing and the FIM templates read (`backend_tokenizer`'s
+    decoder, `added_tokens_decoder`, `all_special_ids`).
 
     Special ids come from the verdict record (transformers' values for these very files); decode applies
-    transformers' space clean-up when tokenizer_config.json asks for it."""
+    transformers' space clean-up where the check found that it does."""
 
-    def __init__(self, path: Path, ids: dict[str, int | None], clean_up: bool, checked_against: str = ""):
+    def __init__(self, path: Path, ids: dict[str, Any], clean_up: bool, checked_against: str = ""):
         import tokenizers
 
         self._tok = tokenizers.Tokenizer.from_file(str(path))
@@ -67,6 +69,13 @@ class LightTokenizer:
         self.clean_up_tokenization_spaces = clean_up
         self.checked_against = checked_against   # the transformers class the check compared it with
         self.eos_token_id, self.bos_token_id, self.unk_token_id, self.pad_token_id = (ids.get(k) for k in ID_FIELDS)
+        self.all_special_ids = list(ids.get("all_special_ids") or [])
+        self.added_tokens_decoder = self._tok.get_added_tokens_decoder()   # {id: tokenizers.AddedToken}
+
+    @property
+    def backend_tokenizer(self):
+        """The tokenizers.Tokenizer itself (healing reads its decoder's kinds), as transformers names it."""
+        return self._tok
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
@@ -195,7 +204,9 @@ def read_verdict(key: str) -> dict | None:
     ok = (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("same"), bool)
           and isinstance(data.get("clean_up_tokenization_spaces"), bool)
           and all(data.get(k) is None or (isinstance(data[k], int) and not isinstance(data[k], bool))
-                  for k in ID_FIELDS))
+                  for k in ID_FIELDS)
+          and isinstance(data.get("all_special_ids"), list)
+          and all(isinstance(i, int) and not isinstance(i, bool) for i in data["all_special_ids"]))
     if not ok:
         log.warning("ignoring the tokenizer verdict %s: not a record this version wrote", path)
         return None
@@ -347,6 +358,9 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
             break
     for k in ID_FIELDS:
         differ(k, getattr(ref, k, None), getattr(light, k))
+    differ("all_special_ids", sorted(ref.all_special_ids), sorted(light.all_special_ids))
+    differ("added tokens", _added(ref), _added(light))
+    differ("decoder", _decoder(ref), _decoder(light))
     added = sorted(getattr(ref, "added_tokens_encoder", {}) or {})
     for name in [*added, "<|completiond: no such token|>"]:
         differ(f"id of {name!r}", ref.convert_tokens_to_ids(name), light.convert_tokens_to_ids(name))
@@ -371,13 +385,25 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
     return found
 
 
+def _added(tok: Any) -> dict[int, tuple[str, bool]]:
+    """{id: (content, special)} of the added tokens (what healing and the FIM templates read of them)."""
+    return {int(i): (str(t), bool(getattr(t, "special", False))) for i, t in tok.added_tokens_decoder.items()}
+
+
+def _decoder(tok: Any) -> Any:
+    """The decoder section of the backend tokenizer's JSON (healing reads its kinds to map tokens to bytes)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    return None if backend is None else json.loads(backend.to_str()).get("decoder")
+
+
 def check(directory: Path) -> dict:
     """Compare AutoTokenizer's tokenizer of directory with the light one and store the verdict."""
     raw = read_json(directory / "config.json")
     raw = raw if isinstance(raw, dict) else {}
     key = verdict_key(directory, raw)   # before the load: files changed meanwhile then miss the parent's key
     ref = auto_tokenizer(directory, raw, False)
-    ids = {k: getattr(ref, k, None) for k in ID_FIELDS}
+    ids: dict[str, Any] = {k: getattr(ref, k, None) for k in ID_FIELDS}
+    ids["all_special_ids"] = sorted(int(i) for i in ref.all_special_ids)
     # Whether decode cleans up spaces is the class's call (transformers 5 skips it for BPE models whatever
     # tokenizer_config.json says): both ways are compared, and the verdict keeps the one that matches.
     first: list[str] = []
