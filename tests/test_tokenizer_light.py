@@ -230,8 +230,10 @@ def test_a_daemon_process_loads_a_bf16_model_without_importing_transformers(tmp_
     code = ("import sys; from completiond.engine import forward, checkpoint, tokenizer; "
             "forward.TRANSPOSED_COPY_LIMIT = 0; from completiond.engine.engine import Engine, SamplingParams; "
             "e = Engine.load(sys.argv[1], device='cpu'); assert isinstance(e.model, checkpoint.CausalLM); "
-            "ids = e.tokenizer('def f(x):\\n    return').input_ids; out = e.generate(ids, SamplingParams(max_tokens=4)); "
-            "print(e.tokenizer_in_use().split(' (')[0], 0 < len(out.tokens) <= 4, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
+            "ids = e.tokenizer('def f(x):\\n    return').input_ids; "
+            "out = e.generate(ids, SamplingParams(max_tokens=4)); "
+            "print(e.tokenizer_in_use().split(' (')[0], 0 < len(out.tokens) <= 4, "
+            "sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
     for _ in range(2):   # the first start runs the check, the second reads its verdict
         done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-2000:]

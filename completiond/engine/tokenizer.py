@@ -36,7 +36,7 @@ from completiond.fileio import read_file
 log = logging.getLogger(__name__)
 
 CHECK_VERSION = 2          # bumped when the comparison changes: older verdicts are then checked again
-CHECK_TIMEOUT_S = 300      # the child imports transformers and compares; seconds on any machine
+CHECK_TIMEOUT_S = 120      # the child imports transformers and compares (3-5 s here): a hung one ends
 RECORD_LIMIT = 1 << 20
 # the config.json fields AutoTokenizer's choice of class rests on (auto_tokenizer passes these)
 CONFIG_FIELDS = ("model_type", "tokenizer_class", "model_name", "auto_map")
@@ -381,7 +381,8 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
     for _ in range(500):
         seq = [rng.randrange(len(ref)) for _ in range(rng.randint(1, 12))]
         for skip in (False, True):
-            differ(f"decode({seq})", ref.decode(seq, skip_special_tokens=skip), light.decode(seq, skip_special_tokens=skip))
+            differ(f"decode({seq})", ref.decode(seq, skip_special_tokens=skip),
+                   light.decode(seq, skip_special_tokens=skip))
     return found
 
 
