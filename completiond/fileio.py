@@ -5,12 +5,14 @@ read at most one byte past the limit, so "over the limit" is always detected and
 costs more than limit + 1 bytes of memory. `read_file` is how every side file of a model
 (config, tokenizer, completiond.json, calibration records) is read: a regular file (a
 symlink may lead to one: the hub cache is made of them), under a size cap, or an error at once.
+`user_cache_dir` is where the caches completiond keeps (and the hub's default) live.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 
 class UnsafeFile(OSError):
@@ -71,3 +73,9 @@ def _kind(mode: int) -> str:
 
 def _target(path: str | os.PathLike) -> str:
     return f", a link to {os.path.realpath(path)}" if os.path.islink(path) else ""
+
+
+def user_cache_dir() -> Path:
+    """The user's cache root: $XDG_CACHE_HOME, else ~/.cache. Read at each call, so a process (or a test)
+    that sets the variable moves every cache with it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from completiond.engine.model_info import ModelInfo
-from completiond.fileio import read_file
+from completiond.fileio import read_file, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +65,7 @@ class Calibration:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "completiond" / "calibration"
+    return user_cache_dir() / "completiond" / "calibration"
 
 
 def record_path(model_id: str) -> Path:

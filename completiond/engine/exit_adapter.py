@@ -22,7 +22,6 @@ valid; the draft fills the rest from, in order of preference:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from completiond.engine.draft import EarlyExitDraft, first_usable
+from completiond.fileio import user_cache_dir
 from completiond.models.exit_adapter import ADAPTER_FILE, AdapterFileError, build_layer, read_adapter
 
 if TYPE_CHECKING:
@@ -51,8 +51,7 @@ class ExitAdapter:
 
 def user_adapter_path(model_id: str) -> Path:
     """Where `completiond train-adapter` writes for a model whose directory is not ours to write (a hub cache)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "completiond" / "adapters" / f"{model_id}.safetensors"
+    return user_cache_dir() / "completiond" / "adapters" / f"{model_id}.safetensors"
 
 
 def adapter_paths(model_dir: Path | None, model_id: str) -> list[Path]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from completiond.errors import CompletionError
-from completiond.fileio import check_file, read_file
+from completiond.fileio import check_file, read_file, user_cache_dir
 from completiond.models.adapters import FAMILIES
 
 # One metadata request decides whether the hub is reachable: an editor waiting for its first
@@ -208,8 +208,7 @@ def cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     if os.environ.get("HUGGINGFACE_HUB_CACHE"):
         return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    home = os.environ.get("HF_HOME") or user_cache_dir() / "huggingface"
     return Path(home).expanduser() / "hub"
 
 

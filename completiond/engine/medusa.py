@@ -18,7 +18,6 @@ healing), requests with the Medusa draft use the early-exit chain instead, which
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from completiond.engine.draft import first_usable
+from completiond.fileio import user_cache_dir
 from completiond.models.medusa import MEDUSA_FILE, MedusaFileError, read_heads
 
 if TYPE_CHECKING:
@@ -53,8 +53,7 @@ class Medusa:
 
 
 def user_medusa_path(model_id: str) -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "completiond" / "medusa" / f"{model_id}.safetensors"
+    return user_cache_dir() / "completiond" / "medusa" / f"{model_id}.safetensors"
 
 
 def attach(engine: "Runner", path: Path) -> Medusa:

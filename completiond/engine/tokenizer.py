@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from completiond.engine.hub import SIDE_FILE_LIMITS, TOKENIZER_FILES, read_json
-from completiond.fileio import read_file
+from completiond.fileio import read_file, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ def quiet_transformers() -> None:
 # ------------------------------------------------------------------ the verdict cache
 
 def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "completiond" / "tokenizers"
+    return user_cache_dir() / "completiond" / "tokenizers"
 
 
 def verdict_key(directory: Path, raw: dict) -> str:
@@ -358,7 +357,6 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
             break
     for k in ID_FIELDS:
         differ(k, getattr(ref, k, None), getattr(light, k))
-    differ("all_special_ids", sorted(ref.all_special_ids), sorted(light.all_special_ids))
     differ("added tokens", _added(ref), _added(light))
     differ("decoder", _decoder(ref), _decoder(light))
     added = sorted(getattr(ref, "added_tokens_encoder", {}) or {})
