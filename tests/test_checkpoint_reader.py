@@ -10,7 +10,6 @@ import torch
 
 from completiond.engine import checkpoint, forward
 from completiond.engine.engine import Engine, EngineError, SamplingParams
-from completiond.engine.tokenizer import auto_tokenizer
 from completiond.models.tiny import make_tiny_model
 from tests.test_native_step import _need_native
 
@@ -220,29 +219,6 @@ def test_the_light_config_stands_aside_where_config_json_does_not_say_enough(tmp
         assert checkpoint.light_config({**raw, **bad}, tmp_path) is None, bad
     assert checkpoint.light_config({k: v for k, v in raw.items() if k != "num_hidden_layers"}, tmp_path) is None
     assert checkpoint.light_config({k: v for k, v in raw.items() if k != "rope_theta"}, tmp_path) is None
-
-
-@pytest.mark.parametrize("fam", sorted(FAMILIES))
-@pytest.mark.parametrize("declared", [None, "TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer",
-                                      "LlamaTokenizerFast", "GPT2TokenizerFast"])
-def test_the_tokenizer_is_the_one_autotokenizer_picks(tmp_path, fam, declared):
-    from transformers import AutoTokenizer
-
-    d = make_tiny_model(tmp_path / "m", family=fam, layers=1, tokenizer=FAMILIES[fam] or None)
-    tc = json.loads((d / "tokenizer_config.json").read_text())
-    tc.pop("tokenizer_class", None)
-    if declared:
-        tc["tokenizer_class"] = declared
-    (d / "tokenizer_config.json").write_text(json.dumps(tc))
-    raw = json.loads((d / "config.json").read_text())
-    ours, theirs = auto_tokenizer(d, raw, False), AutoTokenizer.from_pretrained(d)
-    assert type(ours) is type(theirs)
-    text = "def f(x):\n    return x  # ünïcode\t<|fim_prefix|>"
-    assert ours(text).input_ids == theirs(text).input_ids
-    assert ours.decode(ours(text).input_ids) == theirs.decode(theirs(text).input_ids)
-    assert (ours.eos_token_id, ours.unk_token_id, ours.all_special_ids) == \
-        (theirs.eos_token_id, theirs.unk_token_id, theirs.all_special_ids)
-    assert ours.get_vocab() == theirs.get_vocab()
 
 
 def test_a_large_llama_checkpoint_loads_without_transformers_model_loading_code(tmp_path):

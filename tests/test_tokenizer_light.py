@@ -114,19 +114,45 @@ def test_a_class_that_rebuilds_the_pipeline_keeps_autotokenizer(tmp_path, cache)
     _same(again, light_mod.auto_tokenizer(d, raw, False))
 
 
-@pytest.mark.parametrize("fam", sorted(FAMILIES))
-@pytest.mark.parametrize("declared", [None, "TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer",
-                                      "LlamaTokenizerFast"])
-def test_whatever_the_load_returns_acts_as_autotokenizer(tmp_path, cache, fam, declared):
-    from transformers import AutoTokenizer
+# tokenizer classes a tokenizer_config.json may declare (None: none declared)
+DECLARED = [None, "TokenizersBackend", "PreTrainedTokenizerFast", "Qwen2Tokenizer", "LlamaTokenizerFast",
+            "GPT2TokenizerFast"]
 
+
+def _declaring(tmp_path, fam, declared):
+    """A tiny model of family fam whose tokenizer_config.json declares the class declared; (directory, config)."""
     d = make_tiny_model(tmp_path / "m", family=fam, layers=1, tokenizer=FAMILIES[fam] or None)
     tc = json.loads((d / "tokenizer_config.json").read_text())
     tc.pop("tokenizer_class", None)
     if declared:
         tc["tokenizer_class"] = declared
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
-    raw = json.loads((d / "config.json").read_text())
+    return d, json.loads((d / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+@pytest.mark.parametrize("declared", DECLARED)
+def test_the_tokenizer_is_the_one_autotokenizer_picks(tmp_path, fam, declared):
+    """auto_tokenizer tells AutoTokenizer the model type without loading a config class: the same class."""
+    from transformers import AutoTokenizer
+
+    d, raw = _declaring(tmp_path, fam, declared)
+    ours, theirs = light_mod.auto_tokenizer(d, raw, False), AutoTokenizer.from_pretrained(d)
+    assert type(ours) is type(theirs)
+    text = "def f(x):\n    return x  # ünïcode\t<|fim_prefix|>"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.decode(ours(text).input_ids) == theirs.decode(theirs(text).input_ids)
+    assert (ours.eos_token_id, ours.unk_token_id, ours.all_special_ids) == \
+        (theirs.eos_token_id, theirs.unk_token_id, theirs.all_special_ids)
+    assert ours.get_vocab() == theirs.get_vocab()
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+@pytest.mark.parametrize("declared", DECLARED)
+def test_whatever_the_load_returns_acts_as_autotokenizer(tmp_path, cache, fam, declared):
+    from transformers import AutoTokenizer
+
+    d, raw = _declaring(tmp_path, fam, declared)
     ours = light_mod.load_tokenizer(d, raw, False)
     _same(ours, AutoTokenizer.from_pretrained(d))
     verdict = light_mod.read_verdict(light_mod.verdict_key(d, raw))
