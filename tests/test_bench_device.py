@@ -146,6 +146,11 @@ def fake_llama(tmp_path):
         scale = 2 if "q8_0" in a[a.index("-m") + 1] else 1  # q8_0: twice as slow as bf16, for the ratios
         samples = [s * scale * n * 1000000 for s in (2, 6, 3)]
         print("llama-bench: progress on stderr", file=sys.stderr)
+        if n == 0:  # passes over p new tokens: (4 + p) ms each (medians), whatever the type
+            print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "n_depth": d, "avg_ns": 1,
+                               "samples_ns": [(4 + int(p)) * f * 1000000 for f in (1, 3, 0.5)]}}
+                              for p in a[a.index("-p") + 1].split(",")]))
+            sys.exit(0)
         print(json.dumps([{{"build_commit": "fake", "build_number": 1, "cpu_info": "test", "model_type": "qwen2 ?B",
                            "model_size": 123, "n_threads": int(a[a.index("-t") + 1]), "n_prompt": 0, "n_gen": n,
                            "n_depth": d, "avg_ns": sum(samples) // 3, "samples_ns": samples}}], indent=2))
@@ -159,7 +164,8 @@ def test_llama_peer_row(fake_llama, tmp_path):
     like-for-like type."""
     tools, log = fake_llama
     r, stderr = bench_device_json(*FAST, "--no-sampling", "--threads", "2", "--models", "tiny-qwen2",
-                                  "--llama-bench", str(tools), "--llama-types", "bf16,q8_0", "--llama-repeats", "3")
+                                  "--llama-bench", str(tools), "--llama-types", "bf16,q8_0", "--llama-repeats", "3",
+                                  "--llama-k", "4,2")
     label = "tiny-qwen2 (random weights, 8192-token vocabulary)"
     peer = r["llama_cpp"][label]
     assert peer["layout"].startswith("qwen2")
@@ -171,14 +177,23 @@ def test_llama_peer_row(fake_llama, tmp_path):
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     quantize = [c for c in calls if c[0] == "llama-quantize"]
     assert len(quantize) == 1 and quantize[0][3:] == ["Q8_0", "2"]
-    for c in calls:
-        if c[0] == "llama-bench":
-            assert c[c.index("-p") + 1] == "0" and c[c.index("-n") + 1] == "8" and c[c.index("-d") + 1] == "48"
-            assert c[c.index("-t") + 1] == "2" and c[c.index("-r") + 1] == "3" and c[c.index("-o") + 1] == "json"
+    benches = [c for c in calls if c[0] == "llama-bench"]
+    assert len(benches) == 4  # per type: token generation, then the passes
+    for c in benches:
+        assert (c[c.index("-p") + 1], c[c.index("-n") + 1]) in (("0", "8"), ("1,3,5", "0"))
+        assert c[c.index("-d") + 1] == "48"
+        assert c[c.index("-t") + 1] == "2" and c[c.index("-r") + 1] == "3" and c[c.index("-o") + 1] == "json"
+    # the pass over K+1 tokens ÷ the pass over one, medians: (4 + 5) / (4 + 1) at K=4, (4 + 3) / 5 at K=2
+    assert bf16["pass_ms_by_rows"] == {"1": 5.0, "3": 7.0, "5": 9.0}
+    assert bf16["pass_cost_by_k"] == q8["pass_cost_by_k"] == {"2": 1.4, "4": 1.8}
     (ours,) = r["models"]
     assert ours["weights_in_use"] == "bf16" and ours["peer"]["type"] == "bf16"
     assert ours["peer"]["ours_over_peer"] == pytest.approx(ours["plain_ms_per_token"] / 3.0, abs=1e-3)
     assert ours["vs_llama_cpp"]["q8_0"] == pytest.approx(ours["plain_ms_per_token"] / 6.0, abs=1e-3)
+    # beside ours at each K both measured (--max-k 2 here: ours has no K=4)
+    assert ours["peer"]["pass_cost_by_k"] == {"2": 1.4, "4": 1.8}
+    assert ours["peer"]["verify_cost_by_k"] == {"2": ours["verify_cost_by_k"]["2"]}
+    assert "K=2: a verify pass costs" in stderr and "1.4 in llama.cpp" in stderr
 
 
 def test_a_missing_llama_bench_fails_before_any_model_is_built(tmp_path):
@@ -196,6 +211,26 @@ def test_llama_bench_output_is_parsed_or_refused():
         bench_device.parse_llama_bench("error: model not found")
     with pytest.raises(bench_device.BenchDeviceError, match="no token-generation result"):
         bench_device.parse_llama_bench(json.dumps([{**row, "n_gen": 0, "n_prompt": 512}]))
+    passes = [{"n_prompt": p, "n_gen": 0, "avg_ns": 9, "samples_ns": [p * 1_000_000, p * 3_000_000, p * 2_000_000]}
+              for p in (1, 5)]
+    assert bench_device.parse_llama_passes(json.dumps(passes + [row])) == {1: 2.0, 5: 10.0}
+    with pytest.raises(bench_device.BenchDeviceError, match="no prompt-processing result"):
+        bench_device.parse_llama_passes(json.dumps([row]))
+    with pytest.raises(bench_device.BenchDeviceError, match="no JSON"):
+        bench_device.parse_llama_passes("")
+
+
+@pytest.mark.parametrize("value, ks", [("4", [4]), ("4,1,4", [1, 4]), ("", [])])
+def test_llama_k_values(value, ks):
+    assert bench_device._ks(value) == ks
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "64", "4,,a"])
+def test_llama_k_refuses_what_is_no_draft_length(value):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--llama-k"):
+        bench_device._ks(value)
 
 
 def test_context_prompts_are_exactly_the_context():
@@ -253,3 +288,13 @@ def test_the_table_prints_each_figure_under_its_heading(capsys):
     assert cells["verify cost K=1..8"] == "1.15, 1.25" and cells["its arithmetic floor"] == "0.45, 0.6"
     assert cells["sampling 0.8"] == "plain: 31.0" and cells["plain ms/token"] == "30.0"
     assert len(failed.split("|")) == len(head.split("|")) and "not measured: gone" in failed
+
+
+def test_the_table_names_the_peers_pass_costs(capsys):
+    peer = {"layout": "qwen2", "types": {"bf16": {"ms_per_token": 44.0, "pass_cost_by_k": {"4": 1.5}},
+                                         "q8_0": {"ms_per_token": 29.0}}}
+    bench_device._print_table({"device_name": "cpu", "torch": "2", "threads": 2, "copy_bandwidth_gbs": 30.0,
+                               "context": 512, "cuda_graphs": "no", "models": [], "llama_cpp": {"m": peer}})
+    out = capsys.readouterr().out
+    assert "llama.cpp on m (GGUF layout qwen2): bf16 44.0, q8_0 29.0 ms/token" in out
+    assert "  bf16: a pass over K+1 tokens ÷ a pass over one (verify cost): K=4: 1.5" in out and "q8_0:" not in out

@@ -22,6 +22,8 @@ format asked for (`--weights`):
 The peer (`--llama-bench DIR`, the folder .ci/llama_bench.sh prints): the same model written as GGUF by
 models/to_gguf.py, quantised by llama-quantize to each of `--llama-types`, and timed by llama.cpp's
 `llama-bench` (token generation at the same context and thread count), ours ÷ theirs beside each row.
+It also times llama.cpp's own pass over K+1 new tokens at that depth against its pass over one (`-p 1,K+1
+-n 0`, for each K of `--llama-k`): the peer's figure for what `verify_cost_by_k` measures of ours.
 
 Random shapes carry the real vocabulary size (`--vocab real`) or the bundled tokenizer's 8,192 tokens
 (`--vocab bundled`, the issue-27 table's first stand-in); the JSON names which. Their weights are random
@@ -86,6 +88,16 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return items
 
 
+def _ks(value: str) -> list[int]:
+    try:
+        ks = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        ks = [0]
+    if any(k < 1 or k > 63 for k in ks):
+        raise argparse.ArgumentTypeError(f"--llama-k {value!r}: expected comma-separated draft lengths 1..63")
+    return ks
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated: 'bundled', a model directory, or a shape ({', '.join(SHAPES)})")
@@ -115,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-types", default="bf16,q8_0", type=lambda v: _csv(v, LLAMA_TYPES, "--llama-types"),
                    help="GGUF types llama.cpp runs, comma-separated (f32, bf16, q8_0)")
     p.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r")
+    p.add_argument("--llama-k", default="4", type=_ks, metavar="K[,K...]",
+                   help="llama.cpp's pass cost over K+1 tokens, against one, for each K (comma-separated; "
+                        "'' measures none)")
     p.add_argument("--json", action="store_true")
 
 
@@ -409,6 +424,37 @@ def parse_llama_bench(text: str) -> dict:
             "build": f"{r.get('build_commit')} ({r.get('build_number')})", "cpu": r.get("cpu_info")}
 
 
+def parse_llama_passes(text: str) -> dict[int, float]:
+    """{tokens in the pass: median ms of one pass} from `llama-bench -n 0 -o json` output (its prompt rows:
+    each sample the time of one pass over n_prompt new tokens after n_depth cached ones)."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchDeviceError(f"llama-bench printed no JSON ({exc}): {text[:300]!r}") from None
+    passes = {int(r["n_prompt"]): round(statistics.median(r.get("samples_ns") or [r["avg_ns"]]) / 1e6, 4)
+              for r in rows if isinstance(r, dict) and r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0}
+    if not passes:
+        raise BenchDeviceError(f"llama-bench printed no prompt-processing result: {text[:300]!r}")
+    return passes
+
+
+def run_llama_passes(bench: Path, gguf: str, ks: list[int], context: int, threads: int, repeats: int) -> dict:
+    """llama.cpp's pass over K+1 tokens ÷ its pass over one, both after `context` cached tokens, one
+    llama-bench call: what verify_cost_by_k measures of ours (a pass over one token is a decode step)."""
+    rows = [1] + [k + 1 for k in ks]
+    cmd = [str(bench), "-m", gguf, "-p", ",".join(map(str, rows)), "-n", "0", "-d", str(context),
+           "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
+    ms = parse_llama_passes(done.stdout)
+    missing = [r for r in rows if r not in ms]
+    if missing:
+        raise BenchDeviceError(f"llama-bench reported no pass over {missing} tokens: {done.stdout[:300]!r}")
+    return {"pass_ms_by_rows": {str(r): ms[r] for r in rows},
+            "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks}, "pass_command": " ".join(cmd)}
+
+
 def run_llama_bench(bench: Path, gguf: str, tokens: int, context: int, threads: int, repeats: int) -> dict:
     cmd = [str(bench), "-m", gguf, "-p", "0", "-n", str(tokens), "-d", str(context), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]
@@ -427,6 +473,11 @@ def llama_peer(model_dir: Path, folder: Path, args: argparse.Namespace, threads:
         out["types"][kind] = {**run_llama_bench(bench, f["path"], args.max_tokens, args.context, threads,
                                                 args.llama_repeats), "made_by": f["made_by"]}
         log(f"    {out['types'][kind]['ms_per_token']} ms/token")
+        if args.llama_k:
+            out["types"][kind].update(run_llama_passes(bench, f["path"], args.llama_k, args.context, threads,
+                                                       args.llama_repeats))
+            log(f"    a pass over K+1 tokens ÷ one, K={','.join(map(str, args.llama_k))}: "
+                f"{', '.join(map(str, out['types'][kind]['pass_cost_by_k'].values()))}")
     return out
 
 
@@ -440,6 +491,11 @@ def compare_with_peer(entry: dict, peer: dict) -> None:
     if like in types:
         entry["peer"] = {"type": like, "ms_per_token": types[like]["ms_per_token"],
                          "ours_over_peer": entry["vs_llama_cpp"][like]}
+        theirs = types[like].get("pass_cost_by_k", {})
+        if theirs:
+            mine = entry["verify_cost_by_k"]  # the issue's figure: the pass as the engine runs it
+            entry["peer"]["pass_cost_by_k"] = theirs
+            entry["peer"]["verify_cost_by_k"] = {k: mine[k] for k in theirs if k in mine}
 
 
 # ----------------------------------------------------------------------------- the run
@@ -532,6 +588,9 @@ def _run(args: argparse.Namespace) -> int:
                     if "peer" in entry:
                         log(f"  weights {entry['weights']}: ours {entry['plain_ms_per_token']} ms/token ÷ llama.cpp "
                             f"{entry['peer']['type']} {entry['peer']['ms_per_token']} = {entry['peer']['ours_over_peer']}")
+                        for k, theirs in entry["peer"].get("pass_cost_by_k", {}).items():
+                            log(f"    K={k}: a verify pass costs {entry['peer']['verify_cost_by_k'].get(k, '?')} "
+                                f"steps here, {theirs} in llama.cpp")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -587,6 +646,10 @@ def _print_table(r: dict) -> None:
     for label, peer in r.get("llama_cpp", {}).items():
         kinds = ", ".join(f"{k} {t['ms_per_token']}" for k, t in peer["types"].items())
         print(f"llama.cpp on {label} (GGUF layout {peer['layout']}): {kinds} ms/token")
+        for k, t in peer["types"].items():
+            if t.get("pass_cost_by_k"):
+                costs = ", ".join(f"K={n}: {v}" for n, v in t["pass_cost_by_k"].items())
+                print(f"  {k}: a pass over K+1 tokens ÷ a pass over one (verify cost): {costs}")
 
 
 def main(argv: list[str] | None = None) -> int:
