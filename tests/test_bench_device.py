@@ -57,6 +57,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert m["rss_after_load_bytes"] > 0 and m["rss_load_delta_bytes"] is not None
         assert m["rss_after_warmup_bytes"] > 0 and m["rss_vs_weight_bytes"] > 0
         assert m["weights_in_use"] and m["kernel"] and m["load_s"] >= 0
+        assert m["prefill_ms"] > 0 and m["prefill_tokens_per_s"] == pytest.approx(64_000 / m["prefill_ms"], rel=0.01)
         assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
         assert all(v > 0 for v in m["verify_cost_by_k"].values())
         assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]
@@ -178,13 +179,15 @@ def test_llama_peer_row(fake_llama, tmp_path):
     quantize = [c for c in calls if c[0] == "llama-quantize"]
     assert len(quantize) == 1 and quantize[0][3:] == ["Q8_0", "2"]
     benches = [c for c in calls if c[0] == "llama-bench"]
-    assert len(benches) == 4  # per type: token generation, then the passes
+    assert len(benches) == 6  # per type: token generation, a cold prompt, then the passes
     for c in benches:
-        assert (c[c.index("-p") + 1], c[c.index("-n") + 1]) in (("0", "8"), ("1,3,5", "0"))
-        assert c[c.index("-d") + 1] == "48"
+        run = (c[c.index("-p") + 1], c[c.index("-n") + 1], c[c.index("-d") + 1])
+        assert run in (("0", "8", "48"), ("48", "0", "0"), ("1,3,5", "0", "48"))
         assert c[c.index("-t") + 1] == "2" and c[c.index("-r") + 1] == "3" and c[c.index("-o") + 1] == "json"
     # the pass over K+1 tokens ÷ the pass over one, medians: (4 + 5) / (4 + 1) at K=4, (4 + 3) / 5 at K=2
     assert bf16["pass_ms_by_rows"] == {"1": 5.0, "3": 7.0, "5": 9.0}
+    # a cold prompt of --context (48) tokens: 52 ms, so 923.1 tokens/s
+    assert bf16["prefill_ms"] == 52.0 and bf16["prefill_tokens_per_s"] == 923.1
     assert bf16["pass_cost_by_k"] == q8["pass_cost_by_k"] == {"2": 1.4, "4": 1.8}
     (ours,) = r["models"]
     assert ours["weights_in_use"] == "bf16" and ours["peer"]["type"] == "bf16"
@@ -193,6 +196,9 @@ def test_llama_peer_row(fake_llama, tmp_path):
     # beside ours at each K both measured (--max-k 2 here: ours has no K=4)
     assert ours["peer"]["pass_cost_by_k"] == {"2": 1.4, "4": 1.8}
     assert ours["peer"]["verify_cost_by_k"] == {"2": ours["verify_cost_by_k"]["2"]}
+    assert ours["peer"]["prefill_tokens_per_s"] == 923.1
+    assert ours["peer"]["prefill_ours_over_peer"] == pytest.approx(ours["prefill_ms"] / 52.0, abs=1e-3)
+    assert "cold prefill: ours" in stderr
     assert "K=2: a verify pass costs" in stderr and "1.4 in llama.cpp" in stderr
 
 
@@ -279,7 +285,9 @@ def test_the_table_prints_each_figure_under_its_heading(capsys):
     row = {"model": "m", "weights_in_use": "bf16", "plain_ms_per_token": 30.0, "bandwidth_bound_ms_per_token": 29.0,
            "rss_delta_vs_weight_bytes": 1.05, "early_exit": {"ms_per_token": 40.0, "greedy_identical": True},
            "verify_cost_by_k": {"1": 1.1, "2": 1.2}, "native_verify_cost_by_k": {"1": 1.15, "2": 1.25},
-           "matmul_arithmetic_vs_plain_by_k": {"1": 0.45, "2": 0.6}, "sampling_t0.8": {"plain": {"ms_per_token": 31.0}}}
+           "matmul_arithmetic_vs_plain_by_k": {"1": 0.45, "2": 0.6}, "sampling_t0.8": {"plain": {"ms_per_token": 31.0}},
+           "prefill_tokens_per_s": 240.0, "peer": {"type": "bf16", "ms_per_token": 44.0, "ours_over_peer": 0.682,
+                                                   "prefill_tokens_per_s": 146.0}}
     bench_device._print_table({"device_name": "cpu", "torch": "2", "threads": 2, "copy_bandwidth_gbs": 30.0,
                                "context": 512, "cuda_graphs": "no", "models": [row, {"model": "x", "error": "gone"}]})
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
@@ -287,6 +295,8 @@ def test_the_table_prints_each_figure_under_its_heading(capsys):
     cells = dict(zip([c.strip() for c in head.split("|")[1:-1]], [c.strip() for c in measured.split("|")[1:-1]]))
     assert cells["verify cost K=1..8"] == "1.15, 1.25" and cells["its arithmetic floor"] == "0.45, 0.6"
     assert cells["sampling 0.8"] == "plain: 31.0" and cells["plain ms/token"] == "30.0"
+    assert cells["cold prefill tokens/s (llama.cpp)"] == "240.0 (146.0)" and cells["ours ÷ peer"] == "0.682"
+    assert cells["llama.cpp (type) ms/token"] == "44.0 (bf16)"
     assert len(failed.split("|")) == len(head.split("|")) and "not measured: gone" in failed
 
 
@@ -298,3 +308,17 @@ def test_the_table_names_the_peers_pass_costs(capsys):
     out = capsys.readouterr().out
     assert "llama.cpp on m (GGUF layout qwen2): bf16 44.0, q8_0 29.0 ms/token" in out
     assert "  bf16: a pass over K+1 tokens ÷ a pass over one (verify cost): K=4: 1.5" in out and "q8_0:" not in out
+
+
+def test_llama_prefill_and_passes_refuse_missing_rows(tmp_path):
+    """A llama-bench that reports other prompt sizes than asked (an old build ignoring -d, say) is an
+    error naming what is missing, not a ratio over the wrong rows."""
+    bench = tmp_path / "llama-bench"
+    _script(bench, """
+        import json
+        print(json.dumps([{"n_prompt": 7, "n_gen": 0, "avg_ns": 1, "samples_ns": [1000000]}]))
+        """)
+    with pytest.raises(bench_device.BenchDeviceError, match="no prompt of 48 tokens"):
+        bench_device.run_llama_prefill(bench, "m.gguf", 48, 2, 1)
+    with pytest.raises(bench_device.BenchDeviceError, match=r"no pass over \[1, 5\] tokens"):
+        bench_device.run_llama_passes(bench, "m.gguf", [4], 48, 2, 1)

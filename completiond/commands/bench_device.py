@@ -22,8 +22,10 @@ format asked for (`--weights`):
 The peer (`--llama-bench DIR`, the folder .ci/llama_bench.sh prints): the same model written as GGUF by
 models/to_gguf.py, quantised by llama-quantize to each of `--llama-types`, and timed by llama.cpp's
 `llama-bench` (token generation at the same context and thread count), ours ÷ theirs beside each row.
-It also times llama.cpp's own pass over K+1 new tokens at that depth against its pass over one (`-p 1,K+1
--n 0`, for each K of `--llama-k`): the peer's figure for what `verify_cost_by_k` measures of ours.
+It also times llama.cpp's prompt processing of `--context` tokens into an empty cache beside our cold
+prefill of the same length (`prefill_tokens_per_s`), and its own pass over K+1 new tokens at that depth
+against its pass over one (`-p 1,K+1 -n 0`, for each K of `--llama-k`): the peer's figure for what
+`verify_cost_by_k` measures of ours.
 
 Random shapes carry the real vocabulary size (`--vocab real`) or the bundled tokenizer's 8,192 tokens
 (`--vocab bundled`, the issue-27 table's first stand-in); the JSON names which. Their weights are random
@@ -280,6 +282,22 @@ def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, 
     return statistics.median(times), outs
 
 
+def cold_prefill_ms(engine, prompt: list[int], repeats: int) -> float:
+    """The whole prompt into a fresh KV sequence, not the prefix cache's (what a file costs before its first
+    suggestion, or after an edit near its top): median ms of repeats."""
+    from completiond.commands.bench import synchronize
+
+    times = []
+    for _ in range(repeats):
+        seq = engine.new_sequence(len(prompt) + 1)
+        synchronize(engine.device)
+        t0 = time.perf_counter()
+        engine.prefill(seq, prompt, None)
+        synchronize(engine.device)
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int, max_k: int,
                  bandwidth_gbs: float, log=print, sampling: bool = True) -> dict:
     from completiond.commands.bench import verify_cost
@@ -328,6 +346,9 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     if native_by_k:
         out["native_verify_cost_by_k"] = native_by_k
     log(f"  verify_cost_by_k {by_k}" + (f"; native (one call) {native_by_k}" if native_by_k else ""))
+    pf_ms = cold_prefill_ms(engine, prompts[0], repeats)
+    out.update(prefill_ms=round(pf_ms, 2), prefill_tokens_per_s=round(1000 * len(prompts[0]) / pf_ms, 1))
+    log(f"  cold prefill of {len(prompts[0])} tokens: {pf_ms:.1f} ms ({out['prefill_tokens_per_s']} tokens/s)")
     if engine.fwd.native is not None:
         out.update(matmul_arithmetic(engine.fwd.native, max_k, plain_ms))
         log(f"  matmul arithmetic alone (weights in cache): {out['matmul_arithmetic_ms_by_rows']} ms by rows; "
@@ -455,6 +476,21 @@ def run_llama_passes(bench: Path, gguf: str, ks: list[int], context: int, thread
             "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks}, "pass_command": " ".join(cmd)}
 
 
+def run_llama_prefill(bench: Path, gguf: str, context: int, threads: int, repeats: int) -> dict:
+    """llama.cpp's prompt processing of `context` tokens into an empty cache (`-p context -n 0 -d 0`): our
+    cold prefill's counterpart."""
+    cmd = [str(bench), "-m", gguf, "-p", str(context), "-n", "0", "-d", "0", "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
+    ms = parse_llama_passes(done.stdout)
+    if context not in ms:
+        raise BenchDeviceError(f"llama-bench reported no prompt of {context} tokens: {done.stdout[:300]!r}")
+    return {"prefill_ms": ms[context], "prefill_tokens_per_s": round(1000 * context / ms[context], 1),
+            "prefill_command": " ".join(cmd)}
+
+
 def run_llama_bench(bench: Path, gguf: str, tokens: int, context: int, threads: int, repeats: int) -> dict:
     cmd = [str(bench), "-m", gguf, "-p", "0", "-n", str(tokens), "-d", str(context), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]
@@ -473,6 +509,8 @@ def llama_peer(model_dir: Path, folder: Path, args: argparse.Namespace, threads:
         out["types"][kind] = {**run_llama_bench(bench, f["path"], args.max_tokens, args.context, threads,
                                                 args.llama_repeats), "made_by": f["made_by"]}
         log(f"    {out['types'][kind]['ms_per_token']} ms/token")
+        out["types"][kind].update(run_llama_prefill(bench, f["path"], args.context, threads, args.llama_repeats))
+        log(f"    cold prefill of {args.context} tokens: {out['types'][kind]['prefill_tokens_per_s']} tokens/s")
         if args.llama_k:
             out["types"][kind].update(run_llama_passes(bench, f["path"], args.llama_k, args.context, threads,
                                                        args.llama_repeats))
@@ -491,6 +529,9 @@ def compare_with_peer(entry: dict, peer: dict) -> None:
     if like in types:
         entry["peer"] = {"type": like, "ms_per_token": types[like]["ms_per_token"],
                          "ours_over_peer": entry["vs_llama_cpp"][like]}
+        if types[like].get("prefill_ms") and entry.get("prefill_ms"):
+            entry["peer"]["prefill_tokens_per_s"] = types[like]["prefill_tokens_per_s"]
+            entry["peer"]["prefill_ours_over_peer"] = round(entry["prefill_ms"] / types[like]["prefill_ms"], 3)
         theirs = types[like].get("pass_cost_by_k", {})
         if theirs:
             mine = entry["verify_cost_by_k"]  # the issue's figure: the pass as the engine runs it
@@ -588,6 +629,9 @@ def _run(args: argparse.Namespace) -> int:
                     if "peer" in entry:
                         log(f"  weights {entry['weights']}: ours {entry['plain_ms_per_token']} ms/token ÷ llama.cpp "
                             f"{entry['peer']['type']} {entry['peer']['ms_per_token']} = {entry['peer']['ours_over_peer']}")
+                        if "prefill_ours_over_peer" in entry["peer"]:
+                            log(f"    cold prefill: ours {entry['prefill_tokens_per_s']} tokens/s, llama.cpp "
+                                f"{entry['peer']['prefill_tokens_per_s']} (ms ÷ {entry['peer']['prefill_ours_over_peer']})")
                         for k, theirs in entry["peer"].get("pass_cost_by_k", {}).items():
                             log(f"    K={k}: a verify pass costs {entry['peer']['verify_cost_by_k'].get(k, '?')} "
                                 f"steps here, {theirs} in llama.cpp")
@@ -627,12 +671,13 @@ def _model_path(name: str, tmp: Path, vocab: str) -> tuple[Path | None, str, str
 def _print_table(r: dict) -> None:
     print(f"\n{r['device_name']} (torch {r['torch']}, {r['threads']} threads), copy bandwidth "
           f"{r['copy_bandwidth_gbs']} GB/s; context {r['context']}; CUDA graphs: {r['cuda_graphs']}")
-    print("| model | weights | plain ms/token | bound ms/token | llama.cpp (type) ms/token | ours ÷ peer | RSS delta ÷ "
-          "weight bytes | early exit ms/token (identical) | verify cost K=1..8 | its arithmetic floor | sampling 0.8 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | weights | plain ms/token | bound ms/token | llama.cpp (type) ms/token | ours ÷ peer | cold prefill "
+          "tokens/s (llama.cpp) | RSS delta ÷ weight bytes | early exit ms/token (identical) | verify cost K=1..8 | "
+          "its arithmetic floor | sampling 0.8 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in r["models"]:
         if "error" in m:
-            print(f"| {m['model']} | {m.get('weights', '')} | not measured: {m['error']} | | | | | | | | |")
+            print(f"| {m['model']} | {m.get('weights', '')} | not measured: {m['error']} | | | | | | | | | |")
             continue
         ee = m["early_exit"]
         vc = ", ".join(str(v) for v in m.get("native_verify_cost_by_k", m["verify_cost_by_k"]).values())
@@ -640,8 +685,10 @@ def _print_table(r: dict) -> None:
         smp = "; ".join(f"{k}: {v.get('ms_per_token', v.get('error'))}" for k, v in m.get("sampling_t0.8", {}).items())
         peer = m.get("peer")
         peer_cell = f"{peer['ms_per_token']} ({peer['type']})" if peer else ""
+        prefill = f"{m.get('prefill_tokens_per_s', '')}" + (f" ({peer['prefill_tokens_per_s']})"
+                                                             if peer and "prefill_tokens_per_s" in peer else "")
         print(f"| {m['model']} | {m['weights_in_use']} | {m['plain_ms_per_token']} | {m['bandwidth_bound_ms_per_token']} | "
-              f"{peer_cell} | {peer['ours_over_peer'] if peer else ''} | {m.get('rss_delta_vs_weight_bytes', '')} | "
+              f"{peer_cell} | {peer['ours_over_peer'] if peer else ''} | {prefill} | {m.get('rss_delta_vs_weight_bytes', '')} | "
               f"{ee['ms_per_token']} ({ee['greedy_identical']}) | {vc} | {floor} | {smp} |")
     for label, peer in r.get("llama_cpp", {}).items():
         kinds = ", ".join(f"{k} {t['ms_per_token']}" for k, t in peer["types"].items())
