@@ -463,41 +463,40 @@ def run_llama_passes(bench: Path, gguf: str, ks: list[int], context: int, thread
     """llama.cpp's pass over K+1 tokens ÷ its pass over one, both after `context` cached tokens, one
     llama-bench call: what verify_cost_by_k measures of ours (a pass over one token is a decode step)."""
     rows = [1] + [k + 1 for k in ks]
-    cmd = [str(bench), "-m", gguf, "-p", ",".join(map(str, rows)), "-n", "0", "-d", str(context),
-           "-t", str(threads), "-r", str(repeats), "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
-    ms = parse_llama_passes(done.stdout)
+    out, cmd = _llama_bench(bench, gguf, ",".join(map(str, rows)), 0, context, threads, repeats)
+    ms = parse_llama_passes(out)
     missing = [r for r in rows if r not in ms]
     if missing:
-        raise BenchDeviceError(f"llama-bench reported no pass over {missing} tokens: {done.stdout[:300]!r}")
+        raise BenchDeviceError(f"llama-bench reported no pass over {missing} tokens: {out[:300]!r}")
     return {"pass_ms_by_rows": {str(r): ms[r] for r in rows},
-            "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks}, "pass_command": " ".join(cmd)}
+            "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks}, "pass_command": cmd}
 
 
 def run_llama_prefill(bench: Path, gguf: str, context: int, threads: int, repeats: int) -> dict:
     """llama.cpp's prompt processing of `context` tokens into an empty cache (`-p context -n 0 -d 0`): our
     cold prefill's counterpart."""
-    cmd = [str(bench), "-m", gguf, "-p", str(context), "-n", "0", "-d", "0", "-t", str(threads),
+    out, cmd = _llama_bench(bench, gguf, str(context), 0, 0, threads, repeats)
+    ms = parse_llama_passes(out)
+    if context not in ms:
+        raise BenchDeviceError(f"llama-bench reported no prompt of {context} tokens: {out[:300]!r}")
+    return {"prefill_ms": ms[context], "prefill_tokens_per_s": round(1000 * context / ms[context], 1),
+            "prefill_command": cmd}
+
+
+def _llama_bench(bench: Path, gguf: str, prompt: str, gen: int, depth: int, threads: int,
+                 repeats: int) -> tuple[str, str]:
+    """One llama-bench run (`-p prompt -n gen -d depth`): its JSON output and the command line."""
+    cmd = [str(bench), "-m", gguf, "-p", prompt, "-n", str(gen), "-d", str(depth), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
-    ms = parse_llama_passes(done.stdout)
-    if context not in ms:
-        raise BenchDeviceError(f"llama-bench reported no prompt of {context} tokens: {done.stdout[:300]!r}")
-    return {"prefill_ms": ms[context], "prefill_tokens_per_s": round(1000 * context / ms[context], 1),
-            "prefill_command": " ".join(cmd)}
+    return done.stdout, " ".join(cmd)
 
 
 def run_llama_bench(bench: Path, gguf: str, tokens: int, context: int, threads: int, repeats: int) -> dict:
-    cmd = [str(bench), "-m", gguf, "-p", "0", "-n", str(tokens), "-d", str(context), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
-    return {**parse_llama_bench(done.stdout), "command": " ".join(cmd)}
+    out, cmd = _llama_bench(bench, gguf, "0", tokens, context, threads, repeats)
+    return {**parse_llama_bench(out), "command": cmd}
 
 
 def llama_peer(model_dir: Path, folder: Path, args: argparse.Namespace, threads: int, log=print) -> dict:
