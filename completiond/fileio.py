@@ -5,7 +5,8 @@ read at most one byte past the limit, so "over the limit" is always detected and
 costs more than limit + 1 bytes of memory. `read_file` is how every side file of a model
 (config, tokenizer, completiond.json, calibration records) is read: a regular file (a
 symlink may lead to one: the hub cache is made of them), under a size cap, or an error at once.
-`user_cache_dir` is where the caches completiond keeps (and the hub's default) live.
+`user_cache_dir` is where the caches completiond keeps (and the hub's default) live; `write_text_atomic`
+is how its small records are written.
 """
 
 from __future__ import annotations
@@ -79,3 +80,12 @@ def user_cache_dir() -> Path:
     """The user's cache root: $XDG_CACHE_HOME, else ~/.cache. Read at each call, so a process (or a test)
     that sets the variable moves every cache with it."""
     return Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """path's new contents, all or nothing: written beside it under a name of this process's own, then
+    renamed over it, so two processes writing the same record at once each leave a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

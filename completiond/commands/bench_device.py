@@ -426,14 +426,19 @@ def gguf_files(model_dir: Path, folder: Path, types: list[str], quantize: Path, 
     return {"layout": layout, "source_type": source_type, "files": files}
 
 
-def parse_llama_bench(text: str) -> dict:
-    """ms per generated token from `llama-bench -o json` output: the median of its samples (each the time of
-    one run of n_gen tokens), with the mean llama-bench prints itself."""
+def _llama_json(text: str) -> list[dict]:
+    """The result rows of `llama-bench -o json` output."""
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BenchDeviceError(f"llama-bench printed no JSON ({exc}): {text[:300]!r}") from None
-    rows = [r for r in rows if isinstance(r, dict) and r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def parse_llama_bench(text: str) -> dict:
+    """ms per generated token from `llama-bench -o json` output: the median of its samples (each the time of
+    one run of n_gen tokens), with the mean llama-bench prints itself."""
+    rows = [r for r in _llama_json(text) if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
     if not rows:
         raise BenchDeviceError(f"llama-bench printed no token-generation result: {text[:300]!r}")
     r = rows[0]
@@ -448,12 +453,8 @@ def parse_llama_bench(text: str) -> dict:
 def parse_llama_passes(text: str) -> dict[int, float]:
     """{tokens in the pass: median ms of one pass} from `llama-bench -n 0 -o json` output (its prompt rows:
     each sample the time of one pass over n_prompt new tokens after n_depth cached ones)."""
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BenchDeviceError(f"llama-bench printed no JSON ({exc}): {text[:300]!r}") from None
     passes = {int(r["n_prompt"]): round(statistics.median(r.get("samples_ns") or [r["avg_ns"]]) / 1e6, 4)
-              for r in rows if isinstance(r, dict) and r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0}
+              for r in _llama_json(text) if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0}
     if not passes:
         raise BenchDeviceError(f"llama-bench printed no prompt-processing result: {text[:300]!r}")
     return passes

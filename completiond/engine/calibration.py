@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from completiond.engine.model_info import ModelInfo
-from completiond.fileio import read_file, user_cache_dir
+from completiond.fileio import read_file, user_cache_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,7 @@ def load_calibration(model_id: str, info: ModelInfo | None, num_layers: int) -> 
 
 def save_calibration(model_id: str, cal: Calibration) -> Path:
     path = record_path(model_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     data = asdict(cal)
     data.pop("source")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(data, indent=2))
     return path

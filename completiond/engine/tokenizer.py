@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Sequence
 
 from completiond.engine.hub import SIDE_FILE_LIMITS, TOKENIZER_FILES, read_json
-from completiond.fileio import read_file, user_cache_dir
+from completiond.fileio import read_file, user_cache_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +214,7 @@ def read_verdict(key: str) -> dict | None:
 
 def write_verdict(record: dict) -> Path:
     path = _record_path(record["key"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)   # atomic: two daemons checking the same files at once both leave one whole record
+    write_text_atomic(path, json.dumps(record, indent=1))   # two daemons checking the same files: one whole record
     return path
 
 
