@@ -37,12 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--exit-layer", type=int, default=None, help="default: calibrated")
     p.add_argument("--draft-k", type=int, default=None, help="default: calibrated")
-    p.add_argument("--files", nargs="*", default=None, help="source files for prompts (default: held-out stdlib files)")
+    p.add_argument("--files", nargs="*", default=None, help="source files for prompts (default: held-out stdlib files); with --editing: the files the session edits "
+                   "(default: held-out third-party modules)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--draft-model", default=None, help="a separate draft model to measure too (completiond.draftModel)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
+    p.add_argument("--editing", action="store_true",
+                   help="editing-session benchmark through LSP and the daemon: opens, jumps (with and without rest), file "
+                        "switches and keystrokes, p50/p95 per event and the share of the prompt served from the KV cache "
+                        "(bench_editing.py; --model shape:qwen2.5-coder-0.5b: random weights in a bench-device shape)")
+    p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
+    p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
+    p.add_argument("--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)")
     p.add_argument("--quality", action="store_true",
                    help="what each weight format costs: held-out loss and next-line exact match of the model with "
                         "its weights in float32 (the reference), bf16 and int8, side by side (bench_quality.py)")
@@ -610,6 +618,18 @@ def run(args: argparse.Namespace) -> int:
             result = measure_quality(args.model, ["bf16", "int8"], args.quality_windows, args.quality_positions,
                                      device=args.device if args.device != "auto" else "cpu", log=log)
         except EngineError as exc:
+            print(f"completiond bench: {exc}", file=sys.stderr)
+            return 1
+    elif args.editing:
+        from completiond.commands.bench_editing import run_editing_bench
+
+        try:
+            result = run_editing_bench(args.model, [Path(f) for f in args.files] if args.files else None,
+                                       rounds=args.rounds, jumps=args.jumps,
+                                       weights=args.weights if args.weights != "auto" else None, threads=args.threads,
+                                       settings={"contextRetrieval": args.retrieval} if args.retrieval else None,
+                                       progress=log)
+        except (CompletionError, FileNotFoundError) as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
     elif args.typing:

@@ -1,0 +1,68 @@
+"""The editing bench: its session's choices, and one short run through the real LSP and daemon."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from completiond.models.data_prep import normalise, read_package_list
+
+from completiond.commands.bench_editing import (
+    EVENTS,
+    MIN_JUMP_LINES,
+    code_lines,
+    default_files,
+    far_line,
+)
+
+
+def test_jumps_go_at_least_the_minimum_distance():
+    rng = random.Random(0)
+    candidates = list(range(0, 200, 3))
+    line = 60
+    for _ in range(50):
+        nxt = far_line(candidates, line, rng)
+        assert abs(nxt - line) >= MIN_JUMP_LINES and nxt in candidates
+        line = nxt
+    assert far_line([1, 2, 3], 2, rng) in (1, 3)   # a short file: the farthest line there is
+
+
+def test_cursor_lines_skip_comments_and_blank_lines():
+    text = "import os\n\n# a comment here\ndef function(a, b):\n    '''doc string'''\n    return a + b\n"
+    assert code_lines(text) == [0, 3, 5]
+    assert 2 not in code_lines(text) and 4 not in code_lines(text)
+
+
+def test_default_files_are_held_out_third_party_code():
+    files = default_files(3)
+    trained = {normalise(name) for name, _ in read_package_list()}
+    assert files and len(set(files)) == len(files)
+    for f in files:
+        assert 4_000 <= f.stat().st_size <= 40_000
+        assert "site-packages" in f.parts or "dist-packages" in f.parts
+        package = f.parts[max(i for i, p in enumerate(f.parts) if p.endswith("-packages")) + 1]
+        assert normalise(package) not in trained
+
+
+@pytest.mark.slow
+def test_editing_bench_small(tiny_model_dir, tmp_path):
+    from completiond.commands.bench_editing import run_editing_bench
+
+    files = []
+    for k in range(2):
+        src = tmp_path / f"held_out_{k}.py"
+        src.write_text("".join(f"def function_{i}_{k}(alpha, beta):\n    return alpha * {i} + beta\n\n" for i in range(40)))
+        files.append(src)
+    result = run_editing_bench(str(tiny_model_dir), files, rounds=1, jumps=1, keystrokes=3, timeout_s=180,
+                               settings={"device": "cpu"})
+    assert result["responses"] == result["requests"] and not result["errors"]
+    assert set(result["events"]) == set(EVENTS)
+    for kind in ("open", "jump", "jump_rest"):
+        assert result["events"][kind]["count"] == 2, (kind, result)
+    assert result["events"]["switch"]["count"] == 1
+    assert result["events"]["keystroke"]["count"] >= 1
+    for kind in EVENTS:
+        e = result["events"][kind]
+        assert 0 < e["p50_ms"] <= e["p95_ms"] <= e["max_ms"]
+    assert 0.0 <= result["cache_served_fraction"] <= 1.0
+    assert result["events"]["switch"]["cache_served_fraction"] > 0.5   # the file's prompt is still cached
