@@ -116,6 +116,22 @@ def detect(tokenizer: Any, default: str | None = None) -> str:
     return "none"
 
 
+# The parts of a FIM layout: the prefix and suffix (document text) and the family's three markers.
+PREFIX, SUFFIX, PREFIX_TOKEN, SUFFIX_TOKEN, MIDDLE_TOKEN = "prefix", "suffix", "<prefix>", "<suffix>", "<middle>"
+
+
+def fim_order(name: str, spm: bool) -> tuple[str, ...]:
+    """The order of a family's FIM layout after its context block: the one place the layouts are written,
+    for token ids (FimTemplate.build) and text (a team server's prompt) alike."""
+    if name == "none":
+        return (PREFIX,)
+    if name == "codestral":
+        return (SUFFIX_TOKEN, SUFFIX, PREFIX_TOKEN, PREFIX)
+    if not spm or name in ("deepseek-coder", "qwen2.5-coder"):
+        return (PREFIX_TOKEN, PREFIX, SUFFIX_TOKEN, SUFFIX, MIDDLE_TOKEN)
+    return (PREFIX_TOKEN, SUFFIX_TOKEN, SUFFIX, MIDDLE_TOKEN, PREFIX)
+
+
 @dataclass
 class FimTemplate:
     """A family's FIM layout bound to one tokenizer. Build with `make_template`."""
@@ -183,14 +199,11 @@ class FimTemplate:
         if self.bos_id is not None:
             out.append(self.bos_id)
         out.extend(context_ids)
-        p, s = list(prefix_ids), list(suffix_ids)
-        if self.name == "none":
-            return out + p
-        if self.name == "codestral":
-            return out + [self.suffix_id] + s + [self.prefix_id] + p
-        if self.name == "deepseek-coder" or self.name == "qwen2.5-coder" or not self.spm:
-            return out + [self.prefix_id] + p + [self.suffix_id] + s + [self.middle_id]
-        return out + [self.prefix_id, self.suffix_id] + s + [self.middle_id] + p
+        parts = {PREFIX: list(prefix_ids), SUFFIX: list(suffix_ids), PREFIX_TOKEN: [self.prefix_id],
+                 SUFFIX_TOKEN: [self.suffix_id], MIDDLE_TOKEN: [self.middle_id]}
+        for part in fim_order(self.name, self.spm):
+            out.extend(parts[part])  # type: ignore[arg-type]  # a family's markers exist where its order names them
+        return out
 
     def render(self, prefix: str, suffix: str = "", context_ids: Sequence[int] = ()) -> list[int]:
         """Convenience: build from strings (the prompt builder tokenizes in pieces instead)."""

@@ -21,7 +21,9 @@ from lsprotocol import types
 from completiond import config as config_mod
 from completiond.backends import http
 from completiond.backends.remote import RemoteBackend, RemoteError, RemoteRequest, read_api_key
-from completiond.completion.remote import prefix_start, render, suffix_end, suggest_remote, template_for
+from completiond.completion.remote import suggest_remote, template_for
+from completiond.completion.plan import Planner, PromptOptions
+from completiond.completion.text_prompt import TextEncoder, render
 from completiond.engine.cancel import CancelToken
 from completiond.models.fim import text_layout
 
@@ -102,12 +104,19 @@ def test_what_is_sent_is_the_prompt_only(fake):
 
 
 def test_windows_are_stable_while_typing():
+    """The team server's windows are the planner's, measured in characters: typing on the cursor line does
+    not move the prefix window (the server's prefix cache keeps hitting), which starts on a chunk boundary."""
     text = "".join(f"v{i} = {i}\n" for i in range(100)) + "y = "
-    starts = {prefix_start(text + "a" * n, len(text) + n, 200) for n in range(8)}
-    assert len(starts) == 1  # typing on the cursor line does not move the window (the server's cache hits)
-    start = starts.pop()
-    assert text[start - 1] == "\n" and text.count("\n", 0, start) % 16 == 0
-    assert suffix_end("ab\ncd\nef", 0, 4) == 3 and suffix_end("abcdef", 0, 3) == 3
+    planner = Planner(TextEncoder.for_template("qwen2.5-coder"), PromptOptions(prefix_tokens=50, suffix_tokens=1))
+    plans = [planner.plan(text + "a" * n, len(text) + n) for n in range(8)]
+    assert len({p.prefix_start for p in plans}) == 1
+    begin = plans[0].prefix_start
+    assert begin > 0 and text[begin - 1] == "\n" and text.count("\n", 0, begin) % 16 == 0
+    assert sum(map(len, TextEncoder.for_template("qwen2.5-coder").encode(text[begin:]))) <= 50 * 4
+    enc = TextEncoder.for_template("qwen2.5-coder")
+    tail = Planner(enc, PromptOptions(prefix_tokens=4, suffix_tokens=1))
+    assert enc.render(tail.plan("ab\ncd\nef", 0), "ab\ncd\nef").suffix == "ab\n"  # cut at a line end
+    assert enc.render(tail.plan("abcdef", 0), "abcdef").suffix == "abcd"  # a longer line: what fits of it
 
 
 def test_templates_render_each_family():

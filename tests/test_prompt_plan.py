@@ -97,7 +97,7 @@ def text_cases() -> dict[str, Any]:
     """The text prompt each family's layout gives a team server, with and without context files."""
     from completiond.models.fim import text_layout
 
-    from completiond.completion.remote import render
+    from completiond.completion.text_prompt import render
 
     out: dict[str, Any] = {}
     for name in TEMPLATE_NAMES:
