@@ -200,6 +200,23 @@ def test_checker_catches_a_planted_cycle(tmp_path):
     assert import_cycles(import_graph({"pkg": pkg})) == []
 
 
+def test_every_package_is_installed():
+    """pyproject.toml lists its packages one by one: a new package folder (completion/workspace/) left off
+    the list would be missing from the wheel, though every test run from the checkout still passes."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = set()
+    for package, folder in SOURCES.items():
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            if package == "completiond" and rel and rel[0] in ("lsp", "models"):
+                continue
+            found.add(".".join([package, *rel]))
+    assert found - listed == set(), f"packages missing from pyproject.toml's [tool.setuptools] packages: {found - listed}"
+
 def test_shipped_code_never_imports_tests():
     offenders = []
     for module, path in modules().items():

@@ -17,15 +17,18 @@ from pathlib import Path
 import pytest
 
 from completiond import config
-from completiond.completion import workspace as ws_mod
-from completiond.completion.workspace import Unreadable, Workspace, read_regular, secret_match
+from completiond.completion.privacy import secret_match
+from completiond.completion.workspace import LOCAL, Workspace
+from completiond.completion.workspace import watcher as watcher_mod
+from completiond.completion.workspace.diskread import Unreadable, read_regular
+from completiond.completion.workspace.gitignore import IgnoreRules
 
 
 def names(ws: Workspace) -> set[str]:
     return {os.path.basename(p) for p in ws.paths()}
 
 
-def context_names(ws: Workspace, current: Path, owner=ws_mod.LOCAL, **kw) -> set[str]:
+def context_names(ws: Workspace, current: Path, owner=LOCAL, **kw) -> set[str]:
     return {os.path.basename(p) for p, _ in ws.context(current, None, 10_000, owner=owner, **kw)}
 
 
@@ -101,7 +104,7 @@ def test_context_is_scoped_to_the_editor_and_dropped_when_it_leaves(tmp_path):
         assert "A_SECRET" in ctx_a and "A_UNSAVED" in ctx_a and "B_CODE" not in ctx_a
         w.drop_owner("A")                                   # A's editor quit
         assert w.flush()
-        assert w.folders("A") == [] and str(a) not in str(w._watches)
+        assert w.folders("A") == [] and str(a) not in str(w.watcher.watches)
         assert not any("A_" in (w.get(p, owner=None) or "") + (w.get(p, owner="A") or "") for p in w.paths())
         assert "A_SECRET" not in str(w.context(b / "main.py", "python", 10_000, owner="B"))
     finally:
@@ -268,7 +271,7 @@ def test_stop_is_bounded_even_when_a_watcher_callback_is_stuck(tmp_path, monkeyp
         stuck.set()
         release.wait(60)
 
-    monkeypatch.setattr(w, "_disk_changed", wedged)
+    monkeypatch.setattr(w.disk, "changed", wedged)
     try:
         (tmp_path / "a.py").write_text("a = 1\n")
         assert stuck.wait(10)
@@ -295,33 +298,33 @@ def test_watches_are_bounded_and_removed_with_their_folders(tmp_path, caplog):
         w.add_folder(small, owner="A")
         with caplog.at_level(logging.WARNING, logger="completiond.completion.workspace"):
             w.add_folder(big, owner="A")
-        assert set(w._watches) == {str(small)}
+        assert set(w.watcher.watches) == {str(small)}
         assert "not watching workspace folder" in caplog.text and str(big) in caplog.text
         assert w.wait_for(lambda: "code.py" in names(w))          # scanned all the same
-        emitters = len(w._observer.emitters)
+        emitters = len(w.watcher.observer.emitters)
         w.remove_folder(small, owner="A")
-        assert w._watches == {} and len(w._observer.emitters) == emitters - 1
+        assert w.watcher.watches == {} and len(w.watcher.observer.emitters) == emitters - 1
     finally:
         w.stop()
 
 
 def test_folder_setup_runs_off_the_callers_thread(tmp_path, monkeypatch):
     gate, counting = threading.Event(), threading.Event()
-    real_count = ws_mod._count_dirs
+    real_count = watcher_mod._count_dirs
 
     def slow_count(root, limit):                         # a huge tree (e.g. /usr) being walked
         counting.set()
         gate.wait(30)
         return real_count(root, limit)
 
-    monkeypatch.setattr(ws_mod, "_count_dirs", slow_count)
+    monkeypatch.setattr(watcher_mod, "_count_dirs", slow_count)
     w = Workspace(scan=False).start()
     try:
         w.add_folder(tmp_path, owner="A", wait=False)    # returns while the walk is still going
         assert counting.wait(10) and not gate.is_set()
         gate.set()
         assert w.flush()
-        assert str(tmp_path) in w._watches
+        assert str(tmp_path) in w.watcher.watches
     finally:
         gate.set()
         w.stop()
@@ -478,7 +481,7 @@ def test_classify_names_each_rule(tmp_path):
 
     project = gated_tree(tmp_path)
     (project / "link.py").symlink_to(tmp_path / "home" / "notes" / "todo.py")
-    rules = ws_mod.IgnoreRules(str(project))
+    rules = IgnoreRules(str(project))
     roots = [str(project)]
 
     def verdict(rel, **kw):

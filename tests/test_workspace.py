@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from completiond.completion.workspace import IgnoreRules, Workspace, language_of
+from completiond.completion.languages import language_of
+from completiond.completion.workspace import Workspace
+from completiond.completion.workspace.gitignore import IgnoreRules
 
 
 @pytest.fixture()
@@ -108,7 +110,7 @@ def test_snippet_follows_the_last_edit(tmp_path):
     w = Workspace([tmp_path], scan=False, snippet_lines=10)
     text = "".join(f"line{i} = {i}\n" for i in range(200))
     w.did_change(tmp_path / "big.py", text, edit_line=150)
-    (path, snippet), = w.context(tmp_path / "main.py", "python", budget_tokens=1000)
+    (_path, snippet), = w.context(tmp_path / "main.py", "python", budget_tokens=1000)
     assert "line150 = 150" in snippet and "line0 = 0" not in snippet
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from completiond.completion.workspace import language_of
+from completiond.completion.languages import language_of
 
 CLOSING_RUN = set(")]}:;,'\"")
 

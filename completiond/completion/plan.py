@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from completiond.completion.workspace import comment_for
+from completiond.completion.languages import comment_for
 
 # Upper bound on characters per token used to size the text windows before measuring: code averages
 # 3-4, indentation runs a bit more. Too large only costs tokenizer time; too small would starve the budget.

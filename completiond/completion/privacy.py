@@ -2,7 +2,7 @@
 
 Every path whose text could enter a prompt goes through `classify`: the document being completed
 (service.py, for the local engine and a remote backend alike) and every file offered as context for
-another one (workspace.py's context block, and any index built over the workspace). It answers
+another one (the workspace's context block, and any index built over the workspace). It answers
 
   DENIED            a secret-bearing file (the built-in deny-list, by name or folder): no completion
                     at all, not even from the local model, and never context;

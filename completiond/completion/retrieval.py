@@ -1,6 +1,6 @@
 """Repository retrieval: the chunks of workspace files that the code around the cursor needs.
 
-The workspace (completion/workspace.py) feeds this index every file text it admits as context
+The workspace (completion/workspace/store.py) feeds this index every file text it admits as context
 (disk files under the folders' rules, and the editor's own documents that the same rules allow)
 and nothing else; it removes a file's chunks when the file leaves. So the index can hold no
 hidden, ignored, secret or outside file: it never reads a file itself.

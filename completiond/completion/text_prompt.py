@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from completiond.completion.plan import PromptPlan
-from completiond.completion.workspace import comment_for
+from completiond.completion.languages import comment_for
 from completiond.models.fim import (
     MIDDLE_TOKEN,
     PREFIX,
