@@ -9,7 +9,7 @@ counted as one token per CHARS_PER_TOKEN characters: code averages 3-4.
 
 What leaves the machine is exactly what `TextEncoder.render` puts in the prompt: the prefix and suffix
 windows of the current document, the current file's name (not its directory), and the context snippets
-the workspace picked (completion/workspace.py: only the editor's open documents and files under its
+the workspace picked (completion/workspace/: only the editor's open documents and files under its
 workspace folders, never hidden, ignored or secret-looking files).
 """
 
@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from completiond.completion.plan import PromptPlan
 from completiond.completion.languages import comment_for
+from completiond.completion.plan import PromptPlan
 from completiond.models.fim import (
     MIDDLE_TOKEN,
     PREFIX,
