@@ -44,7 +44,11 @@ SUGGESTION_EVENTS = {("accepted", "full"), ("accepted", "word"), ("accepted", "l
 # Copilot's rule for a suggestion in the middle of a line: only when what follows the cursor is
 # closing brackets, quotes and a final `:` `{` `;` `,` (and blanks); anything else is text the
 # insertion would split, which editors cannot preview faithfully and users rarely want.
-MIDLINE_REST = re.compile(r"\s*[)>}\]\"'`]*\s*[:{;,]?\s*")
+# Matched against the rest of the line stripped of its blanks (midline_rest_ok): the pattern itself holds no
+# two adjacent parts that can take the same character, so it runs in linear time. Three adjacent `\s*` did
+# not: a line of 2,000 spaces and a letter froze the event loop for seconds.
+MIDLINE_REST = re.compile(r"[)>}\]\"'`]*\s*[:{;,]?")
+MIDLINE_MAX = 256  # longer (stripped) text after the cursor is never only closers: no match attempted
 STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
 
 
@@ -568,7 +572,7 @@ class CompletionServer(LanguageServer):
 
     def midline_allowed(self, doc: Document, offset: int) -> bool:
         """Whether a suggestion at this offset is worth showing (MIDLINE_REST), before asking the model."""
-        return MIDLINE_REST.fullmatch(_rest_of_line(doc, offset)[0]) is not None
+        return midline_rest_ok(_rest_of_line(doc, offset)[0])
 
     def inline_item(self, doc: Document, s: dict[str, Any]) -> types.InlineCompletionItem | None:
         """The item for one suggestion, in a form that editors preview exactly as they insert it.
@@ -588,7 +592,7 @@ class CompletionServer(LanguageServer):
         if not rest:
             return types.InlineCompletionItem(insert_text=text, range=self.lsp_range(doc, start, end),
                                               command=accepted)
-        if MIDLINE_REST.fullmatch(rest) is None:
+        if not midline_rest_ok(rest):
             return None
         first = text.split("\n", 1)[0]
         if "\n" in text and len(first) < len(rest):
@@ -602,6 +606,13 @@ class CompletionServer(LanguageServer):
         s = doc.position(start, self.encoding)
         e = doc.position(end, self.encoding)
         return types.Range(start=types.Position(*s), end=types.Position(*e))
+
+
+def midline_rest_ok(rest: str) -> bool:
+    """The text after the cursor is only closing brackets, quotes and a final `:` `{` `;` `,`, and blanks
+    (MIDLINE_REST), decided in time linear in its length."""
+    rest = rest.strip()
+    return len(rest) <= MIDLINE_MAX and MIDLINE_REST.fullmatch(rest) is not None
 
 
 def _rest_of_line(doc: Document, offset: int) -> tuple[str, int]:

@@ -49,7 +49,9 @@ DEF_LINE = re.compile(
 DECORATOR = re.compile(r"^[ \t]*@[A-Za-z_]")
 DEF_FIRST = frozenset("edpsaicfmtor")   # first letters of the words DEF_LINE can start with
 ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")   # module level: no indentation
-FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[A-Za-z0-9_.]*)[ \t]+import[ \t]+\(?([^)#\n]*)", re.M)
+# The module part: leading dots then a name, or dots alone. Never two adjacent patterns that can both take
+# a dot: `from` with 20,000 dots and no `import` cost seconds of backtracking (quadratic) before.
+FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*[A-Za-z0-9_][A-Za-z0-9_.]*|\.+)[ \t]+import[ \t]+\(?([^)#\n]*)", re.M)
 IMPORT = re.compile(r"^[ \t]*import[ \t]+([A-Za-z0-9_.]+)(?:[ \t]+as[ \t]+([A-Za-z_][A-Za-z0-9_]*))?", re.M)
 
 # Words every file has: no signal, and the longest postings lists.
@@ -527,6 +529,20 @@ class Query:
     partial: str = ""           # the identifier being typed, up to the cursor
 
 
+_IDENT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+
+
+def trailing_identifier(s: str) -> str:
+    """The identifier `s` ends with (what `[A-Za-z_][A-Za-z0-9_]*$` finds), found in linear time: that
+    search backtracks quadratically over a long run of word characters that does not reach the end."""
+    start = len(s)
+    while start > 0 and s[start - 1] in _IDENT_CHARS:
+        start -= 1
+    while start < len(s) and s[start].isdigit():
+        start += 1
+    return s[start:]
+
+
 def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int = 4,
                window_before: int = 40, window_after: int = 12) -> Query:
     """Identifiers of the prefix tail (the cursor line up to the cursor and `before_lines` lines
@@ -536,11 +552,9 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     cur_line = text.count("\n", 0, ls)
     # The identifier being typed is unfinished: leave it out (it also changes on every keystroke).
     line_head = text[ls:offset]
-    m = re.search(r"[A-Za-z_][A-Za-z0-9_]*$", line_head)
-    partial = ""
-    if m:
-        line_head = line_head[: m.start()]
-        partial = m.group(0)
+    partial = trailing_identifier(line_head)
+    if partial:
+        line_head = line_head[: len(line_head) - len(partial)]
     lo = ls
     for _ in range(before_lines):
         if lo <= 0:

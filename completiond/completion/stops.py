@@ -440,7 +440,7 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
     if last in "'\"":
         return nxt not in "'\""   # the string just closed; two literals in a row are a concatenation
     if _is_word_char(last) and nxt in "'\"":
-        word = re.search(r"\w+$", body).group(0)
+        word = _trailing_word(body)
         return word.lower() not in STRING_PREFIXES
     return False
 
@@ -450,6 +450,15 @@ STRING_PREFIXES = frozenset({"r", "b", "f", "u", "rb", "br", "fr", "rf", "t", "t
 
 def _is_word_char(c: str) -> bool:
     return c.isalnum() or c == "_"
+
+
+def _trailing_word(s: str) -> str:
+    """The run of word characters `s` ends with (`\\w+$`), in linear time: a regular expression search for it
+    backtracks quadratically over long runs of word characters elsewhere in `s`."""
+    start = len(s)
+    while start > 0 and _is_word_char(s[start - 1]):
+        start -= 1
+    return s[start:]
 
 
 def _dangling_last_line(s: str, following: str) -> bool:

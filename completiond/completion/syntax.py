@@ -381,7 +381,12 @@ def _cut_before(s: str, at: int) -> str:
     """s cut before offset `at`, back to the last whole token (or line end) before it, right-trimmed."""
     head = s[:at]
     if at < len(s) and head and (head[-1].isalnum() or head[-1] == "_") and (s[at].isalnum() or s[at] == "_"):
-        head = re.sub(r"\w+$", "", head)   # the error is inside a word: not half of it
+        # The error is inside a word: not half of it. A loop, not re.sub(r"\w+$"), whose search backtracks
+        # quadratically over long runs of word characters.
+        end = len(head)
+        while end > 0 and (head[end - 1].isalnum() or head[end - 1] == "_"):
+            end -= 1
+        head = head[:end]
     return head.rstrip()
 
 

@@ -1,0 +1,161 @@
+"""Every regular expression that runs on document or file text costs time linear in its input (issue 43).
+
+A pattern with two adjacent parts that can take the same character backtracks polynomially when the
+match fails: `MIDLINE_REST`'s three adjacent `\\s*` froze the LSP's event loop for 13 s on a line of
+2,000 spaces, and `FROM_IMPORT`'s `\\.*[A-Za-z0-9_.]*` cost the daemon's one worker 4 s per completion
+on `from` and 20,000 dots. The sweep below runs every module-level pattern of the modules that match
+document text (search from every position: the worst way a pattern can be used) and the functions that
+match text with patterns of their own, against long runs of blanks, dots, quotes and brackets.
+
+Each module runs in a child process with a hard timeout (a catastrophic pattern cannot be interrupted from
+Python), which reports its slowest case; the bound is generous (linear code takes milliseconds here, the
+old patterns seconds to minutes), so load on the machine does not make it flaky.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+N = 20_000
+BOUND_S = 1.5         # per case, with N characters: linear matching takes a few milliseconds
+CHILD_TIMEOUT_S = 90  # a catastrophic pattern never returns: the child is killed and the case fails
+
+# Modules whose patterns see document or file text (the daemon's completion/ and the LSP), and the
+# remaining ones of completiond/ (settings, hub ids, environment names): all of them are swept.
+MODULES = ["completiond.completion.retrieval", "completiond.completion.syntax", "completiond.completion.stops",
+           "completiond.completion.documents", "completiond.lsp.server", "completiond.engine.hub",
+           "completiond.backends.remote", "completiond.config"]
+
+INPUTS = f"""
+N = {N}
+runs = [c * N for c in ' \\t.\\'"`([{{)]}}<>:;,#@\\\\_a1-=*']
+INPUTS = runs + [r + 'x' for r in runs] + [r + '\\n' + r for r in runs[:6]] + [
+    ' ' * N + 'x', 'x' + ' ' * N + 'x', ' ' * N + ')' + ' ' * N + ':' + ' ' * N + 'x',
+    'from ' + '.' * N, 'from ' + '.' * N + ' x', '    from ' + '.' * N + 'a' * N,
+    'import ' + 'a.' * (N // 2) + ' as', 'def ' + ' ' * N + '(', 'def (' + 'a' * N, 'pub(' + ' ' * N,
+    'a' + '.' * N + ' ' * N + 'x', 'a' * N + '-', 'a' * N + ' ' + 'b', '_' * N + '!', '1' * N + 'a-',
+    '\"\"\"' + '\\\\' * N, "'''" + "'" * N, '"' + '\\\\"' * (N // 2), 'x = ' + '(' * N, '@' + 'a' * N + '(',
+    ('ab' * 3 + 'c') * (N // 7), ('abcdefghij' * 2 + 'k') * (N // 21), '. ' * N, '(' * N + ')' * N,
+    'x: ' + ' ' * N + '=', '\\r' * N, '\\r\\n' * N,
+]
+"""
+
+
+def run_child(code: str, setup: str = "") -> dict:
+    """Run `code` (after INPUTS and `setup`) in a fresh interpreter; it prints one JSON object: the slowest
+    case and its time."""
+    program = INPUTS + "\n" + setup + "\n" + textwrap.dedent(code)
+    try:
+        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        out = None
+    if out is None:
+        pytest.fail(f"a case ran past {CHILD_TIMEOUT_S} s (catastrophic backtracking)")
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# How each pattern is used (`search` and `finditer` both try every position: timed as finditer). A new
+# pattern in one of MODULES fails the sweep until it is listed here, i.e. until someone has looked at it.
+USES = {
+    "IDENT": "finditer fullmatch", "DEF_LINE": "match", "DECORATOR": "match", "ASSIGN": "match",
+    "FROM_IMPORT": "finditer", "IMPORT": "finditer", "_OTHER_BREAKS": "finditer",
+    "_CONTINUES": "match", "_SCAN": "finditer", "_TOKEN": "finditer", "_STATEMENT": "match",
+    "_EOL": "finditer", "_LOOPS[0]": "finditer", "_LOOPS[1]": "finditer",
+    "MIDLINE_REST": "fullmatch", "_HUB_ID": "match", "_COMMIT": "match", "_REVISION": "match",
+    "_ENV_NAME": "fullmatch",
+}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_pattern_is_linear_on_adversarial_text(module):
+    uses = USES
+    result = run_child(f"""
+        import importlib, json, re, time
+        module = importlib.import_module({module!r})
+        patterns = {{}}
+        for name, value in vars(module).items():
+            if isinstance(value, re.Pattern):
+                patterns[name] = value
+            elif isinstance(value, tuple) and value and all(isinstance(v, re.Pattern) for v in value):
+                patterns.update({{f"{{name}}[{{i}}]": v for i, v in enumerate(value)}})
+        uses = {uses!r}
+        unlisted = sorted(set(patterns) - set(uses))
+        worst = (0.0, "", "")
+        for name, pattern in patterns.items():
+            for i, text in enumerate(INPUTS):
+                t0 = time.perf_counter()
+                for use in uses.get(name, "").split():
+                    if use == "finditer":
+                        for _ in pattern.finditer(text):
+                            pass
+                    else:
+                        getattr(pattern, use)(text)
+                elapsed = time.perf_counter() - t0
+                if elapsed > worst[0]:
+                    worst = (elapsed, name, repr(text[:40]) + f"... ({{len(text)}} chars, input {{i}})")
+        print(json.dumps({{"patterns": sorted(patterns), "unlisted": unlisted, "seconds": worst[0], "pattern": worst[1], "input": worst[2]}}))
+    """)
+    assert result["patterns"] or module in ("completiond.config",), result
+    assert not result["unlisted"], f"patterns of {module} not in USES (how are they used?): {result['unlisted']}"
+    assert result["seconds"] <= BOUND_S, result
+
+
+FUNCTIONS = {
+    # lsp: the rest of the line after the cursor, on the event loop, for every inline request
+    "midline": "from completiond.lsp.server import midline_rest_ok\nrun = lambda t: midline_rest_ok(t)",
+    # retrieval: a document's imports, definitions, the query at the cursor, chunk kinds
+    "imports": "from completiond.completion import retrieval as r\nrun = lambda t: r.imports_of(t)",
+    "defined": "from completiond.completion import retrieval as r\nrun = lambda t: r.defined_names(t)",
+    "query": "from completiond.completion import retrieval as r\nrun = lambda t: r.make_query(t, len(t))",
+    "kinds": "from completiond.completion import retrieval as r\nrun = lambda t: [r._kind(x) for x in t.split(chr(10))]",
+    # stops and the syntax check: what the model wrote, next to the document's line
+    "collides": ("from completiond.completion import stops as s\n"
+                 "run = lambda t: (s.collides_with_suffix(t + 'b', '', chr(39)), s.find_loop(t[:4000]))"),
+    "cut": "from completiond.completion import syntax as y\nrun = lambda t: y._cut_before(t + 'ab', len(t) + 1)",
+    "scan": "from completiond.completion import syntax as y\nrun = lambda t: (y.scan_brackets(t), y._line_kind(t))",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_functions_that_match_document_text_are_linear(name):
+    result = run_child("""
+        import json, time
+        worst = (0.0, "")
+        for i, text in enumerate(INPUTS):
+            t0 = time.perf_counter()
+            run(text)
+            elapsed = time.perf_counter() - t0
+            if elapsed > worst[0]:
+                worst = (elapsed, repr(text[:40]) + f"... ({len(text)} chars, input {i})")
+        print(json.dumps({"seconds": worst[0], "input": worst[1]}))
+    """, setup=FUNCTIONS[name])
+    assert result["seconds"] <= BOUND_S, result
+
+
+def test_the_issue_inputs_take_milliseconds():
+    """The two reported documents: a line of 5,000 spaces and a letter (the LSP's midline check), and
+    `from` with 20,000 dots (the retrieval index's import parser); each far under the issue's 200 ms."""
+    result = run_child("""
+        import json, time
+        from completiond.lsp.server import midline_rest_ok
+        from completiond.completion import retrieval
+        t0 = time.perf_counter()
+        allowed = midline_rest_ok(' ' * 5000 + 'x')
+        spaces = time.perf_counter() - t0
+        text = 'from ' + '.' * 20000 + chr(10) + 'from . import sibling' + chr(10)
+        t0 = time.perf_counter()
+        imports = retrieval.imports_of(text)
+        query = retrieval.make_query(text, len(text))
+        dots = time.perf_counter() - t0
+        print(json.dumps({"spaces": spaces, "dots": dots, "allowed": allowed, "imports": sorted(imports)}))
+    """)
+    assert result["allowed"] is False          # a letter after the cursor: no midline suggestion
+    assert "sibling" in result["imports"]      # the file's real import is still read
+    assert result["spaces"] <= 0.2 and result["dots"] <= 0.2, result
