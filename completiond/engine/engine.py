@@ -39,6 +39,7 @@ from completiond.engine import tokenizer as tokenizer_mod
 from completiond.engine.forward import Forward, packs_bf16_checkpoint
 from completiond.engine.kvcache import KVSequence, PrefixCache
 from completiond.engine.lookup import OutputHistory
+from completiond.engine.threads import ThreadGovernor
 from completiond.engine.model_info import ModelInfo
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
@@ -224,6 +225,8 @@ class Engine:
             cache_bytes = default_cache_bytes(device)
         self.cache = PrefixCache(cache_bytes, on_evict=self._on_evict)
         self.history = OutputHistory()  # what greedy requests generated, for later requests' lookup drafts
+        # CPU: no more threads per request than the cores other runnable tasks leave (engine/threads.py)
+        self.threads = ThreadGovernor() if torch.device(device).type == "cpu" else None
         self.weights = weights  # the weights setting: auto, bf16 or int8 (native.WEIGHT_FORMATS)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context, weights=weights)
         # On an accelerator every read of a device value stalls the host until the queue drains, and a
@@ -629,6 +632,8 @@ class Engine:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
+        if self.threads is not None:
+            self.threads.pick()
         stats = Stats(prompt_tokens=len(prompt))
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
         if history is True:

@@ -115,6 +115,12 @@ def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[st
     phase("warm-up")
     engine.generate([0], SamplingParams(max_tokens=2, speculative=True), history=None)
     engine.cache.clear()  # the warm-up's sequence is no prefix of anything real
+    try:  # the prompt builder's token tables (about 0.1 s for the bundled model), not the first request's
+        from completiond.completion.suggest import builder_for
+
+        builder_for(engine, cfg)
+    except CompletionError:
+        pass  # a setting no prompt fits: the first request says so
     phase("ready")
     return engine
 

@@ -1,0 +1,76 @@
+"""How many threads a request's passes use, given what else wants the CPU right now.
+
+A pass split over T threads waits, at each of its many parallel regions, for the slowest of them. On a
+machine whose cores other processes also want, one of our threads is often descheduled, and every region
+then waits a scheduler time slice for it: a 300-token prefill of the bundled model took 0.8-3.3 s with 2
+threads on 2 busy cores, against 0.1-0.2 s with 1 thread and 24 ms with 2 on idle ones (2026-12-06; the
+"1 ms/token" prefill and the multi-second first suggestions seen under load). So before each request the
+engine counts the runnable tasks other than itself (Linux's /proc/loadavg, an instantaneous count) and uses
+no more threads than the cores they leave free, at least one, at most its configured number.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+LOADAVG = "/proc/loadavg"
+
+
+def runnable_tasks(path: str = LOADAVG) -> int | None:
+    """Tasks runnable right now on the whole machine, this one included (None where the kernel does not say)."""
+    try:
+        with open(path, "rb") as f:
+            running = f.read().split()[3]
+        return int(running.split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class ThreadGovernor:
+    """Sets torch's thread count (which the native step reads per call too) for each request.
+
+    `most`: the configured count (Engine.load's threads, else torch's default), never exceeded."""
+
+    def __init__(self, most: int | None = None, cores: int | None = None,
+                 runnable: Callable[[], int | None] = runnable_tasks):
+        self.most = max(1, most or torch.get_num_threads())
+        self.cores = max(1, cores or _cores())
+        self._runnable = runnable
+        self.current = self.most
+        self.reduced = 0   # requests that ran on fewer threads than configured (status, tests)
+
+    def _others(self) -> int:
+        """Runnable tasks besides the caller (whose pool threads sleep between requests). A task seen runnable
+        once may be passing by (the event loop that handed over this request): a second look 0.2 ms later must
+        see it too."""
+        n = self._runnable()
+        if n is None or n <= 1 or self.cores - (n - 1) >= self.most:
+            return 0 if n is None else max(0, n - 1)
+        time.sleep(0.0002)
+        again = self._runnable()
+        return max(0, min(n, again if again is not None else n) - 1)
+
+    def pick(self) -> int:
+        """The thread count for the next request: the configured one unless other runnable tasks want cores."""
+        now = torch.get_num_threads()
+        if now != self.current:  # set by someone else since (a test, bench-device): the new ceiling
+            self.most = self.current = now
+        threads = min(self.most, self.cores - self._others())
+        threads = max(1, threads)
+        if threads < self.most:
+            self.reduced += 1
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
+        return threads

@@ -1,0 +1,60 @@
+"""The thread governor: a request's passes use no more threads than the cores other runnable tasks leave."""
+
+from __future__ import annotations
+
+import torch
+
+from completiond.engine.threads import ThreadGovernor, runnable_tasks
+
+
+def test_fewer_threads_when_other_tasks_want_the_cores():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    counts = iter([1, 3, 3, 2, 2, 9, 9, 1])
+    try:
+        gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
+        assert gov.most == 2
+        assert gov.pick() == 2 and torch.get_num_threads() == 2       # alone: every core
+        assert gov.pick() == 1 and torch.get_num_threads() == 1       # two others, seen twice
+        assert gov.pick() == 1                                         # one other, seen twice
+        assert gov.pick() == 1                                         # many: still one
+        assert gov.pick() == 2 and torch.get_num_threads() == 2       # alone again
+        assert gov.reduced == 3
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_task_passing_by_does_not_cost_a_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    counts = iter([2, 1])   # the event loop that handed the request over, gone 0.2 ms later
+    try:
+        gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
+        assert gov.pick() == 2 and gov.reduced == 0
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_count_set_by_someone_else_is_the_new_ceiling():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gov = ThreadGovernor(cores=4, runnable=lambda: 1)
+        torch.set_num_threads(1)   # a test or bench-device asks for one thread
+        assert gov.pick() == 1 and gov.most == 1
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_no_count_where_the_kernel_gives_none(tmp_path):
+    assert runnable_tasks(str(tmp_path / "missing")) is None
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 3/120 4567\n")
+    assert runnable_tasks(str(tmp_path / "loadavg")) == 3
+    gov = ThreadGovernor(most=2, cores=2, runnable=lambda: None)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gov.current = 2
+        assert gov.pick() == 2
+    finally:
+        torch.set_num_threads(saved)
