@@ -13,8 +13,11 @@ window rules are therefore the same on both sides:
   the cursor's chunk above the cursor line, and the cursor line up to the cursor. Appending a
   character re-measures (re-tokenizes) only the cursor line.
 * the prefix window starts on a chunk boundary and is chosen with slack for the cursor line
-  (`reserve`), so it does not slide on every keystroke; when the budget runs out it jumps by a whole
-  chunk. Where the window starts is decided in `Planner._head` alone.
+  (`reserve`), so it does not slide on every keystroke; at the top of the file where the budget
+  reaches it, else at an anchor: the roundest chunk boundary (divisible by the largest power of two)
+  that leaves at least half the budget, which stays put while the cursor moves within about half a
+  window, so a jump reuses the cached KV of the prefix it shares. Where the window starts is decided
+  in `Planner._head` alone.
 * only a bounded character window around the cursor is ever measured, so a huge document costs no
   more than a small one.
 
@@ -253,7 +256,8 @@ class Planner:
         begin/end are document offsets of the piece text. Walks back chunk by chunk (chunks aligned to
         absolute line numbers) while they fit in the budget minus a reserve for the cursor line. The
         reserve does not depend on the cursor line until that line outgrows it, so typing does not move
-        the window start.
+        the window start. Then the window starts at an anchor (`_anchor`), so that moving the cursor
+        within a region does not move it either.
         """
         if ls == 0:
             return []
@@ -268,6 +272,8 @@ class Planner:
         if first_line == cur_line:
             first_line -= n
         pieces: list[tuple[int, int]] = []
+        lines: list[int] = []   # each piece's first line (a chunk boundary)
+        sizes: list[int] = []
         used = 0
         end = ls          # line start where the next (older) piece ends
         while end > 0:
@@ -280,12 +286,19 @@ class Planner:
                     tail = self._tail_lines(text, begin, end, head_budget)
                     if tail is not None:
                         pieces.append(tail)
+                    return pieces
                 break
             pieces.append((max(0, begin - sh), end - sh))
+            lines.append(max(0, first_line))
+            sizes.append(units)
             used += units
             end = begin
             cur_line, first_line = first_line, first_line - n
         pieces.reverse()
+        if end > 0:  # the window did not reach the top of the file
+            lines.reverse()
+            sizes.reverse()
+            pieces = pieces[_anchor(lines, sizes, head_budget // 2, n):]
         return pieces
 
     def _tail_lines(self, text: str, begin: int, end: int, budget: int) -> tuple[int, int] | None:
@@ -386,6 +399,25 @@ def _shorten_last(files: list[tuple[str, str]]) -> list[tuple[str, str]]:
     if len(lines) > 1:
         return files[:-1] + [(last_path, "".join(lines[: max(1, len(lines) * 2 // 3)]))]
     return files[:-1]
+
+
+def _anchor(lines: list[int], sizes: list[int], keep: int, n: int) -> int:
+    """Index of the piece a prefix window starts at: of the chunk boundaries (`lines`, ascending, `n` apart;
+    `sizes` the pieces' units) whose pieces up to the cursor still hold `keep` units, the one divisible by the
+    largest power of two in chunks (the top of the file above all). That boundary stays the roundest in the
+    range while the cursor moves on within about half a window, so after a jump there the window starts
+    where it did, and the KV cached after that start is reused."""
+    best, best_rank = 0, -1
+    tail = sum(sizes)
+    for i, line in enumerate(lines):
+        if tail < keep and i > 0:
+            break
+        chunk = line // n
+        rank = (chunk & -chunk).bit_length() if chunk else 64
+        if rank > best_rank:
+            best, best_rank = i, rank
+        tail -= sizes[i]
+    return best
 
 
 def _line_start(text: str, end: int, lines: int) -> int:
