@@ -151,7 +151,7 @@ SETTINGS: tuple[Setting, ...] = (
                 "Also loads, connections and settings changes.",
                 "Also each request and the files its context came from.",
             )),
-    # A team server instead of the local model (completiond/backends/remote.py). Editors offer these as
+    # A team server instead of the local model (completiond/backends/team_server.py). Editors offer these as
     # machine settings (VS Code scope "machine"): a repository's own workspace settings cannot send its
     # reader's code to a server of its choosing.
     Setting("backend", str, "local", "Where suggestions are generated: local (the model in the daemon), openai (an "

@@ -335,3 +335,46 @@ def test_runner_checker_sees_an_engine_attribute(tmp_path):
                        "        return eng.cache, self.engine.fwd, self.drafter.tokenizer\n")
     assert runner_uses(planted) == {"cache", "fwd", "tokenizer"}
     assert not {"cache", "tokenizer"} & _class_members(ROOT / "completiond" / "engine" / "runner.py", "Runner")
+
+
+# --- one completion pipeline (issue 46): what completes sits behind completion/completer.py's Completer -------------
+
+COMPLETERS = {"completion/suggest.py": "LocalCompleter", "completion/team.py": "TeamCompleter"}
+
+
+def _protocol_members(path: Path, cls: str) -> set[str]:
+    """Public methods and annotated fields of a Protocol class."""
+    return {m for m in _class_members(path, cls) if not m.startswith("_")}
+
+
+def test_every_completer_implements_the_protocol():
+    """Local and team completers provide every member the Completer protocol names, so the service can hold
+    either without asking which it has."""
+    root = ROOT / "completiond"
+    protocol = _protocol_members(root / "completion" / "completer.py", "Completer")
+    assert {"complete", "budgets", "backend"} <= protocol
+    for module, cls in COMPLETERS.items():
+        tree = ast.parse((root / module).read_text(encoding="utf-8"))
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        members = _class_members(root / module, cls) | {
+            t.id for item in node.body if isinstance(item, ast.Assign) for t in item.targets if isinstance(t, ast.Name)}
+        assert protocol <= members, f"{cls} lacks {sorted(protocol - members)} of the Completer protocol"
+
+
+def test_serving_holds_a_completer_not_an_engine():
+    """serving/ never probes what it holds with getattr/hasattr, and no shipped module talks about test fakes:
+    the fakes implement the protocols instead."""
+    probes, fakes = [], []
+    for module, path in modules().items():
+        text = path.read_text(encoding="utf-8")
+        if module.startswith("completiond.serving."):
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                        "getattr", "hasattr") and isinstance(node.args[0], ast.Attribute) and node.args[0].attr in (
+                        "engine", "completer"):
+                    probes.append(f"{module}:{node.lineno}")
+        if "fake engines in tests" in text or "tests' fakes" in text:
+            fakes.append(module)
+    assert not probes, f"getattr probes of the engine/completer: {probes}"
+    assert not fakes, f"shipped code special-casing test fakes: {fakes}"
+

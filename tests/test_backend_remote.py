@@ -20,14 +20,21 @@ from lsprotocol import types
 
 from completiond import config as config_mod
 from completiond.backends import http
-from completiond.backends.remote import RemoteBackend, RemoteError, RemoteRequest, read_api_key
-from completiond.completion.remote import suggest_remote, template_for
+from completiond.backends.team_server import TeamServer, TeamServerError, TeamRequest, read_api_key
+from completiond.completion.completer import suggest
+from completiond.completion.team import TeamCompleter, template_for
 from completiond.completion.plan import Planner, PromptOptions
 from completiond.completion.text_prompt import TextEncoder, render
 from completiond.engine.cancel import CancelToken
 from completiond.models.fim import text_layout
 
 from remote_servers import FakeServer, free_port
+
+def suggest_remote(server, text, offset, cfg, **kw):
+    """(suggestions, generation, warnings) of one completion through the team server's Completer."""
+    done = suggest(TeamCompleter(server), text, offset, cfg, **kw)
+    return done.suggestions, done.generation, done.warnings
+
 
 KEY = "sk-test-7f3a9c1e5d"
 
@@ -47,15 +54,15 @@ def cfg_for(url: str, **extra):
     return cfg
 
 
-def request(text: str = "x = ") -> RemoteRequest:
-    return RemoteRequest(prompt=text, max_tokens=8)
+def request(text: str = "x = ") -> TeamRequest:
+    return TeamRequest(prompt=text, max_tokens=8)
 
 
 # --- the stream and the stop rules ------------------------------------------------------------------
 
 def test_stream_reaches_the_stop_rules_and_closes_early(fake):
     fake.plan.pieces = ["foo(", "1)\n", "bar = 2\n", "baz = 3\n"]
-    backend = RemoteBackend(cfg_for(fake.url, multiline="never"))
+    backend = TeamServer(cfg_for(fake.url, multiline="never"))
     text = "def f():\n    x = "
     found, gen, warnings = suggest_remote(backend, text, len(text), cfg_for(fake.url, multiline="never"),
                                           cancel=CancelToken(), path="/home/someone/project/app.py", language="python")
@@ -73,11 +80,11 @@ def test_multiline_block_and_suffix_trimming(fake):
     fake.plan.pieces = ["\n        return", " a + b\n", "\n", "def other():\n", "    pass\n"]
     cfg = cfg_for(fake.url)
     text = "class A:\n    def f(self, a, b):"
-    found, gen, _ = suggest_remote(RemoteBackend(cfg), text, len(text), cfg, cancel=CancelToken())
+    found, gen, _ = suggest_remote(TeamServer(cfg), text, len(text), cfg, cancel=CancelToken())
     assert found[0].text == "\n        return a + b"  # dedent out of the block ends it, as locally
     fake.plan.pieces = ['"hi")']
     text, after = 'print(', ')\n'
-    found, _, _ = suggest_remote(RemoteBackend(cfg), text + after, len(text), cfg, cancel=CancelToken())
+    found, _, _ = suggest_remote(TeamServer(cfg), text + after, len(text), cfg, cancel=CancelToken())
     assert found[0].text == '"hi"'   # the ")" already right of the cursor is not repeated
 
 
@@ -88,7 +95,7 @@ def test_what_is_sent_is_the_prompt_only(fake):
     text = "\n".join(lines[:150]) + "\nx = " + "\n" + "\n".join(lines[150:])
     cursor = text.index("\nx = ") + 5
     context = [("lib/util.py", "def helper():\n    return '<|fim_middle|>'\n")]
-    suggest_remote(RemoteBackend(cfg), text, cursor, cfg, cancel=CancelToken(), path="/home/alice/secret-project/app.py",
+    suggest_remote(TeamServer(cfg), text, cursor, cfg, cancel=CancelToken(), path="/home/alice/secret-project/app.py",
                    language="python", context=context)
     sent = fake.plan.requests[0]["body"]["prompt"]
     assert "/home/alice" not in sent and "secret-project" not in sent
@@ -115,8 +122,8 @@ def test_windows_are_stable_while_typing():
     assert sum(map(len, TextEncoder.for_template("qwen2.5-coder").encode(text[begin:]))) <= 50 * 4
     enc = TextEncoder.for_template("qwen2.5-coder")
     tail = Planner(enc, PromptOptions(prefix_tokens=4, suffix_tokens=1))
-    assert enc.render(tail.plan("ab\ncd\nef", 0), "ab\ncd\nef").suffix == "ab\n"  # cut at a line end
-    assert enc.render(tail.plan("abcdef", 0), "abcdef").suffix == "abcd"  # a longer line: what fits of it
+    assert enc.lay_out(tail.plan("ab\ncd\nef", 0), "ab\ncd\nef").suffix == "ab\n"  # cut at a line end
+    assert enc.lay_out(tail.plan("abcdef", 0), "abcdef").suffix == "abcd"  # a longer line: what fits of it
 
 
 def test_templates_render_each_family():
@@ -135,7 +142,7 @@ def test_infill_api_gets_prefix_suffix_and_files(fake):
     fake.plan.pieces = ["42"]
     cfg = cfg_for(fake.url, backend="llamacpp-infill")
     text, after = "x = ", "\nprint(x)\n"
-    found, gen, _ = suggest_remote(RemoteBackend(cfg), text + after, len(text), cfg, cancel=CancelToken(),
+    found, gen, _ = suggest_remote(TeamServer(cfg), text + after, len(text), cfg, cancel=CancelToken(),
                                    context=[("b.py", "B = 2\n")])
     assert found[0].text == "42" and gen.finish_reason == "stop"
     req = fake.plan.requests[0]
@@ -146,7 +153,7 @@ def test_infill_api_gets_prefix_suffix_and_files(fake):
 
 def test_a_server_that_ignores_stream_still_answers(fake):
     fake.plan.mode, fake.plan.pieces = "json", ["1 + 1"]
-    gen = RemoteBackend(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
+    gen = TeamServer(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
     assert gen.text == "1 + 1"
 
 
@@ -154,7 +161,7 @@ def test_a_server_that_ignores_stream_still_answers(fake):
 
 def test_cancel_closes_the_stream(fake):
     fake.plan.mode, fake.plan.pieces = "stall", ["a"]
-    backend = RemoteBackend(cfg_for(fake.url, endpointTimeout=30.0))
+    backend = TeamServer(cfg_for(fake.url, endpointTimeout=30.0))
     token = CancelToken()
     got_text = threading.Event()
 
@@ -182,21 +189,21 @@ def test_cancel_closes_the_stream(fake):
     (500, "server", "boom"), (503, "server", "HTTP 503"), (400, "rejected", "endpointModel")])
 def test_http_errors(fake, status, kind, says):
     fake.plan.mode, fake.plan.status = "status", status
-    backend = RemoteBackend(cfg_for(fake.url))
-    with pytest.raises(RemoteError) as err:
+    backend = TeamServer(cfg_for(fake.url))
+    with pytest.raises(TeamServerError) as err:
         backend.complete(request(), cancel=CancelToken())
     assert err.value.kind == kind and says in str(err.value) and fake.url in str(err.value)
     # Until the backoff passes the server is not asked again, and the editor gets the same message
     # (shown once: the LSP shows each distinct message once).
-    with pytest.raises(RemoteError) as again:
+    with pytest.raises(TeamServerError) as again:
         backend.complete(request(), cancel=CancelToken())
     assert str(again.value) == str(err.value) and len(fake.plan.requests) == 1
 
 
 def test_rate_limit_waits_as_asked(fake):
     fake.plan.mode, fake.plan.status, fake.plan.headers = "status", 429, {"Retry-After": "7"}
-    backend = RemoteBackend(cfg_for(fake.url))
-    with pytest.raises(RemoteError) as err:
+    backend = TeamServer(cfg_for(fake.url))
+    with pytest.raises(TeamServerError) as err:
         backend.complete(request(), cancel=CancelToken())
     assert err.value.kind == "rate_limited" and err.value.retry_after == 7.0
     assert backend._retry_at - __import__("time").monotonic() > 5  # noqa: SLF001 (the wait it asked for)
@@ -204,12 +211,12 @@ def test_rate_limit_waits_as_asked(fake):
 
 def test_backoff_doubles_then_resets_on_success(fake):
     fake.plan.mode = "status"
-    backend = RemoteBackend(cfg_for(fake.url))
+    backend = TeamServer(cfg_for(fake.url))
     delays = []
     for _ in range(4):
         backend._retry_at = 0.0  # noqa: SLF001 (skip the wait itself: only its length is under test)
         before = __import__("time").monotonic()
-        with pytest.raises(RemoteError):
+        with pytest.raises(TeamServerError):
             backend.complete(request(), cancel=CancelToken())
         delays.append(round(backend._retry_at - before, 1))  # noqa: SLF001
     assert delays == [0.5, 1.0, 2.0, 4.0]
@@ -221,29 +228,29 @@ def test_backoff_doubles_then_resets_on_success(fake):
 
 def test_malformed_stream(fake):
     fake.plan.mode = "malformed"
-    with pytest.raises(RemoteError) as err:
-        RemoteBackend(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
+    with pytest.raises(TeamServerError) as err:
+        TeamServer(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
     assert err.value.kind == "malformed" and "not JSON" in str(err.value)
 
 
 def test_stream_that_breaks_off(fake):
     fake.plan.mode = "die"
-    with pytest.raises(RemoteError) as err:
-        RemoteBackend(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
+    with pytest.raises(TeamServerError) as err:
+        TeamServer(cfg_for(fake.url)).complete(request(), cancel=CancelToken())
     assert err.value.kind in ("malformed", "network") and fake.url in str(err.value)
 
 
 def test_stall_times_out(fake):
     fake.plan.mode = "stall"
-    with pytest.raises(RemoteError) as err:
-        RemoteBackend(cfg_for(fake.url, endpointTimeout=0.5)).complete(request(), cancel=CancelToken())
+    with pytest.raises(TeamServerError) as err:
+        TeamServer(cfg_for(fake.url, endpointTimeout=0.5)).complete(request(), cancel=CancelToken())
     assert err.value.kind == "timeout" and "endpointTimeout" in str(err.value)
 
 
 def test_connection_refused():
     url = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(RemoteError) as err:
-        RemoteBackend(cfg_for(url)).complete(request(), cancel=CancelToken())
+    with pytest.raises(TeamServerError) as err:
+        TeamServer(cfg_for(url)).complete(request(), cancel=CancelToken())
     assert err.value.kind == "refused" and "is it running" in str(err.value) and url in str(err.value)
 
 
@@ -263,8 +270,8 @@ def test_tls_is_verified(tmp_path):
     server.httpd.socket = context.wrap_socket(server.httpd.socket, server_side=True)
     try:
         url = server.url.replace("http://", "https://")
-        with pytest.raises(RemoteError) as err:
-            RemoteBackend(cfg_for(url)).complete(request(), cancel=CancelToken())
+        with pytest.raises(TeamServerError) as err:
+            TeamServer(cfg_for(url)).complete(request(), cancel=CancelToken())
         assert err.value.kind == "tls" and "endpointCaFile" in str(err.value)
     finally:
         server.close()
@@ -275,12 +282,12 @@ def test_tls_is_verified(tmp_path):
 def test_api_key_from_env_is_sent_and_never_shown(fake, monkeypatch, caplog):
     monkeypatch.setenv("TEAM_COMPLETIONS_KEY", KEY)
     caplog.set_level(logging.DEBUG)
-    backend = RemoteBackend(cfg_for(fake.url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    backend = TeamServer(cfg_for(fake.url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
     backend.complete(request(), cancel=CancelToken())
     assert fake.plan.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"
     fake.plan.mode, fake.plan.status = "status", 401
     backend._retry_at = 0.0  # noqa: SLF001
-    with pytest.raises(RemoteError) as err:
+    with pytest.raises(TeamServerError) as err:
         backend.complete(request(), cancel=CancelToken())
     assert KEY not in str(err.value) and KEY not in caplog.text and KEY not in repr(vars(backend).get("model_id"))
 
@@ -289,9 +296,9 @@ def test_a_server_echoing_the_key_never_puts_it_in_a_message_or_the_log(fake, mo
     """Issue 31, item 5: a 401 page that repeats the Authorization header (whole, and clipped)."""
     monkeypatch.setenv("TEAM_COMPLETIONS_KEY", KEY)
     caplog.set_level(logging.DEBUG)
-    backend = RemoteBackend(cfg_for(fake.url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    backend = TeamServer(cfg_for(fake.url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
     fake.plan.mode, fake.plan.status, fake.plan.echo_auth = "status", 401, True
-    with pytest.raises(RemoteError) as err:
+    with pytest.raises(TeamServerError) as err:
         backend.complete(request(), cancel=CancelToken())
     assert err.value.kind == "unauthorized" and "[API key]" in str(err.value)
     assert fake.plan.requests[0]["headers"]["Authorization"] == f"Bearer {KEY}"   # the server did get it
@@ -304,28 +311,28 @@ def test_a_server_echoing_the_key_never_puts_it_in_a_message_or_the_log(fake, mo
 def test_the_key_goes_over_plain_http_only_to_loopback_or_an_endpoint_the_user_named(monkeypatch):
     monkeypatch.setenv("TEAM_COMPLETIONS_KEY", KEY)
     for url in ("http://127.0.0.1:8000", "http://localhost:8000", "http://[::1]:8000", "https://gpu-box:8443"):
-        RemoteBackend(cfg_for(url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
-    with pytest.raises(RemoteError, match="refusing to send the API key unencrypted to http://gpu-box:8000") as err:
-        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+        TeamServer(cfg_for(url, apiKeyEnv="TEAM_COMPLETIONS_KEY"))
+    with pytest.raises(TeamServerError, match="refusing to send the API key unencrypted to http://gpu-box:8000") as err:
+        TeamServer(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY"))
     assert err.value.kind == "config" and "apiKeyOverHttp" in str(err.value)
-    RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY",
+    TeamServer(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY",
                           apiKeyOverHttp="http://other:1, http://gpu-box:8000/"))          # opted in, per endpoint
-    with pytest.raises(RemoteError, match="unencrypted"):                            # another endpoint's opt-in
-        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://other:8000"))
-    with pytest.raises(RemoteError, match="unencrypted"):                            # another port of the same host
-        RemoteBackend(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://gpu-box"))
-    RemoteBackend(cfg_for("http://gpu-box:8000"))                                    # no key, nothing to protect
+    with pytest.raises(TeamServerError, match="unencrypted"):                            # another endpoint's opt-in
+        TeamServer(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://other:8000"))
+    with pytest.raises(TeamServerError, match="unencrypted"):                            # another port of the same host
+        TeamServer(cfg_for("http://gpu-box:8000", apiKeyEnv="TEAM_COMPLETIONS_KEY", apiKeyOverHttp="http://gpu-box"))
+    TeamServer(cfg_for("http://gpu-box:8000"))                                    # no key, nothing to protect
     schema = {item["key"]: item for item in config_mod.schema()}
     assert schema["apiKeyOverHttp"].get("scope") == "machine" and "apiKeyOverHttp" in config_mod.ENGINE_KEYS
 
 
 def test_interim_responses_are_bounded_and_arm_the_backoff(fake):
     """Issue 31, item 5: 5,000 `100 Continue` heads raised RecursionError out of complete(), unhandled."""
-    backend = RemoteBackend(cfg_for(fake.url))
+    backend = TeamServer(cfg_for(fake.url))
     fake.plan.interim, fake.plan.pieces = 3, ["ok"]                  # a few are allowed, and skipped
     assert backend.complete(request(), cancel=CancelToken()).text == "ok"
     fake.plan.interim = 5000
-    with pytest.raises(RemoteError, match="interim") as err:
+    with pytest.raises(TeamServerError, match="interim") as err:
         backend.complete(request(), cancel=CancelToken())
     assert err.value.kind == "malformed"
     assert backend.backoff() is err.value                            # the next keystroke does not ask again
@@ -335,14 +342,14 @@ def test_api_key_file_must_be_private_and_one_line(tmp_path):
     key = tmp_path / "key"
     key.write_text(KEY + "\n")
     key.chmod(0o644)
-    with pytest.raises(RemoteError, match="chmod 600"):
+    with pytest.raises(TeamServerError, match="chmod 600"):
         read_api_key("", str(key))
     key.chmod(0o600)
     assert read_api_key("", str(key)) == KEY
     key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----\n")
-    with pytest.raises(RemoteError, match="one line"):
+    with pytest.raises(TeamServerError, match="one line"):
         read_api_key("", str(key))
-    with pytest.raises(RemoteError, match="not set"):
+    with pytest.raises(TeamServerError, match="not set"):
         read_api_key("COMPLETIOND_TEST_UNSET_KEY", "")
     assert read_api_key("", "") is None
 
@@ -388,7 +395,7 @@ async def test_service_reports_and_recovers(fake, tmp_path):
     assert err.value.code == Code.ENGINE_ERROR and "HTTP 500" in err.value.message
     fake.plan.mode, fake.plan.pieces = "stream", ["42\n", "y = 1"]
     for _ in range(200):  # the first backoff is half a second; bounded wait for it to pass
-        if service.engine.backoff() is None:
+        if service.completer.server.backoff() is None:
             break
         await asyncio.sleep(0.01)
     result = await service.complete("c", 2, uri, 1, 4)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from completiond.completion.suggest import suggest
+from completiond.completion.completer import Completion, suggest
+from completiond.completion.suggest import LocalCompleter
 from completiond import config
 from completiond.serving import paths
 from completiond.commands.complete import TargetError, cursor_offset, parse_target
@@ -54,7 +55,9 @@ def test_suggest_with_engine(engine, tiny_model_dir):
     cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 6})
     rounds = []
     offset = SOURCE.index("print(") + len("print(")
-    suggestion, gen = suggest(engine, SOURCE, offset, cfg, cancel=CancelToken(), on_round=rounds.append)
+    done = suggest(LocalCompleter(engine, on_round=rounds.append), SOURCE, offset, cfg, cancel=CancelToken())
+    suggestion, gen = done.suggestion, done.generation
+    assert rounds and done.stats["rounds"] == len(rounds)
     assert gen is not None and gen.stats.to_dict()["prompt_tokens"] > 0
     assert len(gen.tokens) <= 6
     if suggestion is not None:
@@ -68,7 +71,8 @@ def test_suggest_cancelled_before_start(engine, tiny_model_dir):
     cfg, _ = config.merge(config.Config(), {"model": str(tiny_model_dir), "maxTokens": 50})
     token = CancelToken()
     token.cancel()
-    suggestion, gen = suggest(engine, SOURCE, 10, cfg, cancel=token)
+    done = suggest(LocalCompleter(engine), SOURCE, 10, cfg, cancel=token)
+    suggestion, gen = done.suggestion, done.generation
     assert suggestion is None and gen.finish_reason == "cancelled" and not gen.tokens
 
 
@@ -80,7 +84,7 @@ def test_alternatives_greedy_are_the_next_best_first_tokens(engine, tiny_model_d
     found, gen = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
     texts = [f.text for f in found]
     assert len(texts) == 3 and len(set(texts)) == 3, texts
-    one, _ = suggest(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
+    one = suggest(LocalCompleter(engine), SOURCE, len(SOURCE), cfg, cancel=CancelToken()).suggestion
     assert one is not None and texts[0] == one.text  # the first is the plain greedy suggestion
     again, _ = suggest_alternatives(engine, SOURCE, len(SOURCE), cfg, cancel=CancelToken())
     assert [f.text for f in again] == texts  # greedy: the same branches every time
@@ -148,20 +152,20 @@ def test_complete_in_process_names_the_file_to_the_suggestion(monkeypatch):
     """The file's path reaches suggest(), as an editor's document URI does: it names the language, so a
     Python file gets the syntax check of its suggestion on the command line too."""
     from completiond.commands import complete
-    from completiond.completion import suggest as suggest_mod
+    from completiond.completion import completer as completer_mod
     from completiond.serving import service
 
-    class FakeEngine:
+    class FakeCompleter:
         name, device = "fake", "cpu"
 
     seen = {}
 
-    def fake_suggest(engine, text, offset, cfg, cancel=None, path=None, **kw):
+    def fake_suggest(completer, text, offset, cfg, cancel=None, path=None, **kw):
         seen["path"] = path
-        return None, None
+        return Completion()
 
-    monkeypatch.setattr(service, "load_engine", lambda cfg, progress=None, warn=None: FakeEngine())
-    monkeypatch.setattr(suggest_mod, "suggest", fake_suggest)
+    monkeypatch.setattr(service, "load_completer", lambda cfg, progress=None, warn=None: FakeCompleter())
+    monkeypatch.setattr(completer_mod, "suggest", fake_suggest)
     result = complete.complete_in_process(config.Config(), "x = 1\n", 4, "/src/t.py")
     assert seen["path"] == "/src/t.py" and result["finish_reason"] == "skipped"
 

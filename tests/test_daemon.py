@@ -25,7 +25,7 @@ from completiond.serving import wire
 from completiond.serving.server import DaemonServer, serve
 from completiond.serving.service import Service
 from completiond.serving.wire import Code, RemoteError
-from test_scheduler import FakeEngine
+from test_scheduler import FakeEngine, local
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ class Running:
 async def daemon(rundir):
     engine = FakeEngine(continuation="urn a + b\n", per_round=2, round_s=0.002)
     cfg, _ = config.merge(config.Config(), {"maxTokens": 16, "tokenHealing": False})
-    service = Service(cfg, loader=lambda _c: engine)
+    service = Service(cfg, loader=local(engine))
     server = DaemonServer(service, rundir, idle_timeout=60)
     await server.start()
     service.start_loading()
@@ -306,7 +306,7 @@ async def test_stop_request_cleans_up(daemon, rundir):
 
 
 async def test_idle_exit(rundir):
-    service = Service(config.Config(), loader=lambda _c: FakeEngine())
+    service = Service(config.Config(), loader=local(FakeEngine()))
     server = DaemonServer(service, rundir, idle_timeout=0.3)
     await server.start()
     c = await client_mod.DaemonClient.connect(server.socket_path, "t", {})
@@ -320,7 +320,7 @@ async def test_idle_exit(rundir):
 
 
 async def test_second_daemon_refuses_to_start(daemon, rundir):
-    rc = await serve(config.Config(), rundir, loader=lambda _c: FakeEngine())
+    rc = await serve(config.Config(), rundir, loader=local(FakeEngine()))
     assert rc == 3
     c = await daemon.connect()
     assert await c.request("ping", {}, timeout=5) == "pong"
@@ -332,7 +332,7 @@ async def test_foreign_owned_dir_refused(tmp_path, caplog):
     d = tmp_path / "rt"
     d.mkdir(mode=0o700)
     os.chown(d, 12345, 12345)
-    rc = await serve(config.Config(), d, loader=lambda _c: FakeEngine())
+    rc = await serve(config.Config(), d, loader=local(FakeEngine()))
     assert rc == 2
     assert "owned by uid 12345" in caplog.text
     with pytest.raises(paths.InsecureDirectoryError):
@@ -390,7 +390,7 @@ async def test_suggestion_events_are_counted_and_shown_by_status(daemon, capsys)
 def test_draft_acceptance_and_speed_only_when_measured():
     from completiond.serving.scheduler import OK, Outcome
 
-    service = Service(config.Config(), loader=lambda _c: FakeEngine())
+    service = Service(config.Config(), loader=local(FakeEngine()))
     # Plain decoding that produced nothing: neither figure was measured, so neither is 0.
     service._account(Outcome(OK, {"latency_ms": 3.0, "suggestion": None, "stats": {
         "drafted": 0, "accepted": 0, "rejected": 0, "alpha": 0.0, "generated_tokens": 0, "decode_ms": 0.0,
@@ -410,10 +410,10 @@ def test_draft_acceptance_and_speed_only_when_measured():
 async def test_loading_reports_phases_with_percentages():
     from completiond.serving.service import LOAD_PHASES
 
-    def loader(_cfg, progress):
+    def loader(_cfg, progress, **_hooks):
         for phase in ("tokenizer", "weights", "device", "engine", "warm-up", "ready"):
             progress(phase, LOAD_PHASES[phase][0])
-        return FakeEngine()
+        return local(FakeEngine())(_cfg)
 
     service = Service(config.Config(), loader=loader)
     seen: list[dict] = []
@@ -459,17 +459,17 @@ async def _load_and_log(cfg, loader, monkeypatch) -> tuple[Service, str]:
 async def test_daemon_log_has_no_traceback_for_a_configuration_error(monkeypatch, tmp_path):
     """Issue 30: daemon.log held a full traceback for a model directory that is not there. A CompletionError
     is logged as its message; a bug (any other exception) keeps its traceback."""
-    from completiond.serving.service import load_engine
+    from completiond.serving.service import load_completer
 
     monkeypatch.chdir(tmp_path)
-    service, log_text = await _load_and_log(config.Config(model="./nope"), load_engine, monkeypatch)
+    service, log_text = await _load_and_log(config.Config(model="./nope"), load_completer, monkeypatch)
     assert service.state == "error"
     # The path as given and as resolved (a daemon resolves it in its own folder).
     assert f"model directory ./nope does not exist ({tmp_path / 'nope'})" in service.error
     assert "Traceback" not in log_text, log_text
     assert f"./nope does not exist ({tmp_path / 'nope'})" in log_text, log_text
 
-    def buggy(_cfg):
+    def buggy(_cfg, **_hooks):
         raise ZeroDivisionError("a bug in the loader")
 
     service, log_text = await _load_and_log(config.Config(), buggy, monkeypatch)
@@ -526,7 +526,7 @@ def test_the_bundled_model_has_one_name_everywhere(tmp_path):
 
     name = f"{DEFAULT_MODEL_NAME} (bundled)"  # what Engine.load names it (test_pull checks the engine's side)
     assert config.model_label("") == name
-    service = Service(config.Config(), loader=lambda _cfg: FakeEngine())
+    service = Service(config.Config(), loader=local(FakeEngine()))
     status = service.status()  # before any load
     assert status["model"] == name
     mismatch = config.engine_differences(config.engine_settings(config.Config(model="./mine")),

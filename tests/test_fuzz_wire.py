@@ -31,7 +31,7 @@ from completiond.commands import stress
 from completiond.serving import wire
 from completiond.serving.server import DaemonServer
 from completiond.serving.service import Service
-from test_scheduler import FakeEngine
+from test_scheduler import FakeEngine, local
 
 
 class InProcDaemon:
@@ -49,7 +49,7 @@ class InProcDaemon:
         self.errors: list[dict] = []
         self._ready = threading.Event()
         self._failed: BaseException | None = None
-        self._loader = loader or (lambda _c: self.engine)
+        self._loader = loader or local(self.engine)
         self._service_kw = service_kw
         # Fakes ignore the healing constraint: their scripted text is what the user sees.
         self._settings = {"maxTokens": 16, **({} if loader else {"tokenHealing": False})}

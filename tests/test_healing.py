@@ -192,10 +192,12 @@ ETA = '''class Bar:
     (ETA + "            days = ", None),                      # after a space inside a line
 ], ids=["cut-after-indent", "indent-before-more-code", "tabs", "after-space"])
 def test_bundled_model_never_reinserts_whitespace_already_in_the_buffer(bundled, text, cursor):
-    from completiond.completion.suggest import suggest
+    from completiond.completion.completer import suggest
+    from completiond.completion.suggest import LocalCompleter
     from completiond.config import defaults
 
-    found, gen = suggest(bundled, text, len(text) if cursor is None else cursor, defaults(), cancel=None)
+    done = suggest(LocalCompleter(bundled), text, len(text) if cursor is None else cursor, defaults(), cancel=None)
+    found, gen = done.suggestion, done.generation
     assert gen is not None
     assert found is None or not found.text.startswith((" ", "\t")), found.text
 

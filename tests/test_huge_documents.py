@@ -106,8 +106,9 @@ def tiny_engine(tiny_model_dir):
 def tiny_daemon(runtime, engine):
     """The in-process daemon with the tiny engine."""
     from test_fuzz_wire import InProcDaemon
+    from test_scheduler import local
 
-    daemon = InProcDaemon(runtime, loader=lambda _c: engine)
+    daemon = InProcDaemon(runtime, loader=local(engine))
     return daemon
 
 

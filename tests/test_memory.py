@@ -77,10 +77,12 @@ def tiny_daemon(tiny_model_dir, tmp_path):
     """The in-process daemon with the real tiny engine."""
     state = {}
 
-    def loader(_cfg):
+    def loader(_cfg, **_hooks):
+        from completiond.completion.suggest import LocalCompleter
+
         e = Engine.load(tiny_model_dir, cache_bytes=4 * 1024 * 1024)
         state["engine"] = e
-        return e
+        return LocalCompleter(e)
 
     d = InProcDaemon(tmp_path, loader=loader)
     probe = stress.WireProbe(d.socket_path)

@@ -455,7 +455,7 @@ def test_pull_of_an_unknown_repository_says_so(fake_hub, tmp_path):
 
 async def test_the_daemon_pulls_on_first_use_with_progress_percentages(fake_hub, tmp_path, monkeypatch):
     from completiond import config
-    from completiond.serving.service import Service, load_engine
+    from completiond.serving.service import Service, load_completer
 
     fake_hub.add("org/mini", BUNDLED)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -463,7 +463,7 @@ async def test_the_daemon_pulls_on_first_use_with_progress_percentages(fake_hub,
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     cfg = config.merge(config.Config(), {"model": "org/mini", "device": "cpu"})[0]
-    service = Service(cfg, loader=load_engine)
+    service = Service(cfg, loader=load_completer)
     seen: list[dict] = []
     service.listeners.append(lambda status: seen.append(status["progress"]) if status["progress"] else None)
     try:

@@ -103,6 +103,13 @@ class FakeEngine:
         return FakeGeneration(out, finish, stats)
 
 
+def local(engine):
+    """A Service loader serving `engine` (a fake or a real one) through the local Completer."""
+    from completiond.completion.suggest import LocalCompleter
+
+    return lambda _cfg, **_hooks: LocalCompleter(engine)
+
+
 def make_job(sched_results, key, client, rid, run):
     def done(outcome):
         sched_results[rid] = outcome
@@ -324,7 +331,7 @@ def test_stop_answers_queued_jobs():
 async def ready_service(engine: FakeEngine, **kw) -> Service:
     # The fake ignores the healing constraint, so its scripted text is what the user sees.
     cfg, _ = config.merge(config.Config(), {"maxTokens": 16, "tokenHealing": False})
-    service = Service(cfg, loader=lambda _cfg: engine, **kw)
+    service = Service(cfg, loader=local(engine), **kw)
     service.start_loading()
     for _ in range(500):
         if service.state == "ready":
@@ -413,7 +420,7 @@ async def test_service_cancel_stops_engine_promptly():
 
 
 async def test_service_load_failure_reports_error():
-    def boom(_cfg):
+    def boom(_cfg, **_hooks):
         raise OSError("no such model: /nope")
 
     service = Service(config.Config(), loader=boom)

@@ -90,7 +90,7 @@ def _start_in(rundir: Path) -> None:
     from completiond import config
 
     async def go():
-        server = DaemonServer(Service(config.Config(), loader=lambda _c: None), rundir)
+        server = DaemonServer(Service(config.Config(), loader=lambda _c, **_hooks: None), rundir)
         try:
             await server.start()
         finally:
@@ -214,9 +214,9 @@ def test_pickle_weights_refused_and_never_unpickled(tiny_model_dir, tmp_path):
     assert not marker.exists(), "a pickle was unpickled"
     # (c) through the daemon: the state is an error naming the reason; nothing unpickled.
     from completiond import config as config_mod
-    from completiond.serving.service import load_engine
+    from completiond.serving.service import load_completer
 
-    daemon = InProcDaemon(tmp_path / "rt", loader=lambda _c: load_engine(
+    daemon = InProcDaemon(tmp_path / "rt", loader=lambda _c, **_hooks: load_completer(
         config_mod.merge(config_mod.Config(), {"model": str(only), "device": "cpu"})[0]))
     try:
         probe = stress.WireProbe(daemon.socket_path)
@@ -338,12 +338,13 @@ try:
 except ImportError:
     pass
 from completiond import config
-from completiond.completion.suggest import suggest
+from completiond.completion.completer import suggest
+from completiond.completion.suggest import LocalCompleter
 from completiond.engine.engine import Engine, CancelToken
 engine = Engine.load(model, device="cpu")
 cfg, _ = config.merge(config.Config(), {"model": model, "maxTokens": 4})
 text = "def add(a, b):\n    return "
-s, gen = suggest(engine, text, len(text), cfg, cancel=CancelToken(), path="/w/a.py", language="python")
+gen = suggest(LocalCompleter(engine), text, len(text), cfg, cancel=CancelToken(), path="/w/a.py", language="python").generation
 print(json.dumps({"rendered": rendered, "marker": marker.exists(), "generated": gen is not None and len(gen.tokens)}))
 """
 

@@ -172,7 +172,8 @@ def tok(tmp_path_factory):
 
 @pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", "y = x +")])
 def test_local_path_checks_python_suggestions(tok, language, expected):
-    from completiond.completion.suggest import suggest
+    from completiond.completion.completer import suggest
+    from completiond.completion.suggest import LocalCompleter
     from completiond.config import Config
     from completiond.engine.cancel import CancelToken
 
@@ -182,35 +183,40 @@ def test_local_path_checks_python_suggestions(tok, language, expected):
     cfg, errors = config_mod.merge(Config(), {"tokenHealing": False})
     assert not errors
     text = FUNC + AFTER
-    found, _ = suggest(ScriptedEngine(tok, "y = x +\n"), text, len(FUNC), cfg, cancel=CancelToken(),
-                       language=language)
+    found = suggest(LocalCompleter(ScriptedEngine(tok, "y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
+                    language=language).suggestion
     assert found is not None and found.text == expected
     if language == "python":
         assert found.stats["syntax_check"] == "cut" and found.stats["syntax_parses"] >= 2
 
 
-class _Backend:
+class _Server:
+    """A team server that answers `text` (the TeamServer API the completer uses)."""
+
+    api, model_id = "openai", "scripted"
+
     def __init__(self, text):
         self.text = text
 
     def complete(self, req, cancel=None, on_text=None):
-        from completiond.backends.remote import RemoteGeneration
+        from completiond.backends.team_server import TeamGeneration
 
-        return RemoteGeneration(self.text, "stop", {})
+        return TeamGeneration(self.text, "stop", {})
 
 
 @pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", "y = x +")])
 def test_remote_path_checks_python_suggestions(language, expected):
     from completiond import config as config_mod
-    from completiond.completion.remote import suggest_remote
+    from completiond.completion.completer import suggest
+    from completiond.completion.team import TeamCompleter
     from completiond.engine.cancel import CancelToken
 
     cfg, errors = config_mod.merge(config_mod.Config(), {"backend": "openai", "endpoint": "http://127.0.0.1:9"})
     assert not errors
     text = FUNC + AFTER
-    found, gen, _ = suggest_remote(_Backend("y = x +\n"), text, len(FUNC), cfg, cancel=CancelToken(),
-                                   path="/w/a.py" if language == "python" else "/w/a.js", language=language)
-    assert [s.text for s in found] == [expected]
+    done = suggest(TeamCompleter(_Server("y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
+                   path="/w/a.py" if language == "python" else "/w/a.js", language=language)
+    assert [s.text for s in done.suggestions] == [expected]
 
 
 def test_a_one_line_string_typed_at_the_cursor_is_judged():

@@ -19,7 +19,7 @@ import pytest
 from lsprotocol import types
 
 from completiond import config as config_mod
-from completiond.backends.remote import RemoteBackend, RemoteError, RemoteRequest
+from completiond.backends.team_server import TeamServer, TeamServerError, TeamRequest
 from completiond.engine.cancel import CancelToken
 
 from remote_servers import LlamaServer, need_llama_server
@@ -86,7 +86,7 @@ async def test_typing_through_lsp_daemon_and_llama_server(llama, tmp_path):
     assert not [m for m in result["messages"] if "completion server" in m], result["messages"]
 
 
-class LongGeneration(RemoteBackend):
+class LongGeneration(TeamServer):
     """Asks the server to ignore EOS (llama.cpp's option), so the stream lasts until it is closed."""
 
     def body(self, req):
@@ -111,7 +111,7 @@ def test_cancel_stops_the_server(llama):
 
     result = {}
     worker = threading.Thread(target=lambda: result.setdefault("gen", backend.complete(
-        RemoteRequest(prompt="def f():\n", max_tokens=100_000), cancel=token, on_text=on_text)))
+        TeamRequest(prompt="def f():\n", max_tokens=100_000), cancel=token, on_text=on_text)))
     worker.start()
     assert seen.wait(60), "no text streamed"
     token.cancel()
@@ -123,7 +123,7 @@ def test_cancel_stops_the_server(llama):
         threading.Event().wait(0.05)
     assert _slot_idle(llama), "llama-server kept generating after the stream was closed"
     # And it serves the next request at once (its one slot is free).
-    gen = backend.complete(RemoteRequest(prompt="x = ", max_tokens=4), cancel=CancelToken())
+    gen = backend.complete(TeamRequest(prompt="x = ", max_tokens=4), cancel=CancelToken())
     assert gen.finish_reason in ("stop", "length")
 
 
@@ -139,8 +139,8 @@ def test_server_stopped_mid_stream(binary, gguf, tmp_path):
                 killed.set()
             return False
 
-        with pytest.raises(RemoteError) as err:
-            backend.complete(RemoteRequest(prompt="def f():\n", max_tokens=100_000), cancel=CancelToken(),
+        with pytest.raises(TeamServerError) as err:
+            backend.complete(TeamRequest(prompt="def f():\n", max_tokens=100_000), cancel=CancelToken(),
                              on_text=on_text)
         assert killed.is_set() and err.value.kind in ("network", "malformed")
         assert server.url in str(err.value) and "retries" in str(err.value)

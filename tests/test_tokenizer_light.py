@@ -310,7 +310,8 @@ def test_suggestions_are_the_same_with_either_tokenizer(tmp_path, cache, monkeyp
     import torch
 
     from completiond import config
-    from completiond.completion.suggest import suggest
+    from completiond.completion.completer import suggest
+    from completiond.completion.suggest import LocalCompleter
     from completiond.engine import forward
     from completiond.engine.cancel import CancelToken
     from completiond.engine.engine import Engine
@@ -332,7 +333,8 @@ def test_suggestions_are_the_same_with_either_tokenizer(tmp_path, cache, monkeyp
                source.index("tokenizer", 2000) + 4, len(source)]
     with torch.inference_mode():
         for offset in offsets:
-            got = [suggest(e, source, offset, cfg, cancel=CancelToken(), path="tokenizer.py") for e in (light, auto)]
-            (s1, g1), (s2, g2) = got
+            got = [suggest(LocalCompleter(e), source, offset, cfg, cancel=CancelToken(), path="tokenizer.py")
+                   for e in (light, auto)]
+            (s1, g1), (s2, g2) = [(d.suggestion, d.generation) for d in got]
             assert g1 is not None and g1.tokens == g2.tokens, offset
             assert (s1.text if s1 else None) == (s2.text if s2 else None), offset

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -113,28 +114,29 @@ class LoadReporter:
 
 
 def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = None) -> dict[str, Any]:
-    from completiond.completion.suggest import suggest
-    from completiond.serving.service import LOAD_PHASES, load_engine
-    from completiond.engine.engine import CancelToken
+    from completiond.completion.completer import suggest
+    from completiond.engine.cancel import CancelToken
+    from completiond.serving.service import LOAD_PHASES, load_completer
 
     report = LoadReporter(cfg.model)
     report("starting", 0)  # before torch is imported, which alone takes seconds
     t0 = time.perf_counter()
-    engine = load_engine(cfg, progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
-                         warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
+    completer = load_completer(
+        cfg, progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
+        warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
     # the path names the language (the Python syntax check of the suggestion) as an editor's document would
-    suggestion, gen = suggest(engine, text, offset, cfg, cancel=CancelToken(), path=path)
-    if gen is None:
-        return {"suggestion": None, "finish_reason": "skipped", "stats": {}, "latency_ms": 0.0,
-                "load_ms": round(load_ms, 1), "model": engine.name, "device": engine.device}
+    done = suggest(completer, text, offset, dataclasses.replace(cfg, alternatives=1), cancel=CancelToken(), path=path)
+    described = {"load_ms": round(load_ms, 1), "model": completer.name, "device": completer.device}
+    if done.skipped:
+        return {"suggestion": None, "finish_reason": "skipped", "stats": {}, "latency_ms": 0.0, **described}
     latency = (time.perf_counter() - t1) * 1000
+    suggestion = done.suggestion
     return {
         "suggestion": None if suggestion is None else {"text": suggestion.text, "start": suggestion.start,
                                                        "end": suggestion.end, "multiline": suggestion.multiline},
-        "finish_reason": gen.finish_reason, "stats": gen.stats.to_dict(), "latency_ms": round(latency, 2),
-        "load_ms": round(load_ms, 1), "model": engine.name, "device": engine.device,
+        "finish_reason": done.finish_reason, "stats": done.stats, "latency_ms": round(latency, 2), **described,
     }
 
 
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             result = complete_in_process(cfg, text, offset, str(path))
     except Exception as exc:  # the CLI's last line of defence: one clear line, not a traceback
         name = type(exc).__name__
-        if name not in ("EngineError", "PromptError", "RemoteError", "DaemonUnavailable", "OSError",
+        if name not in ("EngineError", "PromptError", "RemoteError", "TeamServerError", "DaemonUnavailable", "OSError",
                         "FileNotFoundError", "ValueError", "ConnectionLost"):
             raise
         print(f"completiond complete: {exc}", file=sys.stderr)

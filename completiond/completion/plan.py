@@ -5,7 +5,7 @@ where, decided once for the local engine and a team server alike.
 the context block, the prefix pieces, the cursor line and the suffix pieces, plus the FIM template
 they are laid out in. It measures every piece through an `Encoder`, in the encoder's units: the
 local engine's `TokenEncoder` (completion/prompt.py) counts token ids and renders the plan as ids;
-the team server's `TextEncoder` (completion/team.py) counts characters and renders it as text. The
+the team server's `TextEncoder` (completion/text_prompt.py) counts characters and renders it as text. The
 window rules are therefore the same on both sides:
 
 * the prefix is measured in pieces that never change while the user types on a line: whole chunks

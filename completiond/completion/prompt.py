@@ -119,7 +119,7 @@ class TokenEncoder:
     def decoded_chars(self, units: Sequence[Any]) -> int:
         return len(self.template.tokenizer.decode(list(units)))
 
-    def render(self, plan: PromptPlan, text: str) -> tuple[list[int], list[int], list[int], list[int], Healing | None,
+    def lay_out(self, plan: PromptPlan, text: str) -> tuple[list[int], list[int], list[int], list[int], Healing | None,
                                                             int]:
         """(prompt ids, prefix ids, suffix ids, context block ids, healing, cursor line tokens) of a plan."""
         head_ids: list[int] = []
@@ -222,7 +222,7 @@ class PromptBuilder:
         plan = self.planner.plan(text, cursor, context, path, language, heal)
         if plan.skip_reason is not None:
             return Prompt(ids=[], skip_reason=plan.skip_reason)
-        ids, prefix_ids, suffix_ids, block_ids, healing, cursor_tokens = self.encoder.render(plan, text)
+        ids, prefix_ids, suffix_ids, block_ids, healing, cursor_tokens = self.encoder.lay_out(plan, text)
         prompt = Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=block_ids,
                         healing=healing, line_prefix=plan.line_prefix, line_suffix=plan.line_suffix,
                         following=plan.following, prefix_start=plan.prefix_start, prefix_line=plan.prefix_line,

@@ -1,10 +1,9 @@
-"""Document + cursor -> prompt -> engine -> suggestion: the one boundary the service
-(and `completiond complete`) call.
+"""The local engine as a Completer: document + cursor -> prompt -> engine -> suggestions.
 
-`suggest()` asks the model's PromptBuilder (completion/prompt.py: cache-friendly
-suffix-first FIM prompts, token healing, bracket-aware stop rules) for the
-prompt, runs one `engine.generate`, and turns the tokens into what the editor
-shows. There is one prompt pipeline: test fakes carry a real tokenizer.
+`LocalCompleter.complete` asks the model's PromptBuilder (completion/prompt.py: the planner's
+cache-friendly suffix-first FIM prompts as token ids, token healing, bracket-aware stop rules) for the
+prompt, runs `engine.generate` once per alternative, and turns the tokens into what the editor shows.
+There is one prompt pipeline: test fakes carry a real tokenizer and implement the engine's API.
 
 All offsets are Python string (code point) offsets into the document text.
 """
@@ -12,26 +11,38 @@ All offsets are Python string (code point) offsets into the document text.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from completiond.completion.completer import (
+    Backend,
+    Completion,
+    OnRound,
+    PromptError,
+    Suggestion,
+)
 from completiond.errors import CompletionError
 
+__all__ = ["LocalCompleter", "OutOfMemory", "PromptError", "Suggestion", "builder_for", "prompt_warnings",
+           "sampling_params", "suggest_alternatives"]
 
-@dataclass
-class Suggestion:
-    text: str                    # insert text at the cursor
-    start: int                   # replaced range [start, end) in the document
-    end: int
-    multiline: bool
-    finish_reason: str
-    stats: dict[str, Any]
+log = logging.getLogger(__name__)
 
 
-class PromptError(CompletionError, ValueError):
-    """Settings or a request that no prompt can be built for."""
+class OutOfMemory(CompletionError):
+    """The device ran out of memory during one request (its KV cache has been freed)."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
 
 
 def sampling_params(cfg: Any):
@@ -82,25 +93,13 @@ def prompt_warnings(engine, cfg: Any) -> list[str]:
     return list(getattr(builder, "warnings", []) or [])
 
 
-def suggest(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
-            on_round: Callable[[list[int]], None] | None = None, path: str | None = None,
-            language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> tuple[Suggestion | None, Any]:
-    """Run one completion. Returns (suggestion or None, the engine's Generation or None if skipped).
-
-    Raises PromptError / the engine's EngineError for input it cannot serve.
-    """
-    found, gen = suggest_alternatives(engine, text, offset, cfg, cancel=cancel, on_round=on_round, path=path,
-                                      language=language, context=context, count=1)
-    return (found[0] if found else None), gen
-
-
 def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
-                         on_round: Callable[[list[int]], None] | None = None, path: str | None = None,
+                         on_round: OnRound | None = None, path: str | None = None,
                          language: str | None = None,
                          context: Sequence[tuple[str, str]] = (),
                          count: int | None = None) -> tuple[list[Suggestion], Any]:
-    """Up to `count` (default: `cfg.alternatives`) different suggestions, the first being what `suggest` returns; with the
-    Generation of that first one (None if skipped).
+    """Up to `count` (default: `cfg.alternatives`) different suggestions, best first; with the Generation of
+    the first one (None if skipped).
 
     Each alternative is one more generation on the same prompt (its KV is reused from the cache). Sampling
     (temperature > 0) gives alternative i the seed `seed + i`; greedy decoding is deterministic, so
@@ -171,3 +170,98 @@ def _first_token_not(engine, constraint, banned: list[int]):
         return constraint(tokens) if constraint is not None else None
 
     return combined
+
+
+class LocalCompleter:
+    """The engine in this daemon as the service's Completer. on_round: called after every decode round
+    (tools and tests watch rounds with it)."""
+
+    backend = Backend.LOCAL
+
+    def __init__(self, engine: Any, on_round: OnRound | None = None):
+        self.engine = engine
+        self.on_round = on_round
+        self.model_id: str = getattr(engine, "model_id", "") or ""
+        self.name: str = getattr(engine, "name", "") or self.model_id
+        self.device: str = str(getattr(engine, "device", "cpu"))
+
+    def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+                 language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+        rounds = 0
+        after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
+
+        def on_round(tokens: list[int]) -> None:
+            nonlocal rounds, after_cancel
+            rounds += 1
+            if cancel is not None and cancel.cancelled:
+                after_cancel += 1
+            if self.on_round is not None:
+                self.on_round(tokens)
+
+        try:
+            found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=cancel, on_round=on_round,
+                                              path=path, language=language, context=context)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            # Fail this request only: drop every cached sequence (the failed one was released into the
+            # cache on the way out) and hand the memory back, so the next request can run.
+            self.free_memory()
+            log.error("out of memory during a completion; KV cache cleared: %s", exc)
+            raise OutOfMemory(f"out of memory on {self.device}; the KV cache was cleared, "
+                              "try again (or lower cacheMegabytes / prefixTokens)") from None
+        if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
+            return Completion()
+        stats = gen.stats.to_dict()
+        stats.setdefault("rounds", rounds)
+        stats["rounds_after_cancel"] = after_cancel
+        return Completion(found, gen.finish_reason, stats, prompt_warnings(self.engine, cfg), gen)
+
+    def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
+        try:
+            return builder_for(self.engine, cfg).budgets(True)
+        except PromptError:
+            return None  # complete() reports it
+
+    def token_counter(self) -> Callable[[str], int] | None:
+        tokenizer = self.engine.tokenizer
+        return lambda s: len(tokenizer.encode(s, add_special_tokens=False))
+
+    def describe(self) -> dict[str, str | None]:
+        def says(method: str) -> str | None:
+            describe = getattr(self.engine, method, None)  # a fake engine in tests may describe nothing
+            return describe() if callable(describe) else None
+
+        return {"draft": says("draft_in_use"), "decode_step": says("decode_step_in_use"),
+                "tokenizer": says("tokenizer_in_use")}
+
+    def free_memory(self) -> None:
+        """Empty the engine's prefix KV cache and return freed GPU memory (worker thread)."""
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None:
+            cache.clear()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
+        """A model that has neither a user record nor shipped defaults is calibrated on the engine thread
+        whenever no request waits (a request preempts it within one round); None otherwise."""
+        engine = self.engine
+        cal = getattr(engine, "calibration", None)
+        model = getattr(engine, "model", None)
+        if getattr(cal, "source", "") != "heuristic" or model is None:
+            return None
+        from completiond.engine.autocalibrate import (
+            BACKGROUND_MIN_PARAMS,
+            BackgroundCalibration,
+        )
+
+        minimum = BACKGROUND_MIN_PARAMS if min_params is None else min_params
+        try:
+            params = sum(p.numel() for p in model.parameters())
+        except (AttributeError, TypeError):
+            return None
+        if params < minimum:
+            return None
+        return BackgroundCalibration(engine, on_done=on_done)

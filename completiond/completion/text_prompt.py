@@ -7,7 +7,7 @@ and lays them out with the model's own FIM tokens). The windows are the planner'
 the local engine's; without a tokenizer their budgets (prefixTokens, suffixTokens, contextTokens) are
 counted as one token per CHARS_PER_TOKEN characters: code averages 3-4.
 
-What leaves the machine is exactly what `TextEncoder.render` puts in the prompt: the prefix and suffix
+What leaves the machine is exactly what `TextEncoder.lay_out` puts in the prompt: the prefix and suffix
 windows of the current document, the current file's name (not its directory), and the context snippets
 the workspace picked (completion/workspace/: only the editor's open documents and files under its
 workspace folders, never hidden, ignored or secret-looking files).
@@ -105,7 +105,7 @@ class TextEncoder:
     def decoded_chars(self, units: Sequence[Any]) -> int:
         return sum(len(u) for u in units)
 
-    def render(self, plan: PromptPlan, text: str, language: str | None = None) -> TextPrompt:
+    def lay_out(self, plan: PromptPlan, text: str, language: str | None = None) -> TextPrompt:
         cursor = self.encode(text[plan.cursor_start:plan.cursor])
         if plan.cursor_keep is not None and len(cursor) > plan.cursor_keep:
             cursor = cursor[-plan.cursor_keep:]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from completiond import config as config_mod
 from completiond.errors import CompletionError
 from completiond.serving import paths, wire
-from completiond.serving.service import Service, ServiceError, load_engine
+from completiond.serving.service import Loader, Service, ServiceError, load_completer
 from completiond.serving.wire import Code
 
 log = logging.getLogger(__name__)
@@ -379,7 +379,7 @@ async def _drain(conn: _Conn) -> None:
 
 
 async def serve(cfg: Any, directory: Path | None = None, idle_timeout: float | None = None,
-                loader: Callable[[Any], Any] = load_engine) -> int:
+                loader: Loader = load_completer) -> int:
     """Run the daemon until stopped (signal, `stop` request or idle timeout); the process exit code."""
     service = Service(cfg, loader=loader)
     server = DaemonServer(service, directory, idle_timeout if idle_timeout is not None else cfg.idle_timeout)

@@ -10,15 +10,15 @@ in one place, and both paths behave the same.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
-import sys
 import threading
 import time
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any, NoReturn, Protocol
 
 from completiond import config as config_mod
+from completiond.completion.completer import Backend, Completer
 from completiond.completion.documents import Document, EditError
 from completiond.errors import CompletionError
 from completiond.serving.scheduler import CANCELLED, ERROR, OK, Job, Outcome, Overloaded, Scheduler, ShuttingDown
@@ -39,18 +39,6 @@ class ServiceError(CompletionError):
         self.message = message
 
 
-class OutOfMemory(CompletionError):
-    """The device ran out of memory during one request (its KV cache has been freed)."""
-
-
-def _is_oom(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")
-    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if oom is not None and isinstance(exc, oom):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
-
-
 # Load phases: the share of the load done when each starts (about, for the bundled model on a CPU) and
 # what users read. Engine.load reports up to "engine"; the warm-up is ours. Editors show them as
 # `$/progress` percentages, `completiond complete` as lines.
@@ -60,6 +48,13 @@ LOAD_PHASES = {"starting": (0, "starting"), "download": (0, "downloading the mod
                "warm-up": (90, "warming up"), "ready": (100, "ready")}
 
 ProgressFn = Callable[..., None]  # (phase, percentage, message=None)
+
+
+class Loader(Protocol):
+    """Makes the Completer for the settings, on the worker thread, reporting load phases as it goes."""
+
+    def __call__(self, cfg: Any, *, progress: ProgressFn | None = None,
+                 warn: Callable[[str], None] | None = None) -> Completer: ...
 
 # Of the progress bar, when the model is downloaded first (a hub model not yet in the cache): the
 # download dominates then, and the load phases share the rest, so the percentage only rises.
@@ -72,19 +67,38 @@ def progress_report(phase: str, percentage: int, message: str | None = None) -> 
             "message": message or LOAD_PHASES.get(phase, (0, phase))[1]}
 
 
-def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None):
+def load_completer(cfg: Any, progress: ProgressFn | None = None,
+                   warn: Callable[[str], None] | None = None) -> Completer:
+    """What completes for the settings `cfg`, ready to serve (the Service's loader; call off the event loop).
+
+    A team server replaces the engine: it loads nothing and imports no torch; the server is first asked
+    with the first completion."""
+    backend = Backend.of(cfg.backend)
+    match backend:
+        case Backend.LOCAL:
+            from completiond.completion.suggest import LocalCompleter
+
+            return LocalCompleter(load_engine(cfg, progress, warn))
+        case Backend.OPENAI | Backend.LLAMACPP_INFILL:
+            from completiond.backends.team_server import TeamServer
+            from completiond.completion.team import TeamCompleter
+
+            completer = TeamCompleter(TeamServer(cfg))
+            if progress is not None:
+                progress("ready", LOAD_PHASES["ready"][0])
+            return completer
+        case _:
+            _unhandled(backend)
+
+
+def _unhandled(backend: NoReturn) -> NoReturn:
+    """The type checker proves every Backend has its case above (a new member without one fails mypy)."""
+    raise AssertionError(f"no completer for backend {backend!r}")
+
+
+def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None) -> Any:
     """Engine.load with the settings of `cfg`, then one tiny generation so that the first real request
-    does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop.
-
-    A remote backend (a team server) replaces the engine: it loads nothing and imports no torch; the
-    server is first asked with the first completion."""
-    if cfg.backend != "local":
-        from completiond.backends.remote import RemoteBackend
-
-        backend = RemoteBackend(cfg)
-        if progress is not None:
-            progress("ready", LOAD_PHASES["ready"][0])
-        return backend
+    does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop."""
     for what, value in (("model", cfg.model), ("draft model", cfg.draft_model)):
         problem = missing_model(value, what)
         if problem:  # said before torch loads, and with the path as the user wrote it
@@ -149,12 +163,12 @@ def resolve_model(value: str) -> str:
 class Service:
     """Documents + scheduler + engine. All public methods run on the event loop thread."""
 
-    def __init__(self, cfg: Any, loader: Callable[[Any], Any] = load_engine, max_pending_per_client: int = 16,
+    def __init__(self, cfg: Any, loader: Loader = load_completer, max_pending_per_client: int = 16,
                  queue_deadline: float = QUEUE_DEADLINE, calibrate_min_params: int | None = None):
         self.cfg = cfg
         self._loader = loader
         self.scheduler = Scheduler(max_pending_per_client=max_pending_per_client, queue_deadline=queue_deadline)
-        self.engine: Any = None
+        self.completer: Completer | None = None
         self.state = "idle"            # idle | loading | ready | busy | error
         self.error = ""
         self.model_id = ""
@@ -191,9 +205,6 @@ class Service:
         self.load_warnings = []
         self._cancel_calibration()
         self._set_state("loading")
-        # Loaders written before progress existed (tests' fakes) take the settings only.
-        takes = inspect.signature(self._loader).parameters
-        kwargs: dict[str, Any] = {}
 
         def progress(phase: str, percentage: int, message: str | None = None) -> None:
             self._call_soon(self._set_progress, phase, percentage, message)
@@ -201,24 +212,11 @@ class Service:
         def warn(message: str) -> None:
             self._call_soon(self._add_warning, message)
 
-        if "progress" in takes:
-            kwargs["progress"] = progress
-        if "warn" in takes:
-            kwargs["warn"] = warn
-
-        def load():
-            engine = self._loader(self.cfg, **kwargs)
-            if getattr(engine, "kind", "") == "remote":
-                self.engine = engine  # the scheduler's own (torch-free) token is the one it polls
-                return engine
-            try:
-                from completiond.engine.engine import CancelToken
-                self.scheduler.set_token_factory(CancelToken)
-            except ImportError:
-                pass  # fake engines in tests accept the scheduler's own token
+        def load() -> Completer:
+            completer = self._loader(self.cfg, progress=progress, warn=warn)
             # Set here, on the worker, not in _loaded: jobs queued behind the load run before the loop gets to it.
-            self.engine = engine
-            return engine
+            self.completer = completer
+            return completer
 
         def done(outcome: Outcome) -> None:
             self._call_soon(self._loaded, outcome)
@@ -240,21 +238,12 @@ class Service:
     def _maybe_calibrate(self) -> None:
         """On the loop, after a load: calibrate a model that has neither a user record nor shipped defaults,
         on the engine thread whenever no request waits (a request preempts it within one round)."""
-        engine = self.engine
-        cal = getattr(engine, "calibration", None)
-        model = getattr(engine, "model", None)
-        if getattr(cal, "source", "") != "heuristic" or model is None or not hasattr(engine, "generate"):
+        if self.completer is None:
             return
-        from completiond.engine.autocalibrate import BACKGROUND_MIN_PARAMS, BackgroundCalibration
-
-        minimum = BACKGROUND_MIN_PARAMS if self.calibrate_min_params is None else self.calibrate_min_params
-        try:
-            params = sum(p.numel() for p in model.parameters())
-        except (AttributeError, TypeError):
+        job = self.completer.background_calibration(
+            self.calibrate_min_params, on_done=lambda message: self._call_soon(self._calibrated, job, message))
+        if job is None:
             return
-        if params < minimum:
-            return
-        job = BackgroundCalibration(engine, on_done=lambda message: self._call_soon(self._calibrated, job, message))
         self.calibration_job = job
         self.calibration_message = f"calibrating {self.model_name} in the background (suggestions are served meanwhile)"
         log.info("%s", self.calibration_message)
@@ -283,12 +272,13 @@ class Service:
     def _loaded(self, outcome: Outcome) -> None:
         self.load_progress = None
         if outcome.status == OK:
-            self.engine = outcome.value
-            self.model_id = getattr(self.engine, "model_id", "") or str(self.cfg.model)
-            self.model_name = getattr(self.engine, "name", "") or self.model_id
+            completer: Completer = outcome.value
+            self.completer = completer
+            self.model_id = completer.model_id or str(self.cfg.model)
+            self.model_name = completer.name or self.model_id
             self.stats_counts["loads"] += 1
             self.error = ""
-            log.info("model %s ready on %s", self.model_name, getattr(self.engine, "device", "?"))
+            log.info("model %s ready on %s", self.model_name, completer.device)
             self._set_state("ready")
             self._maybe_calibrate()
         else:
@@ -321,6 +311,7 @@ class Service:
                 log.exception("status listener failed")
 
     def status(self) -> dict[str, Any]:
+        described = self.completer.describe() if self.completer is not None else {}
         return {
             "state": self.state,
             "error": self.error,
@@ -329,7 +320,7 @@ class Service:
             "model_id": self.model_id,
             "warnings": list(self.load_warnings),
             "calibration": self._calibration_status(),
-            "device": getattr(self.engine, "device", self.cfg.device),
+            "device": self.completer.device if self.completer is not None else self.cfg.device,
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
             "queued": self.scheduler.queued(),
@@ -339,19 +330,13 @@ class Service:
             "draft_acceptance": self.last.get("draft_acceptance"),
             "tokens_per_s": self.last.get("tokens_per_s"),
             # How the engine drafts by default (calibrated), and what the last request's rounds drafted with.
-            "draft": self._engine_says("draft_in_use"),
-            "decode_step": self._engine_says("decode_step_in_use"),
-            "tokenizer": self._engine_says("tokenizer_in_use"),
+            "draft": described.get("draft"),
+            "decode_step": described.get("decode_step"),
+            "tokenizer": described.get("tokenizer"),
             "last_draft": self.last.get("draft"),
             "suggestions": dict(self.suggestion_counts),
             "engine_settings": config_mod.engine_settings(self.cfg),
         }
-
-    def _engine_says(self, method: str) -> str | None:
-        """The local engine's own description (draft_in_use, decode_step_in_use, tokenizer_in_use); a remote
-        backend has none."""
-        describe = getattr(self.engine, method, None)
-        return describe() if callable(describe) else None
 
     def stats(self) -> dict[str, Any]:
         with self._stats_lock:
@@ -438,8 +423,7 @@ class Service:
         budgets: the prompt's (prefix, suffix, context) token budgets, where a prompt builder knows them."""
         if self.workspace is None or not path or not cfg.workspace_context or cfg.context_tokens <= 0:
             return []
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        count = (lambda s: len(tokenizer.encode(s, add_special_tokens=False))) if tokenizer is not None else None
+        count = self.completer.token_counter() if self.completer is not None else None
         prefix_budget, suffix_budget, budget = budgets or (cfg.prefix_tokens, cfg.suffix_tokens, cfg.context_tokens)
         mode = "retrieval" if getattr(cfg, "context_retrieval", "off") == "on" else "recent"
         try:
@@ -608,7 +592,7 @@ class Service:
             exc = outcome.value
             if isinstance(exc, CompletionError):
                 raise ServiceError(Code.ENGINE_ERROR, str(exc))
-            if self.engine is None:
+            if self.completer is None:
                 raise ServiceError(Code.NOT_READY, self.error or f"model not loaded: {exc}")
             raise ServiceError(Code.INTERNAL, f"completion failed: {type(exc).__name__}: {exc}")
         result = dict(outcome.value)
@@ -617,94 +601,37 @@ class Service:
 
     def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
              language: str | None = None, client: Hashable = None, gate_path: str | None = None) -> dict[str, Any]:
-        """On the worker thread."""
-        from completiond.completion.suggest import prompt_warnings, suggest_alternatives
+        """On the worker thread: one completion from whatever completes (the one pipeline, completion/completer.py)."""
+        from completiond.completion.completer import suggest
 
         # The privacy gate (completion/privacy.py) on the document itself, before any engine or server sees it.
         verdict = self._admission(client, cfg, gate_path or path)
         if not verdict.local_ok:
             return _withheld(f"no completions: {verdict.reason}")
-        if self.engine is None:
+        completer = self.completer
+        if completer is None:
             raise RuntimeError(self.error or "model not loaded")
-        if getattr(self.engine, "kind", "") == "remote":
-            if not verdict.remote_ok:
-                return _withheld(f"not sent to the completion server ({cfg.backend}): {verdict.reason}; "
-                                 "such files get local completions only (backend = local)")
-            return self._run_remote(text, offset, cfg, token, path, language, client)
+        if completer.backend is not Backend.LOCAL and not verdict.remote_ok:
+            return _withheld(f"not sent to the completion server ({cfg.backend}): {verdict.reason}; "
+                             "such files get local completions only (backend = local)")
         start = time.perf_counter()
-        rounds = 0
-        after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
-
-        def on_round(_tokens: list[int]) -> None:
-            nonlocal rounds, after_cancel
-            rounds += 1
-            if token.cancelled:
-                after_cancel += 1
-
         self._call_soon(self._set_state, "busy")
-        context = self._context(client, cfg, path, language, text, offset, _budgets(self.engine, cfg))
-        try:
-            found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=token, on_round=on_round,
-                                              path=path, language=language, context=context)
-        except Exception as exc:
-            if not _is_oom(exc):
-                raise
-            # Fail this request only: drop every cached sequence (the failed one was released into
-            # the cache on the way out) and hand the memory back, so the next request can run.
-            self._free_memory()
-            log.error("out of memory during a completion; KV cache cleared: %s", exc)
-            raise OutOfMemory(f"out of memory on {getattr(self.engine, 'device', '?')}; the KV cache was cleared, "
-                              "try again (or lower cacheMegabytes / prefixTokens)") from None
-        if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
+        context = self._context(client, cfg, path, language, text, offset, completer.budgets(cfg))
+        done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context)
+        latency = round((time.perf_counter() - start) * 1000, 2)
+        if done.skipped:  # nothing to complete here (e.g. a minified line): no engine work
             return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
-                    "latency_ms": round((time.perf_counter() - start) * 1000, 2)}
-        stats = gen.stats.to_dict() if hasattr(gen.stats, "to_dict") else dict(gen.stats or {})
-        stats.setdefault("rounds", rounds)
-        stats["rounds_after_cancel"] = after_cancel
-        latency = (time.perf_counter() - start) * 1000
-        warnings = prompt_warnings(self.engine, cfg)
-        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in found]
+                    "latency_ms": latency, "warnings": done.warnings}
+        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline}
+                       for s in done.suggestions]
         return {
-            "warnings": warnings,
+            "warnings": done.warnings,
             "suggestion": suggestions[0] if suggestions else None,  # the best; older clients read only this
             "suggestions": suggestions,  # up to cfg.alternatives, best first, all different
-            "finish_reason": gen.finish_reason,
-            "stats": stats,
-            "latency_ms": round(latency, 2),
+            "finish_reason": done.finish_reason,
+            "stats": done.stats,
+            "latency_ms": latency,
         }
-
-    def _run_remote(self, text: str, offset: int, cfg: Any, token: Any, path: str | None, language: str | None,
-                    client: Hashable) -> dict[str, Any]:
-        """On the worker thread: one completion from the team server (completion/remote.py). The same
-        context rules apply: the workspace picks the snippets, and they are all that leaves with the
-        document's windows."""
-        from completiond.completion.remote import suggest_remote
-
-        start = time.perf_counter()
-        self._call_soon(self._set_state, "busy")
-        context = self._context(client, cfg, path, language, text, offset)
-        found, gen, warnings = suggest_remote(self.engine, text, offset, cfg, cancel=token, path=path,
-                                              language=language, context=context)
-        latency = (time.perf_counter() - start) * 1000
-        if gen is None:
-            return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
-                    "latency_ms": round(latency, 2), "warnings": warnings}
-        stats = dict(gen.stats)
-        if stats.get("generated_tokens") and stats.get("total_ms"):
-            stats["tokens_per_s"] = round(stats["generated_tokens"] / (stats["total_ms"] / 1000), 1)
-            stats["decode_ms"] = stats["total_ms"]
-        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in found]
-        return {"warnings": warnings, "suggestion": suggestions[0] if suggestions else None, "suggestions": suggestions,
-                "finish_reason": gen.finish_reason, "stats": stats, "latency_ms": round(latency, 2)}
-
-    def _free_memory(self) -> None:
-        """Worker thread: empty the engine's prefix KV cache and return freed GPU memory."""
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None:
-            cache.clear()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _after_job(self) -> None:
         if self.state in ("busy", "ready"):
@@ -780,16 +707,6 @@ def _withheld(message: str) -> dict[str, Any]:
     (the editor tells the user once per file)."""
     return {"suggestion": None, "suggestions": [], "finish_reason": "excluded", "stats": {}, "latency_ms": 0.0,
             "warnings": [message]}
-
-
-def _budgets(engine: Any, cfg: Any) -> tuple[int, int, int] | None:
-    """The prompt builder's (prefix, suffix, context) budgets for this engine and settings, or None."""
-    from completiond.completion.suggest import PromptError, builder_for
-
-    try:
-        return builder_for(engine, cfg).budgets(True)
-    except PromptError:
-        return None  # suggest_alternatives reports it
 
 
 def _exclude_patterns(cfg: Any) -> list[str]:

@@ -1,10 +1,10 @@
-"""A team's completion server as the backend: OpenAI-compatible `/v1/completions` (vLLM, SGLang, TGI,
+"""A team's completion server in the engine's place: OpenAI-compatible `/v1/completions` (vLLM, SGLang, TGI,
 llama.cpp's `llama-server`) or llama.cpp's native `/infill`.
 
-`RemoteBackend.complete` sends one prompt (text: these servers tokenize themselves), streams the
+`TeamServer.complete` sends one prompt (text: these servers tokenize themselves), streams the
 answer, hands the text so far to the caller after every event (the caller's stop rules may end the
 stream early: closing the connection is how the server learns to stop), and lets go within
-`http.POLL_S` of a cancel. Every failure becomes one `RemoteError` whose message names the URL, what
+`http.POLL_S` of a cancel. Every failure becomes one `TeamServerError` whose message names the URL, what
 happened and what to do; after a failure the backend waits before it asks the server again (doubling
 from 0.5 s up to 30 s, or what a 429's Retry-After asks), and until then answers with the same error at
 once, so a dead server costs a keystroke nothing and the editor shows the message once.
@@ -42,7 +42,7 @@ TOTAL_FACTOR = 6        # the longest a whole request may take, in endpointTimeo
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class RemoteError(CompletionError):
+class TeamServerError(CompletionError):
     """The completion server could not serve a request. `kind`: config | refused | timeout | tls |
     network | unauthorized | not_found | rate_limited | rejected | server | malformed."""
 
@@ -53,7 +53,7 @@ class RemoteError(CompletionError):
 
 
 @dataclass
-class RemoteRequest:
+class TeamRequest:
     """What is sent: for `openai` the whole prompt (FIM layout included); for `llamacpp-infill` the
     prefix, suffix and context files, which the server lays out with the model's own FIM tokens."""
 
@@ -75,7 +75,7 @@ class RemoteRequest:
 
 
 @dataclass
-class RemoteGeneration:
+class TeamGeneration:
     text: str
     finish_reason: str          # stop | length | stop-rule | cancelled
     stats: dict[str, Any]
@@ -83,14 +83,14 @@ class RemoteGeneration:
 
 def read_api_key(key_env: str, key_file: str) -> str | None:
     """The API key from the environment variable named `key_env`, else the file `key_file`; None when
-    neither is set. RemoteError("config") when one is set but unusable. The file must be private
+    neither is set. TeamServerError("config") when one is set but unusable. The file must be private
     (not readable by group or others, as ssh demands of keys) and hold one line."""
     if key_env:
         if not _ENV_NAME.fullmatch(key_env):
-            raise RemoteError("config", f"apiKeyEnv {key_env!r} is not an environment variable name")
+            raise TeamServerError("config", f"apiKeyEnv {key_env!r} is not an environment variable name")
         value = os.environ.get(key_env, "").strip()
         if not value:
-            raise RemoteError("config", f"apiKeyEnv names ${key_env}, which is not set in the daemon's environment "
+            raise TeamServerError("config", f"apiKeyEnv names ${key_env}, which is not set in the daemon's environment "
                                         "(set it where the editor starts, then restart the daemon)")
         return _check_key(value, f"${key_env}")
     if not key_file:
@@ -99,56 +99,53 @@ def read_api_key(key_env: str, key_file: str) -> str | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise RemoteError("config", f"apiKeyFile {key_file}: cannot open it: {exc.strerror or exc}") from None
+        raise TeamServerError("config", f"apiKeyFile {key_file}: cannot open it: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise RemoteError("config", f"apiKeyFile {key_file}: not a regular file")
+            raise TeamServerError("config", f"apiKeyFile {key_file}: not a regular file")
         if st.st_mode & 0o077:
-            raise RemoteError("config", f"apiKeyFile {key_file}: readable by other users (mode "
+            raise TeamServerError("config", f"apiKeyFile {key_file}: readable by other users (mode "
                                         f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it")
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            raise RemoteError("config", f"apiKeyFile {key_file}: owned by another user")
+            raise TeamServerError("config", f"apiKeyFile {key_file}: owned by another user")
         data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) > MAX_KEY_FILE_BYTES:
-        raise RemoteError("config", f"apiKeyFile {key_file}: over {MAX_KEY_FILE_BYTES} bytes; an API key is one line")
+        raise TeamServerError("config", f"apiKeyFile {key_file}: over {MAX_KEY_FILE_BYTES} bytes; an API key is one line")
     try:
         lines = [ln.strip() for ln in data.decode("ascii").splitlines() if ln.strip()]
     except UnicodeDecodeError:
-        raise RemoteError("config", f"apiKeyFile {key_file}: not ASCII text; an API key is one line") from None
+        raise TeamServerError("config", f"apiKeyFile {key_file}: not ASCII text; an API key is one line") from None
     if len(lines) != 1:
         # A multi-line file is not a key but, say, a private key picked by mistake: never send that.
-        raise RemoteError("config", f"apiKeyFile {key_file}: expected the key on one line, found {len(lines)} lines")
+        raise TeamServerError("config", f"apiKeyFile {key_file}: expected the key on one line, found {len(lines)} lines")
     return _check_key(lines[0], f"apiKeyFile {key_file}")
 
 
 def _check_key(value: str, where: str) -> str:
     if value.startswith("-----BEGIN") or any(c.isspace() or not c.isprintable() for c in value):
-        raise RemoteError("config", f"{where}: does not look like an API key (one word of printable characters)")
+        raise TeamServerError("config", f"{where}: does not look like an API key (one word of printable characters)")
     return value
 
 
-class RemoteBackend:
-    """The remote server for the settings `cfg` (a Config). Thread-safe for one worker thread plus
-    status readers. `tokenizer` is None: prompts are text, budgets are counted in characters."""
-
-    kind = "remote"
-    tokenizer = None
+class TeamServer:
+    """A team's completion server for the settings `cfg` (a Config). Thread-safe for one worker thread
+    plus status readers. Prompts are text: the server tokenizes."""
 
     def __init__(self, cfg: Any):
         self.api = cfg.backend
         if self.api not in API_PATHS:
-            raise RemoteError("config", f"backend {self.api!r} is not a remote API; expected one of "
+            raise TeamServerError("config", f"backend {self.api!r} is not a remote API; expected one of "
                                         f"{', '.join(API_PATHS)}")
         if not cfg.endpoint:
-            raise RemoteError("config", f"backend {self.api} needs completiond.endpoint, the server's base URL "
+            raise TeamServerError("config", f"backend {self.api} needs completiond.endpoint, the server's base URL "
                                         "(e.g. http://gpu-box:8000)")
         try:
             self.endpoint = http.Endpoint.parse(cfg.endpoint)
         except ValueError as exc:
-            raise RemoteError("config", f"endpoint: {exc}") from None
+            raise TeamServerError("config", f"endpoint: {exc}") from None
         self.path = API_PATHS[self.api]
         self.url = self.endpoint.url(self.path)
         self.served_model = cfg.endpoint_model
@@ -157,7 +154,7 @@ class RemoteBackend:
         if self._key and self.endpoint.scheme == "http" and not http.is_loopback(self.endpoint.host):
             allowed = {_origin(u) for u in str(getattr(cfg, "api_key_over_http", "") or "").split(",") if u.strip()}
             if _origin(cfg.endpoint) not in allowed:
-                raise RemoteError("config", f"refusing to send the API key unencrypted to {self.endpoint.url()} "
+                raise TeamServerError("config", f"refusing to send the API key unencrypted to {self.endpoint.url()} "
                                             "(plain http:// to another machine): use an https:// endpoint, or, if "
                                             "the network is yours, allow this endpoint with completiond.apiKeyOverHttp "
                                             f"= \"{self.endpoint.url()}\"")
@@ -166,16 +163,16 @@ class RemoteBackend:
             try:
                 self._tls = ssl.create_default_context(cafile=os.path.expanduser(cfg.endpoint_ca_file) or None)
             except (OSError, ssl.SSLError) as exc:
-                raise RemoteError("config", f"endpointCaFile {cfg.endpoint_ca_file}: {exc}") from None
+                raise TeamServerError("config", f"endpointCaFile {cfg.endpoint_ca_file}: {exc}") from None
         self.model_id = f"{self.served_model or '(server default)'} at {self.endpoint.url()}"
         self.device = "remote"
         self._lock = threading.Lock()
         self._failures = 0
         self._retry_at = 0.0
-        self._last_error: RemoteError | None = None
+        self._last_error: TeamServerError | None = None
 
     # -- retry with backoff ----------------------------------------------------------------------
-    def backoff(self) -> RemoteError | None:
+    def backoff(self) -> TeamServerError | None:
         """The last error while the backend waits before asking the server again, else None."""
         with self._lock:
             if self._last_error is not None and time.monotonic() < self._retry_at:
@@ -200,10 +197,10 @@ class RemoteBackend:
                 at = text.find(head, at + len("[API key]"))
         return text
 
-    def _failed(self, error: RemoteError) -> RemoteError:
+    def _failed(self, error: TeamServerError) -> TeamServerError:
         # The last net: every error the user or the log sees passes here (messages built from a server's
         # words are redacted before they are clipped, so no prefix of the key survives either).
-        error = RemoteError(error.kind, self.redact(str(error)), retry_after=error.retry_after)
+        error = TeamServerError(error.kind, self.redact(str(error)), retry_after=error.retry_after)
         with self._lock:
             self._failures += 1
             delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._failures - 1))
@@ -223,7 +220,7 @@ class RemoteBackend:
             self._last_error = None
 
     # -- one request -----------------------------------------------------------------------------
-    def body(self, req: RemoteRequest) -> dict[str, Any]:
+    def body(self, req: TeamRequest) -> dict[str, Any]:
         if self.api == "openai":
             body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": req.temperature,
                                     "top_p": req.top_p, "seed": req.seed, "stream": True,
@@ -241,10 +238,10 @@ class RemoteBackend:
             body["stop"] = list(req.stop)
         return body
 
-    def complete(self, req: RemoteRequest, *, cancel: Any,
-                 on_text: Callable[[str], bool] | None = None) -> RemoteGeneration:
+    def complete(self, req: TeamRequest, *, cancel: Any,
+                 on_text: Callable[[str], bool] | None = None) -> TeamGeneration:
         """Stream one completion. on_text(text so far) returns True to end it there (the stream is
-        closed). Raises RemoteError; a cancel returns finish_reason "cancelled"."""
+        closed). Raises TeamServerError; a cancel returns finish_reason "cancelled"."""
         waiting = self.backoff()
         if waiting is not None:
             raise waiting
@@ -267,7 +264,7 @@ class RemoteBackend:
                 raise self._failed(self._status_error(response))
             gen = self._read_stream(response, on_text, stats, start)
         except http.Cancelled:
-            return RemoteGeneration("", "cancelled", self._finish_stats(stats, start))
+            return TeamGeneration("", "cancelled", self._finish_stats(stats, start))
         except http.HttpFailure as exc:
             raise self._failed(self._transport_error(exc)) from None
         finally:
@@ -279,7 +276,7 @@ class RemoteBackend:
         return gen
 
     def _read_stream(self, response: http.Response, on_text: Callable[[str], bool] | None,
-                     stats: dict[str, Any], start: float) -> RemoteGeneration:
+                     stats: dict[str, Any], start: float) -> TeamGeneration:
         ctype = response.headers.get("content-type", "")
         if "text/event-stream" not in ctype:
             if "json" in ctype:  # a server that ignored "stream": one JSON answer is still an answer
@@ -302,19 +299,19 @@ class RemoteBackend:
             finish = reason or finish
             stats["rounds"] = events
             if piece and on_text is not None and on_text(text):
-                return RemoteGeneration(text, "stop-rule", self._finish_stats(stats, start, text))
+                return TeamGeneration(text, "stop-rule", self._finish_stats(stats, start, text))
             if finish is not None and self.api == "llamacpp-infill":
                 break  # the native API's last event says stop; there is no [DONE]
         if finish is None:
-            raise self._failed(RemoteError("network", f"the completion server at {self.endpoint.url()} ended the "
+            raise self._failed(TeamServerError("network", f"the completion server at {self.endpoint.url()} ended the "
                                            "stream before the completion finished (did it stop or restart?); "
                                            "completiond retries with backoff"))
         return self._done(text, finish, on_text, stats, start)
 
-    def _done(self, text: str, finish: str, on_text, stats, start) -> RemoteGeneration:
+    def _done(self, text: str, finish: str, on_text, stats, start) -> TeamGeneration:
         if text and on_text is not None and on_text(text):
             finish = "stop-rule"
-        return RemoteGeneration(text, finish, self._finish_stats(stats, start, text))
+        return TeamGeneration(text, finish, self._finish_stats(stats, start, text))
 
     def _finish_stats(self, stats: dict[str, Any], start: float, text: str = "") -> dict[str, Any]:
         stats["total_ms"] = round((time.perf_counter() - start) * 1000, 2)
@@ -336,7 +333,7 @@ class RemoteBackend:
         if "error" in obj:
             err = obj["error"]
             message = err.get("message") if isinstance(err, dict) else err
-            raise self._failed(RemoteError("server", f"the completion server at {self.endpoint.url()} failed during "
+            raise self._failed(TeamServerError("server", f"the completion server at {self.endpoint.url()} failed during "
                                            f"the completion: {_clip(self.redact(str(message)))}; completiond retries "
                                            "with backoff"))
         usage = obj.get("usage")
@@ -375,29 +372,29 @@ class RemoteBackend:
         return piece, (str(reason) if reason else None)
 
     # -- messages --------------------------------------------------------------------------------
-    def _malformed(self, detail: str) -> RemoteError:
-        return RemoteError("malformed", f"the completion server at {self.url} sent a malformed stream ({detail}); "
+    def _malformed(self, detail: str) -> TeamServerError:
+        return TeamServerError("malformed", f"the completion server at {self.url} sent a malformed stream ({detail}); "
                                         f"is it an OpenAI-compatible or llama.cpp server (backend {self.api})? "
                                         "completiond retries with backoff")
 
-    def _transport_error(self, exc: http.HttpFailure) -> RemoteError:
+    def _transport_error(self, exc: http.HttpFailure) -> TeamServerError:
         where = self.endpoint.url()
         if exc.kind == "refused":
-            return RemoteError("refused", f"cannot reach the completion server at {where} (connection refused): "
+            return TeamServerError("refused", f"cannot reach the completion server at {where} (connection refused): "
                                           "is it running, and is completiond.endpoint right? completiond retries "
                                           "with backoff")
         if exc.kind == "timeout":
-            return RemoteError("timeout", f"the completion server at {where} did not answer in time ({exc.detail}; "
+            return TeamServerError("timeout", f"the completion server at {where} did not answer in time ({exc.detail}; "
                                           f"endpointTimeout is {self.timeout_s:g} s); completiond retries with backoff")
         if exc.kind == "tls":
-            return RemoteError("tls", f"TLS with {where} failed: {_clip(exc.detail)}; for a private CA set "
+            return TeamServerError("tls", f"TLS with {where} failed: {_clip(exc.detail)}; for a private CA set "
                                       "completiond.endpointCaFile to its certificate (verification stays on)")
         if exc.kind == "protocol":
             return self._malformed(exc.detail)
-        return RemoteError("network", f"the completion server at {where} could not be used: {exc.detail}; "
+        return TeamServerError("network", f"the completion server at {where} could not be used: {exc.detail}; "
                                       "completiond retries with backoff")
 
-    def _status_error(self, response: http.Response) -> RemoteError:
+    def _status_error(self, response: http.Response) -> TeamServerError:
         try:
             body = response.read_body().decode("utf-8", errors="replace")
         except (http.HttpFailure, http.Cancelled):
@@ -406,22 +403,22 @@ class RemoteBackend:
         status = response.status
         said = f" (the server says: {detail})" if detail else ""
         if status in (401, 403):
-            return RemoteError("unauthorized", f"the completion server at {self.endpoint.url()} refused the request "
+            return TeamServerError("unauthorized", f"the completion server at {self.endpoint.url()} refused the request "
                                                f"(HTTP {status}){said}: set completiond.apiKeyEnv or apiKeyFile to a "
                                                "valid API key, then restart the daemon")
         if status == 404:
-            return RemoteError("not_found", f"{self.url} does not exist (HTTP 404){said}: completiond.endpoint is the "
+            return TeamServerError("not_found", f"{self.url} does not exist (HTTP 404){said}: completiond.endpoint is the "
                                             f"server's base URL, and backend {self.api} needs a server with "
                                             f"{self.path}; check endpointModel ({self.served_model or 'unset'})")
         if status == 429:
             retry = _retry_after(response.headers.get("retry-after", ""))
-            return RemoteError("rate_limited", f"the completion server at {self.endpoint.url()} is rate limiting "
+            return TeamServerError("rate_limited", f"the completion server at {self.endpoint.url()} is rate limiting "
                                                f"(HTTP 429){said}; completiond waits as it asks, then retries",
                                retry_after=retry)
         if status >= 500:
-            return RemoteError("server", f"the completion server at {self.endpoint.url()} failed (HTTP {status})"
+            return TeamServerError("server", f"the completion server at {self.endpoint.url()} failed (HTTP {status})"
                                          f"{said}; completiond retries with backoff")
-        return RemoteError("rejected", f"the completion server at {self.url} rejected the request (HTTP {status})"
+        return TeamServerError("rejected", f"the completion server at {self.url} rejected the request (HTTP {status})"
                                        f"{said}; check endpointModel ({self.served_model or 'unset'}) and backend "
                                        f"({self.api})")
 

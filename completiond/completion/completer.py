@@ -1,0 +1,112 @@
+"""What completes: the local engine or a team's completion server, behind one protocol.
+
+`Backend` is the closed set of places a completion can come from (the `backend` setting). Each has one
+`Completer`: `LocalCompleter` (completion/suggest.py: the engine, token ids in and out) and
+`TeamCompleter` (completion/team.py: a team server, text in and out). Both plan their prompts with the
+same Planner (completion/plan.py) and end in the same text stop rules (completion/stops.py). The
+service holds one Completer and never asks which kind it is; `suggest` is the one entry point.
+
+All offsets are Python string (code point) offsets into the document text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from completiond.errors import CompletionError
+
+
+class Backend(enum.Enum):
+    """Where completions come from (the `backend` setting)."""
+
+    LOCAL = "local"                       # the engine in this daemon
+    OPENAI = "openai"                     # an OpenAI-compatible /v1/completions server
+    LLAMACPP_INFILL = "llamacpp-infill"   # llama.cpp's /infill
+
+    @classmethod
+    def of(cls, name: str) -> Backend:
+        try:
+            return cls(name)
+        except ValueError:
+            raise PromptError(f"unknown backend {name!r}; expected one of "
+                              f"{', '.join(b.value for b in cls)}") from None
+
+
+@dataclass
+class Suggestion:
+    text: str                    # insert text at the cursor
+    start: int                   # replaced range [start, end) in the document
+    end: int
+    multiline: bool
+    finish_reason: str
+    stats: dict[str, Any]
+
+
+class PromptError(CompletionError, ValueError):
+    """Settings or a request that no prompt can be built for."""
+
+
+@dataclass
+class Completion:
+    """One request's answer: up to `alternatives` different suggestions, best first.
+
+    finish_reason None: nothing was attempted here (e.g. a minified line), nothing generated."""
+
+    suggestions: list[Suggestion] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)   # settings problems worked around, for the user
+    generation: Any = None       # the first generation as the completer made it (tokens, for tools and tests)
+
+    @property
+    def suggestion(self) -> Suggestion | None:
+        return self.suggestions[0] if self.suggestions else None
+
+    @property
+    def skipped(self) -> bool:
+        return self.finish_reason is None
+
+
+OnRound = Callable[[list[int]], None]
+
+
+class Completer(Protocol):
+    """The one interface the service completes through."""
+
+    backend: Backend
+    model_id: str      # identity of what answers (a model hash, or the endpoint and its model)
+    name: str          # what users read
+    device: str
+
+    def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+                 language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+        """One completion on the worker thread. Raises PromptError (or another CompletionError) for a
+        request it cannot serve."""
+        ...
+
+    def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
+        """The prompt's (prefix, suffix, context) budgets for these settings; None: no prompt can be built."""
+        ...
+
+    def token_counter(self) -> Callable[[str], int] | None:
+        """How the workspace should count the context block's size (None: characters)."""
+        ...
+
+    def describe(self) -> dict[str, str | None]:
+        """What it runs with: draft, decode_step, tokenizer (None where it has none)."""
+        ...
+
+    def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
+        """A calibration job to run between requests (engine/autocalibrate.py), or None."""
+        ...
+
+
+def suggest(completer: Completer, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+            language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+    """One completion at `offset` in `text`, from whatever completes (the one pipeline's entry point)."""
+    if not 0 <= offset <= len(text):
+        raise PromptError(f"cursor offset {offset} outside a document of {len(text)} characters")
+    return completer.complete(text, offset, cfg, cancel=cancel, path=path, language=language, context=context)
