@@ -1,4 +1,4 @@
-"""The team backend (completiond/backends/, completion/remote.py): an OpenAI-compatible or llama.cpp
+"""The team backend (completiond/backends/, completion/team.py): an OpenAI-compatible or llama.cpp
 server generates, completiond keeps documents, stop rules and typed-through reuse.
 
 Two kinds of server, both on 127.0.0.1: a stdlib server that misbehaves on purpose (401, 404, 429, 500,

@@ -29,7 +29,7 @@ CHILD_TIMEOUT_S = 90  # a catastrophic pattern never returns: the child is kille
 # remaining ones of completiond/ (settings, hub ids, environment names): all of them are swept.
 MODULES = ["completiond.completion.retrieval", "completiond.completion.syntax", "completiond.completion.stops",
            "completiond.completion.documents", "completiond.lsp.server", "completiond.engine.hub",
-           "completiond.backends.remote", "completiond.config"]
+           "completiond.backends.team_server", "completiond.config"]
 
 INPUTS = f"""
 N = {N}
