@@ -34,7 +34,7 @@ def _build_all() -> None:
         for kernel in DEFINES:
             _built[kernel] = "simde-py is not installed (pip install -e '.[test]')"
         return
-    cc = native._compiler()
+    cc = native.build._compiler()
     if cc is None or "avx2" not in native.supported_kernels():
         for kernel in DEFINES:
             _built[kernel] = "no C compiler, or no AVX2/FMA to emulate AVX-512 on"
@@ -44,7 +44,7 @@ def _build_all() -> None:
     for kernel, defines in DEFINES.items():
         out = out_dir / f"step-{kernel}.so"
         cmd = [cc, "-O2", "-mavx2", "-mfma", "-Wno-psabi", "-I", simde_py.get_include(), "-include", str(SHIM),
-               *defines, "-fopenmp", "-fPIC", "-shared", "-o", str(out), str(native.SOURCE), "-lm"]
+               *defines, "-fopenmp", "-fPIC", "-shared", "-o", str(out), str(native.build.SOURCE), "-lm"]
         jobs[kernel] = (out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for kernel, (out, proc) in jobs.items():
         try:
@@ -96,8 +96,9 @@ def library(kernel: str, monkeypatch: pytest.MonkeyPatch | None = None) -> ctype
         lib = emulated(kernel)
         if monkeypatch is not None:
             here = native.supported_kernels()
-            monkeypatch.setattr(native, "supported_kernels", lambda: here + [kernel])
-            monkeypatch.setitem(native._libs, kernel, lib)
+            for owner in (native, native.build):  # the package re-exports it; build.py's own callers read build's
+                monkeypatch.setattr(owner, "supported_kernels", lambda: here + [kernel])
+            monkeypatch.setitem(native.build._libs, kernel, lib)
     if monkeypatch is not None:
         monkeypatch.setenv("COMPLETIOND_KERNEL", kernel)
     return lib
@@ -110,7 +111,7 @@ def emulate_cpu(kernel: str) -> None:
     what would fail on one with it; slower than a native run."""
     if kernel not in DEFINES:
         raise pytest.UsageError(f"COMPLETIOND_TEST_CPU={kernel!r}: choose one of {', '.join(DEFINES)}")
-    real_flags, real_load = native._cpu_flags, native._load
+    real_flags, real_load = native.build._cpu_flags, native.build._load
     if set(native.KERNELS[kernel][0]) <= set(real_flags().split()):
         return  # this CPU runs it: nothing to emulate
     served = [k for k in DEFINES if set(native.KERNELS[k][0]) <= set(native.KERNELS[kernel][0])]
@@ -123,19 +124,19 @@ def emulate_cpu(kernel: str) -> None:
     def load(k: str) -> ctypes.CDLL | None:
         # native.library() keeps its choice and fallbacks; only what it loads for a served build changes.
         # An unavailable one (COMPLETIOND_NATIVE=0 and the rest) goes to the real _load for its reason.
-        if k in served and native._unavailable(k) is None:
+        if k in served and native.build._unavailable(k) is None:
             return _built[k]
         return real_load(k)
 
     global _real
     _real = (real_flags, real_load)
-    native._cpu_flags = lambda: flags
-    native._load = load
+    native.build._cpu_flags = lambda: flags
+    native.build._load = load
 
 
 def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """For a test of building, caching and choosing the library itself: under emulate_cpu, this CPU's own
-    flags and builds again for the test (an emulated build is never compiled by native._build)."""
+    flags and builds again for the test (an emulated build is never compiled by native.build._build)."""
     if _real is not None:
-        monkeypatch.setattr(native, "_cpu_flags", _real[0])
-        monkeypatch.setattr(native, "_load", _real[1])
+        monkeypatch.setattr(native.build, "_cpu_flags", _real[0])
+        monkeypatch.setattr(native.build, "_load", _real[1])

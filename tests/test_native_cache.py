@@ -49,7 +49,7 @@ PROBE = """
 import sys
 from pathlib import Path
 from completiond.engine import native
-native.SOURCE = Path(sys.argv[1])
+native.build.SOURCE = Path(sys.argv[1])
 lib = native.library("avx2")
 print("loaded" if lib is not None else "refused", native.reason("avx2"))
 """
@@ -57,7 +57,7 @@ print("loaded" if lib is not None else "refused", native.reason("avx2"))
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    cc = native._compiler()
+    cc = native.build._compiler()
     if cc is None or "avx2" not in native.supported_kernels():
         pytest.skip("no C compiler or no AVX2 here")
     source = tmp_path / "stand_in.c"

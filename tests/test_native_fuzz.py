@@ -118,10 +118,10 @@ cs, sn = fwd._cos.data_ptr(), fwd._sin.data_ptr()
 nw = fwd.norm_w.data_ptr()
 def verify(tokens, t, last, pos, capacity=cap):
     return lib.cd_verify_greedy(m, emb, ebf, tokens.data_ptr(), t, last, pos, nw, fwd.norm_eps, packed.data_ptr(), fmt,
-                                native._ptr(sc), V, native._ptr(hb), kp, vp, capacity, cs, sn, 1, out.data_ptr())
+                                native.abi._ptr(sc), V, native.abi._ptr(hb), kp, vp, capacity, cs, sn, 1, out.data_ptr())
 def draft(token, E, pos, k_max, ids_ptr=None, Vd=V):
     return lib.cd_draft_greedy(m, emb, ebf, token, E, pos, k_max, 0.0, nw, fwd.norm_eps, packed.data_ptr(), fmt,
-                               native._ptr(sc), Vd, native._ptr(hb), ids_ptr, eos.data_ptr(), eos.numel(), kp, vp, cap,
+                               native.abi._ptr(sc), Vd, native.abi._ptr(hb), ids_ptr, eos.data_ptr(), eos.numel(), kp, vp, cap,
                                cs, sn, 1, toks.data_ptr(), states.data_ptr(), ctypes.byref(fed))
 h = torch.zeros(2, d)
 def layers(t, first, last, pos, rope=None):

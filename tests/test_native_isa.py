@@ -42,7 +42,7 @@ def test_kernel_choice_is_one_function_and_status_names_it(bundled, monkeypatch)
     assert native.kernel_name() == "avx2"
     monkeypatch.setenv("COMPLETIOND_KERNEL", "sse2")  # not a kernel: the CPU's best
     assert native.kernel_name() == kernels[-1]
-    flags = set(native._cpu_flags().split())
+    flags = set(native.build._cpu_flags().split())
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
         assert "avx512" in kernels
 
@@ -142,7 +142,7 @@ def test_int8_quantisation_in_row_blocks_is_the_whole_matrix_formula(dtype):
     # the row sums the VNNI layout's offset corrections take, summed in float32 while a block is at hand,
     # and in int32 where a row is too wide for float32 to hold its sum exactly
     for m in (w, torch.randn(2, 132_200, generator=g).to(dtype)):
-        q, _, sums = native._quantize_rows(m, True)
+        q, _, sums = native.packing._quantize_rows(m, True)
         assert torch.equal(sums, q.sum(dim=1, dtype=torch.int32))
 
 
@@ -172,7 +172,7 @@ def test_every_packed_layout_puts_each_weight_where_step_c_reads_it(out, width):
     for src in (w, w.to(torch.bfloat16)):  # a float32 model's bf16-exact values, and a bf16 model's own
         packed, sc = native.pack_as(src, native.FMT_BF16)
         assert sc is None and packed.dtype == torch.int16 and packed.shape == (n, width, P)
-        assert packed.tolist() == [[[_bits(wt(p * P + c, k)) for c in native._BF16_ORDER] for k in range(width)]
+        assert packed.tolist() == [[[_bits(wt(p * P + c, k)) for c in native.packing._BF16_ORDER] for k in range(width)]
                                    for p in range(n)]
         packed, sc = native.pack_as(src, native.FMT_BF16, pairs=True)
         h = -(-width // 2)
@@ -299,7 +299,7 @@ def test_every_kernel_reads_its_panel_layouts_alike(width):
             packed, scales = native.pack_as(w, fmt, pairs, quads)
             out = torch.empty(t, V)
             rc = lib.cd_head(x.data_ptr(), t, width, norm_w.data_ptr(), ctypes.c_float(1e-6), packed.data_ptr(), fmt,
-                             native._ptr(scales), V, bias.data_ptr(), out.data_ptr(), 1)
+                             native.abi._ptr(scales), V, bias.data_ptr(), out.data_ptr(), 1)
             assert rc == 0
             outs.setdefault(fmt, []).append(out)
     for fmt, results in outs.items():
@@ -328,12 +328,12 @@ def test_the_arithmetic_timer_computes_the_product_it_times(bundled):
             for t in (1, 5):
                 x = torch.randn(t, width, generator=g)
                 want, got = torch.empty(t, V), torch.full((t, V), float("nan"))
-                assert lib.cd_gemm(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V, None,
+                assert lib.cd_gemm(x.data_ptr(), t, width, packed.data_ptr(), fmt, native.abi._ptr(scales), V, None,
                                    want.data_ptr()) == 0
-                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V,
+                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native.abi._ptr(scales), V,
                                     got.data_ptr(), 3, 2) == 0
                 assert torch.equal(got, want), (kernel, fmt, t)
-                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native._ptr(scales), V,
+                assert lib.cd_arith(x.data_ptr(), t, width, packed.data_ptr(), fmt, native.abi._ptr(scales), V,
                                     got.data_ptr(), 0, 2) == -2, (kernel, fmt)
     step = bundled.fwd.native
     by_format = step.bytes_by_format()

@@ -39,7 +39,7 @@ LEVELS = {"avx2": 63, "avx2-vnni": 127, VNNI: 127, "avx512-bf16": 127}
 
 def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
     monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
-    flags = set(native._cpu_flags().split())
+    flags = set(native.build._cpu_flags().split())
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         # the widest build this CPU runs is the VNNI one or the one above it (avx512-bf16), w8a8 in both
         assert native.kernel_name() in (VNNI, "avx512-bf16") and native.library().cd_i8_quads() == 1
@@ -55,15 +55,15 @@ def test_avx_vnni_without_avx512_picks_the_avx2_vnni_build(monkeypatch):
     """The dispatch alone (flags as /proc/cpuinfo names them): AVX-VNNI without AVX-512 (Alder Lake and
     later) gets avx2-vnni; with AVX-512 too (Sapphire Rapids) the AVX-512 builds stay wider."""
     monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "sse2 avx avx2 fma avx_vnni")
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: "sse2 avx avx2 fma avx_vnni")
     assert native.supported_kernels() == ["avx2", "avx2-vnni"] and native.kernel_name() == "avx2-vnni"
     monkeypatch.setenv("COMPLETIOND_KERNEL", "avx2")  # a narrower one, as a user may ask
     assert native.kernel_name() == "avx2"
     monkeypatch.delenv("COMPLETIOND_KERNEL")
-    monkeypatch.setattr(native, "_cpu_flags", lambda: "avx2 fma avx_vnni avx512f avx512dq avx512bw avx512vl "
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: "avx2 fma avx_vnni avx512f avx512dq avx512bw avx512vl "
                                                       "avx512_vnni avx512_bf16")
     assert native.kernel_name() == "avx512-bf16"
-    assert native._order() == ["avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2"]  # library()'s fallbacks
+    assert native.build._order() == ["avx512-bf16", "avx512-vnni", "avx512", "avx2-vnni", "avx2"]  # library()'s fallbacks
 
 
 def _w8a8_reference(x: np.ndarray, w: torch.Tensor, bias: np.ndarray, levels: int) -> np.ndarray:
