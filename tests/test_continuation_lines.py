@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from completiond.completion.healing import TokenBytes
-from completiond.completion.stops import StopRules, TextRules, document_site, postprocess
-from completiond.completion.syntax import scan_brackets, site_at
+from completiond.completion.stops import (
+    StopRules,
+    TextRules,
+    document_site,
+    postprocess,
+)
+from completiond.completion.syntax import site_at
 from tests.conftest import build_tokenizer
 
 
@@ -25,11 +30,10 @@ def shown(document: str, generated: str, language: str = "python", cursor: int |
 
 def test_brackets_open_at_the_start_of_the_cursor_line():
     text = "def f():\n    x = foo(a, [1,\n                2],\n            b"
-    assert site_at(text, len(text)).open_before == ("(",)
+    assert site_at(text, len(text), "python").open_before == ("(",)
     # Brackets in strings, comments and docstrings are not code.
     text = 'def f():\n    """Returns (a."""\n    x = g("(", \'[\',  # (see above\n          1'
-    assert site_at(text, len(text)).open_before == ("(",)
-    assert scan_brackets("x = '''\n(\n")[2]   # ends inside a triple-quoted string
+    assert site_at(text, len(text), "python").open_before == ("(",)
 
 
 def test_continuation_line_may_close_the_bracket_an_earlier_line_opened():
@@ -73,9 +77,20 @@ def test_stream_callback_keeps_the_closer_of_a_continuation_line(tmp_path):
     assert rules.suggestion(ids[:keep] if keep is not None else ids, "stop") == ")"
 
 
-@pytest.mark.parametrize("language", ["javascript", "go", None])
-def test_other_languages_keep_the_cursor_line_rules(language):
-    text = "function f() {\n  x = foo(a,\n    b"
-    # Without a Python document the ")" has no opener on the cursor line: cut, as before.
+@pytest.mark.parametrize("language, text", [
+    ("javascript", "function f() {\n  x = foo(a,\n    b"),
+    ("go", "package p\n\nfunc f() {\n\tx := foo(a,\n\t\tb"),
+    ("rust", "fn f() {\n    let x = foo(a,\n        b"),
+])
+def test_every_language_with_a_grammar_sees_the_statement(language, text):
+    # The ")" closes the bracket the line above opened.
+    assert document_site(text, len(text), language).open_before == ("(",)
+    assert shown(text, ")", language=language) == ")"
+
+
+@pytest.mark.parametrize("language", ["kotlin", None])
+def test_languages_without_a_grammar_keep_the_cursor_line_rules(language):
+    text = "fun f() {\n  x = foo(a,\n    b"
+    # Without a grammar the ")" has no opener on the cursor line: cut, as before.
     assert shown(text, ")", language=language) == ""
     assert document_site(text, len(text), language) is None

@@ -39,11 +39,12 @@ suggestion that repeats the text right of the cursor (brackets and quotes by
 balance, other text when the overlap is telling), show nothing for an operand
 put in front of the one right of the cursor (`str(name)` before `"-".join`),
 and turn whitespace-only suggestions into "" (show nothing).
-Python documents (`StopRules.attach_document`, remote.py's `document_site`): the
-bracket rules also count the brackets earlier lines of the statement left open
-(a continuation line may close them) and the closers later lines owe them, and
-the final text passes syntax.check (the longest part that keeps the enclosing
-block parsing; the syntaxCheck setting).
+Documents of a language with a tree-sitter grammar (`StopRules.attach_document`,
+remote.py's `document_site`): the bracket rules also count the brackets earlier
+lines of the statement left open (a continuation line may close them) and the
+closers later lines owe them, and the final text passes syntax.check (the longest
+part that adds no syntax error to the region around the cursor; the syntaxCheck
+setting).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from completiond.completion.healing import TokenBytes
-from completiond.completion.syntax import Site, Verdict, check, is_python, site_at
+from completiond.completion.languages import spec_of
+from completiond.completion.syntax import Site, Verdict, check, site_at
 
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in OPENERS.items()}
@@ -158,7 +160,7 @@ class TextRules:
         self.max_lines = max(1, int(max_lines))
         self.multiline_mode = multiline
         self.multiline = wants_multiline(line_prefix, line_suffix, multiline)
-        # Where the cursor sits in a Python document (syntax.site_at), or None: the cursor line is all
+        # Where the cursor sits in the document (syntax.site_at), or None: the cursor line is all
         # the rules know of the code's structure.
         self.site = site
         self.check_syntax = check_syntax
@@ -512,16 +514,17 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
         # opener's indentation, instead of being glued to the last line.
         s += "\n" + rules.line_prefix[: len(rules.line_prefix) - len(rules.line_prefix.lstrip())]
     if rules.site is not None and rules.check_syntax:
-        # Python: the longest part that keeps the block parsing (syntax.py; bounded, never raises).
+        # The longest part that adds no syntax error (syntax.py; bounded, never raises).
         rules.syntax = check(rules.site, s)
         s = rules.syntax.text
     return s
 
 
-def document_site(text: str, offset: int, language: str | None = None, path: str | None = None) -> Site | None:
-    """Where the cursor sits in a Python document (syntax.site_at); None for other languages and for
-    a cursor in no block that fits the syntax check's bound."""
-    return site_at(text, offset) if is_python(language, path) else None
+def document_site(text: str, offset: int, language: str | None = None, path: str | None = None,
+                  tree=None) -> Site | None:
+    """Where the cursor sits in the document (syntax.site_at); None for a language without a grammar here
+    (the cursor line is then all the rules know). tree: the document's own tree (documents.Document)."""
+    return site_at(text, offset, spec_of(language, path), tree)
 
 
 class StopRules:
@@ -558,18 +561,18 @@ class StopRules:
 
     @property
     def syntax(self) -> Verdict | None:
-        """The syntax check's verdict on the last suggestion (None: not Python, or not checked)."""
+        """The syntax check's verdict on the last suggestion (None: no grammar, or not checked)."""
         return self.rules.syntax
 
     def attach_document(self, text: str, offset: int, language: str | None = None, path: str | None = None,
-                        check_syntax: bool = True) -> None:
+                        check_syntax: bool = True, tree=None) -> None:
         """Let the rules see the document around the cursor; call it before generation starts.
 
-        Python only (other languages keep the cursor-line rules): brackets that earlier lines of
+        Every language with a grammar (others keep the cursor-line rules): brackets that earlier lines of
         the statement left open, closers the lines below owe them, and the syntax check of the
-        final suggestion (check_syntax: the syntaxCheck setting).
+        final suggestion (check_syntax: the syntaxCheck setting). tree: the document's own, when kept.
         """
-        site = document_site(text, offset, language, path)
+        site = document_site(text, offset, language, path, tree)
         old = self.rules
         if site is None or text[text.rfind("\n", 0, offset) + 1:offset] != old.line_prefix:
             return

@@ -1,283 +1,473 @@
-"""Python only: where the cursor sits in the code's structure, and whether a suggestion keeps it valid.
+"""Where the cursor sits in the code's structure, and whether a suggestion keeps the code valid: tree-sitter,
+for every language of completion/languages.py.
 
-Two uses, both on a bounded region of the document (never the whole file):
+* `DocumentTree`: a document's tree kept across edits with tree-sitter's edit API (documents.Document owns
+  one per open document of a known language); reparsed incrementally, lazily, when a request needs it.
+* `site_at(text, offset, spec, tree=None)` picks the region around the cursor: the top-level construct that
+  holds it, or, when that is bigger than MAX_REGION_BYTES (a long class), the largest statement or
+  definition inside it that fits, parsed together with the headers and closing brackets of the constructs
+  around it (tree-sitter's included ranges: the region parses as it does in the file, at a region's cost).
+  It also finds the brackets still open at the start of the cursor line and the closers the lines below
+  owe them (the stop rules let a continuation line close the first and keep the second open).
+* `check(site, suggestion)` parses the region with the suggestion inserted and compares its ERROR and
+  MISSING nodes with those the region has without it. Validity is "no worse than before": an error node
+  that starts inside the inserted text, or one that overlaps no error the unfinished edit already had, is
+  new. What passes on its own: a header without its body (the grammars accept an empty block), a bracket
+  the user is still inside (its error was there before), and a `{` / `(` / `[` the suggestion opens at the
+  end of one of its lines (judged with its closer appended: the user goes on to fill it). A suggestion with
+  new errors is cut at the last clean point (line ends, then token boundaries of its first line) or
+  dropped; the verdict says why.
 
-* `site_at(text, offset)` finds the enclosing top-level block around the cursor (or, when that block
-  is too big, the largest enclosing block that fits MAX_REGION_CHARS: a method of a long class) and
-  scans it for the brackets still open at the start of the cursor line and the closers the lines
-  below owe them. The stop rules use those so a continuation line (`foo(a,\\n    b|`) may close the
-  bracket an earlier line opened, and may not close one a later line closes.
-* `check(site, suggestion)` parses the region with the suggestion inserted. If that does not parse,
-  the longest cut of the suggestion that does is shown (cuts at line ends, then at token boundaries
-  of the first line); if no cut parses but the region parses with nothing inserted, the suggestion
-  would break valid code and nothing is shown. If it does not parse with nothing inserted either, the
-  user is mid-edit: on the cursor line itself when the region parses with that line set aside (then
-  a suggestion that does not complete the line into valid code is not shown either), else somewhere
-  else in the region. There the parser's first error decides: broken above the cursor, nothing can be
-  judged and the suggestion passes unchanged; broken at or below it, the suggestion must let the parser
-  get past the inserted text and no earlier than before (past the cursor line and the code line after
-  it, when the parser stopped on one of them: the suggestion must complete this edit), else it is cut
-  before the point where the parser stops inside it, or not shown. While a triple-quoted string is
-  being typed at the cursor the region's end is unknown, and nothing is judged (a one-line string ends
-  at its line).
-
-Cost bound: at most MAX_PARSES calls of `ast.parse`, each on at most MAX_REGION_CHARS characters (plus
-the suggestion), and one regex scan of the region. Region finding walks at most MAX_REGION_CHARS
-characters each way from the cursor line.
+Cost bound: one parse of the region without the suggestion, at most MAX_PARSES with it, each of at most
+MAX_REGION_BYTES plus the suggestion; the error walk visits only nodes that hold errors.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import re
+import threading
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-MAX_REGION_CHARS = 8000
+from tree_sitter import Node, Parser, Point, Range, Tree
+
+from completiond.completion.languages import LanguageSpec, spec_of
+
+MAX_REGION_BYTES = 12000
 MAX_PARSES = 10
-PYTHON_EXTENSIONS = (".py", ".pyi")
+MAX_LEAVES = 4000          # bracket scans around the cursor line stop after this many tokens
+MAX_ERRORS = 64            # error nodes collected per parse (the rest cannot change a verdict much)
 
-_PAIRS = {"(": ")", "[": "]", "{": "}"}
-_CLOSERS = frozenset(_PAIRS.values())
-_CONTINUES = re.compile(r"(?:else|elif|except|finally)\b")
-# What a bracket scan of Python must skip: comments and strings (triple-quoted ones across lines;
-# the others end at their line). A triple-quoted string left open runs to the end of the text.
-_SCAN = re.compile(
-    r"#[^\n]*"
-    r'|"""(?:[^"\\]|\\.|"(?!""))*(?P<d3>"""|\Z)'
-    r"|'''(?:[^'\\]|\\.|'(?!''))*(?P<s3>'''|\Z)"
-    r'|"(?:[^"\\\n]|\\.)*(?:"|$)'
-    r"|'(?:[^'\\\n]|\\.)*(?:'|$)"
-    r"|[()\[\]{}]",
-    re.S | re.M)
 _TOKEN = re.compile(r"\w+|\S")
-# How a statement can start: a keyword, a decorator, a literal or bracket, or a name followed by what
-# follows names in code (an operator, a call, an index, an annotation, a comma) or nothing.
-# Docstring prose (`Generic utilities.`, `.. versionchanged::`) does not match.
-_STATEMENT = re.compile(
-    r"(?:def|class|async|if|for|while|try|with|return|import|from|raise|assert|del|pass|break|continue|global"
-    r"|nonlocal|yield|await|lambda|not|match|case|type)\b"
-    r"|[@\"'(\[{0-9*~-]"
-    r"|[A-Za-z_][\w.]*\s*(?:[-=(\[:.,+*/%|&^<>!@;]|$)")
+_BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")        # Bash: a header waiting for fi / done / esac
+_KEYWORD_CLOSERS = frozenset({"fi", "done", "esac", "}", "end"})
 
 
 def is_python(language: str | None, path: str | None = None) -> bool:
     """The document is Python: the editor's language id, or the file's extension when none is given."""
-    if language:
-        return language.lower() in ("python", "python3")
-    return bool(path) and str(path).lower().endswith(PYTHON_EXTENSIONS)
+    spec = spec_of(language, path)
+    return spec is not None and spec.name == "python"
+
+
+# -- documents' trees ----------------------------------------------------------------------------------------
+
+
+def _point(text: str, offset: int) -> tuple[int, Point]:
+    """(byte offset, tree-sitter point) of a character offset."""
+    row = text.count("\n", 0, offset)
+    ls = text.rfind("\n", 0, offset) + 1
+    line_bytes = len(text[ls:offset].encode("utf-8", "surrogatepass"))
+    before = len(text[:ls].encode("utf-8", "surrogatepass"))
+    return before + line_bytes, Point(row, line_bytes)
+
+
+def _end_point(start: Point, new: str) -> Point:
+    nl = new.count("\n")
+    if not nl:
+        return Point(start.row, start.column + len(new.encode("utf-8", "surrogatepass")))
+    return Point(start.row + nl, len(new[new.rfind("\n") + 1:].encode("utf-8", "surrogatepass")))
+
+
+def encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+class DocumentTree:
+    """One document's tree across edits: `edit` applies tree-sitter's edit API to the last tree (no parsing),
+    `tree(text)` reparses incrementally when edits are pending. Thread-safe: the daemon edits on its event
+    loop and parses on its worker. A tree handed out is never edited afterwards (edits go to a copy)."""
+
+    def __init__(self, spec: LanguageSpec, text: str):
+        self.spec = spec
+        self._lock = threading.Lock()
+        self._tree: Tree | None = None    # parsed for self._parsed, then edited towards self._text
+        self._text = text                 # the text the pending edits lead to
+        self._clean = False               # self._tree is a parse of self._text
+        self.parses = 0
+
+    def edit(self, old_text: str, start: int, end: int, new: str) -> None:
+        """old_text[start:end] became `new` (character offsets into old_text)."""
+        with self._lock:
+            if old_text is self._text or old_text == self._text:
+                if self._tree is not None:
+                    sb, sp = _point(old_text, start)
+                    eb, ep = _point(old_text, end)
+                    tree = self._tree.copy()
+                    tree.edit(start_byte=sb, old_end_byte=eb, new_end_byte=sb + len(encode(new)),
+                              start_point=sp, old_end_point=ep, new_end_point=_end_point(sp, new))
+                    self._tree = tree
+                self._text = old_text[:start] + new + old_text[end:]
+            else:   # out of step with the text it was told about: start over on the next parse
+                self._tree = None
+                self._text = old_text[:start] + new + old_text[end:]
+            self._clean = False
+
+    def reset(self, text: str) -> None:
+        with self._lock:
+            self._tree, self._text, self._clean = None, text, False
+
+    def tree(self, text: str) -> Tree | None:
+        """The tree of `text` (incremental when `text` is what the edits led to; else a fresh parse)."""
+        lang = self.spec.language()
+        if lang is None:
+            return None
+        with self._lock:
+            if text is not self._text and text != self._text:
+                return Parser(lang).parse(encode(text))
+            if not self._clean or self._tree is None:
+                self._tree = Parser(lang).parse(encode(text), self._tree) if self._tree is not None \
+                    else Parser(lang).parse(encode(text))
+                self._clean = True
+                self.parses += 1
+            return self._tree
+
+
+# -- the site ------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Site:
-    """The region around a cursor in a Python document: head + insertion + tail is what gets parsed."""
+    """The region around a cursor and what the stop rules need to know about it."""
 
-    head: str                       # the region up to the cursor (after a wrapper line if it is nested)
-    tail: str                       # the region from the cursor to its end
-    open_before: tuple[str, ...]    # brackets still open at the start of the cursor line, outermost first
-    closed_below: int               # closers in the lines below the cursor line that close brackets open above
-                                    # them (0 when no bracket is open at the cursor)
-    line_prefix: str = ""           # the cursor line up to the cursor (the end of head)
-    line_suffix: str = ""           # the cursor line from the cursor (the start of tail)
-    # False while a string is being typed at the cursor (or the cursor is inside a triple-quoted one): where
-    # the region ends is then unknown (a docstring's lines look like code), so no verdict is given.
+    spec: LanguageSpec
+    data: bytes                      # the document, UTF-8
+    cursor: int                      # byte offset of the cursor
+    ranges: tuple[tuple[int, int], ...]   # byte ranges parsed as the region (headers, the region, closers)
+    tree: Tree                       # the region's parse without the suggestion
+    errors: tuple[tuple[int, int, bool, str], ...]   # its error nodes: (start, end, missing, type)
+    open_before: tuple[str, ...] = ()    # brackets still open at the start of the cursor line, outermost first
+    closed_below: int = 0            # closers in the lines below the cursor line owed to brackets open above them
+    line_prefix: str = ""
+    line_suffix: str = ""
+    node_types: tuple[str, ...] = ()   # the cursor's ancestors in the region's tree, innermost first
     checkable: bool = True
+    ms: float = 0.0                  # time spent finding it (parse included)
 
 
 @dataclass(frozen=True)
 class Verdict:
     text: str        # what to show
-    outcome: str     # parses | cut | dropped (breaks valid code) | unjudged (mid-edit elsewhere)
-    parses: int      # ast.parse calls made
+    outcome: str     # parses | cut | dropped | unjudged
+    parses: int      # parses made for the verdict
     ms: float
+    reason: str = ""   # why it was cut or dropped (the first new error), "" when it passed whole
 
     def stats(self) -> dict:
-        return {"syntax_check": self.outcome, "syntax_parses": self.parses, "syntax_ms": round(self.ms, 3)}
+        out: dict = {"syntax_check": self.outcome, "syntax_parses": self.parses, "syntax_ms": round(self.ms, 3)}
+        if self.reason:
+            out["syntax_reason"] = self.reason
+        return out
 
 
-def scan_brackets(code: str) -> tuple[list[str], int, bool]:
-    """(brackets open at the end of code, innermost last; closers that had no opener; whether code
-    ends inside a triple-quoted string). Comments and strings are skipped."""
-    stack: list[str] = []
-    unmatched = 0
-    in_string = False
-    for m in _SCAN.finditer(code):
-        tok = m.group()
-        c = tok[0]
-        in_string = False
-        if c in _PAIRS:
-            stack.append(c)
-        elif c in _CLOSERS:
-            if stack:
-                stack.pop()   # a wrong kind is a syntax error the parse reports; depth is what counts here
-            else:
-                unmatched += 1
-        elif m.group("d3") == "" or m.group("s3") == "":
-            in_string = True
-    return stack, unmatched, in_string
-
-
-def _line_kind(line: str) -> tuple[int, str] | None:
-    """(indentation, kind) of a code line, None for blank and comment lines. kind: stmt (may start a
-    statement), continue (else/elif/except/finally: part of the statement above), closer (ends a bracket)."""
-    body = line.lstrip(" \t")
-    if not body.strip() or body.startswith("#"):
+def _parser(spec: LanguageSpec, ranges: tuple[tuple[int, int], ...] | None, data: bytes) -> Parser | None:
+    lang = spec.language()
+    if lang is None:
         return None
-    indent = len(line[: len(line) - len(body)].expandtabs(8))   # the tokenizer's tab stops
-    if body[0] in _CLOSERS:
-        return indent, "closer"
-    if _CONTINUES.match(body):
-        return indent, "continue"
-    if not _STATEMENT.match(body):
-        return None   # prose (a docstring's lines): neither starts nor ends a block
-    return indent, "stmt"
+    parser = Parser(lang)
+    if ranges is not None:
+        parser.included_ranges = [_range(data, a, b) for a, b in ranges]
+    return parser
 
 
-def _continued(text: str, s: int) -> bool:
-    """The code line before the line starting at `s` does not end its statement (it ends in a comma, an
-    opening bracket, a backslash or an operator), so that line is a continuation, not a statement start."""
-    e = s - 1
-    for _ in range(50):   # blank and comment lines between are skipped, a bounded number of them
-        if e < 0:
-            return False
-        b = text.rfind("\n", 0, e) + 1
-        line = text[b:e].strip()
-        if line and not line.startswith("#"):
-            return line.endswith(_CONTINUATION_ENDINGS)
-        e = b - 1
-    return False
+def _range(data: bytes, a: int, b: int) -> Range:
+    return Range(_bpoint(data, a), _bpoint(data, b), a, b)
 
 
-_CONTINUATION_ENDINGS = tuple(",([{\\+-*/%&|^=<>.@")
+def _bpoint(data: bytes, b: int) -> Point:
+    ls = data.rfind(b"\n", 0, b) + 1
+    return Point(data.count(b"\n", 0, b), b - ls)
 
 
-def _enclosing(text: str, ls: int, le: int) -> list[tuple[int, int]]:
-    """(start, indentation) of the lines that may start a block enclosing the cursor line, innermost
-    first, within MAX_REGION_CHARS above it: each is less indented than every code line after it."""
-    out: list[tuple[int, int]] = []
-    bound: int | None = None
-    floor = max(0, ls - MAX_REGION_CHARS)
-    s, e = ls, le
-    while True:
-        kind = _line_kind(text[s:e])
-        if kind is not None:
-            indent, what = kind
-            if (bound is None or indent < bound) and not (what == "stmt" and _continued(text, s)):
-                if what == "stmt":
-                    out.append((s, indent))
-                    bound = indent
-                    if indent == 0:
-                        break
-                else:
-                    bound = indent + 1   # its statement starts on an earlier line at this indentation or less
-        if s <= floor:
-            break
-        e = s - 1
-        s = text.rfind("\n", 0, e) + 1
-    return out
+def _line_start(data: bytes, b: int) -> int:
+    return data.rfind(b"\n", 0, b) + 1
 
 
-def _block_end(text: str, le: int, start: int, indent: int) -> int | None:
-    """Where the block starting at `start` with `indent` ends after the cursor line (the next line that
-    starts a statement at that indentation or less); None past MAX_REGION_CHARS."""
-    p = le + 1
-    decorated = text[text.rfind("\n", 0, le) + 1:le].lstrip().startswith("@")
-    while p < len(text):
-        q = text.find("\n", p)
-        q = len(text) if q < 0 else q
-        kind = _line_kind(text[p:q])
-        if kind is not None:
-            ind, what = kind
-            # The definition a decorator line decorates belongs to the decorator's statement.
-            if ind < indent and what != "closer" or ind == indent and what == "stmt" and not decorated:
-                return p if p - start <= MAX_REGION_CHARS else None
-            decorated = text[p:q].lstrip().startswith("@")
-        if q - start > MAX_REGION_CHARS:
-            return None
-        p = q + 1
-    return len(text) if len(text) - start <= MAX_REGION_CHARS else None
+def _region(spec: LanguageSpec, doc_tree: Tree, data: bytes, cursor: int) -> tuple[tuple[int, int], ...] | None:
+    """Byte ranges to parse for the cursor: None for the whole document (it fits the bound), else the headers
+    of the constructs around the region, the region, and their closing brackets."""
+    if len(data) <= MAX_REGION_BYTES:
+        return None
+    root = doc_tree.root_node
+    # The path from the top-level construct holding the cursor down to the smallest node around it.
+    path: list[Node] = []
+    node: Node | None = root.descendant_for_byte_range(max(0, cursor - 1), cursor)
+    while node is not None and node != root:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    if not path:
+        return _window(data, cursor)
+    top = path[0]
+    if top.end_byte - top.start_byte <= MAX_REGION_BYTES:
+        return ((_line_start(data, top.start_byte), max(top.end_byte, cursor)),)
+    units = spec.statements | spec.definitions
+    # The outermost statement / definition on the path that fits; its enclosing constructs contribute
+    # their headers (what precedes their first member) and their closing brackets.
+    chosen = next((i for i, n in enumerate(path) if n.type in units and n.end_byte - n.start_byte <= MAX_REGION_BYTES
+                   and i > 0), None)
+    if chosen is None:
+        return _window(data, cursor)
+    region = path[chosen]
+    heads: list[tuple[int, int]] = []
+    tails: list[tuple[int, int]] = []
+    for anc, child in itertools.pairwise(path[:chosen + 1]):
+        first = next((c for c in anc.children if c.type in units or c == child or c.start_byte >= child.start_byte),
+                     child)
+        hb = first.start_byte
+        if data.find(b"\n", anc.start_byte, hb) >= 0:
+            hb = _line_start(data, hb)   # up to the header's line end: the region brings its own indentation
+        if hb > anc.start_byte:
+            heads.append((anc.start_byte, hb))
+        last = anc.children[-1] if anc.child_count else None
+        if last is not None and not last.is_named and last.type in spec.close_brackets and last.start_byte >= region.end_byte:
+            tails.append((last.start_byte, last.end_byte))
+    start = _line_start(data, region.start_byte)
+    ranges = [r for r in heads if r[1] <= start] + [(start, max(region.end_byte, cursor))] + list(reversed(tails))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        elif b > a:
+            merged.append((a, b))
+    if sum(b - a for a, b in merged) > 2 * MAX_REGION_BYTES:
+        return _window(data, cursor)
+    return tuple(merged)
 
 
-def site_at(text: str, offset: int) -> Site | None:
-    """The Site around `offset` in Python `text`, or None when no enclosing block fits the bound."""
+def _window(data: bytes, cursor: int) -> tuple[tuple[int, int], ...]:
+    """No construct fits: the lines around the cursor (errors at its edges are in both parses alike)."""
+    half = MAX_REGION_BYTES // 2
+    a = _line_start(data, max(0, cursor - half))
+    b = data.find(b"\n", min(len(data), cursor + half))
+    return ((a, len(data) if b < 0 else b),)
+
+
+def _shift(ranges: tuple[tuple[int, int], ...] | None, at: int, n: int) -> tuple[tuple[int, int], ...] | None:
+    """The ranges after n bytes are inserted at byte `at` (a range holding `at` grows)."""
+    if ranges is None:
+        return None
+    return tuple((a + n if a > at else a, b + n if b >= at else b) for a, b in ranges)
+
+
+def errors_in(tree: Tree, limit: int = MAX_ERRORS) -> list[tuple[int, int, bool, str]]:
+    """The tree's ERROR and MISSING nodes, (start byte, end byte, missing, type), in document order; only
+    nodes holding errors are visited."""
+    out: list[tuple[int, int, bool, str]] = []
+    stack = [tree.root_node]
+    while stack and len(out) < limit:
+        n = stack.pop()
+        if n.is_missing:
+            out.append((n.start_byte, n.end_byte, True, n.type))
+            continue
+        if n.is_error:
+            out.append((n.start_byte, n.end_byte, False, "ERROR"))
+        if n.has_error:
+            stack.extend(reversed(n.children))
+    return sorted(out)
+
+
+def _leaves(node: Node, spec: LanguageSpec, lo: int, hi: int) -> Iterator[Node]:
+    """Leaf tokens of `node` in [lo, hi), strings and comments skipped whole, in order, bounded."""
+    skip = spec.strings | spec.comments
+    stack = [node]
+    seen = 0
+    while stack:
+        n = stack.pop()
+        if n.end_byte <= lo or n.start_byte >= hi:
+            continue
+        seen += 1
+        if seen > MAX_LEAVES:
+            return
+        if n.type in skip and not n.is_error:
+            continue
+        if n.child_count == 0:
+            yield n
+        else:
+            stack.extend(reversed(n.children))
+
+
+def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, le: int) -> tuple[tuple[str, ...], int]:
+    """(brackets open at the start of the cursor line, outermost first; closers below the line that close
+    brackets open above it), within the statement that holds the line start."""
+    root = tree.root_node
+    node: Node | None = root.descendant_for_byte_range(ls, ls)
+    holder: Node | None = None
+    while node is not None:
+        if node.start_byte < ls and (node.type in spec.strings or node.type in spec.comments):
+            return (), 0   # the line starts inside a multi-line string or comment
+        if node.start_byte < ls and (node.type in spec.statements or node.parent is None or node.parent == root
+                                     or node.is_error):
+            holder = node
+            if node.type in spec.statements or node.parent == root or node.parent is None:
+                break
+        node = node.parent
+    if holder is None:
+        return (), 0
+    pairs = dict(spec.brackets)
+    closers = {c: o for o, c in spec.brackets}
+    stack: list[str] = []
+    for leaf in _leaves(holder, spec, holder.start_byte, ls):
+        t = leaf.type
+        if leaf.is_missing or _block_brace(spec, leaf):
+            continue
+        if t in pairs:
+            stack.append(t)
+        elif t in closers and stack:
+            stack.pop()
+    if not stack:
+        return (), 0
+    depth = 0
+    owed = 0
+    for leaf in _leaves(holder, spec, le, holder.end_byte):
+        t = leaf.type
+        if leaf.is_missing or _block_brace(spec, leaf):
+            continue
+        if t in pairs:
+            depth += 1
+        elif t in closers:
+            if depth:
+                depth -= 1
+            else:
+                owed += 1
+    return tuple(stack), min(owed, len(stack))
+
+
+def _block_brace(spec: LanguageSpec, leaf: Node) -> bool:
+    """A brace of a block (a body), not a bracket of an expression: the stop rules' brackets are the latter."""
+    parent = leaf.parent
+    if parent is None:
+        return False
+    if parent.type in spec.blocks:
+        return True
+    # Error recovery flattens an unclosed body into an ERROR node: a `{` ending its line is taken for one.
+    return parent.is_error and leaf.type == "{" and spec.body_opener == "{" and leaf.next_sibling is not None \
+        and leaf.next_sibling.start_point.row > leaf.end_point.row
+
+
+def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
+    out: list[str] = []
+    node: Node | None = tree.root_node.descendant_for_byte_range(max(0, b - 1), b)
+    while node is not None and len(out) < 24:
+        out.append(node.type)
+        node = node.parent
+    return tuple(out)
+
+
+def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None,
+            data: bytes | None = None) -> Site | None:
+    """The Site around `offset`, or None when the language (a spec, or an LSP id or name) has no grammar
+    here. tree: the document's own (a DocumentTree's); parsed here when not given."""
+    if isinstance(spec, str):
+        spec = spec_of(spec)
+    if spec is None or spec.language() is None:
+        return None
+    t0 = time.perf_counter()
+    data = encode(text) if data is None else data
+    cursor = len(encode(text[:offset]))
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
-    for start, indent in reversed(_enclosing(text, ls, le)):   # the outermost block that fits
-        if offset - start > MAX_REGION_CHARS:
+    ranges: tuple[tuple[int, int], ...] | None = None
+    if len(data) > MAX_REGION_BYTES:
+        if tree is None:
+            tree = Parser(spec.language()).parse(data)
+        ranges = _region(spec, tree, data, cursor)
+    parser = _parser(spec, ranges, data)
+    assert parser is not None
+    region_tree = parser.parse(data) if ranges is not None or tree is None else tree
+    bls, ble = cursor - len(encode(text[ls:offset])), cursor + len(encode(text[offset:le]))
+    open_before, closed_below = _brackets_around_line(spec, region_tree, data, bls, ble)
+    return Site(spec=spec, data=data, cursor=cursor, ranges=ranges or (), tree=region_tree,
+                errors=tuple(errors_in(region_tree)), open_before=open_before, closed_below=closed_below,
+                line_prefix=text[ls:offset], line_suffix=text[offset:le],
+                node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0))
+
+
+# -- the verdict ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Parse:
+    errors: list[tuple[int, int, bool, str]]
+    new: list[tuple[int, int, bool, str]] = field(default_factory=list)
+
+
+def _inserted(site: Site, insert: bytes) -> Tree:
+    data = site.data[:site.cursor] + insert + site.data[site.cursor:]
+    ranges = _shift(site.ranges or None, site.cursor, len(insert))
+    parser = _parser(site.spec, ranges, data)
+    assert parser is not None
+    if ranges is None:
+        # Incremental from the region's own tree: only the inserted span is re-read.
+        old = site.tree.copy()
+        sp = _bpoint(site.data, site.cursor)
+        ep = _end_point(sp, insert.decode("utf-8", "surrogatepass"))
+        old.edit(start_byte=site.cursor, old_end_byte=site.cursor, new_end_byte=site.cursor + len(insert),
+                 start_point=sp, old_end_point=sp, new_end_point=ep)
+        return parser.parse(data, old)
+    return parser.parse(data)
+
+
+def _new_errors(site: Site, after: list[tuple[int, int, bool, str]], n: int) -> list[tuple[int, int, bool, str]]:
+    """The errors of the parse with n bytes inserted at the cursor that the region did not have before."""
+    a0, a1 = site.cursor, site.cursor + n
+
+    def back(p: int) -> int:
+        return p if p <= a0 else a0 if p < a1 else p - n
+
+    new = []
+    for e in after:
+        s, t, missing, _ = e
+        inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and n > 0)
+        if inside:
+            new.append(e)
             continue
-        end = _block_end(text, le, start, indent)
-        if end is None:
-            continue
-        stack, _, in_string = scan_brackets(text[start:ls])
-        closed_below = scan_brackets(text[le + 1:end])[1] if le < end else 0
-        # A nested block is parsed as the body of a wrapper statement, so its indentation is legal.
-        wrap = "if 1:\n" if indent else ""
-        before: tuple[str, ...] = () if in_string else tuple(stack)
-        return Site(head=wrap + text[start:offset], tail=text[offset:end], line_prefix=text[ls:offset],
-                    line_suffix=text[offset:le], open_before=before,
-                    closed_below=closed_below if before or scan_brackets(text[ls:offset])[0] else 0,
-                    checkable=not in_string and not _typing_string(text[ls:offset]))
-    return None
+        ms, mt = back(s), back(t)
+        if not any(ms <= bt and bs <= mt for bs, bt, _, _ in site.errors):
+            new.append(e)
+    return new
 
 
-def _typing_string(line_prefix: str) -> bool:
-    """The cursor line's text ends inside a triple-quoted string literal, or with `""` / `''` (a triple
-    quote half typed). A one-line string left open ends at its line whatever follows, so the region is
-    known and a suggestion inside it is judged like any other (it must close the string to parse)."""
-    last = None
-    for m in _SCAN.finditer(line_prefix):
-        last = m.group()
-    if last is None or last[0] not in "'\"":
-        return False
-    if last[:3] in ('"""', "'''"):
-        return len(last) < 6 or not last.endswith(last[:3])
-    return last in ('""', "''") and line_prefix.endswith(last)
+def _open_at_line_ends(spec: LanguageSpec, s: str) -> str | None:
+    """The closers for the brackets `s` leaves open when each of them ends a line of `s` (a block or a list
+    the user goes on to fill), innermost first; None when one is left open mid-line. Strings and comments
+    are not told apart here: the parse with the closers appended judges the result."""
+    pairs = dict(spec.brackets)
+    closers = {c: o for o, c in spec.brackets}
+    stack: list[tuple[str, int]] = []
+    for i, c in enumerate(s):
+        if c in pairs:
+            stack.append((c, i))
+        elif c in closers and stack and stack[-1][0] == closers[c]:
+            stack.pop()
+    if not stack:
+        return ""
+    for c, i in stack:
+        rest = s[i + 1:]
+        nl = rest.find("\n")
+        if (rest if nl < 0 else rest[:nl]).strip():
+            return None
+    return "".join(pairs[c] for c, _ in reversed(stack))
 
 
-def parses(source: str) -> bool:
-    """Whether `source` is valid Python syntax. Only the parser runs (no compile, no code)."""
-    return error_at(source) is None
+def _describe(site: Site, data: bytes, e: tuple[int, int, bool, str]) -> str:
+    s, t, missing, kind = e
+    row = data.count(b"\n", 0, s) - site.data.count(b"\n", 0, site.cursor) + 1
+    where = "on the cursor line" if row == 1 else f"on line {row} of the suggestion" if row > 1 else "above"
+    if missing:
+        return f"leaves a syntax error {where}: a missing {kind!r}"
+    snippet = data[s:min(t, s + 24)].decode("utf-8", "replace").split("\n")[0]
+    return f"adds a syntax error {where} at {snippet!r}"
 
 
-def error_at(source: str) -> int | None:
-    """None when `source` is valid Python syntax, else the offset in it where the parser reports its
-    first error (len(source) when it names no place). Only the parser runs (no compile, no code)."""
-    with warnings.catch_warnings():
-        # Invalid escape sequences and the like are warnings of the parser, not errors. (The filter
-        # is process-wide while it is set; these categories are all it touches.)
-        warnings.simplefilter("ignore", SyntaxWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            ast.parse(source)
-        except SyntaxError as exc:   # IndentationError included
-            if str(exc.msg).endswith("was never closed"):
-                # Reported at the opener, but found at the end: the parser read everything after it.
-                return len(source)
-            return _offset(source, exc.lineno, exc.offset)
-        except (ValueError, MemoryError, RecursionError):
-            # ValueError: NUL characters (before 3.12); MemoryError / RecursionError: nesting too deep.
-            return len(source)
-    return None
-
-
-def _offset(source: str, lineno: int | None, col: int | None) -> int:
-    """The character offset of (1-based line, 1-based column) in source, clamped to it."""
-    if not lineno:
-        return len(source)
-    pos = 0
-    for _ in range(lineno - 1):
-        nl = source.find("\n", pos)
-        if nl < 0:
-            return len(source)
-        pos = nl + 1
-    return min(len(source), pos + max(0, (col or 1) - 1))
-
-
-def cuts(s: str, limit: int = MAX_PARSES) -> list[str]:
-    """Up to `limit` shorter versions of the suggestion `s`, longest first: at each line end, then at
-    token boundaries of the first line. Empty and whitespace-only cuts are left out."""
+def cuts(s: str, limit: int = MAX_PARSES, blank_line: bool = False) -> list[str]:
+    """Up to `limit` shorter versions of the suggestion `s`, longest first: at each line end, then at token
+    boundaries of the first line (on a line with nothing before the cursor, only cuts of two tokens or
+    more: a lone name left of an unfinished line is no suggestion). Empty and blank cuts are left out."""
     out: list[str] = []
     ends = [m.start() for m in re.finditer("\n", s)]
     for p in reversed(ends):
@@ -288,113 +478,202 @@ def cuts(s: str, limit: int = MAX_PARSES) -> list[str]:
             out.append(c)
     first = s[: ends[0]] if ends else s
     whole = first.rstrip()
-    # Token ends of the first line, last first; only as many as may be tried.
     bounds = [m.end() for m in _TOKEN.finditer(first)]
-    for e in reversed(bounds[-(limit + 2):]):
-        c = first[:e].rstrip()
-        if len(out) >= limit:
+    least = 2 if blank_line else 1
+    for k in range(len(bounds) - 1, least - 2, -1):
+        if k < least - 1 or len(out) >= limit:
             break
+        c = first[:bounds[k]].rstrip()
         if c.strip() and c != whole and (not out or c != out[-1]):
             out.append(c)
     return out
+
+
+def _closers(site: Site, x: str) -> str:
+    """The closers of the brackets open at the end of the cursor line with `x` typed (those earlier lines
+    of the statement opened included, less those the lines below close), innermost first. Quoted text and
+    line comments are skipped."""
+    pairs = dict(site.spec.brackets)
+    closers = {c: o for o, c in site.spec.brackets}
+    stack = list(site.open_before)
+    quote = ""
+    text = site.line_prefix + x
+    i = 0
+    comment = site.spec.line_comment
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote or c == "\n":
+                quote = ""
+        elif c in "'\"`":
+            quote = c
+        elif c == "\n":
+            pass
+        elif text.startswith(comment, i):
+            nl = text.find("\n", i)
+            i = len(text) if nl < 0 else nl
+            continue
+        elif c in pairs:
+            stack.append(c)
+        elif c in closers and len(stack) > site.closed_below and stack[-1] == closers[c]:
+            stack.pop()
+        i += 1
+    # The outermost brackets the lines below close stay open.
+    return "".join(pairs[c] for c in reversed(stack[site.closed_below:]))
+
+
+def _endings(spec: LanguageSpec) -> tuple[str, ...]:
+    """What may follow a statement's open brackets to finish it, tried in order: nothing, a body opener."""
+    if spec.name == "python":
+        return ("", ":")
+    if spec.name == "bash":
+        return ("",)
+    return ("", " {}", ";")
 
 
 def check(site: Site, s: str) -> Verdict:
     """What of suggestion `s` to show at `site` (see the module doc). Never raises for any text."""
     t0 = time.perf_counter()
     count = 0
+    seen: dict[str, list[tuple[int, int, bool, str]]] = {}
+    trees: dict[str, list[tuple[int, int, bool, str]]] = {}
+    reasons: list[str] = []
+    data = site.data
+    line_start = data.rfind(b"\n", 0, site.cursor) + 1
+    le = data.find(b"\n", site.cursor)
+    line_end = len(data) if le < 0 else le
 
-    errors: dict[str, int | None] = {}   # insertion -> where the region with it fails to parse
-
-    def ok(insert: str) -> bool:
+    def errors_with(insert: str) -> list[tuple[int, int, bool, str]]:
         nonlocal count
-        if insert not in errors:
+        if insert not in trees:
             count += 1
-            errors[insert] = error_at(site.head + insert + site.tail)
-        return errors[insert] is None
+            trees[insert] = errors_in(_inserted(site, encode(insert)))
+        return trees[insert]
+
+    def new_errors(insert: str) -> list[tuple[int, int, bool, str]]:
+        if insert not in seen:
+            raw = encode(insert)
+            found = _new_errors(site, errors_with(insert), len(raw))
+            if found and not reasons:
+                reasons.append(_describe(site, data[:site.cursor] + raw + data[site.cursor:], found[0]))
+            seen[insert] = found
+        return seen[insert]
+
+    def clean(insert: str) -> bool:
+        if not new_errors(insert):
+            return True
+        # A bracket (a block's `{`) the suggestion opens at a line's end: judged with its closer appended.
+        closing = _open_at_line_ends(site.spec, insert)
+        if closing and count < MAX_PARSES:
+            return not new_errors(insert + closing)
+        if site.spec.name == "bash" and insert.rstrip().endswith(_BLOCK_KEYWORD_OPENERS):
+            return all(m and k in _KEYWORD_CLOSERS for _, _, m, k in new_errors(insert))
+        return False
+
+    # The cursor line and the code line after it: an error there is the unfinished edit's.
+    p = line_end
+    while p < len(data):
+        q = data.find(b"\n", p + 1)
+        q = len(data) if q < 0 else q
+        if data[p + 1:q].strip():
+            break
+        p = q
+    near_end = min(len(data), max(line_end, p if p >= len(data) else q))
+
+    def viable(insert: str) -> bool:
+        """The statement being typed, with `insert` and then only its open brackets closed (and a body
+        opener or a terminator), has no error left on its lines and the next code line: the suggestion
+        heads where the user goes."""
+        closing = _closers(site, insert)
+        for ending in _endings(site.spec):
+            if count >= MAX_PARSES:
+                return False
+            probe = insert + closing + ending
+            end = near_end + len(encode(probe))
+            if not any(a <= end and b >= line_start for a, b, _, _ in errors_with(probe)):
+                return True
+        return False
+
+    # Unfinished here: an error on the cursor line or the next code line before anything is inserted.
+    unfinished = any(a <= near_end and b >= line_start for a, b, _, _ in site.errors)
 
     def done(text: str, outcome: str) -> Verdict:
-        return Verdict(text, outcome, count, 1000 * (time.perf_counter() - t0))
+        reason = reasons[0] if reasons and outcome in ("cut", "dropped") else ""
+        return Verdict(text, outcome, count, 1000 * (time.perf_counter() - t0), reason)
 
-    if not site.checkable:
-        return done(s, "unjudged")
-    if not s.strip() or ok(s):
-        return done(s, "parses")
-    for c in cuts(s, MAX_PARSES - 4):
-        if count >= MAX_PARSES - 3:   # three parses stay for the nothing-inserted, cursor-line and mid-edit tests
-            break
-        if ok(c):
-            return done(c, "cut")
-    if ok(""):
+    try:
+        if not s.strip():
+            return done(s, "parses")
+        blank = not site.line_prefix.strip()
+        if unfinished:
+            # The suggestion, or the longest cut of it, must leave the statement finishable. Where the text
+            # without it is not finishable either (broken further on), it must only add no error.
+            if viable(s):
+                return done(s, "parses")
+            for c in cuts(s, MAX_PARSES, blank):
+                if count >= MAX_PARSES - 2:
+                    break
+                if viable(c):
+                    if not reasons:
+                        reasons.append("only part of it leaves the line being typed finishable")
+                    return done(c, "cut")
+            if viable(""):
+                if not reasons:
+                    reasons.append("leaves the line being typed unfinishable")
+                return done("", "dropped")
+        if clean(s):
+            return done(s, "unjudged" if unfinished else "parses")
+        # A cut keeping a token the parser could not place (an error past the start of the suggestion) cannot
+        # be clean: those are not tried.
+        first_new = min((e[0] for e in seen.get(s, []) if not e[2] and e[0] > site.cursor), default=None)
+        limit_at = None if first_new is None else first_new - site.cursor
+        for c in cuts(s, MAX_PARSES, blank):
+            if count >= MAX_PARSES:
+                break
+            if limit_at is not None and limit_at < len(encode(c)):
+                continue
+            if clean(c):
+                return done(c, "cut")
         return done("", "dropped")
-    if not site.open_before:
-        count += 1
-        if _only_this_line_is_broken(site):
-            # The user is mid-edit here, not elsewhere: the block parses with the cursor line set aside,
-            # and neither the suggestion nor any cut of it completes that line into valid code.
-            return done("", "dropped")
-    # Mid-edit: the region is broken with nothing inserted, so no insertion parses. When the parser got past
-    # the cursor without the suggestion, the suggestion is judged by where the parser stops with it: past
-    # the inserted text, and no earlier than the floor below. If it stops inside the suggestion, the text
-    # before that point is tried once; otherwise nothing is shown.
-    p, e0 = len(site.head), errors[""]
-    if e0 is None or e0 < p:
-        return done(s, "unjudged")   # broken above the cursor: nothing to compare with
-    # An error on the cursor line or the code line after it is taken to be this edit's: the suggestion
-    # must get the parser past both (a line left unfinished leaves the next one dangling: `@pyt` above
-    # `    name="x",`). One further below is someone else's: the parser must get no less far than before.
-    near = _next_code_line_end(site.tail, len(site.line_suffix))
-    floor = p + near + 1 if e0 <= p + near else e0
-
-    def consistent(insert: str) -> bool:
-        # An error at the very end (an unclosed bracket or block at the end of the file) is no place: the
-        # parser read everything, and an unfinished region may end that way with any good suggestion.
-        e = errors[insert]
-        end = len(site.head) + len(insert) + len(site.tail)
-        return e is not None and e >= p + len(insert) and (e - len(insert) >= floor or e == end)
-
-    if consistent(s):
-        return done(s, "unjudged")
-    e1 = errors[s]
-    if e1 is not None and p <= e1 < p + len(s) and count < MAX_PARSES:
-        c = _cut_before(s, e1 - p)
-        if c.strip() and (ok(c) or consistent(c)):
-            return done(c, "cut")
-    return done("", "dropped")
+    except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:   # a parser refusing the text
+        return Verdict(s, "unjudged", count, 1000 * (time.perf_counter() - t0), f"not judged: {exc}")
 
 
-def _next_code_line_end(tail: str, line_end: int) -> int:
-    """In tail (starting at the cursor, its cursor line ending at `line_end`), where the first line below
-    the cursor line that is not blank or a comment ends (line_end when there is none)."""
-    p = line_end
-    while p < len(tail):
-        q = tail.find("\n", p + 1)
-        q = len(tail) if q < 0 else q
-        line = tail[p + 1:q].strip()
-        if line and not line.startswith("#"):
-            return q
-        p = q
-    return line_end
+# -- whole-file checks (the eval's judge) --------------------------------------------------------------------
 
 
-def _cut_before(s: str, at: int) -> str:
-    """s cut before offset `at`, back to the last whole token (or line end) before it, right-trimmed."""
-    head = s[:at]
-    if at < len(s) and head and (head[-1].isalnum() or head[-1] == "_") and (s[at].isalnum() or s[at] == "_"):
-        # The error is inside a word: not half of it. A loop, not re.sub(r"\w+$"), whose search backtracks
-        # quadratically over long runs of word characters.
-        end = len(head)
-        while end > 0 and (head[end - 1].isalnum() or head[end - 1] == "_"):
-            end -= 1
-        head = head[:end]
-    return head.rstrip()
+def parses(source: str, spec: LanguageSpec | None = None) -> bool:
+    """Whether `source` is valid: Python by its own parser (`ast`: only the parser runs, no code), other
+    languages by their tree-sitter grammar (no ERROR or MISSING node)."""
+    if spec is None or spec.name == "python":
+        return error_at(source) is None
+    lang = spec.language()
+    if lang is None:
+        return True
+    return not Parser(lang).parse(encode(source)).root_node.has_error
 
 
-def _only_this_line_is_broken(site: Site) -> bool:
-    """The region parses with the cursor line replaced by `pass` at its indentation (a continuation line
-    inside brackets is never set aside: callers check open_before)."""
-    line = site.line_prefix + site.line_suffix
-    indent = line[: len(line) - len(line.lstrip(" \t"))]
-    head = site.head[: len(site.head) - len(site.line_prefix)]
-    tail = site.tail[len(site.line_suffix):]
-    return parses(head + indent + "pass" + tail)
+def error_at(source: str) -> int | None:
+    """None when `source` is valid Python syntax, else the offset in it where the parser reports its
+    first error (len(source) when it names no place). Only the parser runs (no compile, no code)."""
+    with warnings.catch_warnings():
+        # Invalid escape sequences and the like are warnings of the parser, not errors.
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            ast.parse(source)
+        except SyntaxError as exc:   # IndentationError included
+            if not exc.lineno:
+                return len(source)
+            pos = 0
+            for _ in range(exc.lineno - 1):
+                nl = source.find("\n", pos)
+                if nl < 0:
+                    return len(source)
+                pos = nl + 1
+            return min(len(source), pos + max(0, (exc.offset or 1) - 1))
+        except (ValueError, MemoryError, RecursionError):
+            return len(source)
+    return None
