@@ -276,3 +276,47 @@ def test_remote_path_checks_suggestions(language, expected):
     assert [s.text for s in done.suggestions] == [expected]
 
 
+
+
+def test_a_withheld_suggestion_says_why(tok):
+    from completiond import config as config_mod
+    from completiond.completion.completer import suggest
+    from completiond.completion.suggest import LocalCompleter
+    from completiond.config import Config
+    from completiond.engine.cancel import CancelToken
+
+    cfg, errors = config_mod.merge(Config(), {"tokenHealing": False})
+    assert not errors
+    done = suggest(LocalCompleter(ScriptedEngine(tok, "else:\n")), FUNC + AFTER, len(FUNC), cfg,
+                   cancel=CancelToken(), language="python")
+    assert done.suggestion is None
+    assert done.withheld.startswith("syntax check: ") and "syntax error" in done.withheld
+    assert done.stats["syntax_check"] == "dropped" and done.stats["syntax_reason"] in done.withheld
+
+
+def test_the_service_reports_and_counts_withheld_suggestions():
+    from completiond.config import Config
+    from completiond.serving.scheduler import OK, Outcome
+    from completiond.serving.service import Service
+
+    service = Service(Config())
+    service._account(Outcome(OK, {"suggestion": None, "withheld": "syntax check: x", "stats": {}}))
+    service._account(Outcome(OK, {"suggestion": None, "stats": {}}))
+    assert service.stats()["withheld_syntax"] == 1 and service.stats()["empty"] == 2
+
+
+def test_an_open_documents_tree_follows_its_edits():
+    from tree_sitter import Parser
+
+    from completiond.completion.documents import Document
+
+    doc = Document(uri="file:///w/a.ts", text="function f(x: number) {\n  return x;\n}\n", version=1)
+    keeper = doc.syntax()
+    assert keeper is not None and keeper.spec.name == "typescript"
+    keeper.tree(doc.text)
+    doc.apply_edits([(24, 24, "  const y = [\n"), (24 + 13, 24 + 13, "1];")], 2)
+    assert doc.text == "function f(x: number) {\n  const y = [1];\n  return x;\n}\n"
+    tree = keeper.tree(doc.text)
+    fresh = Parser(keeper.spec.language()).parse(doc.text.encode())
+    assert str(tree.root_node) == str(fresh.root_node) and not tree.root_node.has_error and keeper.parses == 2
+    assert Document(uri="file:///w/notes.txt", text="x").syntax() is None

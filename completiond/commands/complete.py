@@ -126,7 +126,7 @@ def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = Non
         warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
     load_ms = (time.perf_counter() - t0) * 1000
     t1 = time.perf_counter()
-    # the path names the language (the Python syntax check of the suggestion) as an editor's document would
+    # the path names the language (the syntax check of the suggestion) as an editor's document would
     done = suggest(completer, text, offset, dataclasses.replace(cfg, alternatives=1), cancel=CancelToken(), path=path)
     described = {"load_ms": round(load_ms, 1), "model": completer.name, "device": completer.device}
     if done.skipped:
@@ -137,6 +137,7 @@ def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = Non
         "suggestion": None if suggestion is None else {"text": suggestion.text, "start": suggestion.start,
                                                        "end": suggestion.end, "multiline": suggestion.multiline},
         "finish_reason": done.finish_reason, "stats": done.stats, "latency_ms": round(latency, 2), **described,
+        **({"withheld": done.withheld} if done.withheld and suggestion is None else {}),
     }
 
 

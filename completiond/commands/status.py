@@ -70,6 +70,9 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     lines.append(f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else ""))
     lines.append(f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
                  f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors")
+    if stats.get("withheld_syntax"):
+        lines.append(f"  syntax   {stats['withheld_syntax']:.0f} suggestions withheld by the syntax check "
+                     f"(of {stats.get('empty', 0):.0f} requests with none shown)")
     counts = st.get("suggestions") or {}
     accepted = sum(counts.get(k, 0) for k in ("accepted_full", "accepted_word", "accepted_line"))
     lines.append(f"  editors  {counts.get('shown', 0)} suggestions shown, {accepted} accepted "

@@ -60,6 +60,7 @@ class Completion:
     stats: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)   # settings problems worked around, for the user
     generation: Any = None       # the first generation as the completer made it (tokens, for tools and tests)
+    withheld: str | None = None  # why the model's suggestion is not shown (the syntax check dropped it)
 
     @property
     def suggestion(self) -> Suggestion | None:
@@ -73,6 +74,14 @@ class Completion:
 OnRound = Callable[[list[int]], None]
 
 
+def withheld(verdict: Any) -> str | None:
+    """Why a suggestion the model made is not shown, from the syntax check's verdict (syntax.Verdict); None
+    when it was not withheld (shown, cut, or not checked)."""
+    if verdict is None or getattr(verdict, "outcome", None) != "dropped":
+        return None
+    return f"syntax check: {verdict.reason or 'adds a syntax error'}"
+
+
 class Completer(Protocol):
     """The one interface the service completes through."""
 
@@ -82,9 +91,10 @@ class Completer(Protocol):
     device: str
 
     def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
+                 tree: Any = None) -> Completion:
         """One completion on the worker thread. Raises PromptError (or another CompletionError) for a
-        request it cannot serve."""
+        request it cannot serve. tree: the document's syntax tree when the caller keeps one (syntax.py)."""
         ...
 
     def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
@@ -105,8 +115,9 @@ class Completer(Protocol):
 
 
 def suggest(completer: Completer, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
-            language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+            language: str | None = None, context: Sequence[tuple[str, str]] = (), tree: Any = None) -> Completion:
     """One completion at `offset` in `text`, from whatever completes (the one pipeline's entry point)."""
     if not 0 <= offset <= len(text):
         raise PromptError(f"cursor offset {offset} outside a document of {len(text)} characters")
-    return completer.complete(text, offset, cfg, cancel=cancel, path=path, language=language, context=context)
+    return completer.complete(text, offset, cfg, cancel=cancel, path=path, language=language, context=context,
+                              tree=tree)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from completiond.completion.syntax import DocumentTree
 
 UTF8 = "utf-8"
 UTF16 = "utf-16"
@@ -103,6 +107,27 @@ class Document:
     version: int = 0
     language_id: str = ""
     _starts: list[int] | None = field(default=None, repr=False)
+    # The syntax tree, kept across edits once a request asked for it (syntax.DocumentTree).
+    _syntax: DocumentTree | None = field(default=None, repr=False)
+    _no_grammar: bool = field(default=False, repr=False)
+
+    def syntax(self) -> DocumentTree | None:
+        """The document's tree keeper (made on first use; edits then update it with tree-sitter's edit API,
+        and it reparses incrementally when asked), or None for a language without a grammar."""
+        if self._syntax is None and not self._no_grammar:
+            from completiond.completion.languages import spec_of
+            from completiond.completion.syntax import DocumentTree
+
+            spec = spec_of(self.language_id or None, self.uri)
+            if spec is not None and spec.language() is not None:
+                self._syntax = DocumentTree(spec, self.text)
+            else:
+                self._no_grammar = True
+        return self._syntax
+
+    def _edit_tree(self, old: str, edit: tuple[int, int, str]) -> None:
+        if self._syntax is not None:
+            self._syntax.edit(old, *edit, new_text=self.text)
 
     @property
     def starts(self) -> list[int]:
@@ -137,8 +162,10 @@ class Document:
                 if end < start:
                     start, end = end, start
                 edit = (start, end, change.text)
+            old = self.text
             self.text = apply_edits(self.text, [edit])
             self._update_starts(*edit)
+            self._edit_tree(old, edit)
             edits.append(edit)
         self.version = version
         return edits
@@ -169,6 +196,12 @@ class Document:
         starts[keep:] = mid + ([s + delta for s in starts[tail:]] if delta else starts[tail:])
 
     def apply_edits(self, edits: Iterable[tuple[int, int, str]], version: int) -> None:
-        self.text = apply_edits(self.text, edits)
+        if self._syntax is not None:
+            for edit in edits:   # one at a time: the tree is told each edit against the text it applies to
+                old = self.text
+                self.text = apply_edits(self.text, [edit])
+                self._edit_tree(old, edit)
+        else:
+            self.text = apply_edits(self.text, edits)
         self._starts = None
         self.version = version

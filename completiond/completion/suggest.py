@@ -24,6 +24,7 @@ from completiond.completion.completer import (
     OnRound,
     PromptError,
     Suggestion,
+    withheld,
 )
 from completiond.errors import CompletionError
 
@@ -97,7 +98,7 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
                          on_round: OnRound | None = None, path: str | None = None,
                          language: str | None = None,
                          context: Sequence[tuple[str, str]] = (),
-                         count: int | None = None) -> tuple[list[Suggestion], Any]:
+                         count: int | None = None, tree: Any = None) -> tuple[list[Suggestion], Any]:
     """Up to `count` (default: `cfg.alternatives`) different suggestions, best first; with the Generation of
     the first one (None if skipped).
 
@@ -123,8 +124,9 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
         if prompt.skip_reason is not None:
             return [], None
         if prompt.stop is not None:
-            # Python: the statement's open brackets for the stop rules, and the syntax check.
-            prompt.stop.attach_document(text, offset, language, path, getattr(cfg, "syntax_check", True))
+            # The statement's open brackets for the stop rules, and the syntax check (every language with a
+            # grammar; tree: the document's own, kept across edits, when the caller has one).
+            prompt.stop.attach_document(text, offset, language, path, getattr(cfg, "syntax_check", True), tree)
         constraint = prompt.constraint
         run_params = params
         if i and params.temperature > 0:
@@ -141,6 +143,8 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
         # Greedy: the next attempt starts with another token; one that ended at once began with the end.
         banned.extend(gen.tokens[:1] or sorted(getattr(engine, "eos_token_ids", ())))
         insert = prompt.suggestion(gen.tokens, gen.finish_reason)
+        if not insert and not found and prompt.stop is not None:
+            _note_withheld(first, prompt.stop.syntax, path, offset)
         if not insert or not insert.strip() or any(insert == s.text for s in found):
             continue
         # The stop rules already dropped text repeating the rest of the line, so the
@@ -151,6 +155,14 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: An
         found.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
                                 finish_reason=gen.finish_reason, stats=stats))
     return found, first
+
+
+def _note_withheld(gen: Any, verdict: Any, path: str | None, offset: int) -> None:
+    """Keep on the generation, and say in the debug log, why its text is not shown."""
+    reason = withheld(verdict)
+    if reason is not None and gen is not None:
+        gen.withheld, gen.withheld_stats = reason, verdict.stats()
+        log.debug("suggestion withheld at %s offset %d: %s", path or "(no path)", offset, reason)
 
 
 def _first_token_not(engine, constraint, banned: list[int]):
@@ -186,7 +198,8 @@ class LocalCompleter:
         self.device: str = str(getattr(engine, "device", "cpu"))
 
     def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
+                 tree: Any = None) -> Completion:
         rounds = 0
         after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
 
@@ -200,7 +213,7 @@ class LocalCompleter:
 
         try:
             found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=cancel, on_round=on_round,
-                                              path=path, language=language, context=context)
+                                              path=path, language=language, context=context, tree=tree)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -215,7 +228,11 @@ class LocalCompleter:
         stats = gen.stats.to_dict()
         stats.setdefault("rounds", rounds)
         stats["rounds_after_cancel"] = after_cancel
-        return Completion(found, gen.finish_reason, stats, prompt_warnings(self.engine, cfg), gen)
+        done = Completion(found, gen.finish_reason, stats, prompt_warnings(self.engine, cfg), gen)
+        if not found and getattr(gen, "withheld", None):
+            done.withheld = gen.withheld
+            stats.update(gen.withheld_stats)
+        return done
 
     def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
         try:

@@ -89,21 +89,21 @@ class DocumentTree:
         self._clean = False               # self._tree is a parse of self._text
         self.parses = 0
 
-    def edit(self, old_text: str, start: int, end: int, new: str) -> None:
-        """old_text[start:end] became `new` (character offsets into old_text)."""
+    def edit(self, old_text: str, start: int, end: int, new: str, new_text: str | None = None) -> None:
+        """old_text[start:end] became `new` (character offsets into old_text); new_text: the result, when the
+        caller has it already (kept, not rebuilt)."""
+        result = new_text if new_text is not None else old_text[:start] + new + old_text[end:]
         with self._lock:
-            if old_text is self._text or old_text == self._text:
-                if self._tree is not None:
-                    sb, sp = _point(old_text, start)
-                    eb, ep = _point(old_text, end)
-                    tree = self._tree.copy()
-                    tree.edit(start_byte=sb, old_end_byte=eb, new_end_byte=sb + len(encode(new)),
-                              start_point=sp, old_end_point=ep, new_end_point=_end_point(sp, new))
-                    self._tree = tree
-                self._text = old_text[:start] + new + old_text[end:]
-            else:   # out of step with the text it was told about: start over on the next parse
-                self._tree = None
-                self._text = old_text[:start] + new + old_text[end:]
+            if self._tree is not None and (old_text is self._text or old_text == self._text):
+                sb, sp = _point(old_text, start)
+                eb, ep = _point(old_text, end)
+                tree = self._tree.copy()
+                tree.edit(start_byte=sb, old_end_byte=eb, new_end_byte=sb + len(encode(new)),
+                          start_point=sp, old_end_point=ep, new_end_point=_end_point(sp, new))
+                self._tree = tree
+            elif old_text is not self._text and old_text != self._text:
+                self._tree = None   # out of step with the text it was told about: the next parse starts over
+            self._text = result
             self._clean = False
 
     def reset(self, text: str) -> None:

@@ -18,6 +18,7 @@ from completiond.completion.completer import (
     Completion,
     PromptError,
     Suggestion,
+    withheld,
 )
 from completiond.completion.plan import Planner, PromptOptions, skip_reason
 from completiond.completion.stops import TextRules, document_site, postprocess
@@ -61,7 +62,8 @@ class TeamCompleter:
         return None  # nothing of ours to calibrate
 
     def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Completion:
+                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
+                 tree: Any = None) -> Completion:
         """One completion from the server. Raises PromptError for settings no prompt can be built for,
         TeamServerError when the server fails."""
         options = PromptOptions.from_config(cfg)
@@ -73,7 +75,7 @@ class TeamCompleter:
 
         plan = Planner(encoder, options).plan(text, offset, context, path, language, heal=False)
         rules = TextRules(plan.line_prefix, plan.line_suffix, plan.following, cfg.multiline, cfg.max_lines,
-                          document_site(text, offset, language, path), getattr(cfg, "syntax_check", True))
+                          document_site(text, offset, language, path, tree), getattr(cfg, "syntax_check", True))
         prompt = encoder.lay_out(plan, text, language)
         req = TeamRequest(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           seed=cfg.seed)
@@ -98,6 +100,8 @@ class TeamCompleter:
         if rules.syntax is not None:
             gen.stats.update(rules.syntax.stats())
             done.stats.update(rules.syntax.stats())
+        if not insert or not insert.strip():
+            done.withheld = withheld(rules.syntax)
         if insert and insert.strip():
             done.suggestions.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
                                                finish_reason=gen.finish_reason, stats=dict(gen.stats)))

@@ -187,7 +187,7 @@ class Service:
         self.stats_counts: dict[str, float] = dict(
             requests=0, completed=0, empty=0, superseded=0, cancelled=0, errors=0, rejected=0, expired=0,
             wasted_rounds=0, rounds_after_cancel=0, rounds=0, latency_ms_sum=0, prompt_tokens=0, reused_tokens=0, generated_tokens=0, loads=0,
-            draft_accepted=0, draft_rejected=0, history_accepted=0)
+            draft_accepted=0, draft_rejected=0, history_accepted=0, withheld_syntax=0)
         self.last: dict[str, Any] = {}
         # What users did with the suggestions they saw, as their editors report it (never sent anywhere).
         self.suggestion_counts: dict[str, int] = dict(shown=0, accepted_full=0, accepted_word=0, accepted_line=0,
@@ -552,6 +552,7 @@ class Service:
         cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
         text, path, language = doc.text, _uri_path(uri), doc.language_id or None
         gate_path = _gate_path(uri)
+        tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None   # parsed on the worker, incrementally
         future: asyncio.Future = self.loop.create_future()
         loop = self.loop
 
@@ -562,7 +563,8 @@ class Service:
                 loop.call_soon_threadsafe(lambda: future.done() or future.set_result(outcome))
 
         job = Job(key=(client, uri), client=client, request_id=(client, request_id),
-                  run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gate_path),
+                  run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gate_path,
+                                              tree=tree),
                   done=deliver)
         try:
             self.scheduler.submit(job)
@@ -600,7 +602,8 @@ class Service:
         return result
 
     def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
-             language: str | None = None, client: Hashable = None, gate_path: str | None = None) -> dict[str, Any]:
+             language: str | None = None, client: Hashable = None, gate_path: str | None = None,
+             tree: Any = None) -> dict[str, Any]:
         """On the worker thread: one completion from whatever completes (the one pipeline, completion/completer.py)."""
         from completiond.completion.completer import suggest
 
@@ -617,14 +620,15 @@ class Service:
         start = time.perf_counter()
         self._call_soon(self._set_state, "busy")
         context = self._context(client, cfg, path, language, text, offset, completer.budgets(cfg))
-        done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context)
+        done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
+                       tree=tree.tree(text) if tree is not None else None)   # tree: the document's DocumentTree
         latency = round((time.perf_counter() - start) * 1000, 2)
         if done.skipped:  # nothing to complete here (e.g. a minified line): no engine work
             return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
                     "latency_ms": latency, "warnings": done.warnings}
         suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline}
                        for s in done.suggestions]
-        return {
+        result = {
             "warnings": done.warnings,
             "suggestion": suggestions[0] if suggestions else None,  # the best; older clients read only this
             "suggestions": suggestions,  # up to cfg.alternatives, best first, all different
@@ -632,6 +636,9 @@ class Service:
             "stats": done.stats,
             "latency_ms": latency,
         }
+        if done.withheld and not suggestions:
+            result["withheld"] = done.withheld   # the model made one; the syntax check kept it back, and why
+        return result
 
     def _after_job(self) -> None:
         if self.state in ("busy", "ready"):
@@ -658,6 +665,8 @@ class Service:
                 c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
                 if value and value.get("suggestion") is None:
                     c["empty"] += 1
+                if value and value.get("withheld"):
+                    c["withheld_syntax"] += 1
                 measured = stats.get("generated_tokens") and stats.get("decode_ms")
                 self.last = {"latency_ms": value.get("latency_ms") if value else None,
                              "draft_acceptance": stats.get("alpha") if stats.get("drafted") else None,
