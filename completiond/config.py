@@ -1,10 +1,12 @@
 """The one typed, fully defaulted settings object.
 
-Every setting the server understands is declared once in SETTINGS. The editor
-plugins (VS Code `contributes.configuration`, the Neovim defaults table) and the
-README table are checked against / generated from this list, so a setting is
-added here first. Editors send the `completiond` section with camelCase keys;
-Python code reads the snake_case attributes of `Config`.
+Every setting the server understands is declared once, as a field of `Config`
+with its default and its metadata (description, range, enum, scope, group,
+restricted). SETTINGS is derived from those fields; the editor plugins (VS Code
+`contributes.configuration`, the Neovim defaults table) and the README table are
+checked against / generated from it, so a setting is added here first. Editors
+send the `completiond` section with camelCase keys; Python code reads the
+snake_case attributes of `Config`.
 
 Layering (later wins): defaults < config.toml < initializationOptions <
 workspace/configuration. Invalid values are reported and replaced by the
@@ -19,7 +21,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +33,8 @@ from completiond.fileio import UnsafeFile, read_file
 
 @dataclass(frozen=True)
 class Setting:
+    """One setting as editors and validation see it: a field of Config, its camelCase key and its metadata."""
+
     key: str  # camelCase, as editors send it
     type: type
     default: Any
@@ -38,7 +42,8 @@ class Setting:
     enum: tuple[str, ...] | None = None
     minimum: float | None = None
     maximum: float | None = None
-    check: Any = None  # optional: check(value) raises ValueError with the reason (beyond type, enum and range)
+    # optional: check(value) raises ValueError with the reason (beyond type, enum and range)
+    check: Callable[[Any], object] | None = None
     scope: str = "window"  # VS Code's configuration scope; "machine": user settings only, never a workspace's
     # Where editors list it (a key of GROUPS): everyday settings first, decoding internals under "advanced".
     group: str = "advanced"
@@ -62,136 +67,194 @@ GROUPS: tuple[tuple[str, str], ...] = (
     ("advanced", "Advanced: model and decoding"),
 )
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("enable", bool, True, "Show inline completions.", group="general"),
-    Setting("model", str, "", "Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short "
-            "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
-            "means the bundled default model.", group="general", restricted=True),
-    Setting("device", str, "auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps"), group="general",
-            enum_descriptions=(
-                "CUDA if there is a GPU, else Apple MPS, else the CPU.",
-                "The CPU (float32 weights).",
-                "An NVIDIA GPU.",
-                "The GPU of an Apple Silicon Mac.",
-            )),
-    Setting("dtype", str, "auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16"),
-            enum_descriptions=(
-                "bfloat16 on a GPU, float32 on the CPU.",
-                "Full precision: the CPU default, twice the memory of bfloat16.",
-                "Half the memory of float32; needs a GPU or CPU with bfloat16 support to be fast.",
-                "Half the memory of float32, for GPUs without bfloat16 (before Ampere).",
-            )),
-    Setting("weights", str, "auto", "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
-            "weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
-            "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8"),
-            enum_descriptions=(
-                "The model's own values (bf16 panels for bf16 weights).",
-                "Float32 weights rounded to bfloat16: half the bytes per token.",
-                "Weights quantised to 8 bits per output channel: smallest and fastest, slightly less accurate.",
-            )),
-    Setting("draftModel", str, "", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
-            "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.", restricted=True),
-    Setting("trustRemoteCode", bool, False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load).", restricted=True),
-    Setting("maxTokens", int, 64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024, group="general"),
-    Setting("temperature", float, 0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general"),
-    Setting("topP", float, 1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0),
-    Setting("topK", int, 0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000),
-    Setting("seed", int, 0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1),
-    Setting("alternatives", int, 1, "Most different suggestions offered at once, to cycle through with the editor's next/previous "
-            "keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best "
-            "first token, sampling a run with its own seed.", minimum=1, maximum=8, group="general"),
-    Setting("speculation", bool, True, "Self-speculative decoding (lossless: same output distribution, faster)."),
-    Setting("exitLayer", int, 0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024),
-    Setting("draftTokens", int, 0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32),
-    Setting("draftThreshold", float, 0.0, "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.", minimum=0.0, maximum=1.0),
-    Setting("multiline", str, "auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never"), group="general",
-            enum_descriptions=(
-                "Several lines after a block opener (a line ending in : { ( [) or on an empty line; one line elsewhere.",
-                "Always allow several lines.",
-                "One line at most.",
-            )),
-    Setting("maxLines", int, 8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general"),
-    Setting("syntaxCheck", bool, True, "Python: show only what keeps the code around the cursor parsing (the longest part of "
-            "a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse "
-            "without the suggestion either is left to the user.", group="general"),
-    Setting("fimTemplate", str, "auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
-            enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
-            enum_descriptions=(
-                "Detected from the tokenizer's special tokens.",
-                "The bundled model's own layout.",
-                "Qwen2.5-Coder's <|fim_prefix|> layout.",
-                "StarCoder's <fim_prefix> layout.",
-                "DeepSeek-Coder's layout.",
-                "Code Llama's <PRE> <SUF> <MID> layout.",
-                "Codestral's [SUFFIX] [PREFIX] layout.",
-                "No fill-in-the-middle: the text before the cursor only.",
-            )),
-    Setting("tokenHealing", bool, True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text.", group="prompt"),
-    Setting("prefixTokens", int, 1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768, group="prompt"),
-    Setting("suffixTokens", int, 256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt"),
-    Setting("workspaceContext", bool, True, "Prepend snippets of recently edited and open files of the same language.", group="prompt"),
-    Setting("contextTokens", int, 256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt"),
-    Setting("contextRetrieval", str, "on", "How the context block is chosen: on retrieves the chunks of workspace files that "
-            "the code around the cursor needs (definitions of the names at the cursor, then similar code); off takes "
-            "snippets of recently edited files.", enum=("on", "off"), group="prompt",
-            enum_descriptions=(
-                "Chunks retrieved for the cursor from an index of the workspace files that may be context.",
-                "Snippets of recently edited and open files of the same language.",
-            )),
-    Setting("contextExclude", str, "", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
-            "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
-            ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",
-            check=lambda value: _check_exclude(value), group="prompt"),
-    Setting("cacheMegabytes", int, 0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20),
-    Setting("idleTimeout", int, 900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600),
-    Setting("logLevel", str, "info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug"),
-            enum_descriptions=(
-                "Errors only.",
-                "Errors and warnings.",
-                "Also loads, connections and settings changes.",
-                "Also each request and the files its context came from.",
-            )),
+
+def _check_url(value: str) -> None:
+    """An endpoint is an http(s) base URL without credentials (those belong in apiKeyEnv / apiKeyFile)."""
+    if not value:
+        return
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    if parts.username or parts.password:
+        raise ValueError("credentials in the URL are not accepted; use apiKeyEnv or apiKeyFile")
+
+
+def _check_exclude(value: str) -> None:
+    """contextExclude only adds patterns: a negation would quietly re-include secret files."""
+    patterns = [p.strip() for p in value.split(",") if p.strip()]
+    if len(value) > 4096 or len(patterns) > 64:
+        raise ValueError("at most 64 patterns and 4096 characters")
+    negated = [p for p in patterns if p.startswith("!")]
+    if negated:
+        raise ValueError(f"{', '.join(negated)}: patterns can only add to the built-in deny-list of secret files, "
+                         "not re-include files ('!' is not accepted)")
+
+
+def _check_urls(value: str) -> None:
+    """apiKeyOverHttp: comma-separated endpoints, each as _check_url accepts it."""
+    for url in value.split(","):
+        if url.strip():
+            _check_url(url)
+
+
+T = TypeVar("T")
+
+
+def setting(default: T, description: str, *, enum: tuple[str, ...] | None = None, minimum: float | None = None,
+            maximum: float | None = None, check: Callable[[Any], object] | None = None, scope: str = "window",
+            group: str = "advanced", enum_descriptions: tuple[str, ...] | None = None, restricted: bool = False) -> T:
+    """A Config field: its default, plus the metadata the Setting derived from it carries (see Setting)."""
+    meta = {"description": description, "enum": enum, "minimum": minimum, "maximum": maximum, "check": check,
+            "scope": scope, "group": group, "enum_descriptions": enum_descriptions, "restricted": restricted}
+    return field(default=default, metadata={"setting": meta})
+
+
+@dataclass(frozen=True)
+class Config:
+    """All completiond settings, each with its default; editors send them by camelCase key (SETTINGS)."""
+
+    enable: bool = setting(True, "Show inline completions.", group="general")
+    model: str = setting("", "Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short "
+        "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
+        "means the bundled default model.", group="general", restricted=True)
+    device: str = setting("auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps"), group="general",
+        enum_descriptions=(
+            "CUDA if there is a GPU, else Apple MPS, else the CPU.",
+            "The CPU (float32 weights).",
+            "An NVIDIA GPU.",
+            "The GPU of an Apple Silicon Mac.",
+        ))
+    dtype: str = setting("auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16"),
+        enum_descriptions=(
+            "bfloat16 on a GPU, float32 on the CPU.",
+            "Full precision: the CPU default, twice the memory of bfloat16.",
+            "Half the memory of float32; needs a GPU or CPU with bfloat16 support to be fast.",
+            "Half the memory of float32, for GPUs without bfloat16 (before Ampere).",
+        ))
+    weights: str = setting("auto", "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
+        "weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
+        "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8"),
+        enum_descriptions=(
+            "The model's own values (bf16 panels for bf16 weights).",
+            "Float32 weights rounded to bfloat16: half the bytes per token.",
+            "Weights quantised to 8 bits per output channel: smallest and fastest, slightly less accurate.",
+        ))
+    draft_model: str = setting("", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
+        "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.", restricted=True)
+    trust_remote_code: bool = setting(False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load).", restricted=True)
+    max_tokens: int = setting(64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024, group="general")
+    temperature: float = setting(0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general")
+    top_p: float = setting(1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0)
+    top_k: int = setting(0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000)
+    seed: int = setting(0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1)
+    alternatives: int = setting(1, "Most different suggestions offered at once, to cycle through with the editor's next/previous "
+        "keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best "
+        "first token, sampling a run with its own seed.", minimum=1, maximum=8, group="general")
+    speculation: bool = setting(True, "Self-speculative decoding (lossless: same output distribution, faster).")
+    exit_layer: int = setting(0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024)
+    draft_tokens: int = setting(0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32)
+    draft_threshold: float = setting(0.0, "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.", minimum=0.0, maximum=1.0)
+    multiline: str = setting("auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never"), group="general",
+        enum_descriptions=(
+            "Several lines after a block opener (a line ending in : { ( [) or on an empty line; one line elsewhere.",
+            "Always allow several lines.",
+            "One line at most.",
+        ))
+    max_lines: int = setting(8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general")
+    syntax_check: bool = setting(True, "Python: show only what keeps the code around the cursor parsing (the longest part of "
+        "a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse "
+        "without the suggestion either is left to the user.", group="general")
+    fim_template: str = setting("auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
+        enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
+        enum_descriptions=(
+            "Detected from the tokenizer's special tokens.",
+            "The bundled model's own layout.",
+            "Qwen2.5-Coder's <|fim_prefix|> layout.",
+            "StarCoder's <fim_prefix> layout.",
+            "DeepSeek-Coder's layout.",
+            "Code Llama's <PRE> <SUF> <MID> layout.",
+            "Codestral's [SUFFIX] [PREFIX] layout.",
+            "No fill-in-the-middle: the text before the cursor only.",
+        ))
+    token_healing: bool = setting(True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text.", group="prompt")
+    prefix_tokens: int = setting(1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768, group="prompt")
+    suffix_tokens: int = setting(256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt")
+    workspace_context: bool = setting(True, "Prepend snippets of recently edited and open files of the same language.", group="prompt")
+    context_tokens: int = setting(256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt")
+    context_retrieval: str = setting("on", "How the context block is chosen: on retrieves the chunks of workspace files that "
+        "the code around the cursor needs (definitions of the names at the cursor, then similar code); off takes "
+        "snippets of recently edited files.", enum=("on", "off"), group="prompt",
+        enum_descriptions=(
+            "Chunks retrieved for the cursor from an index of the workspace files that may be context.",
+            "Snippets of recently edited and open files of the same language.",
+        ))
+    context_exclude: str = setting("", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
+        "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
+        ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",
+        check=_check_exclude, group="prompt")
+    cache_megabytes: int = setting(0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20)
+    idle_timeout: int = setting(900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600)
+    log_level: str = setting("info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug"),
+        enum_descriptions=(
+            "Errors only.",
+            "Errors and warnings.",
+            "Also loads, connections and settings changes.",
+            "Also each request and the files its context came from.",
+        ))
     # A team server instead of the local model (completiond/backends/team_server.py). Editors offer these as
     # machine settings (VS Code scope "machine"): a repository's own workspace settings cannot send its
     # reader's code to a server of its choosing.
-    Setting("backend", str, "local", "Where suggestions are generated: local (the model in the daemon), openai (an "
-            "OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill "
-            "(llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets "
-            "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine", group="team", restricted=True,
-            enum_descriptions=(
-                "The model in the daemon on this machine: nothing leaves it.",
-                "An OpenAI-compatible /v1/completions server (vLLM, SGLang, TGI, llama-server).",
-                "llama.cpp's native /infill endpoint.",
-            )),
-    Setting("endpoint", str, "", "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
-            "TLS certificates are verified.", check=lambda value: _check_url(value), scope="machine", group="team", restricted=True),
-    Setting("endpointModel", str, "", "The model name the server serves it under (the request's model field; "
-            "with fimTemplate auto it also picks the FIM template).", scope="machine", group="team", restricted=True),
-    Setting("apiKeyEnv", str, "", "Name of the environment variable that holds the server's API key (the key itself is "
-            "never a setting).", scope="machine", group="team", restricted=True),
-    Setting("apiKeyFile", str, "", "File that holds the server's API key on one line; it must be readable by you "
-            "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine", group="team", restricted=True),
-    Setting("endpointCaFile", str, "", "PEM file of the certificate authority that signed the server's certificate, "
-            "for a private CA (verification stays on).", scope="machine", group="team", restricted=True),
-    Setting("apiKeyOverHttp", str, "", "Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which "
-            "the API key may be sent over plain http://, unencrypted. Without this, a key goes over http:// only to "
-            "this machine (localhost, 127.0.0.1, ::1); use https:// for anything else.",
-            check=lambda value: [_check_url(v) for v in value.split(",") if v.strip()], scope="machine", group="team",
-            restricted=True),
-    Setting("endpointTimeout", float, 10.0, "Seconds to wait for the completion server (to connect, or between two "
-            "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
-            scope="machine", group="team"),
-)
+    backend: str = setting("local", "Where suggestions are generated: local (the model in the daemon), openai (an "
+        "OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill "
+        "(llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets "
+        "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine", group="team", restricted=True,
+        enum_descriptions=(
+            "The model in the daemon on this machine: nothing leaves it.",
+            "An OpenAI-compatible /v1/completions server (vLLM, SGLang, TGI, llama-server).",
+            "llama.cpp's native /infill endpoint.",
+        ))
+    endpoint: str = setting("", "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
+        "TLS certificates are verified.", check=_check_url, scope="machine", group="team", restricted=True)
+    endpoint_model: str = setting("", "The model name the server serves it under (the request's model field; "
+        "with fimTemplate auto it also picks the FIM template).", scope="machine", group="team", restricted=True)
+    api_key_env: str = setting("", "Name of the environment variable that holds the server's API key (the key itself is "
+        "never a setting).", scope="machine", group="team", restricted=True)
+    api_key_file: str = setting("", "File that holds the server's API key on one line; it must be readable by you "
+        "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine", group="team", restricted=True)
+    endpoint_ca_file: str = setting("", "PEM file of the certificate authority that signed the server's certificate, "
+        "for a private CA (verification stays on).", scope="machine", group="team", restricted=True)
+    api_key_over_http: str = setting("", "Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which "
+        "the API key may be sent over plain http://, unencrypted. Without this, a key goes over http:// only to "
+        "this machine (localhost, 127.0.0.1, ::1); use https:// for anything else.",
+        check=_check_urls, scope="machine", group="team",
+        restricted=True)
+    endpoint_timeout: float = setting(10.0, "Seconds to wait for the completion server (to connect, or between two "
+        "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
+        scope="machine", group="team")
 
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _settings() -> tuple[Setting, ...]:
+    types = get_type_hints(Config)
+    out = []
+    for f in dataclasses.fields(Config):
+        s = Setting(_camel(f.name), types[f.name], f.default, **f.metadata["setting"])
+        if s.attr != f.name or s.type not in (bool, int, float, str) or type(s.default) is not s.type:
+            raise TypeError(f"Config.{f.name}: a setting is a bool, int, float or str field with a default of that "
+                            "type whose name survives camelCase and back")
+        out.append(s)
+    return tuple(out)
+
+
+SETTINGS: tuple[Setting, ...] = _settings()
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
 
-
-def _config_fields():
-    return [(s.attr, s.type, field(default=s.default)) for s in SETTINGS]
-
-
-Config = dataclasses.make_dataclass("Config", _config_fields(), frozen=True)
-Config.__doc__ = "All completiond settings, each with its default (see SETTINGS)."
 
 
 def _coerce(setting: Setting, value: Any) -> Any:
@@ -225,31 +288,7 @@ def _coerce(setting: Setting, value: Any) -> Any:
     return value
 
 
-def _check_url(value: str) -> None:
-    """An endpoint is an http(s) base URL without credentials (those belong in apiKeyEnv / apiKeyFile)."""
-    if not value:
-        return
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(value.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
-    if parts.username or parts.password:
-        raise ValueError("credentials in the URL are not accepted; use apiKeyEnv or apiKeyFile")
-
-
-def _check_exclude(value: str) -> None:
-    """contextExclude only adds patterns: a negation would quietly re-include secret files."""
-    patterns = [p.strip() for p in value.split(",") if p.strip()]
-    if len(value) > 4096 or len(patterns) > 64:
-        raise ValueError("at most 64 patterns and 4096 characters")
-    negated = [p for p in patterns if p.startswith("!")]
-    if negated:
-        raise ValueError(f"{', '.join(negated)}: patterns can only add to the built-in deny-list of secret files, "
-                         "not re-include files ('!' is not accepted)")
-
-
-def merge(base: Any, overrides: Mapping[str, Any] | None) -> tuple[Any, list[str]]:
+def merge(base: Config, overrides: Mapping[str, Any] | None) -> tuple[Config, list[str]]:
     """Apply camelCase overrides to a Config. Returns (config, errors).
 
     Unknown keys and invalid values are reported in errors and ignored, so the
@@ -275,7 +314,7 @@ def merge(base: Any, overrides: Mapping[str, Any] | None) -> tuple[Any, list[str
     return dataclasses.replace(base, **changes), errors
 
 
-def defaults() -> Any:
+def defaults() -> Config:
     return Config()
 
 
@@ -284,7 +323,7 @@ def config_file_path() -> Path:
     return Path(root) / "completiond" / "config.toml"
 
 
-def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str]]:
+def load_file(path: Path | None = None, base: Config | None = None) -> tuple[Config, list[str]]:
     """Read config.toml (top-level camelCase keys, or a [completiond] table).
 
     A missing file is not an error; an unreadable or malformed one is reported
@@ -317,7 +356,7 @@ def load_file(path: Path | None = None, base: Any = None) -> tuple[Any, list[str
 MAX_CONFIG_BYTES = 1 << 20  # a real config.toml is a few hundred bytes
 
 
-def to_settings(cfg: Any) -> dict[str, Any]:
+def to_settings(cfg: Config) -> dict[str, Any]:
     """camelCase dict of a Config, as editors send it."""
     return {s.key: getattr(cfg, s.attr) for s in SETTINGS}
 
@@ -393,7 +432,7 @@ RESTART_HINT = ('restart the daemon to load yours: "completiond: Restart Daemon"
                 "`:CompletiondRestart` in Neovim, or `completiond stop` in a terminal")
 
 
-def engine_settings(cfg: Any) -> dict[str, Any]:
+def engine_settings(cfg: Config) -> dict[str, Any]:
     full = to_settings(cfg)
     return {k: full[k] for k in ENGINE_KEYS}
 

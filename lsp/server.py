@@ -25,6 +25,7 @@ from pygls.protocol import LanguageServerProtocol
 from pygls.protocol.language_server import lsp_method
 
 from completiond import config as config_mod
+from completiond.config import Config
 from completiond.serving import paths
 from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.completion.documents import UTF8, UTF16, UTF32, Document
@@ -66,14 +67,14 @@ class LocalBackend:
 
     CLIENT = 0
 
-    def __init__(self, cfg: Any, on_notification):
+    def __init__(self, cfg: Config, on_notification):
         self.cfg = cfg
         self.on_notification = on_notification
         self.service = None
         self._ids = 0
         self.docs: dict[str, tuple[int, str, str]] = {}
 
-    async def start(self, cfg: Any, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
+    async def start(self, cfg: Config, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
         from completiond.serving.service import Service
 
         self.cfg = cfg
@@ -108,7 +109,7 @@ class LocalBackend:
         except ServiceError as exc:
             raise RemoteError(exc.code, exc.message) from None
 
-    async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
+    async def restart(self, cfg: Config, documents: dict[str, tuple[int, str, str]]) -> None:
         if self.service is not None:
             self.service.shutdown()
         await self.start(cfg, documents)
@@ -122,7 +123,7 @@ class DaemonBackend:
     def __init__(self, session: DaemonSession):
         self.session = session
 
-    async def start(self, cfg: Any, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
+    async def start(self, cfg: Config, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]:
         client = await self.session.ensure()
         return client.welcome
 
@@ -132,7 +133,7 @@ class DaemonBackend:
     async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any:
         return await self.session.request(method, params, timeout)
 
-    async def restart(self, cfg: Any, documents: dict[str, tuple[int, str, str]]) -> None:
+    async def restart(self, cfg: Config, documents: dict[str, tuple[int, str, str]]) -> None:
         await self.session.restart()
 
     async def close(self) -> None:

@@ -107,3 +107,19 @@ def test_context_exclude_extends_but_cannot_weaken_the_deny_list():
     assert errors == [] and cfg.context_exclude == "*.sql, fixtures/*"
     cfg, errors = config.merge(config.defaults(), {"contextExclude": "*.sql,!.env"})
     assert cfg.context_exclude == "" and "!.env" in errors[0] and "not re-include" in errors[0]
+
+
+def test_config_is_written_out_one_typed_field_per_setting():
+    """Config is a plain dataclass a type checker reads: each field is annotated with its setting's type and
+    carries that setting's metadata; SETTINGS is those fields, in order, under their camelCase keys."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(config.Config)
+    fields = dataclasses.fields(config.Config)
+    assert [f.name for f in fields] == [s.attr for s in config.SETTINGS]
+    for f, s in zip(fields, config.SETTINGS):
+        assert hints[f.name] is s.type and f.default == s.default and type(f.default) is s.type
+        assert f.metadata["setting"]["description"] == s.description and s.group in dict(config.GROUPS)
+    assert config.SETTINGS_BY_KEY["apiKeyOverHttp"].attr == "api_key_over_http"
+    assert config.SETTINGS_BY_KEY["endpoint"].restricted and config.SETTINGS_BY_KEY["endpoint"].scope == "machine"

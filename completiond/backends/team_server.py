@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from completiond.backends import http
+from completiond.config import Config
 from completiond.errors import CompletionError
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class TeamServer:
     """A team's completion server for the settings `cfg` (a Config). Thread-safe for one worker thread
     plus status readers. Prompts are text: the server tokenizes."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Config):
         self.api = cfg.backend
         if self.api not in API_PATHS:
             raise TeamServerError("config", f"backend {self.api!r} is not a remote API; expected one of "

@@ -19,6 +19,7 @@ from typing import Any
 
 from completiond import config as config_mod
 from completiond.completion.documents import UTF32, line_starts, position_to_offset
+from completiond.config import Config
 
 
 class TargetError(ValueError):
@@ -113,7 +114,7 @@ class LoadReporter:
         self.stream.flush()
 
 
-def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = None) -> dict[str, Any]:
+def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = None) -> dict[str, Any]:
     from completiond.completion.completer import suggest
     from completiond.engine.cancel import CancelToken
     from completiond.serving.service import LOAD_PHASES, load_completer
@@ -141,7 +142,7 @@ def complete_in_process(cfg: Any, text: str, offset: int, path: str | None = Non
     }
 
 
-async def complete_via_daemon(cfg: Any, path: Path, text: str, offset: int) -> dict[str, Any]:
+async def complete_via_daemon(cfg: Config, path: Path, text: str, offset: int) -> dict[str, Any]:
     from completiond.serving.client import connect_or_spawn
 
     settings = config_mod.to_settings(cfg)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from completiond.completion.languages import language_of
+from completiond.config import Config
 
 CLOSING_RUN = set(")]}:;,'\"")
 
@@ -407,7 +408,7 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
     return outcome
 
 
-def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None, speculative: bool,
+def evaluate(engine: Any, positions: list[Position], cfg: Config, heal: bool | None, speculative: bool,
              show: int = 0, out=sys.stderr, workspace: Any = None, mode: str = "recent") -> list[Outcome]:
     from completiond.engine.engine import SamplingParams
     from completiond.completion.prompt import PromptBuilder
@@ -426,7 +427,7 @@ def evaluate(engine: Any, positions: list[Position], cfg: Any, heal: bool | None
     return outcomes
 
 
-def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Any, max_chars: int = 8) -> dict[str, Any]:
+def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Config, max_chars: int = 8) -> dict[str, Any]:
     """Type each target one character at a time; fraction of prompt tokens the cache served.
 
     The first request at a position is excluded (it pays for the whole

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from completiond.config import Config
 from completiond.errors import CompletionError
 
 
@@ -90,14 +91,14 @@ class Completer(Protocol):
     name: str          # what users read
     device: str
 
-    def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
                  language: str | None = None, context: Sequence[tuple[str, str]] = (),
                  tree: Any = None) -> Completion:
         """One completion on the worker thread. Raises PromptError (or another CompletionError) for a
         request it cannot serve. tree: the document's syntax tree when the caller keeps one (syntax.py)."""
         ...
 
-    def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
+    def budgets(self, cfg: Config) -> tuple[int, int, int] | None:
         """The prompt's (prefix, suffix, context) budgets for these settings; None: no prompt can be built."""
         ...
 
@@ -114,7 +115,7 @@ class Completer(Protocol):
         ...
 
 
-def suggest(completer: Completer, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+def suggest(completer: Completer, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
             language: str | None = None, context: Sequence[tuple[str, str]] = (), tree: Any = None) -> Completion:
     """One completion at `offset` in `text`, from whatever completes (the one pipeline's entry point)."""
     if not 0 <= offset <= len(text):

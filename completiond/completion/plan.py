@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from completiond.completion.languages import comment_for
+from completiond.config import Config
 
 # Upper bound on characters per token used to size the text windows before measuring: code averages
 # 3-4, indentation runs a bit more. Too large only costs tokenizer time; too small would starve the budget.
@@ -56,7 +57,7 @@ class PromptOptions:
     max_lines: int = 8
 
     @classmethod
-    def from_config(cls, cfg: Any, max_context: int | None = None, **overrides: Any) -> "PromptOptions":
+    def from_config(cls, cfg: Config, max_context: int | None = None, **overrides: Any) -> "PromptOptions":
         """Options from a completiond Config (prefixTokens, suffixTokens, workspaceContext, contextTokens)."""
         max_prompt = None
         if max_context:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from completiond.completion.healing import Healing, TokenHealer
 from completiond.completion.plan import CHARS_PER_TOKEN, Planner, PromptOptions, PromptPlan, skip_reason
 from completiond.completion.stops import StopRules
+from completiond.config import Config
 from completiond.engine.model_info import ModelInfo
 from completiond.models.fim import FimError, FimTemplate, make_template
 
@@ -175,11 +176,10 @@ class PromptBuilder:
         return self.encoder.tokenized_chars
 
     @classmethod
-    def for_model(cls, tokenizer: Any, cfg: Any = None, *, max_context: int | None = None,
+    def for_model(cls, tokenizer: Any, cfg: Config | None = None, *, max_context: int | None = None,
                   vocab_size: int | None = None, device: Any = "cpu", info: ModelInfo | None = None,
                   options: PromptOptions | None = None) -> "PromptBuilder":
         """Template, healer and options for one model and these settings (a Config)."""
-        from completiond.config import Config
 
         cfg = cfg if cfg is not None else Config()
         info = info or ModelInfo()
@@ -201,7 +201,7 @@ class PromptBuilder:
         return builder
 
     @classmethod
-    def for_engine(cls, engine: Any, cfg: Any = None, **kw) -> "PromptBuilder":
+    def for_engine(cls, engine: Any, cfg: Config | None = None, **kw) -> "PromptBuilder":
         # The healing mask must match the model's logits, which can be wider than the tokenizer.
         vocab = getattr(engine, "vocab_size", None)
         return cls.for_model(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,

@@ -26,6 +26,7 @@ from completiond.completion.completer import (
     Suggestion,
     withheld,
 )
+from completiond.config import Config
 from completiond.errors import CompletionError
 
 __all__ = ["LocalCompleter", "OutOfMemory", "PromptError", "Suggestion", "builder_for", "prompt_warnings",
@@ -46,7 +47,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()  # MPS, older builds
 
 
-def sampling_params(cfg: Any):
+def sampling_params(cfg: Config):
     from completiond.engine.engine import SamplingParams
 
     return SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -61,11 +62,11 @@ _PROMPT_KEYS = ("fim_template", "multiline", "max_lines", "prefix_tokens", "suff
                 "workspace_context", "max_tokens", "token_healing")
 
 
-def _key(engine, cfg: Any) -> tuple:
+def _key(engine, cfg: Config) -> tuple:
     return (id(engine), getattr(engine, "model_id", "")) + tuple(getattr(cfg, k) for k in _PROMPT_KEYS)
 
 
-def builder_for(engine, cfg: Any):
+def builder_for(engine, cfg: Config):
     """The PromptBuilder for this engine and these settings (worker thread only)."""
     from completiond.completion.prompt import PromptBuilder
 
@@ -86,7 +87,7 @@ def builder_for(engine, cfg: Any):
     return builder
 
 
-def prompt_warnings(engine, cfg: Any) -> list[str]:
+def prompt_warnings(engine, cfg: Config) -> list[str]:
     """Settings problems the builder worked around for this engine and settings (e.g. a fimTemplate
     the model lacks), for the user to see. Empty when no builder was made."""
     with _BUILDERS_LOCK:
@@ -94,7 +95,7 @@ def prompt_warnings(engine, cfg: Any) -> list[str]:
     return list(getattr(builder, "warnings", []) or [])
 
 
-def suggest_alternatives(engine, text: str, offset: int, cfg: Any, *, cancel: Any,
+def suggest_alternatives(engine, text: str, offset: int, cfg: Config, *, cancel: Any,
                          on_round: OnRound | None = None, path: str | None = None,
                          language: str | None = None,
                          context: Sequence[tuple[str, str]] = (),
@@ -197,7 +198,7 @@ class LocalCompleter:
         self.name: str = getattr(engine, "name", "") or self.model_id
         self.device: str = str(getattr(engine, "device", "cpu"))
 
-    def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
                  language: str | None = None, context: Sequence[tuple[str, str]] = (),
                  tree: Any = None) -> Completion:
         rounds = 0
@@ -234,7 +235,7 @@ class LocalCompleter:
             stats.update(gen.withheld_stats)
         return done
 
-    def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
+    def budgets(self, cfg: Config) -> tuple[int, int, int] | None:
         try:
             return builder_for(self.engine, cfg).budgets(True)
         except PromptError:

@@ -23,6 +23,7 @@ from completiond.completion.completer import (
 from completiond.completion.plan import Planner, PromptOptions, skip_reason
 from completiond.completion.stops import TextRules, document_site, postprocess
 from completiond.completion.text_prompt import TextEncoder, template_for
+from completiond.config import Config
 from completiond.models.fim import FimError
 
 __all__ = ["TeamCompleter", "template_for"]
@@ -39,14 +40,14 @@ class TeamCompleter:
         self.name = server.model_id
         self.device = "remote"
 
-    def _encoder(self, cfg: Any) -> tuple[TextEncoder, list[str]]:
+    def _encoder(self, cfg: Config) -> tuple[TextEncoder, list[str]]:
         name, warnings = template_for(cfg)
         try:
             return TextEncoder.for_template(name, self.backend is Backend.LLAMACPP_INFILL), warnings
         except FimError as exc:
             raise PromptError(str(exc)) from None
 
-    def budgets(self, cfg: Any) -> tuple[int, int, int] | None:
+    def budgets(self, cfg: Config) -> tuple[int, int, int] | None:
         try:
             return Planner(self._encoder(cfg)[0], PromptOptions.from_config(cfg)).budgets(True)
         except PromptError:
@@ -61,7 +62,7 @@ class TeamCompleter:
     def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
         return None  # nothing of ours to calibrate
 
-    def complete(self, text: str, offset: int, cfg: Any, *, cancel: Any, path: str | None = None,
+    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
                  language: str | None = None, context: Sequence[tuple[str, str]] = (),
                  tree: Any = None) -> Completion:
         """One completion from the server. Raises PromptError for settings no prompt can be built for,

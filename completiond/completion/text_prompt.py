@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from completiond.completion.languages import comment_for
 from completiond.completion.plan import PromptPlan
+from completiond.config import Config
 from completiond.models.fim import (
     MIDDLE_TOKEN,
     PREFIX,
@@ -41,7 +42,7 @@ _NAME_HINTS = (("completiond", "completiond"), ("qwen", "qwen2.5-coder"), ("star
                ("codestral", "codestral"))
 
 
-def template_for(cfg: Any) -> tuple[str, list[str]]:
+def template_for(cfg: Config) -> tuple[str, list[str]]:
     """(template name, warnings) for a team server's settings."""
     name = cfg.fim_template
     if name != "auto":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from completiond import config as config_mod
+from completiond.config import Config
 from completiond.errors import CompletionError
 from completiond.serving import paths, wire
 from completiond.serving.service import Loader, Service, ServiceError, load_completer
@@ -378,7 +379,7 @@ async def _drain(conn: _Conn) -> None:
         pass
 
 
-async def serve(cfg: Any, directory: Path | None = None, idle_timeout: float | None = None,
+async def serve(cfg: Config, directory: Path | None = None, idle_timeout: float | None = None,
                 loader: Loader = load_completer) -> int:
     """Run the daemon until stopped (signal, `stop` request or idle timeout); the process exit code."""
     service = Service(cfg, loader=loader)

@@ -20,6 +20,7 @@ from typing import Any, NoReturn, Protocol
 from completiond import config as config_mod
 from completiond.completion.completer import Backend, Completer
 from completiond.completion.documents import Document, EditError
+from completiond.config import Config
 from completiond.errors import CompletionError
 from completiond.serving.scheduler import CANCELLED, ERROR, OK, Job, Outcome, Overloaded, Scheduler, ShuttingDown
 from completiond.serving.wire import Code
@@ -53,7 +54,7 @@ ProgressFn = Callable[..., None]  # (phase, percentage, message=None)
 class Loader(Protocol):
     """Makes the Completer for the settings, on the worker thread, reporting load phases as it goes."""
 
-    def __call__(self, cfg: Any, *, progress: ProgressFn | None = None,
+    def __call__(self, cfg: Config, *, progress: ProgressFn | None = None,
                  warn: Callable[[str], None] | None = None) -> Completer: ...
 
 # Of the progress bar, when the model is downloaded first (a hub model not yet in the cache): the
@@ -67,7 +68,7 @@ def progress_report(phase: str, percentage: int, message: str | None = None) -> 
             "message": message or LOAD_PHASES.get(phase, (0, phase))[1]}
 
 
-def load_completer(cfg: Any, progress: ProgressFn | None = None,
+def load_completer(cfg: Config, progress: ProgressFn | None = None,
                    warn: Callable[[str], None] | None = None) -> Completer:
     """What completes for the settings `cfg`, ready to serve (the Service's loader; call off the event loop).
 
@@ -96,7 +97,7 @@ def _unhandled(backend: NoReturn) -> NoReturn:
     raise AssertionError(f"no completer for backend {backend!r}")
 
 
-def load_engine(cfg: Any, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None) -> Any:
+def load_engine(cfg: Config, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None) -> Any:
     """Engine.load with the settings of `cfg`, then one tiny generation so that the first real request
     does not pay for lazy initialisation (kernels, allocator). Imports torch: call off the event loop."""
     for what, value in (("model", cfg.model), ("draft model", cfg.draft_model)):
@@ -163,7 +164,7 @@ def resolve_model(value: str) -> str:
 class Service:
     """Documents + scheduler + engine. All public methods run on the event loop thread."""
 
-    def __init__(self, cfg: Any, loader: Loader = load_completer, max_pending_per_client: int = 16,
+    def __init__(self, cfg: Config, loader: Loader = load_completer, max_pending_per_client: int = 16,
                  queue_deadline: float = QUEUE_DEADLINE, calibrate_min_params: int | None = None):
         self.cfg = cfg
         self._loader = loader
@@ -411,13 +412,13 @@ class Service:
         except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
             log.debug("workspace update for %s failed: %s", uri, exc)
 
-    def _admission(self, client: Hashable, cfg: Any, path: str | None) -> Any:
+    def _admission(self, client: Hashable, cfg: Config, path: str | None) -> Any:
         """The privacy gate's verdict on a document of `client` (privacy.classify: its folders, ignore rules
         and contextExclude). Folders the editor announced count before the workspace has set them up."""
         return self._ws().admission(path, owner=client, exclude=_exclude_patterns(cfg),
                                     roots=self._client_folders.get(client, ()))
 
-    def _context(self, client: Hashable, cfg: Any, path: str | None, language: str | None, text: str | None = None,
+    def _context(self, client: Hashable, cfg: Config, path: str | None, language: str | None, text: str | None = None,
                  offset: int | None = None, budgets: tuple[int, int, int] | None = None) -> list[tuple[str, str]]:
         """The context block's files: retrieved for the cursor (contextRetrieval on) or recent snippets.
         budgets: the prompt's (prefix, suffix, context) token budgets, where a prompt builder knows them."""
@@ -601,7 +602,7 @@ class Service:
         result["version"] = version
         return result
 
-    def _run(self, text: str, offset: int, cfg: Any, token: Any, path: str | None = None,
+    def _run(self, text: str, offset: int, cfg: Config, token: Any, path: str | None = None,
              language: str | None = None, client: Hashable = None, gate_path: str | None = None,
              tree: Any = None) -> dict[str, Any]:
         """On the worker thread: one completion from whatever completes (the one pipeline, completion/completer.py)."""
@@ -718,7 +719,7 @@ def _withheld(message: str) -> dict[str, Any]:
             "warnings": [message]}
 
 
-def _exclude_patterns(cfg: Any) -> list[str]:
+def _exclude_patterns(cfg: Config) -> list[str]:
     return [p for p in str(getattr(cfg, "context_exclude", "") or "").split(",") if p.strip()]
 
 
