@@ -229,12 +229,11 @@ def tok(tmp_path_factory):
 
 @pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", "y = x +")])
 def test_local_path_checks_suggestions(tok, language, expected):
+    from completiond import config as config_mod
     from completiond.completion.completer import suggest
     from completiond.completion.suggest import LocalCompleter
     from completiond.config import Config
     from completiond.engine.cancel import CancelToken
-
-    from completiond import config as config_mod
 
     # Healing off: the scripted engine does not re-type the indentation healing would back up over.
     cfg, errors = config_mod.merge(Config(), {"tokenHealing": False})
@@ -320,3 +319,36 @@ def test_an_open_documents_tree_follows_its_edits():
     fresh = Parser(keeper.spec.language()).parse(doc.text.encode())
     assert str(tree.root_node) == str(fresh.root_node) and not tree.root_node.has_error and keeper.parses == 2
     assert Document(uri="file:///w/notes.txt", text="x").syntax() is None
+
+
+@pytest.mark.parametrize("language, before, after, generated, expected", [
+    ("python", FUNC, AFTER, "y = 1\n    z = 2", "y = 1"),
+    ("python", FUNC, AFTER, "if x:\n        y = 1\n        z = 2\n    w = 3", "if x:\n        y = 1\n        z = 2"),
+    ("javascript", "function f(x) {\n  ", "\n  return y;\n}\n", "const y = 1;\n  let z = 2;", "const y = 1;"),
+    ("javascript", "function f(x) {\n  ", "\n  return y;\n}\n", "if (x) {\n    y++;\n  }\n  z++;",
+     "if (x) {\n    y++;\n  }"),
+    ("go", "package p\n\nfunc f(x int) {\n\t", "\n}\n", "for i := 0; i < x; i++ {\n\t\tg(i)\n\t}\n\th()",
+     "for i := 0; i < x; i++ {\n\t\tg(i)\n\t}"),
+    ("rust", "fn f(x: i32) {\n    ", "\n}\n", "let y = x;\n    g(y);", "let y = x;"),
+])
+def test_a_suggestion_begun_on_an_empty_line_ends_with_the_statement_it_began(language, before, after, generated,
+                                                                                expected):
+    assert shown(before + after, generated, language=language, cursor=len(before)) == expected
+
+
+def test_the_oracle_eval_reports_every_language(tmp_path):
+    import argparse
+
+    from completiond.commands.eval_oracle import run_oracle
+
+    (tmp_path / "a.py").write_text("def f(x):\n    y = g(x, 1)\n    if y:\n        return y\n    return 0\n")
+    (tmp_path / "b.js").write_text("function f(x) {\n  const y = g(x, 1);\n  if (y) {\n    return y;\n  }\n"
+                                   "  return 0;\n}\n")
+    (tmp_path / "c.go").write_text("package p\n\nfunc f(x int) int {\n\ty := g(x, 1)\n\tif y > 0 {\n\t\treturn y\n"
+                                   "\t}\n\treturn 0\n}\n")
+    args = argparse.Namespace(positions=30, seed=0, per_file=10, ext=None, max_lines=8, multiline="auto", show=5)
+    result = run_oracle(tmp_path, args)
+    assert set(result["by_language"]) == {"python", "javascript", "go"}
+    for lang, r in result["by_language"].items():
+        assert r["positions"] > 0 and r["parse_checked"] > 0, lang
+        assert 0 <= r["exact"] <= 1 and r["parses_after_insertion"] >= 0.5, (lang, r, result["not_exact"])

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--typing", type=int, default=0, metavar="N",
                         help="also type the target of N positions character by character and report the fraction "
                              "of prompt tokens served from the prefix KV cache (typing_cache_fraction)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="no model: feed the stop rules and the syntax check the true middle followed by the "
+                             "file's next lines, and the true middle cut mid-token; report per language how often "
+                             "the cut is exact and the file parses after insertion")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
 
@@ -511,6 +515,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.dir.is_dir():
         print(f"completiond eval: {args.dir} is not a directory", file=sys.stderr)
         return 2
+    if args.oracle:
+        from completiond.commands.eval_oracle import print_oracle, run_oracle
+
+        oracle = run_oracle(args.dir, args, files)
+        if args.json:
+            print(json.dumps(oracle, sort_keys=True))
+        else:
+            print_oracle(oracle)
+        return 0 if oracle["by_language"] else 1
     cfg = _config(args)
     positions = pick_positions(args.dir, args.positions, args.seed, args.per_file, args.ext,
                                midword_only=args.compare_healing, files=files)

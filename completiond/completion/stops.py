@@ -55,7 +55,7 @@ from typing import Iterable, Sequence
 
 from completiond.completion.healing import TokenBytes
 from completiond.completion.languages import spec_of
-from completiond.completion.syntax import Site, Verdict, check, site_at
+from completiond.completion.syntax import Site, Verdict, check, site_at, unit_end
 
 OPENERS = {"(": ")", "[": "]", "{": "}"}
 CLOSERS = {v: k for k, v in OPENERS.items()}
@@ -284,7 +284,10 @@ class TextRules:
                     return Cut(_trim_blank_tail(s, end_of_prev), "dedent out of the cursor's block")
                 if ind == 0 and self.min_indent == 0 and seen_content and i >= 2 and not lines[i - 1].strip():
                     return Cut(_trim_blank_tail(s, end_of_prev), "top-level code after a blank line")
-            if i < complete and stripped and stripped == self.next_line and (i >= 1 or not self.line_prefix.strip()):
+            # A closer the suggestion owes its own opener is not a repeat of the document's next `}`.
+            closes_own = _only_closers(stripped) and depth > self.carry
+            if i < complete and stripped and stripped == self.next_line and (i >= 1 or not self.line_prefix.strip()) \
+                    and not closes_own:
                 return Cut(_trim_blank_tail(s, end_of_prev) if i >= 1 else 0, "repeats the next line of the document")
             d, unmatched = bracket_scan(ln)
             before = depth
@@ -513,6 +516,12 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
         # The closer right of the cursor then lands on its own line, at the
         # opener's indentation, instead of being glued to the last line.
         s += "\n" + rules.line_prefix[: len(rules.line_prefix) - len(rules.line_prefix.lstrip())]
+    if rules.site is not None and rules.multiline and "\n" in s and not rules.line_prefix.strip():
+        # A suggestion begun on an empty line ends with the statement it began (a compound one with its
+        # body), as the language's grammar delimits it: the syntactic unit the cursor began.
+        end = unit_end(rules.site, s)
+        if end is not None:
+            s = s[:end].rstrip()
     if rules.site is not None and rules.check_syntax:
         # The longest part that adds no syntax error (syntax.py; bounded, never raises).
         rules.syntax = check(rules.site, s)

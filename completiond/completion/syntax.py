@@ -641,6 +641,25 @@ def check(site: Site, s: str) -> Verdict:
         return Verdict(s, "unjudged", count, 1000 * (time.perf_counter() - t0), f"not judged: {exc}")
 
 
+def unit_end(site: Site, s: str) -> int | None:
+    """Where in suggestion `s` the statement that begins at the cursor ends (a character offset into s), when
+    it ends before s does; None when s holds no more than that statement, or none begins at the cursor.
+    Parsed with s inserted (the region, as check does): the statement is the grammar's own, so a compound
+    statement ends after its body and a simple one at its end, in every language."""
+    raw = encode(s)
+    tree = _inserted(site, raw)
+    a0, a1 = site.cursor, site.cursor + len(raw)
+    node: Node | None = tree.root_node.descendant_for_byte_range(a0, a0)
+    best = None
+    while node is not None and node.start_byte == a0:
+        if node.type in site.spec.statements and not node.has_error and node.end_byte <= a1:
+            best = node   # the outermost statement that starts here and ends inside the suggestion
+        node = node.parent
+    if best is None or not raw[best.end_byte - a0:].strip():
+        return None
+    return len(raw[:best.end_byte - a0].decode("utf-8", "replace"))
+
+
 # -- whole-file checks (the eval's judge) --------------------------------------------------------------------
 
 
