@@ -1,8 +1,8 @@
 """`completiond lsp`: the language server editors run (LSP over stdio, pygls 2).
 
 It keeps the editor's documents, converts LSP positions, and forwards
-everything to a backend: the shared daemon (default) or an in-process
-engine (`--no-daemon`). No torch is imported here unless `--no-daemon`.
+everything to the service (a ServiceLink): the shared daemon's over its socket
+(DaemonConnection, the default) or one in this process (InProcessService, `--no-daemon`). No torch is imported here unless `--no-daemon`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lsprotocol import types
 from pygls.capabilities import ServerCapabilitiesBuilder
@@ -30,6 +30,9 @@ from completiond.serving import paths
 from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.completion.documents import UTF8, UTF16, UTF32, Document
 from completiond.serving.wire import MAX_FRAME, Code, RemoteError
+
+if TYPE_CHECKING:
+    from completiond.serving.service import Service  # imported at run time only for --no-daemon (torch)
 
 log = logging.getLogger("completiond.lsp")
 
@@ -62,7 +65,21 @@ def _version() -> str:
         return "0"
 
 
-class LocalBackend:
+class ServiceLink(Protocol):
+    """How the LSP reaches the service's one dispatch (serving/service.py), wherever it runs."""
+
+    async def start(self, cfg: Config, documents: dict[str, tuple[int, str, str]] | None = None) -> dict[str, Any]: ...
+
+    def notify(self, method: str, params: dict[str, Any]) -> None: ...
+
+    async def request(self, method: str, params: dict[str, Any], timeout: float | None = None) -> Any: ...
+
+    async def restart(self, cfg: Config, documents: dict[str, tuple[int, str, str]]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class InProcessService:
     """The daemon's Service, in this process (`completiond lsp --no-daemon`)."""
 
     CLIENT = 0
@@ -70,7 +87,7 @@ class LocalBackend:
     def __init__(self, cfg: Config, on_notification):
         self.cfg = cfg
         self.on_notification = on_notification
-        self.service = None
+        self.service: Service | None = None
         self._ids = 0
         self.docs: dict[str, tuple[int, str, str]] = {}
 
@@ -119,7 +136,9 @@ class LocalBackend:
             self.service.shutdown()
 
 
-class DaemonBackend:
+class DaemonConnection:
+    """The shared daemon's Service, over its socket (the default): a self-healing session (serving/client.py)."""
+
     def __init__(self, session: DaemonSession):
         self.session = session
 
@@ -214,17 +233,17 @@ class CompletionServer(LanguageServer):
         self.typed_through_count = 0
         self.suggestion_counts = {"shown": 0, "accepted_full": 0, "accepted_word": 0, "accepted_line": 0,
                                   "dismissed": 0}
-        self.backend_started = False
+        self.service_started = False
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         if no_daemon:
-            self.backend: Any = LocalBackend(self.cfg, self._on_backend_notification)
+            self.service: ServiceLink = InProcessService(self.cfg, self._on_service_notification)
         else:
             session = DaemonSession(settings=lambda: config_mod.to_settings(self.cfg), documents=self.document_snapshot,
-                                    directory=runtime_dir, on_notification=self._on_backend_notification,
+                                    directory=runtime_dir, on_notification=self._on_service_notification,
                                     on_connect=self._on_connect, on_lost=self._on_daemon_lost)
-            self.backend = DaemonBackend(session)
+            self.service = DaemonConnection(session)
 
     # --- settings ---------------------------------------------------------------
 
@@ -239,12 +258,12 @@ class CompletionServer(LanguageServer):
         self.cfg = cfg
         want = config_mod.engine_settings(cfg)
         changed = config_mod.engine_differences(want, before)
-        if changed and self.backend_started:
+        if changed and self.service_started:
             served = self.status.get("engine_settings")
             if isinstance(served, dict) and not config_mod.engine_differences(want, served):
                 self.send_status()  # what the daemon already serves: nothing to reload, no mismatch left
             else:
-                self.restart_backend("model settings changed: " + ", ".join(d.split(" (")[0] for d in changed))
+                self.restart_service("model settings changed: " + ", ".join(d.split(" (")[0] for d in changed))
         new_errors = [e for e in errors if e not in self._setting_errors]
         self._setting_errors = set(errors)
         if new_errors:  # each layer is re-merged on every change: report only what is newly wrong
@@ -253,7 +272,7 @@ class CompletionServer(LanguageServer):
             log.warning("%s", message)
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning, message=message))
 
-    def restart_backend(self, reason: str) -> asyncio.Future:
+    def restart_service(self, reason: str) -> asyncio.Future:
         """Restart the engine (the shared daemon, or the in-process one) with the current settings.
 
         The user changed them, so they want them now; other editors on the daemon reconnect by themselves
@@ -269,9 +288,9 @@ class CompletionServer(LanguageServer):
                 await asyncio.gather(previous, return_exceptions=True)
             log.info("%s; restarting %s", reason, where)
             try:
-                await self.backend.restart(self.cfg, self.document_snapshot())
+                await self.service.restart(self.cfg, self.document_snapshot())
             except (DaemonUnavailable, ConnectionError, OSError) as exc:
-                self.backend_failed(exc)
+                self.service_failed(exc)
 
         self._restarting = asyncio.ensure_future(run())
         return self._restarting
@@ -337,18 +356,18 @@ class CompletionServer(LanguageServer):
     def document_snapshot(self) -> dict[str, tuple[int, str, str]]:
         return {uri: (d.version, d.text, d.language_id) for uri, d in self.docs.items()}
 
-    # --- backend ----------------------------------------------------------------------
+    # --- the service ----------------------------------------------------------------------
 
-    async def start_backend(self) -> None:
+    async def start_service(self) -> None:
         try:
-            welcome = await self.backend.start(self.cfg, self.document_snapshot())
+            welcome = await self.service.start(self.cfg, self.document_snapshot())
         except (DaemonUnavailable, ConnectionError, OSError, RemoteError) as exc:
-            self.backend_failed(exc)
+            self.service_failed(exc)
             return
         if isinstance(welcome, dict) and isinstance(welcome.get("status"), dict):
-            self._on_backend_notification("status", welcome["status"])
+            self._on_service_notification("status", welcome["status"])
         if self.no_daemon and self.workspace_folders():
-            self.backend.notify("workspace", {"folders": self.workspace_folders()})
+            self.service.notify("workspace", {"folders": self.workspace_folders()})
 
     def workspace_folders(self) -> list[str]:
         from urllib.parse import unquote, urlparse
@@ -363,27 +382,27 @@ class CompletionServer(LanguageServer):
     def _on_connect(self, welcome: dict[str, Any]) -> None:
         folders = self.workspace_folders()
         if folders:
-            self.backend.notify("workspace", {"folders": folders})
+            self.service.notify("workspace", {"folders": folders})
         if welcome.get("warning"):
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning,
                                                              message=f"completiond: {welcome['warning']}"))
         if isinstance(welcome.get("status"), dict):
-            self._on_backend_notification("status", welcome["status"])
+            self._on_service_notification("status", welcome["status"])
 
     def _on_daemon_lost(self, reason: str) -> None:
         """The daemon went away by itself (killed, crashed, `completiond stop`): editors show it now, not
         "ready" until the next keystroke. The next completion starts a daemon again (DaemonSession)."""
         log.warning("the completion daemon stopped: %s", reason)
-        self._on_backend_notification("status", {
+        self._on_service_notification("status", {
             "state": "stopped", "model": self.status.get("model"), "device": self.status.get("device"),
             "error": f"the completion daemon stopped ({reason}); the next completion starts it again"})
 
-    def backend_failed(self, exc: Exception) -> None:
+    def service_failed(self, exc: Exception) -> None:
         log.error("cannot reach the completion daemon: %s", exc)
-        self._on_backend_notification("status", {"state": "error",
+        self._on_service_notification("status", {"state": "error",
                                                  "error": f"cannot reach the completion daemon: {exc}"})
 
-    def _on_backend_notification(self, method: str, params: dict[str, Any]) -> None:
+    def _on_service_notification(self, method: str, params: dict[str, Any]) -> None:
         if method != "status":
             return
         previous = self.status.get("state")
@@ -444,7 +463,7 @@ class CompletionServer(LanguageServer):
         editor, and in the daemon for `completiond status`. Nothing leaves the machine."""
         self.suggestion_counts["dismissed" if event == "dismissed" else
                                "shown" if event == "shown" else f"accepted_{kind}"] += 1
-        self.backend.notify("suggestion", {"event": event, "kind": kind} if kind else {"event": event})
+        self.service.notify("suggestion", {"event": event, "kind": kind} if kind else {"event": event})
 
     def _report_progress(self) -> None:
         """The load's percentage on the open `$/progress` (once its token exists)."""
@@ -516,7 +535,7 @@ class CompletionServer(LanguageServer):
         if self._started is not None and not self._started.done():
             await asyncio.shield(self._started)
         try:
-            result = await self.backend.request("complete", {
+            result = await self.service.request("complete", {
                 "uri": uri, "version": version, "offset": offset, "settings": self.request_settings()})
         except RemoteError as exc:
             if exc.code == Code.CANCELLED:
@@ -526,7 +545,7 @@ class CompletionServer(LanguageServer):
                 self.tell_once(exc.message, types.MessageType.Warning)
             return None
         except (DaemonUnavailable, ConnectionLost) as exc:
-            self.backend_failed(exc)
+            self.service_failed(exc)
             return None
         for warning in (result.get("warnings") or []) if isinstance(result, dict) else []:
             self.tell_once(str(warning), types.MessageType.Warning)
@@ -659,8 +678,8 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             if ls.workspace_options is not None:
                 ls.apply_settings()
             if ls.cfg.enable:  # disabled: no daemon, no model in memory, until enabled
-                await ls.start_backend()
-                ls.backend_started = True
+                await ls.start_service()
+                ls.service_started = True
 
         ls._started = asyncio.ensure_future(start())
         ls._watcher = asyncio.ensure_future(ls.watch_config_file())
@@ -673,9 +692,9 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         else:
             await ls.pull_configuration()  # the "pull" model: settings is null, ask for them
         ls.apply_settings()  # restarts the engine when its settings changed
-        if ls.cfg.enable and not ls.backend_started and (ls._started is None or ls._started.done()):
-            ls.backend_started = True
-            ls._started = asyncio.ensure_future(ls.start_backend())
+        if ls.cfg.enable and not ls.service_started and (ls._started is None or ls._started.done()):
+            ls.service_started = True
+            ls._started = asyncio.ensure_future(ls.start_service())
 
     @server.feature(types.WORKSPACE_DID_CHANGE_WORKSPACE_FOLDERS)
     def did_change_folders(ls: CompletionServer, params: types.DidChangeWorkspaceFoldersParams) -> None:
@@ -686,13 +705,13 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         added = [unquote(urlparse(f.uri).path) for f in params.event.added if f.uri.startswith("file://")]
         removed = [unquote(urlparse(f.uri).path) for f in params.event.removed if f.uri.startswith("file://")]
         if added or removed:
-            ls.backend.notify("workspace", {"folders": added, "removed": removed})
+            ls.service.notify("workspace", {"folders": added, "removed": removed})
 
     @server.feature(types.TEXT_DOCUMENT_DID_OPEN)
     def did_open(ls: CompletionServer, params: types.DidOpenTextDocumentParams) -> None:
         td = params.text_document
         ls.docs[td.uri] = Document(uri=td.uri, text=td.text, version=td.version, language_id=td.language_id)
-        ls.backend.notify("open", {"uri": td.uri, "version": td.version, "text": td.text, "languageId": td.language_id})
+        ls.service.notify("open", {"uri": td.uri, "version": td.version, "text": td.text, "languageId": td.language_id})
 
     @server.feature(types.TEXT_DOCUMENT_DID_CHANGE)
     def did_change(ls: CompletionServer, params: types.DidChangeTextDocumentParams) -> None:
@@ -701,13 +720,13 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             log.warning("didChange for unopened %s ignored", params.text_document.uri)
             return
         edits = doc.apply_lsp_changes(params.content_changes, params.text_document.version, ls.encoding)
-        ls.backend.notify("change", {"uri": doc.uri, "version": doc.version, "edits": [list(e) for e in edits]})
+        ls.service.notify("change", {"uri": doc.uri, "version": doc.version, "edits": [list(e) for e in edits]})
 
     @server.feature(types.TEXT_DOCUMENT_DID_CLOSE)
     def did_close(ls: CompletionServer, params: types.DidCloseTextDocumentParams) -> None:
         ls._last.pop(params.text_document.uri, None)
         if ls.docs.pop(params.text_document.uri, None) is not None:
-            ls.backend.notify("close", {"uri": params.text_document.uri})
+            ls.service.notify("close", {"uri": params.text_document.uri})
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
@@ -752,7 +771,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     @server.command(CMD_STATS)
     async def stats(ls: CompletionServer, *args: Any) -> dict[str, Any]:
         try:
-            stats = await ls.backend.request("stats", {}, timeout=10)
+            stats = await ls.service.request("stats", {}, timeout=10)
         except (RemoteError, DaemonUnavailable, ConnectionLost, asyncio.TimeoutError) as exc:
             stats = {"error": str(exc)}
         stats["lsp"] = {"typed_through": ls.typed_through_count, "suggestions": dict(ls.suggestion_counts)}
@@ -771,9 +790,9 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     @server.command(CMD_RESTART)
     async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:
         try:
-            await ls.backend.restart(ls.cfg, ls.document_snapshot())
+            await ls.service.restart(ls.cfg, ls.document_snapshot())
         except (DaemonUnavailable, ConnectionError, OSError) as exc:
-            ls.backend_failed(exc)
+            ls.service_failed(exc)
             return {"restarted": False, "error": str(exc)}
         return {"restarted": True}
 
@@ -782,7 +801,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         # Leave the shared daemon running for the other editors; it exits on its own when idle.
         if ls._watcher is not None:
             ls._watcher.cancel()
-        await ls.backend.close()
+        await ls.service.close()
 
     return server
 

@@ -378,3 +378,9 @@ def test_serving_holds_a_completer_not_an_engine():
     assert not probes, f"getattr probes of the engine/completer: {probes}"
     assert not fakes, f"shipped code special-casing test fakes: {fakes}"
 
+
+
+def test_no_serving_or_engine_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("serving",) for p in (ROOT / "completiond" / folder).glob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"

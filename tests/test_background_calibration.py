@@ -179,7 +179,8 @@ def test_background_calibration_gives_up_after_its_budget_and_can_be_cancelled(p
 
 
 async def test_the_daemon_calibrates_a_new_model_while_serving_completions(peaked_dir, private_cache):
-    from completiond.serving.service import Service, load_completer
+    from completiond.serving.lifecycle import load_completer
+    from completiond.serving.service import Service
 
     cfg = config.merge(config.Config(), {"model": str(peaked_dir), "device": "cpu", "maxTokens": 8})[0]
     service = Service(cfg, loader=load_completer, calibrate_min_params=0)
@@ -211,7 +212,8 @@ async def test_the_daemon_calibrates_a_new_model_while_serving_completions(peake
 
 
 async def test_small_models_are_not_calibrated_in_the_background(peaked_dir, private_cache):
-    from completiond.serving.service import Service, load_completer
+    from completiond.serving.lifecycle import load_completer
+    from completiond.serving.service import Service
 
     cfg = config.merge(config.Config(), {"model": str(peaked_dir), "device": "cpu"})[0]
     service = Service(cfg, loader=load_completer)  # the default threshold: 100M parameters

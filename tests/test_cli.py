@@ -122,9 +122,9 @@ AS_IF_WINDOWS = ("import os, socket, sys\n"
 
 def test_without_unix_sockets_the_lsp_runs_in_process_and_the_daemon_commands_say_why():
     out = run_python(AS_IF_WINDOWS + (
-        "from completiond.lsp.server import CompletionServer, LocalBackend\n"
+        "from completiond.lsp.server import CompletionServer, InProcessService\n"
         "server = CompletionServer()\n"
-        "print(server.no_daemon, isinstance(server.backend, LocalBackend))\n"
+        "print(server.no_daemon, isinstance(server.service, InProcessService))\n"
         "print(server.platform_note)\n"
         "from completiond.cli import main\n"
         "print('rc', main(['status']), main(['stop']), main(['serve']))\n"

@@ -106,7 +106,7 @@ def test_alternatives_sampled_each_with_its_own_seed(engine, tiny_model_dir):
 
 def test_engine_load_reports_its_phases(tiny_model_dir):
     from completiond.engine.engine import Engine
-    from completiond.serving.service import load_engine
+    from completiond.serving.lifecycle import load_engine
 
     phases: list[str] = []
     Engine.load(str(tiny_model_dir), device="cpu", progress=phases.append)
@@ -153,7 +153,7 @@ def test_complete_in_process_names_the_file_to_the_suggestion(monkeypatch):
     Python file gets the syntax check of its suggestion on the command line too."""
     from completiond.commands import complete
     from completiond.completion import completer as completer_mod
-    from completiond.serving import service
+    from completiond.serving import lifecycle
 
     class FakeCompleter:
         name, device = "fake", "cpu"
@@ -164,7 +164,7 @@ def test_complete_in_process_names_the_file_to_the_suggestion(monkeypatch):
         seen["path"] = path
         return Completion()
 
-    monkeypatch.setattr(service, "load_completer", lambda cfg, progress=None, warn=None: FakeCompleter())
+    monkeypatch.setattr(lifecycle, "load_completer", lambda cfg, progress=None, warn=None: FakeCompleter())
     monkeypatch.setattr(completer_mod, "suggest", fake_suggest)
     result = complete.complete_in_process(config.Config(), "x = 1\n", 4, "/src/t.py")
     assert seen["path"] == "/src/t.py" and result["finish_reason"] == "skipped"

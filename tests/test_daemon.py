@@ -278,7 +278,7 @@ async def test_two_clients_have_separate_documents(daemon):
         ra, rb = await asyncio.gather(a.request("complete", {"uri": "u", "version": 1, "offset": 3}, timeout=10),
                                       b.request("complete", {"uri": "u", "version": 7, "offset": 4}, timeout=10))
         assert ra["version"] == 1 and rb["version"] == 7
-        assert daemon.server.service.stats_counts["loads"] == 1
+        assert daemon.server.service.metrics.counts["loads"] == 1
     finally:
         await a.close()
         await b.close()
@@ -392,14 +392,14 @@ def test_draft_acceptance_and_speed_only_when_measured():
 
     service = Service(config.Config(), loader=local(FakeEngine()))
     # Plain decoding that produced nothing: neither figure was measured, so neither is 0.
-    service._account(Outcome(OK, {"latency_ms": 3.0, "suggestion": None, "stats": {
+    service.metrics.account(Outcome(OK, {"latency_ms": 3.0, "suggestion": None, "stats": {
         "drafted": 0, "accepted": 0, "rejected": 0, "alpha": 0.0, "generated_tokens": 0, "decode_ms": 0.0,
         "tokens_per_s": 0.0}}))
     status = service.status()
     assert "alpha" not in status
     assert status["draft_acceptance"] is None and status["tokens_per_s"] is None and status["last_latency_ms"] == 3.0
     assert service.stats()["draft_acceptance"] is None
-    service._account(Outcome(OK, {"latency_ms": 9.0, "suggestion": None, "stats": {
+    service.metrics.account(Outcome(OK, {"latency_ms": 9.0, "suggestion": None, "stats": {
         "drafted": 4, "accepted": 3, "rejected": 1, "alpha": 0.75, "generated_tokens": 5, "decode_ms": 50.0,
         "tokens_per_s": 100.0}}))
     status = service.status()
@@ -408,7 +408,7 @@ def test_draft_acceptance_and_speed_only_when_measured():
 
 
 async def test_loading_reports_phases_with_percentages():
-    from completiond.serving.service import LOAD_PHASES
+    from completiond.serving.lifecycle import LOAD_PHASES
 
     def loader(_cfg, progress, **_hooks):
         for phase in ("tokenizer", "weights", "device", "engine", "warm-up", "ready"):
@@ -459,7 +459,7 @@ async def _load_and_log(cfg, loader, monkeypatch) -> tuple[Service, str]:
 async def test_daemon_log_has_no_traceback_for_a_configuration_error(monkeypatch, tmp_path):
     """Issue 30: daemon.log held a full traceback for a model directory that is not there. A CompletionError
     is logged as its message; a bug (any other exception) keeps its traceback."""
-    from completiond.serving.service import load_completer
+    from completiond.serving.lifecycle import load_completer
 
     monkeypatch.chdir(tmp_path)
     service, log_text = await _load_and_log(config.Config(model="./nope"), load_completer, monkeypatch)
@@ -511,7 +511,7 @@ def test_language_server_reports_a_lost_daemon_as_stopped(rundir):
     server.protocol.notify = lambda method, params=None: sent.append((method, params))
     server.window_show_message = shown.append
     server.status = {"state": "ready", "model": "m", "device": "cpu"}
-    server.backend.session.on_lost("the daemon closed the connection")
+    server.service.session.on_lost("the daemon closed the connection")
     (method, params), = sent
     assert method == STATUS_METHOD and params["state"] == "stopped"
     assert "the daemon closed the connection" in params["message"] and "next completion starts it again" in params["message"]

@@ -135,7 +135,7 @@ def test_cancel_mid_generation_keeps_a_verified_prefix(engine):
 
 
 def test_the_draft_model_setting_reaches_the_engine(dirs):
-    from completiond.serving.service import load_engine
+    from completiond.serving.lifecycle import load_engine
 
     target, draft = dirs
     cfg = Config(model=str(target), draft_model=str(draft), dtype="float64")
@@ -146,7 +146,7 @@ def test_the_draft_model_setting_reaches_the_engine(dirs):
 
 def test_status_names_the_draft_in_use(engine):
     from completiond.engine.calibration import Calibration
-    from completiond.serving.service import _last_draft
+    from completiond.serving.metrics import _last_draft
 
     saved = engine.calibration
     try:

@@ -151,7 +151,7 @@ def test_the_editor_is_told_each_load_warning_once():
     server._begin_progress = server._report_progress = lambda *a: None  # no editor connected to show one
     warning = "org/big@0123456789ab will probably not fit: its weights need about 28.0 GiB in float32"
     for state in ("loading", "loading", "ready"):
-        server._on_backend_notification("status", {"state": state, "model": "org/big@0123456789ab",
+        server._on_service_notification("status", {"state": state, "model": "org/big@0123456789ab",
                                                    "warnings": [warning]})
     assert [m.message for m in shown] == [f"completiond: {warning}"]
     assert shown[0].type.name == "Warning"

@@ -178,14 +178,14 @@ def test_daemon_reports_skipped(tmp_path, tiny_engine):
     """With the real prompt pipeline, the daemon answers minified/binary documents with finish_reason
     "skipped" (no engine work) within a second."""
     daemon = tiny_daemon(tmp_path, tiny_engine)
-    prompt_tokens = daemon.service.stats_counts["prompt_tokens"]
+    prompt_tokens = daemon.service.metrics.counts["prompt_tokens"]
     probe = stress.WireProbe(daemon.socket_path)
     try:
         for uri, text, offset in (("file:///min.js", MINIFIED, 50_000), ("file:///bin.dat", BINARY, 3000)):
             probe.request("open", {"uri": uri, "version": 1, "text": text})
             reply = probe.request("complete", {"uri": uri, "version": 1, "offset": offset})
             assert reply["r"]["finish_reason"] == "skipped" and reply["r"]["suggestion"] is None, reply
-        assert daemon.service.stats_counts["prompt_tokens"] == prompt_tokens   # the engine never ran
+        assert daemon.service.metrics.counts["prompt_tokens"] == prompt_tokens   # the engine never ran
     finally:
         probe.close()
         daemon.stop()

@@ -6,7 +6,7 @@ dependency already), types into a Python buffer with nvim_input as a user
 would, waits for the ghost text from the server, accepts it and checks the
 buffer. Once with Neovim's built-in vim.lsp.inline_completion (>= 0.12),
 once with the plugin's own renderer (the default). The preview tests run the
-real `completiond lsp` with a scripted backend (ScriptedBackend: known
+real `completiond lsp` with a scripted service (ScriptedService: known
 suggestions) and compare what is drawn with what accepting inserts.
 """
 
@@ -525,7 +525,7 @@ def test_format_stats_and_status_lines_never_print_vim_nil(nvim):
 # ---------------------------------------------------------------- scripted server: what is shown is what is inserted
 
 
-class ScriptedBackend:
+class ScriptedService:
     """Stands in for the daemon behind the real `completiond lsp`: answers `complete` from a table keyed
     by the cursor line with a `|` at the cursor, so that the LSP's items and Neovim's rendering are
     tested with exact, known suggestions."""
@@ -563,7 +563,7 @@ def scripted_server(table: dict[str, str]):
     from completiond.lsp.server import build_server
 
     server = build_server(no_daemon=True)
-    server.backend = ScriptedBackend(server, table)
+    server.service = ScriptedService(server, table)
     return server
 
 
@@ -619,9 +619,9 @@ def test_inline_items_insert_what_they_show_and_skip_midline_code():
     assert multi.insert_text == "a,\n    b,\n)" and apply_item("call(|)", multi) == "call(a,\n    b,\n)"
     assert mid.command.command == "completiond.suggestionEvent"
     assert mid.command.arguments == [{"event": "accepted", "kind": "full"}]
-    asked = len(server.backend.asked)
+    asked = len(server.service.asked)
     assert inline_items(server, "seq = |self._entries[best_key]") == []
-    assert len(server.backend.asked) == asked  # decided before asking the model
+    assert len(server.service.asked) == asked  # decided before asking the model
     assert inline_items(server, "wrap(|)") == []
 
 

@@ -130,13 +130,13 @@ async def test_service_scopes_context_per_connection(tmp_path):
     (a / "mine.py").write_text("A_ONLY = 1\n")
     service = await ready_service(FakeEngine(continuation="z\n"))
     seen: dict = {}
-    real_context = service._context
+    real_context = service.docs.context
 
     def spy(client, cfg, path, language, *rest):
         seen[client] = real_context(client, cfg, path, language, *rest)
         return seen[client]
 
-    service._context = spy
+    service.docs.context = spy
     try:
         service.notify(1, "workspace", {"folders": [str(a)]})
         service.notify(2, "workspace", {"folders": [str(b)]})

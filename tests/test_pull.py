@@ -455,7 +455,8 @@ def test_pull_of_an_unknown_repository_says_so(fake_hub, tmp_path):
 
 async def test_the_daemon_pulls_on_first_use_with_progress_percentages(fake_hub, tmp_path, monkeypatch):
     from completiond import config
-    from completiond.serving.service import Service, load_completer
+    from completiond.serving.lifecycle import load_completer
+    from completiond.serving.service import Service
 
     fake_hub.add("org/mini", BUNDLED)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

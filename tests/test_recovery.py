@@ -126,7 +126,7 @@ async def test_kill9_lsp_process_frees_its_state(tmp_path):
         assert [u for (_c, u) in docs] == ["file:///b.py"], docs           # a's three documents are gone
         await wait_until(lambda: not daemon.call(lambda: daemon.service.scheduler.busy), 5)
         assert engine.calls[-1].rounds < 1000                               # its generation was cancelled
-        assert daemon.service.stats_counts["cancelled"] >= 1
+        assert daemon.service.metrics.counts["cancelled"] >= 1
         reply = await asyncio.wait_for(inline(b, "file:///b.py", TEXT), 30)  # the other editor is unaffected
         assert reply["result"]["items"]
     finally:

@@ -61,12 +61,25 @@ class FakeEngine:
     round_s: float = 0.0
     tokenizer: Any = field(default_factory=fake_tokenizer)
     model_id: str = "fake"
+    name: str = "fake"
     device: str = "cpu"
+    calibration: Any = None     # nothing to calibrate in the background
+    model: Any = None
+    cache: Any = None
     eos_token_ids: set = field(default_factory=lambda: {0})
     max_context: int = 4096
     calls: list = field(default_factory=list)
     started: threading.Event = field(default_factory=threading.Event)
     last_prompt: list = field(default_factory=list)
+
+    def draft_in_use(self):
+        return None
+
+    def decode_step_in_use(self):
+        return None
+
+    def tokenizer_in_use(self):
+        return None
 
     def generate(self, prompt_ids, params, cancel=None, on_round=None, stop=None, constraint=None):
         reused = 0
@@ -446,14 +459,14 @@ async def test_service_feeds_workspace_context(tmp_path):
     engine = FakeEngine(continuation="z\n")
     service = await ready_service(engine)
     seen = []
-    real_context = service._context
+    real_context = service.docs.context
 
     def spy(client, cfg, path, language, *rest):
         ctx = real_context(client, cfg, path, language, *rest)
         seen.append(ctx)
         return ctx
 
-    service._context = spy
+    service.docs.context = spy
     try:
         # Only files inside the editor's workspace folders may be context for another file.
         service.notify(1, "workspace", {"folders": [str(tmp_path)]})

@@ -214,7 +214,7 @@ def test_pickle_weights_refused_and_never_unpickled(tiny_model_dir, tmp_path):
     assert not marker.exists(), "a pickle was unpickled"
     # (c) through the daemon: the state is an error naming the reason; nothing unpickled.
     from completiond import config as config_mod
-    from completiond.serving.service import load_completer
+    from completiond.serving.lifecycle import load_completer
 
     daemon = InProcDaemon(tmp_path / "rt", loader=lambda _c, **_hooks: load_completer(
         config_mod.merge(config_mod.Config(), {"model": str(only), "device": "cpu"})[0]))

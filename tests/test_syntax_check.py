@@ -202,9 +202,15 @@ class ScriptedEngine:
         self.max_context = 4096
         self.device = "cpu"
         self.vocab_size = len(tokenizer)
-        self.model_id = "scripted"
+        self.model_id = self.name = "scripted"
         self.eos_token_ids = ()
+        self.calibration = self.model = self.cache = None
         self.text = text
+
+    def draft_in_use(self):
+        return None
+
+    decode_step_in_use = tokenizer_in_use = draft_in_use
 
     def generate(self, prompt_ids, params, cancel=None, on_round=None, stop=None, constraint=None):
         out = []

@@ -72,7 +72,7 @@ def test_complete_passes_the_flag_and_the_setting(loads, tmp_path, capsys):
 
 def test_serve_puts_the_flag_into_the_daemons_settings(loads):
     from completiond.commands import serve
-    from completiond.serving.service import load_engine
+    from completiond.serving.lifecycle import load_engine
 
     cfg, errors = serve.config_from_args(parse(serve, ["--weights", "int8", "--config", "/nonexistent.toml"]))
     assert cfg.weights == "int8" and not errors

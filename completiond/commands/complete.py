@@ -117,7 +117,7 @@ class LoadReporter:
 def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = None) -> dict[str, Any]:
     from completiond.completion.completer import suggest
     from completiond.engine.cancel import CancelToken
-    from completiond.serving.service import LOAD_PHASES, load_completer
+    from completiond.serving.lifecycle import LOAD_PHASES, load_completer
 
     report = LoadReporter(cfg.model)
     report("starting", 0)  # before torch is imported, which alone takes seconds
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     for error in errors:
         print(f"completiond: {error}", file=sys.stderr)
     from completiond.serving.paths import daemon_unsupported
-    from completiond.serving.service import missing_model
+    from completiond.serving.lifecycle import missing_model
 
     # Both checks need no torch, which takes seconds to import: fail fast.
     problem = missing_model(cfg.model)

@@ -12,7 +12,7 @@ from typing import Any
 
 from completiond import config as config_mod
 from completiond.serving.paths import daemon_unsupported
-from completiond.serving.service import resolve_model
+from completiond.serving.lifecycle import resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from completiond.completion.completer import (
     Backend,
@@ -29,7 +29,7 @@ from completiond.completion.completer import (
 from completiond.config import Config
 from completiond.errors import CompletionError
 
-__all__ = ["LocalCompleter", "OutOfMemory", "PromptError", "Suggestion", "builder_for", "prompt_warnings",
+__all__ = ["LocalCompleter", "LocalEngine", "OutOfMemory", "PromptError", "Suggestion", "builder_for", "prompt_warnings",
            "sampling_params", "suggest_alternatives"]
 
 log = logging.getLogger(__name__)
@@ -185,18 +185,40 @@ def _first_token_not(engine, constraint, banned: list[int]):
     return combined
 
 
+class LocalEngine(Protocol):
+    """What LocalCompleter uses of the engine (engine/engine.py's Engine; docs/ENGINE_API.md)."""
+
+    tokenizer: Any
+    model_id: str
+    name: str
+    device: Any
+    max_context: int
+    eos_token_ids: Any
+    calibration: Any      # its speculation record (None: none to calibrate)
+    model: Any            # the torch module (None: nothing to calibrate)
+    cache: Any            # the prefix KV cache
+
+    def generate(self, prompt_ids: Sequence[int], params: Any, **kw: Any) -> Any: ...
+
+    def draft_in_use(self) -> str | None: ...
+
+    def decode_step_in_use(self) -> str | None: ...
+
+    def tokenizer_in_use(self) -> str | None: ...
+
+
 class LocalCompleter:
     """The engine in this daemon as the service's Completer. on_round: called after every decode round
     (tools and tests watch rounds with it)."""
 
     backend = Backend.LOCAL
 
-    def __init__(self, engine: Any, on_round: OnRound | None = None):
+    def __init__(self, engine: LocalEngine, on_round: OnRound | None = None):
         self.engine = engine
         self.on_round = on_round
-        self.model_id: str = getattr(engine, "model_id", "") or ""
-        self.name: str = getattr(engine, "name", "") or self.model_id
-        self.device: str = str(getattr(engine, "device", "cpu"))
+        self.model_id: str = engine.model_id
+        self.name: str = engine.name or engine.model_id
+        self.device: str = str(engine.device)
 
     def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
                  language: str | None = None, context: Sequence[tuple[str, str]] = (),
@@ -246,18 +268,13 @@ class LocalCompleter:
         return lambda s: len(tokenizer.encode(s, add_special_tokens=False))
 
     def describe(self) -> dict[str, str | None]:
-        def says(method: str) -> str | None:
-            describe = getattr(self.engine, method, None)  # a fake engine in tests may describe nothing
-            return describe() if callable(describe) else None
-
-        return {"draft": says("draft_in_use"), "decode_step": says("decode_step_in_use"),
-                "tokenizer": says("tokenizer_in_use")}
+        engine = self.engine
+        return {"draft": engine.draft_in_use(), "decode_step": engine.decode_step_in_use(),
+                "tokenizer": engine.tokenizer_in_use()}
 
     def free_memory(self) -> None:
         """Empty the engine's prefix KV cache and return freed GPU memory (worker thread)."""
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None:
-            cache.clear()
+        self.engine.cache.clear()
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -266,9 +283,8 @@ class LocalCompleter:
         """A model that has neither a user record nor shipped defaults is calibrated on the engine thread
         whenever no request waits (a request preempts it within one round); None otherwise."""
         engine = self.engine
-        cal = getattr(engine, "calibration", None)
-        model = getattr(engine, "model", None)
-        if getattr(cal, "source", "") != "heuristic" or model is None:
+        cal, model = engine.calibration, engine.model
+        if cal is None or cal.source != "heuristic" or model is None:  # None: nothing to calibrate
             return None
         from completiond.engine.autocalibrate import (
             BACKGROUND_MIN_PARAMS,

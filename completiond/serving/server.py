@@ -23,7 +23,8 @@ from completiond import config as config_mod
 from completiond.config import Config
 from completiond.errors import CompletionError
 from completiond.serving import paths, wire
-from completiond.serving.service import Loader, Service, ServiceError, load_completer
+from completiond.serving.lifecycle import Loader, load_completer
+from completiond.serving.service import Service, ServiceError
 from completiond.serving.wire import Code
 
 log = logging.getLogger(__name__)
