@@ -305,8 +305,8 @@ def test_the_service_reports_and_counts_withheld_suggestions():
     from completiond.serving.service import Service
 
     service = Service(Config())
-    service._account(Outcome(OK, {"suggestion": None, "withheld": "syntax check: x", "stats": {}}))
-    service._account(Outcome(OK, {"suggestion": None, "stats": {}}))
+    service.metrics.account(Outcome(OK, {"suggestion": None, "withheld": "syntax check: x", "stats": {}}))
+    service.metrics.account(Outcome(OK, {"suggestion": None, "stats": {}}))
     assert service.stats()["withheld_syntax"] == 1 and service.stats()["empty"] == 2
 
 
