@@ -384,3 +384,34 @@ def test_no_serving_or_engine_module_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for folder in ("serving",) for p in (ROOT / "completiond" / folder).glob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
     assert not long, f"modules over 500 lines: {long}"
+
+
+def _backend_members() -> set[str]:
+    tree = ast.parse((ROOT / "completiond" / "completion" / "completer.py").read_text(encoding="utf-8"))
+    enum = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend")
+    return {t.id for item in enum.body if isinstance(item, ast.Assign) for t in item.targets if isinstance(t, ast.Name)}
+
+
+def _matched_backends(source: str) -> set[str]:
+    """Backend members named by the `case` patterns of the match in load_completer."""
+    tree = ast.parse(source)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_completer")
+    match = next(n for n in ast.walk(fn) if isinstance(n, ast.Match))
+    return {n.attr for case in match.cases for n in ast.walk(case.pattern)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "Backend"}
+
+
+def test_every_backend_has_its_completer():
+    """The backend setting is a closed enum, matched exhaustively where the completer is made (mypy proves the
+    same through the NoReturn fallback); the setting's choices are exactly the enum's values."""
+    from completiond import config as config_mod
+
+    members = _backend_members()
+    assert members == {"LOCAL", "OPENAI", "LLAMACPP_INFILL"}
+    source = (ROOT / "completiond" / "serving" / "lifecycle.py").read_text(encoding="utf-8")
+    assert _matched_backends(source) == members
+    planted = source.replace("case Backend.OPENAI | Backend.LLAMACPP_INFILL:", "case Backend.OPENAI:")
+    assert _matched_backends(planted) == members - {"LLAMACPP_INFILL"}  # the checker sees a missing case
+    from completiond.completion.completer import Backend
+
+    assert set(config_mod.SETTINGS_BY_KEY["backend"].enum or ()) == {b.value for b in Backend}
