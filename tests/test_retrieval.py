@@ -10,7 +10,8 @@ import pytest
 
 from completiond import cli
 from completiond.completion import retrieval
-from completiond.completion.retrieval import RetrievalIndex, Selector, make_query, split_lines
+from completiond.completion.retrieval import RetrievalIndex, make_query, split_lines
+from completiond.completion.selection import Selector
 from completiond.completion.workspace import DISK, LOCAL, Workspace
 
 MODULE = '''import os
@@ -38,6 +39,9 @@ class RetryState:
     def failed(self):
         return self.outcome is not None
 '''
+
+
+LINE_RULES = "lua"      # a language without a tree-sitter grammar: chunks cut by the line rules
 
 
 def _ws(tmp_path, **kw) -> Workspace:
@@ -91,7 +95,7 @@ def test_query_leaves_out_the_identifier_being_typed_and_names_the_ones_at_the_c
     q = make_query(text, len(text))
     assert q.partial == "jit" and "jit" not in q.terms
     assert q.names[0] == "attempt" and "exponential_backoff" in q.names
-    assert q.imports["exponential_backoff"] == "pkg.timing"
+    assert q.imports.names["exponential_backoff"] == ("pkg.timing", "exponential_backoff")
 
 
 # -- the workspace's retrieval ---------------------------------------------------------
@@ -321,6 +325,7 @@ def test_memory_of_the_index_is_released_with_its_files(tmp_path):
 
 
 def test_incremental_updates_give_the_chunks_a_fresh_index_would():
+    # The line rules (a language without a grammar): an edit's chunks are exactly a fresh split's.
     import random
 
     rng = random.Random(7)
@@ -329,7 +334,7 @@ def test_incremental_updates_give_the_chunks_a_fresh_index_would():
     index = RetrievalIndex()
     key = (LOCAL, "/w/m.py")
     lines = list(base)
-    index.update(key, "/w/m.py", "python", "".join(lines))
+    index.update(key, "/w/m.py", LINE_RULES, "".join(lines))
     for _ in range(300):
         old = "".join(lines)
         i = rng.randrange(len(lines) + 1)
@@ -343,14 +348,14 @@ def test_incremental_updates_give_the_chunks_a_fresh_index_would():
             lines[k] = lines[k].rstrip("\n") + rng.choice(["a", " ", "(", ":"]) + "\n"   # a keystroke
         text = "".join(lines)
         kept_before = set(index.by_key[key])
-        assert index.update_edit(key, "/w/m.py", "python", old, text)
+        assert index.update_edit(key, "/w/m.py", LINE_RULES, old, text)
         got = [(index.chunks[c].start, index.chunks[c].end, index.chunks[c].text) for c in index.by_key[key]]
         fresh = [(s, e, "".join(lines[s:e])) for s, e in split_lines(lines)]
         assert got == fresh
         # A keystroke re-creates few chunks: the rest keep their ids.
         assert len(set(index.by_key[key]) - kept_before) <= 3
     fresh_index = RetrievalIndex()
-    fresh_index.update(key, "/w/m.py", "python", "".join(lines))
+    fresh_index.update(key, "/w/m.py", LINE_RULES, "".join(lines))
     assert index.postings.keys() == fresh_index.postings.keys() and index.defs.keys() == fresh_index.defs.keys()
     assert index.total_length == fresh_index.total_length
 
@@ -375,7 +380,7 @@ def test_an_edit_splits_only_its_own_lines_and_gives_the_chunks_a_fresh_index_wo
     index = RetrievalIndex()
     key = (LOCAL, "/w/m.py")
     text = MODULE * 4
-    index.update(key, "/w/m.py", "python", text)
+    index.update(key, "/w/m.py", LINE_RULES, text)
     for step in range(400):
         old = text
         i = rng.randrange(len(text) + 1)
@@ -387,14 +392,14 @@ def test_an_edit_splits_only_its_own_lines_and_gives_the_chunks_a_fresh_index_wo
             text = text.replace("\r", "").replace("\x0c", "").replace("\u2028", "")   # and takes it out again
         plain = not any(ch in old for ch in "\r\x0c\u2028")
         _NoWholeSplit.splits = 0
-        assert index.update_edit(key, "/w/m.py", "python", old, _NoWholeSplit(text))
+        assert index.update_edit(key, "/w/m.py", LINE_RULES, old, _NoWholeSplit(text))
         if plain and step and not special:
             assert _NoWholeSplit.splits == 0
         lines = text.splitlines(keepends=True)
         got = [(index.chunks[c].start, index.chunks[c].end, index.chunks[c].text) for c in index.by_key[key]]
         assert got == [(s, e, "".join(lines[s:e])) for s, e in split_lines(lines)]
     fresh_index = RetrievalIndex()
-    fresh_index.update(key, "/w/m.py", "python", text)
+    fresh_index.update(key, "/w/m.py", LINE_RULES, text)
     assert index.postings.keys() == fresh_index.postings.keys() and index.total_length == fresh_index.total_length
 
 

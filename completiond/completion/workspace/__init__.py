@@ -45,6 +45,7 @@ from typing import Any
 from completiond.completion import retrieval
 from completiond.completion.languages import language_of
 from completiond.completion.privacy import Verdict, _inside, classify
+from completiond.completion.selection import Selector
 from completiond.completion.workspace.context import ContextPicker
 from completiond.completion.workspace.disk import DiskSync
 from completiond.completion.workspace.folders import Folders
@@ -89,7 +90,7 @@ class Workspace:
             self.add_folder(f)
 
     @property
-    def selector(self) -> retrieval.Selector:
+    def selector(self) -> Selector:
         return self.picker.selector
 
     @property

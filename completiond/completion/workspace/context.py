@@ -17,6 +17,7 @@ from typing import cast
 
 from completiond.completion import retrieval
 from completiond.completion.privacy import _inside
+from completiond.completion.selection import Selector
 from completiond.completion.workspace.folders import Folders
 from completiond.completion.workspace.gate import Gate
 from completiond.completion.workspace.store import DISK, DocumentStore, Entry
@@ -37,7 +38,7 @@ class ContextPicker:
         self.gate = gate
         self.snippet_lines = snippet_lines
         self.max_files = max_files
-        self.selector = retrieval.Selector()
+        self.selector = Selector()
         self.block_changes = 0          # retrieval blocks that differed from the last one for the same file
         self._last_block: dict[tuple, tuple] = {}
         self._token_counts: OrderedDict[str, int] = OrderedDict()
@@ -133,9 +134,9 @@ class ContextPicker:
         before_chars, after_chars = (4 * max(0, int(t)) for t in window_tokens)
         lo = text.count("\n", 0, max(0, offset - before_chars))
         hi = text.count("\n", 0, min(len(text), offset + after_chars)) + 1
-        query = retrieval.make_query(text, offset)
-        query.window = (lo, hi)
         store = self.store
+        query = retrieval.make_query(text, offset, language=language, path=current)
+        query.window = (lo, hi)
         with store.lock:
             mine = self.folders.of(owner)
             cur_key = (owner, current) if current is not None and (owner, current) in store.entries else None

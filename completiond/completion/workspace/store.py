@@ -122,7 +122,7 @@ class DocumentStore:
             old = self.entries.get(key)
             edit = old is not None and key in self.index.by_key   # a keystroke, or a file saved again
         if language is not None and nbytes <= self.max_file_bytes and not edit:
-            prepared = retrieval.prepare(text, self.index.max_chunks_per_file, parse=owner is DISK)
+            prepared = retrieval.prepare(text, self.index.max_chunks_per_file, parse=owner is DISK, language=language)
         with self.lock:
             old = self.entries.get(key)
             if (language is None or nbytes > self.max_file_bytes or nbytes > self.max_bytes
@@ -142,7 +142,7 @@ class DocumentStore:
                 self.index.remove(key)
             elif not (old is not None and key in self.index.by_key
                       and self.index.update_edit(key, path, language, old.text, text)):
-                self.index.update(key, path, language, text, prepared)
+                self.index.update(key, path, language, text, prepared, keep_outline=owner is not DISK)
             self._evict()
             self.bump()
 
