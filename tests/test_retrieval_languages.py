@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from completiond.completion import outline, retrieval
+from completiond.completion import imports, outline, retrieval
 from completiond.completion.retrieval import RetrievalIndex
 from completiond.completion.workspace import LOCAL, Workspace
 
@@ -140,12 +140,12 @@ def test_the_definition_imported_from_another_file_reaches_the_context(tmp_path:
     query = retrieval.make_query(c["doc"], len(c["doc"]), language=language, path=str(main))
     name = c["name"]
 
-    def path_of(imports: outline.Imports) -> str:
-        ids = w.index.definitions([name], imports, lambda ch: ch.path != str(main), qualifiers=query.qualifiers)
+    def path_of(found: imports.Imports) -> str:
+        ids = w.index.definitions([name], found, lambda ch: ch.path != str(main), qualifiers=query.qualifiers)
         return w.relative_path(w.index.chunks[ids[0]].path) if ids else ""
 
     assert path_of(query.imports) == c["want"]
-    assert "aaa" in path_of(outline.Imports(language, None)).lower(), case
+    assert "aaa" in path_of(imports.Imports(language, None)).lower(), case
 
 CHUNKED = {
     "go": ("package store\n\nimport \"os\"\n\n" + "".join(
@@ -207,14 +207,14 @@ def test_a_file_over_the_parse_bound_is_cut_by_the_line_rules(monkeypatch):
 
 def test_imports_are_read_per_language_and_kept_while_the_code_below_changes():
     ts = "import def1, { a, b as c } from './x/y';\nimport * as ns from 'lib';\nconst { p, q: r } = require('./z');\n\n"
-    imp = outline.imports_of(ts + "run();\n", "typescript", "/w/src/m.ts")
+    imp = imports.imports_of(ts + "run();\n", "typescript", "/w/src/m.ts")
     assert imp.names["c"] == ("./x/y", "b") and imp.names["r"] == ("./z", "q") and imp.modules["ns"] == "lib"
-    assert outline.module_targets("./x/y", "typescript", "/w/src/m.ts") == [("file", "/w/src/x/y")]
-    again = outline.imports_of(ts + "run();\nmore();\n", "typescript", "/w/src/m.ts")
+    assert imports.module_targets("./x/y", "typescript", "/w/src/m.ts") == [("file", "/w/src/x/y")]
+    again = imports.imports_of(ts + "run();\nmore();\n", "typescript", "/w/src/m.ts")
     assert again is imp                                         # typing below the imports re-reads nothing
-    changed = outline.imports_of(ts.replace("'lib'", "'lib2'") + "run();\n", "typescript", "/w/src/m.ts")
+    changed = imports.imports_of(ts.replace("'lib'", "'lib2'") + "run();\n", "typescript", "/w/src/m.ts")
     assert changed.modules["ns"] == "lib2"
-    rs = outline.imports_of("use crate::a::{b, c as d};\nuse super::x::Y;\n", "rust")
+    rs = imports.imports_of("use crate::a::{b, c as d};\nuse super::x::Y;\n", "rust")
     assert rs.names["d"] == ("crate::a", "c") and rs.names["Y"] == ("super::x", "Y")
-    go = outline.imports_of('package m\n\nimport (\n\tal "github.com/x/y"\n\t"os"\n)\n', "go")
+    go = imports.imports_of('package m\n\nimport (\n\tal "github.com/x/y"\n\t"os"\n)\n', "go")
     assert go.modules == {"al": "github.com/x/y", "os": "os"}

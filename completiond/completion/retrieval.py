@@ -17,7 +17,7 @@ hidden, ignored, secret or outside file: it never reads a file itself.
   methods, constants...); names at the cursor defined in the workspace are resolved to their
   definition chunk, preferring the module the current file imports them from, through each
   language's import forms (Python import/from, JS/TS import and require, Go import, Rust use, Java
-  import, C/C++ #include, C# using; outline.Imports), or the module of their qualifier (`ns.name`).
+  import, C/C++ #include, C# using; imports.py), or the module of their qualifier (`ns.name`).
 * Selection (selection.py's `Selector`): near-duplicates and chunks overlapping the current window are dropped;
   the block is sticky per (editor, file), with hysteresis: the last request's block stays, whole
   and in its order, until a fresh pick is worth more than (1 + margin) times it under the current
@@ -60,7 +60,7 @@ from completiond.completion.chunking import (
     split_lines,
     terms_of,
 )
-from completiond.completion.outline import Imports, imports_of
+from completiond.completion.imports import Imports, imports_of, matches, module_targets
 
 # The chunking names (chunking.py) where callers knew them before it was split off.
 __all__ = ["IDENT", "MAX_LINES", "MIN_DEF_LINES", "MIN_LINES", "STOP", "Chunk", "Imports", "Query", "RetrievalIndex",
@@ -103,6 +103,7 @@ class RetrievalIndex:
         # key -> (text, outline or None) of the editor's documents edited last: an edit moves the outline.
         self._outlines: OrderedDict[Hashable, tuple[str, outlines.Outline | None]] = OrderedDict()
         self.max_line_caches = 8
+        self.max_outlines = 64          # small (a line number and names per definition): an editor's open files
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -252,7 +253,7 @@ class RetrievalIndex:
     def _keep_outline(self, key: Hashable, text: str, outline: outlines.Outline | None) -> None:
         self._outlines[key] = (text, outline)
         self._outlines.move_to_end(key)
-        while len(self._outlines) > self.max_line_caches:
+        while len(self._outlines) > self.max_outlines:
             self._outlines.popitem(last=False)
 
     def remove(self, key: Hashable) -> None:
@@ -383,8 +384,8 @@ class RetrievalIndex:
             explicit = imports is not None and (name in imports.names or qualifiers.get(name) in imports.modules)
             resolved = False
             if modules and imports is not None:
-                targets = [t for m in modules for t in outlines.module_targets(m, imports.language, imports.path)]
-                preferred = [cid for cid in ids if outlines.matches(self.chunks[cid].path, targets)]
+                targets = [t for m in modules for t in module_targets(m, imports.language, imports.path)]
+                preferred = [cid for cid in ids if matches(self.chunks[cid].path, targets)]
                 if preferred:
                     ids, resolved = preferred, True
             if not resolved and not explicit and here is not None and len(ids) > 1:
