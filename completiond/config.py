@@ -92,6 +92,20 @@ def _check_exclude(value: str) -> None:
                          "not re-include files ('!' is not accepted)")
 
 
+def _check_languages(value: str) -> None:
+    ids = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in ids if not re.fullmatch(r"[A-Za-z0-9_.+#-]{1,64}", v)]
+    if bad:
+        raise ValueError(f"expected comma-separated language ids (letters, digits, _ . + # -), got {', '.join(bad[:3])!r}")
+    if len(ids) > 256:
+        raise ValueError("at most 256 language ids")
+
+
+def disabled_languages(cfg: Config) -> frozenset[str]:
+    """The language ids (lower case) whose documents get no suggestions (disabledLanguages)."""
+    return frozenset(v.strip().lower() for v in cfg.disabled_languages.split(",") if v.strip())
+
+
 def _check_urls(value: str) -> None:
     """apiKeyOverHttp: comma-separated endpoints, each as _check_url accepts it."""
     for url in value.split(","):
@@ -166,6 +180,12 @@ class Config:
     syntax_check: bool = setting(True, "Python: show only what keeps the code around the cursor parsing (the longest part of "
         "a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse "
         "without the suggestion either is left to the user.", group="general")
+    disabled_languages: str = setting("markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
+        "Comma-separated language ids (as editors name them: markdown, plaintext, text, gitcommit...) whose "
+        "documents get no suggestions from the server, whatever the client. Prose and commit messages are off "
+        "by default; remove one to turn it on (VS Code and Neovim also keep their own list: "
+        "completiond.editor.disabledLanguages, `filetypes`).",
+        check=lambda value: _check_languages(value), group="general")
     fim_template: str = setting("auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
         enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
         enum_descriptions=(

@@ -408,8 +408,10 @@ class CompletionServer(LanguageServer):
         previous = self.status.get("state")
         self.status = params
         state = params.get("state")
-        if state == "error" and previous != "error" and params.get("error"):
-            # Once per failure, not once per keystroke while it lasts.
+        if state == "error" and params.get("error") and (previous != "error" or params["error"] not in self._told):
+            # Once per failure, not once per keystroke while it lasts; and not again as the warning of the
+            # requests that fail for the same reason (tell_once knows it was said).
+            self._told.add(str(params["error"]))
             self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
                                                              message=f"completiond: {params['error']}"))
         # Told while the model loads (a model that will not fit the device's memory): once each.
@@ -521,6 +523,8 @@ class CompletionServer(LanguageServer):
         doc = self.docs.get(uri)
         if doc is None or not self.cfg.enable:
             return None
+        if doc.language_id.lower() in config_mod.disabled_languages(self.cfg):
+            return None  # prose and commit messages by default (disabledLanguages), for every client
         if len(doc.text) > MAX_FRAME:
             # Far past what the prompt builder takes, and too big to send to the daemon: answer at
             # once, instead of scanning the file and trying to encode it again on every keystroke.

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 # Load phases: the share of the load done when each starts (about, for the bundled model on a CPU) and
 # what users read. Engine.load reports up to "engine"; the warm-up is ours. Editors show them as
 # `$/progress` percentages, `completiond complete` as lines.
-LOAD_PHASES = {"starting": (0, "starting"), "download": (0, "downloading the model"), "tokenizer": (2, "loading the tokenizer"),
+LOAD_PHASES = {"starting": (0, "starting"), "download": (0, "downloading the model"),
+               "compile": (0, "compiling the native CPU step (once per machine and version, about 10-30 s)"),
+               "tokenizer": (2, "loading the tokenizer"),
                "weights": (10, "loading the weights"), "device": (70, "moving the weights to the device"),
                "engine": (80, "preparing the engine"), "draft model": (85, "loading the draft model"),
                "warm-up": (90, "warming up"), "ready": (100, "ready")}
@@ -104,6 +106,7 @@ def load_engine(cfg: Config, progress: ProgressFn | None = None, warn: Callable[
             last[0] = pct
             progress("download", pct, f"downloading {cfg.model}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
 
+    prepare_native(cfg, phase if progress is not None else None)
     engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
                          trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
                          draft_model=cfg.draft_model or None,
@@ -119,6 +122,27 @@ def load_engine(cfg: Config, progress: ProgressFn | None = None, warn: Callable[
         pass  # a setting no prompt fits: the first request says so
     phase("ready")
     return engine
+
+
+def prepare_native(cfg: Config, phase: Callable[[str], None] | None = None) -> bool:
+    """Compile the native CPU step now, as a phase of its own, where the engine would otherwise compile it
+    silently inside "preparing the engine" (seconds on the first run). True when it compiled."""
+    if cfg.device not in ("auto", "cpu"):
+        return False
+    import torch
+
+    if cfg.device == "auto" and (torch.cuda.is_available() or getattr(torch.backends, "mps", None) is not None
+                                 and torch.backends.mps.is_available()):
+        return False
+    from completiond.engine import native
+
+    if not native.build_pending():
+        return False
+    log.info("compiling the native CPU step (once per machine and version)")
+    if phase is not None:
+        phase("compile")
+    native.library()
+    return True
 
 
 class MissingModel(CompletionError):
@@ -162,6 +186,9 @@ class Lifecycle:
         self.model_name = ""           # what users read: directory, or hub id@revision (engine.name)
         self.load_warnings: list[str] = []  # told before the load went on (a model that may not fit)
         self.load_progress: dict[str, Any] | None = None  # progress_report() while loading
+        # A team server that failed the last request: the status says "error" with its words until a request
+        # succeeds (requests still go to it, within the backend's backoff), never "ready" while all fail.
+        self.remote_down = False
         # A model loaded without a calibration is calibrated between requests (engine/autocalibrate.py);
         # below this many parameters (test models) there is too little to gain. None: the module's default.
         self.calibrate_min_params = calibrate_min_params
@@ -173,6 +200,7 @@ class Lifecycle:
         self.loop = self.loop or asyncio.get_running_loop()
         self.load_progress = progress_report("starting", 0)
         self.load_warnings = []
+        self.remote_down = False
         self._cancel_calibration()
         self.set_state("loading")
 
@@ -227,6 +255,30 @@ class Lifecycle:
         if state != self.state:
             self.state = state
             self._changed()
+
+    def mark_busy(self) -> None:
+        if self.state in ("ready", "busy"):  # a failing team server stays "error" until it answers
+            self.set_state("busy")
+
+    def remote_failed(self, message: str) -> None:
+        """The team server failed a request: the status says so (once per failure, the editors show it),
+        instead of "ready" while every request fails."""
+        if self.state in ("loading", "idle"):
+            return
+        changed = not self.remote_down or self.error != message
+        self.remote_down = True
+        self.error = message
+        if self.state != "error":
+            self.set_state("error")
+        elif changed:
+            self._changed()
+
+    def remote_answered(self) -> None:
+        if self.remote_down:
+            log.info("the completion server answers again")
+            self.remote_down = False
+            self.error = ""
+            self.set_state("busy" if self.scheduler.busy else "ready")
 
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run fn(*args) on the event loop (from any thread); dropped once the loop has closed."""

@@ -240,16 +240,27 @@ class DaemonServer:
         welcome: dict[str, Any] = {"t": "welcome", "v": wire.VERSION, "pid": os.getpid(), "status": self.service.status()}
         wanted = hello.get("settings")
         if isinstance(wanted, dict):
-            mismatch = self._engine_mismatch(wanted)
+            mismatch = self._engine_mismatch(wanted, editor=conn.client == wire.EDITOR_CLIENT)
             if mismatch:
                 welcome["warning"] = mismatch
         conn.send(welcome)
         log.info("%s: connected", conn.name)
         return True
 
-    def _engine_mismatch(self, wanted: dict[str, Any]) -> str:
+    def _engine_mismatch(self, wanted: dict[str, Any], editor: bool = True) -> str:
         cfg, _ = config_mod.merge(config_mod.Config(), {k: wanted.get(k) for k in config_mod.ENGINE_KEYS})
         diff = config_mod.engine_differences(config_mod.engine_settings(cfg), config_mod.engine_settings(self.service.cfg))
+        # The daemon's own settings, fixed when it started: an editor window asking for others would otherwise
+        # be ignored without a word (a command-line client's are its defaults, not a wish).
+        served = {"idleTimeout": self.idle_timeout, "logLevel": self.service.cfg.log_level} if editor else {}
+        for key, have in served.items():
+            want = wanted.get(key)
+            if want is None or key not in wanted:
+                continue
+            merged, errors = config_mod.merge(config_mod.Config(), {key: want})
+            value = getattr(merged, config_mod.SETTINGS_BY_KEY[key].attr)
+            if not errors and value != have:
+                diff.append(f"{key}={value!r} (daemon: {have!r})")
         if not diff:
             return ""
         return "the shared daemon runs with different settings: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT

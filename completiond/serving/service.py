@@ -19,6 +19,7 @@ from typing import Any
 
 from completiond import config as config_mod
 from completiond.config import Config
+from completiond.backends.team_server import TeamServerError
 from completiond.completion.completer import Backend, Completer
 from completiond.completion.documents import Document
 from completiond.errors import CompletionError
@@ -245,7 +246,7 @@ class Service:
             raise ServiceError(Code.UNKNOWN_DOCUMENT, f"{uri} version {version} requested but the daemon has it {have}")
         if not 0 <= offset <= len(doc.text):
             raise ServiceError(Code.BAD_REQUEST, f"offset {offset} outside {uri} ({len(doc.text)} characters)")
-        if self.state == "error":
+        if self.state == "error" and not self.lifecycle.remote_down:
             raise ServiceError(Code.NOT_READY, self.error)
         cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
         text, path, language = doc.text, uri_path(uri), doc.language_id or None
@@ -318,11 +319,19 @@ class Service:
             return _withheld(f"not sent to the completion server ({cfg.backend}): {verdict.reason}; "
                              "such files get local completions only (backend = local)")
         start = time.perf_counter()
-        self.lifecycle.call_soon(self.lifecycle.set_state, "busy")
+        remote = completer.backend is not Backend.LOCAL
+        self.lifecycle.call_soon(self.lifecycle.mark_busy)
         context = self.docs.context(client, cfg, path, language, text, offset, completer.budgets(cfg),
                                     completer.token_counter())
-        done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
-                       tree=tree.tree(text) if tree is not None else None)   # tree: the document's DocumentTree
+        try:
+            done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
+                           tree=tree.tree(text) if tree is not None else None)   # tree: the document's DocumentTree
+        except TeamServerError as exc:
+            if remote and exc.kind != "config":
+                self.lifecycle.call_soon(self.lifecycle.remote_failed, str(exc))
+            raise
+        if remote:
+            self.lifecycle.call_soon(self.lifecycle.remote_answered)
         latency = round((time.perf_counter() - start) * 1000, 2)
         if done.skipped:  # nothing to complete here (e.g. a minified line): no engine work
             return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},

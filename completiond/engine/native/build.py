@@ -160,9 +160,8 @@ def _cache_for(kernel: str) -> Path:
     return fresh
 
 
-def _build(cc: str, kernel: str) -> Path:
-    """The checked cached shared object for this source, compiler and kernel, compiled if absent or if
-    the cached one fails its checks."""
+def _target(cc: str, kernel: str) -> Path:
+    """Where the build of this source, compiler and kernel is cached."""
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -171,8 +170,27 @@ def _build(cc: str, kernel: str) -> Path:
     flags = KERNELS[kernel][1]
     key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    directory = _cache_for(kernel)
-    out = directory / f"step-{kernel}-{key}.so"
+    return _cache_for(kernel) / f"step-{kernel}-{key}.so"
+
+
+def build_pending() -> bool:
+    """Whether library() would compile first (the one-time build, seconds long): no checked build of the
+    kernel it tries first is cached yet. False where the native step is unavailable or already loaded."""
+    kernel = _order()[0]
+    if kernel in _libs or _unavailable(kernel) is not None:
+        return False
+    try:
+        return _file_ok(_target(_compiler() or "cc", kernel)) is not None
+    except RuntimeError:
+        return False
+
+
+def _build(cc: str, kernel: str) -> Path:
+    """The checked cached shared object for this source, compiler and kernel, compiled if absent or if
+    the cached one fails its checks."""
+    out = _target(cc, kernel)
+    directory = out.parent
+    flags = KERNELS[kernel][1]
     why = _file_ok(out)
     if why is None:
         return out

@@ -91,6 +91,8 @@ M.defaults = {
     maxLines = 8,
     -- Python: show only what keeps the code around the cursor parsing (the longest part of a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse without the suggestion either is left to the user. (boolean)
     syntaxCheck = true,
+    -- Comma-separated language ids (as editors name them: markdown, plaintext, text, gitcommit...) whose documents get no suggestions from the server, whatever the client. Prose and commit messages are off by default; remove one to turn it on (VS Code and Neovim also keep their own list: completiond.editor.disabledLanguages, `filetypes`). (string)
+    disabledLanguages = "markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
     -- Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens. (string; one of "auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none")
     fimTemplate = "auto",
     -- When the cursor is inside a word, back up its last token and constrain the output to start with the removed text. (boolean)
