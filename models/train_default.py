@@ -1005,6 +1005,7 @@ def export(a: argparse.Namespace, log=print) -> int:
                     "per exit layer and K on a machine")
     meta = {
         "train_context": cfg["seq_len"],
+        "languages": ["python"],  # what it was trained on: the daemon serves no other language with it
         "fim": {
             "psm": "<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>",
             "spm": "<|fim_prefix|><|fim_suffix|>{suffix}<|fim_middle|>{prefix}",

@@ -118,6 +118,7 @@ def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = 
     from completiond.completion.completer import suggest
     from completiond.engine.cancel import CancelToken
     from completiond.serving.lifecycle import LOAD_PHASES, load_completer
+    from completiond.serving.service import language_unserved
 
     report = LoadReporter(cfg.model)
     report("starting", 0)  # before torch is imported, which alone takes seconds
@@ -126,6 +127,11 @@ def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = 
         cfg, progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
         warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
     load_ms = (time.perf_counter() - t0) * 1000
+    unserved = language_unserved(completer, None, path)
+    if unserved:  # as the daemon answers an editor: nothing, and why
+        print(f"completiond: {unserved}", file=sys.stderr)
+        return {"suggestion": None, "finish_reason": "language", "stats": {}, "latency_ms": 0.0,
+                "load_ms": round(load_ms, 1), "model": completer.name, "device": completer.device}
     t1 = time.perf_counter()
     # the path names the language (the syntax check of the suggestion) as an editor's document would
     done = suggest(completer, text, offset, dataclasses.replace(cfg, alternatives=1), cancel=CancelToken(), path=path)

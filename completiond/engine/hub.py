@@ -87,6 +87,9 @@ class CatalogEntry:
     fim: str             # FIM template (models/fim.py), "" when the model has none
     early_exit: str      # how well its early exits draft
     gated: bool = False  # the hub asks users to accept a licence first
+    # The languages it serves, as editors name them; ("*",): the many its authors list (Qwen2.5-Coder 92,
+    # DeepSeek-Coder 87, StarCoder2 600+, Code Llama the common ones), so any document is asked.
+    languages: tuple[str, ...] = ("*",)
 
     @property
     def supported(self) -> bool:
