@@ -19,7 +19,7 @@ import pytest
 from lsprotocol import types
 from remote_servers import FakeServer
 from test_lsp import URI, runtime, settings_for, start, wait_for  # noqa: F401  (fixtures)
-from test_scheduler import FakeEngine
+from test_scheduler import FakeEngine, local
 
 from completiond import config as config_mod
 from completiond.serving import client as client_mod
@@ -102,7 +102,7 @@ async def daemon(tmp_path):
     rundir = tmp_path / "rt"
     rundir.mkdir(mode=0o700)
     cfg, _ = config_mod.merge(config_mod.Config(), {"logLevel": "info"})
-    service = Service(cfg, loader=lambda _c: FakeEngine())
+    service = Service(cfg, loader=local(FakeEngine()))
     server = DaemonServer(service, rundir, idle_timeout=900)
     await server.start()
     service.start_loading()

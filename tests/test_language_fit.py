@@ -10,7 +10,7 @@ import json
 import pytest
 from lsprotocol import types
 from test_lsp import runtime, settings_for, start  # noqa: F401  (fixtures)
-from test_scheduler import FakeEngine
+from test_scheduler import FakeEngine, local
 
 from completiond import config as config_mod
 from completiond.engine import hub
@@ -56,7 +56,7 @@ def test_an_unserved_language_is_refused_with_how_to_get_a_model():
 async def test_the_service_answers_nothing_for_an_unserved_language(tmp_path):
     engine = _PythonOnly(continuation="1\n")
     cfg, _ = config_mod.merge(config_mod.Config(), {"tokenHealing": False})
-    service = Service(cfg, loader=lambda _c: engine)
+    service = Service(cfg, loader=local(engine))
     service.start_loading()
     for _ in range(100):
         if service.state == "ready":
