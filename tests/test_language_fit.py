@@ -40,7 +40,6 @@ def test_document_language_from_its_id_or_its_extension():
 
 class _PythonOnly(FakeEngine):
     info = ModelInfo(languages=("python",))
-    name = "py-only"
 
 
 def test_an_unserved_language_is_refused_with_how_to_get_a_model():
@@ -48,7 +47,7 @@ def test_an_unserved_language_is_refused_with_how_to_get_a_model():
     assert language_unserved(engine, "python", "/x/a.py") == ""
     assert language_unserved(engine, None, "/x/notes") == ""  # not known: asked
     said = language_unserved(engine, "go", "/x/main.go")
-    assert "py-only serves Python only" in said and "Go documents" in said
+    assert f"{engine.name} serves Python only" in said and "Go documents" in said
     assert f"completiond pull {RECOMMENDED_FOR_LANGUAGES}" in said
     assert language_unserved(FakeEngine(), "go", "/x/main.go") == ""  # a model that does not say: any language
 
