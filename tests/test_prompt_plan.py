@@ -4,7 +4,9 @@ tests/data/prompt_golden.json was written by the prompt builder of commit 18f20f
 prompt plan and its token and text encoders existed): for every FIM family (tokenizers trained here on
 a few lines, as test_fim does) and the bundled model's tokenizer, at a set of cursor positions, with and
 without context files, the prompt ids, the window edges and the healing; and the text prompt a team
-server got for each family's layout. Any change to what a model sees fails here, case by case.
+server got for each family's layout. The `team/` cases (what a team server is sent once its windows
+came from the same planner) were added when that path moved onto it. Any change to what a model sees
+fails here, case by case.
 
 Rewrite the record only for a change meant to alter prompts: `python -m tests.test_prompt_plan --write`.
 """
@@ -108,8 +110,32 @@ def text_cases() -> dict[str, Any]:
     return out
 
 
+def team_cases() -> dict[str, Any]:
+    """What a team server is sent: the planner's windows rendered by the text encoder, per family and API
+    (recorded when the team path moved onto the planner, issue 46)."""
+    from completiond.completion.plan import Planner, PromptOptions
+    from completiond.completion.text_prompt import TextEncoder
+
+    out: dict[str, Any] = {}
+    options = PromptOptions(prefix_tokens=160, suffix_tokens=48, context_tokens=40, chunk_lines=8)
+    picked = cursors(DOC)[::2]
+    for name in TEMPLATE_NAMES:
+        for infill in (False, True):
+            encoder = TextEncoder.for_template(name, infill)
+            planner = Planner(encoder, options)
+            for cur in picked:
+                plan = planner.plan(DOC, cur, CONTEXT, "/w/pkg/main.py", "python", heal=False)
+                if plan.skip_reason is not None:
+                    out[f"team/{name}/infill={infill}/{cur}"] = {"skip": plan.skip_reason}
+                    continue
+                sent = encoder.lay_out(plan, DOC, "python")
+                out[f"team/{name}/infill={infill}/{cur}"] = {"prompt": sent.prompt, "prefix": sent.prefix,
+                                                             "suffix": sent.suffix, "files": sent.files}
+    return out
+
+
 def record(toks: dict[str, Any]) -> dict[str, Any]:
-    return {**token_cases(toks), **bundled_cases(), **text_cases()}
+    return {**token_cases(toks), **bundled_cases(), **text_cases(), **team_cases()}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +156,7 @@ def _compare(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 def test_family_prompts_unchanged(toks, golden):
-    _compare(token_cases(toks), {k: v for k, v in golden.items() if "/" in k and k.split("/")[0] in toks})
+    _compare(token_cases(toks), {k: v for k, v in golden.items() if k.split("/")[0] in toks})
 
 
 def test_bundled_prompts_unchanged(golden):
@@ -141,10 +167,14 @@ def test_text_layouts_unchanged(golden):
     _compare(text_cases(), {k: v for k, v in golden.items() if k.startswith("text/")})
 
 
+def test_team_prompts_unchanged(golden):
+    _compare(json.loads(json.dumps(team_cases())), {k: v for k, v in golden.items() if k.startswith("team/")})
+
+
 def test_the_record_covers_what_matters(golden):
     """Windows slide, heal, skip and carry context somewhere in the record: a record of trivial prompts
     would pass any refactor."""
-    prompts = [v for v in golden.values() if isinstance(v, dict)]
+    prompts = [v for k, v in golden.items() if isinstance(v, dict) and not k.startswith("team/")]
     assert any("skip" in v for v in prompts)
     assert len({v["prefix_start"] for v in prompts if "ids" in v}) > 3
     assert any(v["healing"] for v in prompts if "ids" in v)
