@@ -15,7 +15,11 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
+
+if TYPE_CHECKING:  # watchdog is imported when watching starts
+    from watchdog.events import FileSystemEventHandler
+    from watchdog.observers.api import BaseObserver, ObservedWatch
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +28,8 @@ class ConfigWatcher:
     def __init__(self, path: str | os.PathLike, on_change: Callable[[], None]):
         self.path = os.path.abspath(os.fspath(path))
         self.on_change = on_change
-        self._observer = None
-        self._watches: dict[str, object] = {}   # directory -> watch
+        self._observer: BaseObserver | None = None
+        self._watches: dict[str, ObservedWatch] = {}   # directory -> watch
         self._lock = threading.RLock()
 
     def start(self) -> "ConfigWatcher":
@@ -48,8 +52,11 @@ class ConfigWatcher:
             self._watches.clear()
         if obs is None:
             return
-        stopper = threading.Thread(target=lambda: (obs.stop(), obs.join(timeout)), daemon=True,
-                                   name="config-watch-stop")
+        def halt() -> None:
+            obs.stop()
+            obs.join(timeout)
+
+        stopper = threading.Thread(target=halt, daemon=True, name="config-watch-stop")
         stopper.start()
         stopper.join(timeout)
 
@@ -83,7 +90,8 @@ class ConfigWatcher:
                     log.debug("unwatching %s: %s", directory, exc)
             for directory in wanted - set(self._watches):
                 try:
-                    self._watches[directory] = obs.schedule(_Handler(self), directory, recursive=False)
+                    self._watches[directory] = obs.schedule(cast("FileSystemEventHandler", _Handler(self)), directory,
+                                                           recursive=False)  # duck-typed: dispatch()
                 except OSError as exc:  # e.g. no inotify watches left: edits then need an editor restart
                     log.warning("cannot watch %s for changes of %s: %s", directory, self.path, exc)
             return self._wanted() != wanted

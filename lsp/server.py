@@ -237,6 +237,7 @@ class CompletionServer(LanguageServer):
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._progress_task: asyncio.Task | None = None  # held: the loop keeps only a weak reference
         if no_daemon:
             self.service: ServiceLink = InProcessService(self.cfg, self._on_service_notification)
         else:
@@ -505,7 +506,7 @@ class CompletionServer(LanguageServer):
             else:
                 self._report_progress()  # phases that went by while the token was being created
 
-        asyncio.ensure_future(begin())
+        self._progress_task = asyncio.ensure_future(begin())
 
     def _end_progress(self, message: str, loaded: bool = False) -> None:
         self._progress_wanted = False
@@ -658,7 +659,8 @@ def _section(options: Any) -> Any:
 
 def _encoding(capabilities: types.ClientCapabilities) -> str:
     chosen = ServerCapabilitiesBuilder.choose_position_encoding(capabilities)
-    return {types.PositionEncodingKind.Utf8: UTF8, types.PositionEncodingKind.Utf32: UTF32}.get(chosen, UTF16)
+    encodings: dict[str, str] = {types.PositionEncodingKind.Utf8: UTF8, types.PositionEncodingKind.Utf32: UTF32}
+    return encodings.get(chosen, UTF16)
 
 
 def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None) -> CompletionServer:

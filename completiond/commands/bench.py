@@ -321,7 +321,7 @@ def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20)
         for e in range(1, engine.num_layers):
             draft = EarlyExitDraft(engine, e)
 
-            def drafted() -> float:
+            def drafted(draft: EarlyExitDraft = draft) -> float:
                 t = time.perf_counter()
                 got = draft.propose(seq, pending, [], k, 0.0, warp, None, None)  # writes scratch K/V only
                 synchronize(engine.device)

@@ -268,7 +268,7 @@ def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, 
     from completiond.commands.bench import _timed
 
     times, outs = [], []
-    for r in range(repeats):
+    for _ in range(repeats):
         total_ms = tokens = 0
         outs = []
         for ids in prompts:

@@ -163,7 +163,7 @@ def pick_positions(root: Path, count: int, seed: int = 0, per_file: int = 4, ext
         rng = random.Random(f"{seed}:{rel}")
         starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
         lines = []
-        for i, s in enumerate(starts):
+        for s in starts:
             e = text.find("\n", s)
             e = len(text) if e < 0 else e
             body = text[s:e]

@@ -139,7 +139,9 @@ def run_oracle(root: Any, args: Any, files: list | None = None) -> dict[str, Any
             if truth_parses:
                 s["mid_token_parse_checked"] += 1
                 s["mid_token_parses"] += parses(head + out + tail, spec)
-    ratio = lambda k, n: round(k / n, 4) if n else None
+    def ratio(k: int, n: int) -> float | None:
+        return round(k / n, 4) if n else None
+
     by_language = {
         lang: {"positions": s["positions"], "exact": ratio(s["exact"], s["positions"]),
                "parse_checked": s["parse_checked"], "parses_after_insertion": ratio(s["parses"], s["parse_checked"]),

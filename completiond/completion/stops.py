@@ -618,7 +618,7 @@ class StopRules:
         if cut_byte <= 0:
             return 0
         n = 0
-        for i, end in enumerate(self._ends):
+        for i, _end in enumerate(self._ends):
             start = self._ends[i - 1] if i else 0
             if start >= cut_byte:
                 break

@@ -446,7 +446,7 @@ def _open_at_line_ends(spec: LanguageSpec, s: str) -> str | None:
             stack.pop()
     if not stack:
         return ""
-    for c, i in stack:
+    for _c, i in stack:
         rest = s[i + 1:]
         nl = rest.find("\n")
         if (rest if nl < 0 else rest[:nl]).strip():

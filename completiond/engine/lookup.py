@@ -124,7 +124,7 @@ class NgramIndex:
             cap = k if n == max(self.sizes) else min(k, SHORT_MATCH_K)
             best = _best_occurrence(ends, lambda e: self.length - e - 1, cap,
                                     # the occurrence that is the tail itself
-                                    skip=lambda e: e + 1 >= stream_end + n - 1 and e + 1 >= self.length)
+                                    skip=lambda e, n=n: e + 1 >= stream_end + n - 1 and e + 1 >= self.length)
             if best[0]:
                 return self.tokens[best[1]:best[1] + best[0]].tolist()
         return []

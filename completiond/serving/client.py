@@ -445,7 +445,7 @@ class DaemonSession:
         # Wait for the old daemon to release its socket, so we do not reconnect to it.
         directory = self.directory or paths.runtime_dir()
         deadline = time.monotonic() + 10
-        while paths.socket_path(directory).exists() and time.monotonic() < deadline:
+        while paths.socket_path(directory).exists() and time.monotonic() < deadline:  # noqa: ASYNC110 (another process)
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:

@@ -92,7 +92,7 @@ class Scheduler:
         self._idle: Callable[[Any], bool] | None = None                  # background step(token) -> more to do
         self._idle_token: Any = None                                     # the running background step's token
         self._stopping = False
-        self.counts = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -310,8 +310,8 @@ class Scheduler:
                     # The jobs that waited for this call (the model load) start their deadline now.
                     self._in_call = False
                     now = self._clock()
-                    for job in self._pending.values():
-                        job.queued_at = max(job.queued_at, now)
+                    for waiting in self._pending.values():
+                        waiting.queued_at = max(waiting.queued_at, now)
                 self._safe_done(done, outcome)
                 continue
             job: Job = payload

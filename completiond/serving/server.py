@@ -166,6 +166,7 @@ class DaemonServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        assert task is not None  # asyncio.start_server runs each handler as a task
         self._handlers[task] = writer
         task.add_done_callback(lambda t: self._handlers.pop(t, None))
         conn = _Conn(reader, writer)
@@ -284,6 +285,7 @@ class DaemonServer:
             except Exception:  # a bug in one handler drops that notification, not the connection
                 log.exception("%s: %s notification failed", conn.name, method)
             return
+        assert isinstance(rid, int)  # checked above, for every message with an id
         if method == "stop":
             asyncio.get_running_loop().call_soon(self.request_stop, f"stop requested by {conn.name}")
             conn.send({"id": rid, "r": {"stopping": True, "pid": os.getpid()}})
