@@ -177,12 +177,15 @@ def test_chunks_start_at_definitions_with_their_doc_comments(language: str):
         or {f"step_{i}" for i in range(4)} <= names, names
 
 
-def test_an_edited_document_keeps_its_cuts_and_indexes_what_is_typed():
+def test_an_edited_document_keeps_its_cuts_and_indexes_what_is_typed(monkeypatch):
     text = CHUNKED["go"][0]
     index = RetrievalIndex()
     key = (LOCAL, "/w/store.go")
     index.update(key, "/w/store.go", "go", text, keep_outline=True)
     before = {index.chunks[c].start for c in index.by_key[key]}
+    parses = []
+    real_parse = outline.parse
+    monkeypatch.setattr(outline, "parse", lambda *a, **kw: parses.append(1) or real_parse(*a, **kw))
     typed = "func Reopen(path string) error {\n\treturn nil\n}\n\n"
     at = text.index("// F2")
     for i in range(1, len(typed) + 1):          # one keystroke at a time, as an editor sends them
@@ -194,6 +197,9 @@ def test_an_edited_document_keeps_its_cuts_and_indexes_what_is_typed():
     assert index.defs.get("Reopen")                             # the new function is a definition
     moved = {s + (4 if s >= new.count("\n", 0, at) else 0) for s in before}
     assert len(moved - {c.start for c in chunks}) <= 1          # the cuts elsewhere stay
+    assert parses == []                                         # and no keystroke parsed the file
+    index._outlines.clear()                                     # its outline gone (evicted): one whole parse
+    assert index.update_edit(key, "/w/store.go", "go", new, new + "\n") and len(parses) == 1
 
 
 def test_a_file_over_the_parse_bound_is_cut_by_the_line_rules(monkeypatch):
