@@ -110,6 +110,14 @@ CASES = {
         "doc": "using System;\nusing Acme.Billing;\n\nclass Program\n{\n    static void Main()\n    {\n"
             "        var due = InvoiceMath.Total(",
         "want": "src/Billing/InvoiceMath.cs", "snippet": "public static decimal Total(decimal net, decimal rate)"},
+    "bash": {
+        "name": "log_info",
+        "files": {"lib/log.sh": "#!/usr/bin/env bash\n\n# Prints a timestamped line to stderr.\nlog_info() {\n"
+                                "  printf '%s INFO %s\\n' \"$(date +%T)\" \"$*\" >&2\n}\n",
+                  "aaa/other.sh": "log_info() {\n  echo decoy\n}\n"},
+        "main": "bin/deploy.sh", "language": "shellscript",
+        "doc": "#!/usr/bin/env bash\nsource \"$(dirname \"$0\")/../lib/log.sh\"\n\nmain() {\n  log_info ",
+        "want": "lib/log.sh", "snippet": "log_info() {"},
     "python": {
         "name": "exponential_backoff",
         "files": {"pkg/timing.py": 'import random\n\n\ndef exponential_backoff(attempt, cap=60.0):\n'

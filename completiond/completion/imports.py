@@ -1,5 +1,6 @@
 """A file's imports, by tree-sitter in every language of languages.py: each language's forms (Python
-import/from, JS/TS import and require, Go import, Rust use, Java import, C/C++ #include, C# using), as
+import/from, JS/TS import and require, Go import, Rust use, Java import, C/C++ #include, C# using, Bash
+source), as
 the local names they bring in and the modules they come from; `module_targets` turns a module into the
 file or folder paths it can live at, `matches` says whether a file is one of them.
 """
@@ -297,8 +298,23 @@ def _csharp(node: Node, found: Imports) -> None:
         found.wildcards.append(dotted)
 
 
+def _bash(node: Node, found: Imports) -> None:
+    """`source FILE` and `. FILE`: every function of FILE is in scope (a `$VAR/` prefix is dropped)."""
+    name = node.child_by_field_name("name")
+    if _text(name) not in ("source", "."):
+        return
+    for arg in node.children_by_field_name("argument"):
+        target = _string_value(arg) if arg.type in ("string", "raw_string") else _text(arg)
+        if "$" in target:
+            target = target.rsplit("}", 1)[-1] if "}" in target else target.split("/", 1)[-1]
+        target = target.lstrip("/")
+        if target:
+            found.wildcards.append(target)
+        break
+
+
 _IMPORT_READERS = {"python": _python, "javascript": _js, "typescript": _js, "tsx": _js, "go": _go,
-                   "rust": _rust, "java": _java, "c": _c, "cpp": _c, "csharp": _csharp}
+                   "rust": _rust, "java": _java, "c": _c, "cpp": _c, "csharp": _csharp, "bash": _bash}
 
 
 # -- modules to paths -------------------------------------------------------------------
@@ -337,6 +353,9 @@ def module_targets(module: str, language: str, path: str | None) -> list[tuple[s
         return [("file", "/".join(parts))] if parts else ([("dir", here)] if here and "super" not in module else [])
     if name == "java":
         return [("file", module.replace(".", "/")), ("dir", module.replace(".", "/"))]
+    if name == "bash":
+        stem = posixpath.normpath(posixpath.join(here, module)) if here and module.startswith(".") else module
+        return [("file", posixpath.splitext(stem)[0])] if stem else []
     if name in ("c", "cpp"):
         stem = posixpath.splitext(module.replace("\\", "/").lstrip("./"))[0]
         return [("file", stem)] if stem and "::" not in module else []
