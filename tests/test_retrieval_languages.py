@@ -232,3 +232,14 @@ def test_imports_are_read_per_language_and_kept_while_the_code_below_changes():
     assert rs.names["d"] == ("crate::a", "c") and rs.names["Y"] == ("super::x", "Y")
     go = imports.imports_of('package m\n\nimport (\n\tal "github.com/x/y"\n\t"os"\n)\n', "go")
     assert go.modules == {"al": "github.com/x/y", "os": "os"}
+
+
+def test_line_breaks_tree_sitter_does_not_count_keep_the_cuts_on_their_lines():
+    # A form feed is a line break to str.splitlines, not to tree-sitter: its rows would be off by one
+    # per page, and every cut after the first page a line early.
+    text = "".join(f"def f{i}(a):\n    b = a + {i}\n    c = b * 2\n    d = c - 1\n    return d\n\x0c\n"
+                   for i in range(4))
+    lines = text.splitlines(keepends=True)
+    pieces = retrieval.prepare(text, language="python")
+    assert [(lines[s], defines) for s, _, _, _, _, defines in pieces] == [
+        (f"def f{i}(a):\n", (f"f{i}",)) for i in range(4)]

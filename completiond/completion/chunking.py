@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tree_sitter import Tree
-
 from completiond.completion import outline as outlines
 
 MIN_LINES = 10
@@ -205,9 +203,8 @@ def digest_of(body: str) -> bytes:
 @dataclass
 class Prepared:
     """A file's chunks, made outside any lock: (start line, end line, text, digest, parse or None, the
-    names defined or None for the line rules'), and the tree and outline they were cut by, if any."""
+    names defined or None for the line rules'), and the outline they were cut by, if any."""
     pieces: list[tuple]
-    tree: Tree | None = None
     outline: outlines.Outline | None = None
 
     def __iter__(self):
@@ -243,31 +240,27 @@ def kinds_of(lines: Sequence[str], outline: outlines.Outline | None) -> Callable
     return lambda k: outline.kind(k) or (1 if _blank(lines[k]) else 0)
 
 
-def parse_outline(text: str, language: str | None, lines: list[str], plain: bool
-                  ) -> tuple[Tree | None, outlines.Outline | None]:
-    """(tree, outline) of a file whose language has a grammar and that is not too big, else (None, None)."""
+def parse_outline(text: str, language: str | None, lines: list[str], plain: bool) -> outlines.Outline | None:
+    """The outline of a file whose language has a grammar and that is not too big, else None."""
     spec = outlines.spec_with_grammar(language)
     if spec is None:
-        return None, None
+        return None
     tree = outlines.parse(text.encode("utf-8", "surrogatepass"), spec)
-    if tree is None:
-        return None, None
-    return tree, outlines.outline(tree, spec, lines, plain)
+    return outlines.outline(tree, spec, lines, plain) if tree is not None else None
 
 
 def prepare(text: str, max_chunks: int = 400, parse: bool = False, language: str | None = None,
-            lines: list[str] | None = None, tree: Tree | None = None,
-            outline: outlines.Outline | None = None) -> Prepared:
+            lines: list[str] | None = None, outline: outlines.Outline | None = None) -> Prepared:
     """A file's chunks; pure, callable outside any lock (parse=True also tokenizes them there: for a
     file read from disk, whose chunks are mostly new; an edited document reuses its unchanged chunks'
     parses instead). With a `language` that has a grammar, cut where its definitions start (a given
-    tree and outline are used as they are)."""
+    outline is used as it is)."""
     lines = text.splitlines(keepends=True) if lines is None else lines
     if outline is None and language is not None:
-        tree, outline = parse_outline(text, language, lines, not _OTHER_BREAKS.search(text))
+        outline = parse_outline(text, language, lines, not _OTHER_BREAKS.search(text))
     out = []
     for s, e in split_lines(lines, kinds=kinds_of(lines, outline))[:max_chunks]:
         body = "".join(lines[s:e])
         defines = outline.defined_in(s, e) if outline is not None else None
         out.append((s, e, body, digest_of(body), _Parsed(body, defines) if parse else None, defines))
-    return Prepared(out, tree, outline)
+    return Prepared(out, outline)

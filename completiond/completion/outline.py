@@ -86,7 +86,7 @@ def spec_with_grammar(language: str | None) -> LanguageSpec | None:
 
 def parse(data: bytes, spec: LanguageSpec, old: Tree | None = None) -> Tree | None:
     """The tree of `data` (UTF-8), fed in READ_BYTES pieces; `old` an edited tree to reuse (Tree.edit
-    applied). None over PARSE_MAX_BYTES."""
+    applied). None over PARSE_MAX_BYTES, or where the grammar does not load."""
     if len(data) > PARSE_MAX_BYTES:
         return None
     language = spec.language()
@@ -99,22 +99,6 @@ def parse(data: bytes, spec: LanguageSpec, old: Tree | None = None) -> Tree | No
         return bytes(view[offset:offset + READ_BYTES])
 
     return parser.parse(read, old) if old is not None else parser.parse(read)
-
-
-def edit_tree(tree: Tree, old_text: str, text: str, start: int, old_end: int, new_end: int) -> None:
-    """Tell `tree` (of old_text) that old_text[start:old_end] became text[start:new_end] (code points)."""
-    def at(s: str, offset: int) -> tuple[int, Point]:
-        head = s[:offset]
-        nbytes = offset if head.isascii() else len(head.encode("utf-8", "surrogatepass"))
-        ls = s.rfind("\n", 0, offset) + 1
-        line_head = s[ls:offset]
-        col = len(line_head) if line_head.isascii() else len(line_head.encode("utf-8", "surrogatepass"))
-        return nbytes, Point(s.count("\n", 0, offset), col)
-
-    sb, sp = at(old_text, start)
-    ob, op = at(old_text, old_end)
-    nb, np = at(text, new_end)
-    tree.edit(start_byte=sb, old_end_byte=ob, new_end_byte=nb, start_point=sp, old_end_point=op, new_end_point=np)
 
 
 class _Rows:
@@ -226,7 +210,7 @@ def _text(node: Node | None) -> str:
 def _names(node: Node, spec: LanguageSpec) -> tuple[str, ...]:
     """The names a definition node defines."""
     name = node.child_by_field_name("name")
-    if name is not None and name.type in _NAME_LEAVES | {"type_identifier"}:
+    if name is not None and name.type in _NAME_LEAVES:
         return (_text(name),)
     if name is not None:                       # a qualified or scoped name: its last part
         leaf = _last_leaf(name)
