@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the cut is exact and the file parses after insertion")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
+    from completiond.commands import humaneval  # --benchmark: HumanEval infilling, in its own module
+
+    humaneval.add_arguments(parser)
 
 
 CONTEXT_MODES = ("none", "recent", "retrieval")
@@ -501,6 +504,10 @@ def _modes(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "benchmark", None):
+        from completiond.commands import humaneval
+
+        return humaneval.run(args)
     from completiond.engine.engine import Engine, EngineError
 
     files = None
