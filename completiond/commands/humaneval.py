@@ -94,7 +94,7 @@ def build_tasks(problems: list[dict[str, Any]], mode: str, seed: int = 0, per_pr
     if mode not in BENCHMARKS:
         raise BenchmarkError(f"unknown benchmark {mode!r}; expected one of {', '.join(BENCHMARKS)}")
     tasks = []
-    for n, p in enumerate(problems):
+    for p in problems:
         rng = random.Random(f"{seed}:{mode}:{p['task_id']}")
         solution: str = p["canonical_solution"]
         lines = solution.splitlines(keepends=True)
