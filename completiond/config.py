@@ -130,7 +130,8 @@ class Config:
     """All completiond settings, each with its default; editors send them by camelCase key (SETTINGS)."""
 
     enable: bool = setting(True, "Show inline completions.", group="general")
-    model: str = setting("", "Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short "
+    model: str = setting("", "Model: a local directory written as a path (./, ../, / or ~; a relative one only in "
+        "config.toml, relative to that file), a Hugging Face hub id (org/name, optionally @revision) or a short "
         "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
         "means the bundled default model.", group="general", restricted=True)
     device: str = setting("auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps"), group="general",
@@ -157,7 +158,9 @@ class Config:
         ))
     draft_model: str = setting("", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
         "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.", restricted=True)
-    trust_remote_code: bool = setting(False, "Allow model repositories to run their own Python code (off: only built-in transformers architectures load).", restricted=True)
+    trust_remote_code: bool = setting(False, "Allow model repositories to run their own Python code (off: only built-in "
+        "transformers architectures load). A user or machine setting only, and honoured only for a model named "
+        "there too (never for one a workspace picks).", scope="machine", restricted=True)
     max_tokens: int = setting(64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024, group="general")
     temperature: float = setting(0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general")
     top_p: float = setting(1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0)
@@ -308,11 +311,52 @@ def _coerce(setting: Setting, value: Any) -> Any:
     return value
 
 
-def merge(base: Config, overrides: Mapping[str, Any] | None) -> tuple[Config, list[str]]:
+# Settings that name a model: a hub id or catalog short name, or a local directory written explicitly.
+MODEL_KEYS = ("model", "draftModel")
+# Settings that name a file (read by the daemon, which runs in /).
+FILE_KEYS = ("apiKeyFile", "endpointCaFile")
+LOCAL_PREFIXES = ("./", "../", "/", "~")
+
+
+def is_local_model(value: str | os.PathLike) -> bool:
+    """Whether a model setting names a local directory: only when written as one (`./`, `../`, `/`, `~`).
+    Anything else is a hub id or a catalog short name, even where a directory of that name happens to be
+    in the current directory (a cloned repository could plant `Qwen/Qwen2.5-Coder-0.5B` there)."""
+    text = os.fspath(value)
+    return text in (".", "..") or text.startswith(LOCAL_PREFIXES)
+
+
+def resolve_local_model(value: str, base: str | os.PathLike | None = None) -> str:
+    """An explicit local directory as an absolute path (`~` expanded; a relative one against `base`, else
+    the current directory); a hub id or short name unchanged."""
+    if not value or not is_local_model(value):
+        return value
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path) and base is not None:
+        path = os.path.join(os.fspath(base), path)
+    return os.path.abspath(path)
+
+
+def _relative_path(key: str, value: Any) -> bool:
+    """A path setting whose value is relative: resolved against nothing reliable in an editor's settings."""
+    if not isinstance(value, str) or not value:
+        return False
+    if key in MODEL_KEYS:
+        return is_local_model(value) and not os.path.isabs(value) and not value.startswith("~")
+    return key in FILE_KEYS and not os.path.isabs(value) and not value.startswith("~")
+
+
+def merge(base: Config, overrides: Mapping[str, Any] | None, relative_to: str | os.PathLike | None = None,
+          source: str = "") -> tuple[Config, list[str]]:
     """Apply camelCase overrides to a Config. Returns (config, errors).
 
     Unknown keys and invalid values are reported in errors and ignored, so the
     result is always a valid Config. A value of None means "leave as is".
+
+    Paths (a local model directory, apiKeyFile, endpointCaFile): with `relative_to` (the folder of the
+    config file that set them) a relative one is resolved against it; with `source` (an editor's settings
+    layer, named so in the message) a relative one is refused, since the editor's working directory (the
+    project, for Neovim) is no base to trust.
     """
     errors: list[str] = []
     if overrides is None:
@@ -327,6 +371,15 @@ def merge(base: Config, overrides: Mapping[str, Any] | None) -> tuple[Config, li
             continue
         if value is None:
             continue
+        if _relative_path(key, value):
+            if relative_to is not None:
+                value = os.path.abspath(os.path.join(os.fspath(relative_to), os.path.expanduser(value)))
+            elif source:
+                errors.append(f"completiond.{key}: {value!r} is a relative path, which {source} cannot use (it "
+                              f"would depend on the editor's working directory); write it absolute or from ~, or "
+                              f"set it in config.toml, where it is relative to that file; using "
+                              f"{getattr(base, setting.attr)!r}")
+                continue
         try:
             changes[setting.attr] = _coerce(setting, value)
         except ValueError as exc:
@@ -369,7 +422,8 @@ def load_file(path: Path | None = None, base: Config | None = None) -> tuple[Con
         return base, [f"{path}: invalid TOML: nested too deeply to parse"]
     if isinstance(data.get("completiond"), dict):
         data = data["completiond"]
-    cfg, errors = merge(base, data)
+    # Relative paths in the file are relative to the file, never to whichever directory the reader runs in.
+    cfg, errors = merge(base, data, relative_to=Path(path).expanduser().absolute().parent)
     return cfg, [f"{path}: {e}" for e in errors]
 
 
@@ -470,13 +524,48 @@ def model_label(value: str, key: str = "model") -> str:
     return f"{BUNDLED_MODEL} (bundled)" if key == "model" else "none (the model drafts from its own layers)"
 
 
+# What every completion request carries of its editor's engine settings: where the editor allows its
+# documents to go. The daemon serves a request only under the backend it names (route_refusal).
+ROUTE_KEYS = ("backend", "endpoint")
+
+
+def request_settings(cfg: Config) -> dict[str, Any]:
+    """The settings a completion request carries: those that apply per request, and ROUTE_KEYS."""
+    return {k: v for k, v in to_settings(cfg).items() if k not in ENGINE_KEYS or k in ROUTE_KEYS}
+
+
+def _endpoint_key(url: Any) -> str:
+    return str(url or "").strip().rstrip("/")
+
+
+def route_refusal(wanted: Mapping[str, Any] | None, cfg: Config) -> str:
+    """Why a daemon serving `cfg` must not answer a request whose editor settings are `wanted`, or ''.
+
+    A daemon with a remote backend sends the document to its server: it may do so only for an editor whose
+    own settings name a remote backend at that same endpoint. A request that names no backend counts as
+    `local` (an editor that never chose a server). The reverse, a remote backend asked and the local model
+    serving, keeps the document on this machine: allowed (the welcome's warning says so).
+    """
+    if cfg.backend == "local":
+        return ""
+    wanted = wanted if isinstance(wanted, Mapping) else {}
+    backend = wanted.get("backend") or "local"
+    endpoint = wanted.get("endpoint") or ""
+    if backend != "local" and _endpoint_key(endpoint) == _endpoint_key(cfg.endpoint):
+        return ""
+    asked = "backend = local" if backend == "local" else f"backend {backend} at {endpoint or '(no endpoint)'}"
+    return (f"not sent: your settings say {asked}, but the shared daemon sends documents to {cfg.backend} at "
+            f"{cfg.endpoint or '(no endpoint)'}, which your settings did not choose; no document of yours is sent "
+            f"there. Restart the daemon with your settings: " + RESTART_HINT.split(": ", 1)[-1])
+
+
 def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
     """The ENGINE_KEYS where `have` (what a daemon serves) differs from `want` (what an editor asked for),
     each as `key=wanted (daemon: actual)`. Local model directories compare by absolute path, as the
     daemon stores them."""
     def norm(key: str, value: Any) -> Any:
-        if key in ("model", "draftModel") and isinstance(value, str) and value and os.path.isdir(value):
-            return os.path.abspath(value)
+        if key in MODEL_KEYS and isinstance(value, str):
+            return resolve_local_model(value)
         return value
 
     def shown(key: str, value: Any) -> str:

@@ -243,7 +243,8 @@ class CompletionServer(LanguageServer):
         else:
             session = DaemonSession(settings=lambda: config_mod.to_settings(self.cfg), documents=self.document_snapshot,
                                     directory=runtime_dir, on_notification=self._on_service_notification,
-                                    on_connect=self._on_connect, on_lost=self._on_daemon_lost)
+                                    on_connect=self._on_connect, on_lost=self._on_daemon_lost,
+                                    on_notice=lambda message: self.tell_once(message, types.MessageType.Warning))
             self.service = DaemonConnection(session)
 
     # --- settings ---------------------------------------------------------------
@@ -253,7 +254,7 @@ class CompletionServer(LanguageServer):
         A change of the engine settings (model, device...) restarts the engine with them."""
         cfg, errors = self.file_cfg, list(self.file_errors)
         for layer in (self.init_options, self.workspace_options):
-            cfg, more = config_mod.merge(cfg, _section(layer))
+            cfg, more = config_mod.merge(cfg, _section(layer), source="editor settings")
             errors += more
         before = config_mod.engine_settings(self.cfg)
         self.cfg = cfg
@@ -297,7 +298,7 @@ class CompletionServer(LanguageServer):
         return self._restarting
 
     def request_settings(self) -> dict[str, Any]:
-        return {k: v for k, v in config_mod.to_settings(self.cfg).items() if k not in config_mod.ENGINE_KEYS}
+        return config_mod.request_settings(self.cfg)  # with this editor's backend and endpoint
 
     async def watch_config_file(self, settle: float = 0.1) -> None:
         """Re-read config.toml when it changes, so edits apply without restarting the editor.

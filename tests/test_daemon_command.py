@@ -26,7 +26,7 @@ def test_every_engine_setting_reaches_the_daemon(tmp_path, monkeypatch):
     draft = tmp_path / "draft-model"
     draft.mkdir()
     monkeypatch.chdir(tmp_path)
-    want = {"model": "Qwen/Qwen2.5-Coder-1.5B", "draftModel": "draft-model", "device": "cpu", "dtype": "float32",
+    want = {"model": "Qwen/Qwen2.5-Coder-1.5B", "draftModel": "./draft-model", "device": "cpu", "dtype": "float32",
             "trustRemoteCode": True, "cacheMegabytes": 64, "backend": "openai", "endpoint": "https://gpu-box:8443",
             "endpointModel": "coder", "apiKeyEnv": "TEAM_KEY", "apiKeyFile": str(tmp_path / "key"),
             "endpointCaFile": str(tmp_path / "ca.pem"), "endpointTimeout": 7.5,

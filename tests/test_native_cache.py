@@ -117,8 +117,9 @@ def test_a_world_writable_cache_directory_is_not_used(cache):
     out = cache["probe"]()
     assert not cache["marker"].exists(), out
     assert out.startswith("loaded") and "building into" in out  # a fresh private directory instead
+    # ... removed once the library was loaded (issue 43: one was left in /tmp on every start)
     fresh = [p for p in cache["tmp"].iterdir() if p.name.startswith("completiond-native-")]
-    assert fresh and all(stat.S_IMODE(os.stat(p).st_mode) == 0o700 for p in fresh)
+    assert fresh == []
 
 
 def test_a_group_or_world_writable_library_is_not_loaded(cache):

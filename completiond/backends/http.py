@@ -223,10 +223,13 @@ class Response:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an IP literal) is this machine: traffic to it never leaves it."""
+    """Whether `host` is this machine, so that traffic to it never leaves it: a literal loopback address
+    (127.0.0.0/8, ::1) or the name `localhost` itself. No other name counts, `*.localhost` and
+    `localhost.localdomain` included: where those resolve is up to the resolver (DNS may answer for them),
+    and an API key must not go over plain http to wherever that is."""
     import ipaddress
 
-    if host.lower().rstrip(".") in ("localhost", "localhost.localdomain") or host.lower().endswith(".localhost"):
+    if host.lower().rstrip(".") == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

@@ -170,7 +170,7 @@ async def complete_via_daemon(cfg: Config, path: Path, text: str, offset: int) -
         t0 = time.perf_counter()
         result = await client.request("complete", {
             "uri": uri, "version": 1, "offset": offset,
-            "settings": {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS}})
+            "settings": config_mod.request_settings(cfg)})
         result["round_trip_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         status = client.welcome.get("status", {})
         result["model"], result["device"] = status.get("model"), status.get("device")

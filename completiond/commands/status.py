@@ -112,7 +112,7 @@ def with_running_daemon(args: argparse.Namespace, action) -> int:
         print(f"no completiond daemon on this platform: {unsupported}; editors run the model in their language "
               "server (`completiond lsp --no-daemon`)", file=sys.stderr)
         return NOT_RUNNING
-    directory = args.runtime_dir or paths.runtime_dir()
+    directory = args.runtime_dir or paths.current_runtime_dir()
     try:
         return asyncio.run(action(directory))
     except paths.InsecureDirectoryError as exc:

@@ -80,8 +80,8 @@ def load_calibration(model_id: str, info: ModelInfo | None, num_layers: int) -> 
         return Calibration.from_dict(json.loads(read_file(path, RECORD_LIMIT)), num_layers, f"user calibration ({path})")
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        # A damaged record must not stop the model from loading.
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # A damaged record (JSON nested too deeply included) must not stop the model from loading.
         log.warning("ignoring calibration %s: %s", path, exc)
     if info is not None and info.speculation is not None:
         try:

@@ -202,10 +202,15 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
 
 
 def config_errors() -> tuple[type[BaseException], ...]:
-    """The errors a load raises for a bad config value: ValueError, and huggingface_hub's StrictDataclassError
-    (a value of the wrong type, as transformers' config classes check) once transformers has loaded it."""
+    """The errors a load raises for a bad config value or weights file: ValueError, huggingface_hub's
+    StrictDataclassError (a value of the wrong type, as transformers' config classes check) once transformers
+    has loaded it, safetensors' SafetensorError (a header with shapes whose size overflows, negative or
+    malformed), and RecursionError and OverflowError (JSON nested too deeply, sizes past any integer)."""
+    from safetensors import SafetensorError
+
     errors = sys.modules.get("huggingface_hub.errors")
-    return (ValueError,) + ((errors.StrictDataclassError,) if errors is not None else ())
+    return (ValueError, SafetensorError, RecursionError, OverflowError) + (
+        (errors.StrictDataclassError,) if errors is not None else ())
 
 
 # ------------------------------------------------------------------ config and tokenizer, light

@@ -281,7 +281,7 @@ class Engine:
             torch.set_num_threads(threads)
         torch_dtype = pick_dtype(dtype, device)
         local = Path(model).expanduser()
-        if local.exists() or str(model).startswith((".", "/", "~")):
+        if hub.is_local(model):  # a path written as one; a hub id or short name never means a folder here
             check_weights(local)
             name = (f"{local.name} (bundled)" if bundled else hub.name_for_path(local) or str(local.resolve()))
         else:

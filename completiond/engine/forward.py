@@ -366,10 +366,13 @@ def _stored_bf16(directory) -> bool:
                 if n > 100 << 20:
                     return False
                 header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError, struct.error, RecursionError):  # RecursionError: JSON nested too deeply
             return False
+        if not isinstance(header, dict):
+            return False  # not a safetensors header: the load reports the file
         for name, entry in header.items():
-            if name != "__metadata__" and name.endswith("proj.weight") and entry.get("dtype") != "BF16":
+            if name != "__metadata__" and name.endswith("proj.weight") and (
+                    not isinstance(entry, dict) or entry.get("dtype") != "BF16"):
                 return False
     return True
 

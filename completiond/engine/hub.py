@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from completiond.config import is_local_model
 from completiond.errors import CompletionError
 from completiond.fileio import check_file, read_file, user_cache_dir
 from completiond.models.adapters import FAMILIES
@@ -178,11 +179,19 @@ def parse(model: str) -> tuple[str, str | None]:
     if not _HUB_ID.match(repo) or ".." in repo:
         short = ", ".join(CATALOG_BY_NAME)
         raise HubError(f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
-                       f"@revision), nor a short name ({short}). A local directory must start with '.', '/' or '~'.")
+                       f"@revision), nor a short name ({short}). A local directory must be written as a path: "
+                       f"starting with './', '../', '/' or '~'.")
     if revision and not valid_revision(revision):
         raise HubError(f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
                        f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)")
     return repo, revision or None
+
+
+def is_local(model: str | os.PathLike) -> bool:
+    """Whether Engine.load reads `model` as a local directory: a Path object, or a string written as a path
+    (`./`, `../`, `/`, `~`: config.is_local_model). Any other string is a hub id or a short name, even
+    where the current directory (an editor's project) holds a folder of that name."""
+    return isinstance(model, os.PathLike) or is_local_model(model)
 
 
 def display_name(repo: str, revision: str | None, commit: str) -> str:
@@ -235,7 +244,16 @@ def read_json(path: Path, limit: int | None = None):
     """A side file's JSON, read as a regular file under its cap (SIDE_FILE_LIMITS; 1 MiB for others).
     Raises OSError (UnsafeFile for a device, FIFO or oversized file) or ValueError."""
     data = read_file(path, limit if limit is not None else SIDE_FILE_LIMITS.get(Path(path).name, 1 << 20))
-    return json.loads(data.decode("utf-8"))
+    return loads_json(data.decode("utf-8"), Path(path).name)
+
+
+def loads_json(text: str | bytes, what: str):
+    """json.loads, with nesting too deep for the parser (a 5,000,000-deep file raises RecursionError, which
+    no caller expects) reported as the ValueError of any other malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{what}: JSON nested too deeply to read") from None
 
 
 def check_side_files(directory: Path) -> None:
@@ -578,12 +596,17 @@ def parameter_count(model_dir: Path) -> int:
             (length,) = struct.unpack("<Q", raw)
             if length > MAX_HEADER:
                 raise ValueError(f"{path}: header of {length} bytes")
-            header = json.loads(f.read(length))
+            header = loads_json(f.read(length), f"{path.name}'s header")
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: its header is not a JSON object")
         for key, entry in header.items():
             if key == "__metadata__" or not isinstance(entry, dict):
                 continue
             n = 1
-            for d in entry.get("shape", []):
-                n *= int(d)
+            try:
+                for d in entry.get("shape", []):
+                    n *= int(d)
+            except TypeError:
+                raise ValueError(f"{path}: tensor {key!r} has a malformed shape") from None
             total += n
     return total

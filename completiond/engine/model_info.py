@@ -45,7 +45,7 @@ class ModelInfo:
             return cls()
         except UnsafeFile:
             raise  # a device, FIFO or huge file is no damaged record: the load stops and says why
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
             # A damaged file must not stop the model from loading; it still marks the family.
             log.warning("ignoring the contents of %s: %s", path, exc)
             data = {}

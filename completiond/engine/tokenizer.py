@@ -123,8 +123,16 @@ def clean_up_spaces(text: str) -> str:
 def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool, light: bool = True):
     """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
     as AutoTokenizer's does (and light allows it), else AutoTokenizer's."""
-    found = light_tokenizer(directory, raw, trust_remote_code) if light else None
-    return found if found is not None else auto_tokenizer(directory, raw, trust_remote_code)
+    try:
+        found = light_tokenizer(directory, raw, trust_remote_code) if light else None
+        return found if found is not None else auto_tokenizer(directory, raw, trust_remote_code)
+    except (OSError, ValueError):
+        raise  # Engine.load reports these with the model's name
+    except Exception as exc:
+        # A malformed tokenizer file fails inside the tokenizers library or transformers with whatever they
+        # raise (a RecursionError on JSON nested 5,000,000 deep, the Rust library's own Exception, a
+        # KeyError or TypeError on a field of the wrong shape): one error that names the file's folder.
+        raise ValueError(f"the tokenizer in {directory} cannot be read ({type(exc).__name__}: {exc})") from exc
 
 
 def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
@@ -197,7 +205,7 @@ def read_verdict(key: str) -> dict | None:
         data = json.loads(read_file(path, RECORD_LIMIT))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         log.warning("ignoring the tokenizer verdict %s: %s", path, exc)
         return None
     ok = (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("same"), bool)

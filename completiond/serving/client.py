@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from completiond import config as config_mod
 from completiond.serving import paths
 from completiond.serving import wire
 from completiond.serving.wire import Code, RemoteError
@@ -52,6 +53,8 @@ class DaemonClient:
         self._reader_task: asyncio.Task | None = None
         self.closed = False
         self.close_reason = ""
+        self.directory: Path | None = None  # the runtime directory (connect_or_spawn sets it)
+        self.notice = ""                    # why that directory is a fallback, if it is one
 
     @classmethod
     async def connect(cls, socket: Path, client_name: str = "completiond", settings: dict[str, Any] | None = None,
@@ -176,7 +179,10 @@ def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) 
     for key, flag in (("model", "--model"), ("draftModel", "--draft-model")):
         model = settings.get(key) or ""
         if model:
-            cmd += [flag, os.path.abspath(model) if os.path.isdir(model) else model]
+            # Only a path written as one is a directory (config.is_local_model): a hub id or short name stays
+            # a name, whatever a same-named folder in the editor's working directory (a cloned repository)
+            # holds. The daemon runs in /, so a path goes absolute.
+            cmd += [flag, config_mod.resolve_local_model(str(model))]
     for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("weights", "--weights"),
                       ("cacheMegabytes", "--cache-mb"), ("logLevel", "--log-level")):
         if settings.get(key) not in (None, ""):
@@ -235,12 +241,22 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
+def _placed(client: DaemonClient, directory: Path, notice: str) -> DaemonClient:
+    """The client, with the runtime directory it was found in and the fallback notice (if any)."""
+    client.directory = directory
+    client.notice = notice
+    return client
+
+
 async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Path | None = None, spawn: bool = True,
                            timeout: float = 60.0, client_name: str = "completiond",
                            idle_timeout: float | None = None, **client_kwargs: Any) -> DaemonClient:
     """Connect to the user's daemon, starting it first if there is none (one starter at a time)."""
     settings = settings or {}
-    directory = paths.ensure_private_dir(directory or paths.runtime_dir())
+    # The default directory, if squatted or unsafe, is replaced by a private one (the notice says so).
+    directory, notice = paths.usable_runtime_dir(directory)
+    if notice:
+        log.warning("%s", notice)
     socket = paths.socket_path(directory)
     deadline = time.monotonic() + timeout
     delay = 0.02
@@ -250,7 +266,8 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
     try:
         while True:
             try:
-                return await DaemonClient.connect(socket, client_name, settings, **client_kwargs)
+                return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
+                               directory, notice)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 last_error = exc
             except DaemonUnavailable as exc:  # e.g. the daemon is exiting: try again
@@ -262,7 +279,8 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
                 lock_fd = _try_lock(directory / paths.SPAWN_LOCK_NAME)
                 if lock_fd is not None:
                     try:
-                        return await DaemonClient.connect(socket, client_name, settings, **client_kwargs)
+                        return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
+                                       directory, notice)
                     except (FileNotFoundError, ConnectionRefusedError, DaemonUnavailable):
                         pass
                     proc = spawn_daemon(directory, settings, idle_timeout)
@@ -303,8 +321,13 @@ class DaemonSession:
     def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
                  directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
                  on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = wire.EDITOR_CLIENT,
-                 connect_timeout: float = 60.0, on_lost: Callable[[str], None] | None = None):
+                 connect_timeout: float = 60.0, on_lost: Callable[[str], None] | None = None,
+                 on_notice: Callable[[str], None] | None = None):
         self._settings = settings
+        # Told once what the user should know but need not act on: the daemon's directory was unsafe and a
+        # private one is used instead.
+        self.on_notice = on_notice
+        self._noticed = False
         self._documents = documents
         self.directory = directory
         self.on_notification = on_notification
@@ -334,7 +357,7 @@ class DaemonSession:
         wait = self._retry_at - time.monotonic()
         if wait > 0 and (self._connecting is None or self._connecting.done()):
             raise DaemonUnavailable(f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
-                                    f"(log: {(self.directory or paths.runtime_dir()) / paths.LOG_NAME})")
+                                    f"(log: {(self.directory or paths.current_runtime_dir()) / paths.LOG_NAME})")
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
         # Shield: one caller giving up (a cancelled completion) must not abort the connect for the others.
@@ -356,6 +379,11 @@ class DaemonSession:
             self._failed()
             raise
         self._connected_at = time.monotonic()
+        if client.notice and self.directory is None:
+            self.directory = client.directory  # keep to the fallback: restarts and stops find the daemon there
+            if not self._noticed and self.on_notice is not None:
+                self._noticed = True
+                self.on_notice(client.notice)
         if self.client is not None:
             self.reconnects += 1
         for uri, (version, text, language_id) in self._documents().items():
@@ -443,7 +471,7 @@ class DaemonSession:
                 pass
             await self.client.close()  # type: ignore[union-attr]
         # Wait for the old daemon to release its socket, so we do not reconnect to it.
-        directory = self.directory or paths.runtime_dir()
+        directory = self.directory or paths.current_runtime_dir()
         deadline = time.monotonic() + 10
         while paths.socket_path(directory).exists() and time.monotonic() < deadline:  # noqa: ASYNC110 (another process)
             await asyncio.sleep(0.05)

@@ -153,17 +153,16 @@ def missing_model(value: str, what: str = "model") -> str:
     """Why `value` cannot be a model, when that is plain without importing torch: a path (it starts with
     `.`, `/` or `~`, as Engine.load reads it) to nothing. Empty when it may be fine. The path is named as
     given and, when that differs, as resolved here (a daemon resolves a relative one in its own folder)."""
-    if value and value.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(value)):
+    if value and config_mod.is_local_model(value) and not os.path.exists(os.path.expanduser(value)):
         resolved = os.path.abspath(os.path.expanduser(value))
         return f"{what} directory {value} does not exist" + (f" ({resolved})" if resolved != value else "")
     return ""
 
 
 def resolve_model(value: str) -> str:
-    """Local directories by absolute path, so a daemon started elsewhere finds them."""
-    if value and os.path.isdir(value):
-        return os.path.abspath(value)
-    return value
+    """Local directories (written as paths: config.is_local_model) by absolute path, so a daemon started
+    elsewhere finds them; hub ids and short names as they are."""
+    return config_mod.resolve_local_model(value)
 
 
 class Lifecycle:

@@ -49,6 +49,46 @@ def runtime_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"completiond-{os.getuid()}"
 
 
+def fallback_runtime_dir() -> Path:
+    """Where the daemon lives when the default runtime directory is not safe (someone else's, a symlink,
+    writable by others: e.g. a squatted $TMPDIR/completiond-<uid> when XDG_RUNTIME_DIR is unset): under
+    the user's own cache folder, which no other user can plant anything in."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "completiond" / "run"
+
+
+def usable_runtime_dir(directory: Path | None = None) -> tuple[Path, str]:
+    """The runtime directory to use, created private, and a notice ('' when none) to tell the user once.
+
+    An explicit `directory` is used or refused (InsecureDirectoryError), never replaced. The default one,
+    when unsafe or impossible to create, is left alone and fallback_runtime_dir() is used instead, so
+    completions keep working; the notice says why and where.
+    """
+    if directory is not None:
+        return ensure_private_dir(directory), ""
+    preferred = runtime_dir()
+    try:
+        return ensure_private_dir(preferred), ""
+    except (InsecureDirectoryError, OSError) as exc:
+        reason = str(exc)
+    fallback = fallback_runtime_dir()
+    os.makedirs(fallback.parent, mode=0o700, exist_ok=True)
+    return ensure_private_dir(fallback), f"the daemon's directory {reason}; using {fallback} instead"
+
+
+def current_runtime_dir() -> Path:
+    """Where a running daemon is (for `completiond status` and `stop`): the default directory, or the
+    fallback where the default exists but is unsafe (usable_runtime_dir went there)."""
+    preferred = runtime_dir()
+    if not os.path.lexists(preferred):
+        return preferred
+    try:
+        check_private_dir(preferred)
+    except InsecureDirectoryError:
+        return fallback_runtime_dir()
+    return preferred
+
+
 def check_private_dir(path: Path) -> None:
     """Raise InsecureDirectoryError unless `path` is a real directory we own, closed to others."""
     try:

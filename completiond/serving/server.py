@@ -264,7 +264,10 @@ class DaemonServer:
                 diff.append(f"{key}={value!r} (daemon: {have!r})")
         if not diff:
             return ""
-        return "the shared daemon runs with different settings: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT
+        refused = config_mod.route_refusal(wanted, self.service.cfg)
+        return ("the shared daemon runs with different settings: " + ", ".join(diff) + "; "
+                + ("it will not complete your documents (it would send them to a server your settings did not "
+                   "choose); " if refused else "") + config_mod.RESTART_HINT)
 
     async def _dispatch(self, conn: _Conn, message: dict[str, Any]) -> None:
         method = message.get("m")

@@ -218,6 +218,10 @@ class Service:
             except (KeyError, TypeError) as exc:
                 raise ServiceError(Code.BAD_REQUEST, f"complete: bad params: {_reason(exc)}") from None
             settings = params.get("settings")
+            # Never a remote answer for an editor whose own settings did not choose that server (issue 43).
+            refusal = config_mod.route_refusal(settings if isinstance(settings, dict) else None, self.cfg)
+            if refusal:
+                raise ServiceError(Code.NOT_READY, refusal)
             return await self.complete(client, request_id, uri, version, offset,
                                        settings if isinstance(settings, dict) else None)
         if method == "ping":
@@ -319,8 +323,10 @@ class Service:
         if unserved:
             return _withheld(unserved, reason="language")
         if completer.backend is not Backend.LOCAL and not verdict.remote_ok:
-            return _withheld(f"not sent to the completion server ({cfg.backend}): {verdict.reason}; "
-                             "such files get local completions only (backend = local)")
+            # Said as it is: this daemon has no local model, so the file gets no completion at all here.
+            return _withheld(f"no completions for this file: {verdict.reason}, and such files are never sent to the "
+                             f"completion server ({cfg.backend}); this daemon has no local model for them "
+                             "(with backend = local they are completed on this machine)")
         start = time.perf_counter()
         remote = completer.backend is not Backend.LOCAL
         self.lifecycle.call_soon(self.lifecycle.mark_busy)

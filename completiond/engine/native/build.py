@@ -156,8 +156,19 @@ def _cache_for(kernel: str) -> Path:
     if why is None:
         return d
     fresh = Path(tempfile.mkdtemp(prefix=f"completiond-native-{kernel}-"))  # 0700, ours
+    _temporary.add(fresh)  # removed by _load once the library is loaded (or failed to build)
     log.warning("native step cache not used (%s); building into %s instead", why, fresh)
     return fresh
+
+
+# Fresh build directories of this process (_cache_for), removed once their library is loaded: the loader
+# has mapped it by then, so nothing needs the file, and one was left in /tmp on every start before.
+_temporary: set[Path] = set()
+
+
+def _remove_temporary() -> None:
+    while _temporary:
+        shutil.rmtree(_temporary.pop(), ignore_errors=True)
 
 
 def _target(cc: str, kernel: str) -> Path:
@@ -183,6 +194,8 @@ def build_pending() -> bool:
         return _file_ok(_target(_compiler() or "cc", kernel)) is not None
     except RuntimeError:
         return False
+    finally:
+        _remove_temporary()  # a fresh directory _target made holds nothing yet
 
 
 def _build(cc: str, kernel: str) -> Path:
@@ -268,6 +281,8 @@ def _load(kernel: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as exc:
         _reasons[kernel] = f"cannot build or load the native step: {exc}"
         return None
+    finally:
+        _remove_temporary()
     _libs[kernel] = typed(lib)
     return lib
 

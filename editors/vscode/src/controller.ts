@@ -88,6 +88,11 @@ export class Controller implements Disposable {
   serverSettings(): Record<string, unknown> {
     const out: Record<string, unknown> = {};
     for (const key of this.keys) out[key] = this.host.isSettingSet(key) ? this.host.getSetting(key) : null;
+    // trustRemoteCode runs a model repository's own code: honoured only for a model the user named in user
+    // settings, never for one a workspace's settings pick (.vscode/settings.json comes with the repository).
+    if (out.trustRemoteCode === true && ['model', 'draftModel'].some((k) => this.host.isSetInWorkspace?.(k) === true)) {
+      out.trustRemoteCode = false;
+    }
     return out;
   }
 
@@ -178,7 +183,7 @@ export class Controller implements Disposable {
     if (section === SECTION) return this.serverSettings();
     if (section !== undefined && section.startsWith(SECTION + '.')) {
       const key = section.slice(SECTION.length + 1);
-      if (this.keys.includes(key)) return this.host.isSettingSet(key) ? this.host.getSetting(key) : null;
+      if (this.keys.includes(key)) return this.serverSettings()[key];
     }
     return undefined;
   }

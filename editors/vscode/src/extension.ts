@@ -55,6 +55,13 @@ function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChann
         )
       );
     },
+    isSetInWorkspace: (key) => {
+      const i = config().inspect(key);
+      return (
+        i !== undefined &&
+        [i.workspaceValue, i.workspaceFolderValue, i.workspaceLanguageValue, i.workspaceFolderLanguageValue].some((v) => v !== undefined)
+      );
+    },
     // Write where the value comes from now (a workspace value would hide a user one).
     updateSetting: (key, value) => {
       const i = config().inspect(key);

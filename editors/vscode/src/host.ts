@@ -22,6 +22,8 @@ export interface Host {
   getSetting(key: string): unknown;
   /** Whether the user set the key anywhere (user, workspace, folder, language), i.e. it is not just the default. */
   isSettingSet(key: string): boolean;
+  /** Whether a workspace or workspace folder sets the key (its value then came with the project). */
+  isSetInWorkspace?(key: string): boolean;
   /** Set a setting where its value comes from now (folder, workspace, else user settings). */
   updateSetting(key: string, value: unknown): Thenable<void>;
   /** Called with a predicate like `ConfigurationChangeEvent.affectsConfiguration`. */

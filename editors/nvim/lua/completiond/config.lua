@@ -53,7 +53,7 @@ M.defaults = {
     -- BEGIN GENERATED SETTINGS (editors/sync_settings.py; do not edit by hand)
     -- Show inline completions. (boolean)
     enable = true,
-    -- Model: a local directory, a Hugging Face hub id (org/name, optionally @revision) or a short name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty means the bundled default model. (string)
+    -- Model: a local directory written as a path (./, ../, / or ~; a relative one only in config.toml, relative to that file), a Hugging Face hub id (org/name, optionally @revision) or a short name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty means the bundled default model. (string)
     model = "",
     -- Where the model runs: auto picks cuda, then mps, then cpu. (string; one of "auto", "cpu", "cuda", "mps")
     device = "auto",
@@ -63,7 +63,7 @@ M.defaults = {
     weights = "auto",
     -- A separate, smaller draft model with the same tokenizer (local directory or hub id) that proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers. (string)
     draftModel = "",
-    -- Allow model repositories to run their own Python code (off: only built-in transformers architectures load). (boolean)
+    -- Allow model repositories to run their own Python code (off: only built-in transformers architectures load). A user or machine setting only, and honoured only for a model named there too (never for one a workspace picks). (boolean)
     trustRemoteCode = false,
     -- Most tokens generated for one suggestion. (integer; range 1..1024)
     maxTokens = 64,

@@ -49,6 +49,18 @@ test('workspace/configuration: the completiond section, single keys, and others 
   assert.equal(client.options.configuration(undefined), undefined);
 });
 
+test('trustRemoteCode is sent only for a model named in user settings, never one a workspace picks', async () => {
+  const host = new FakeHost();
+  host.change({ trustRemoteCode: true, model: 'org/user-model' });
+  const { client } = await started(host);
+  const init = client.options.initializationOptions as { completiond: Record<string, unknown> };
+  assert.equal(init.completiond.trustRemoteCode, true);
+  host.change({ model: 'org/from-the-repository' });
+  host.fromWorkspace.add('model');
+  assert.equal((client.options.configuration('completiond') as Record<string, unknown>).trustRemoteCode, false);
+  assert.equal(client.options.configuration('completiond.trustRemoteCode'), false);
+});
+
 test('a settings change is pushed with workspace/didChangeConfiguration', async () => {
   const { client, host } = await started();
   host.change({ temperature: 0.5, multiline: 'never' });

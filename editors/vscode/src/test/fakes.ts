@@ -38,6 +38,11 @@ export class FakeHost implements Host {
   isSettingSet(key: string): boolean {
     return this.explicit.has(key);
   }
+  /** keys a workspace's settings set (a subset of explicit) */
+  fromWorkspace = new Set<string>();
+  isSetInWorkspace(key: string): boolean {
+    return this.fromWorkspace.has(key);
+  }
   async updateSetting(key: string, value: unknown): Promise<void> {
     this.settings.set(key, value);
     this.explicit.add(key);
