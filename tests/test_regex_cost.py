@@ -169,3 +169,43 @@ def test_the_issue_inputs_take_milliseconds():
     assert result["allowed"] is False          # a letter after the cursor: no midline suggestion
     assert "sibling" in result["imports"]      # the file's real import is still read
     assert result["spaces"] <= 0.2 and result["dots"] <= 0.2, result
+
+
+# --- end to end: the LSP answers, and other documents are not held up ------------------------------------
+
+from test_lsp import model_dir, runtime, settings_for, start  # noqa: E402,F401  (fixtures)
+
+
+@pytest.mark.slow
+async def test_the_lsp_answers_a_line_of_5000_spaces_and_keeps_serving(start, model_dir, tmp_path):
+    """The issue's document through the real `completiond lsp` and daemon: the cursor before 5,000 spaces
+    and a letter (the midline check runs on the LSP's event loop), and `from` with 20,000 dots (the
+    retrieval index's import reader, on the daemon), while another document is completed. Before, the
+    first request froze the whole LSP for minutes: the wait below gave up."""
+    import asyncio
+    import time
+
+    from lsprotocol import types
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    s = await start(settings_for(model_dir), folder=folder)
+    await s.wait_ready()
+    spaces_uri, dots_uri, other_uri = ((folder / name).as_uri() for name in ("spaces.py", "dots.py", "other.py"))
+    await s.open("def f():\n    x = 1\n" + " " * 5000 + "y\n", uri=spaces_uri)
+    await s.open("from " + "." * 20000 + "\nimport os\nx = os.", uri=dots_uri)
+    await s.open("def add(a, b):\n    return ", uri=other_uri)
+
+    def ask(uri: str, line: int, character: int):
+        return asyncio.wait_for(s.client.text_document_inline_completion_async(types.InlineCompletionParams(
+            text_document=types.TextDocumentIdentifier(uri=uri), position=types.Position(line=line, character=character),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic))), 60)
+
+    t0 = time.perf_counter()
+    spaces, dots, other = await asyncio.gather(ask(spaces_uri, 2, 0), ask(dots_uri, 2, 7), ask(other_uri, 1, 11))
+    elapsed = time.perf_counter() - t0
+    assert not spaces.items                     # text after the cursor: nothing to show mid-line
+    assert isinstance(dots, types.InlineCompletionList) and isinstance(other, types.InlineCompletionList)
+    stats = await s.stats()
+    assert stats["errors"] == 0, stats
+    print(f"three documents answered in {elapsed * 1000:.0f} ms")   # figures: a quiet machine, -s
