@@ -607,6 +607,21 @@ def check(site: Site, s: str) -> Verdict:
         if not s.strip():
             return done(s, "parses")
         blank = not site.line_prefix.strip()
+        if site.spec.name == "python":
+            gate = _PythonGate.at(site)
+            if gate is not None:
+                # Python's own parser decides where it can: stricter than the grammar (which takes Python 2
+                # statements and bodiless headers), with a header's body and colon still to come allowed.
+                count += gate.parses
+                for c in [s, *cuts(s, MAX_PARSES, blank)]:
+                    if count + 2 > MAX_PARSES:
+                        break
+                    fine, used = gate.ok(c)
+                    count += used
+                    if fine:
+                        return done(c, "parses" if c == s else "cut")
+                reasons.append("adds a syntax error: the line does not become valid Python")
+                return done("", "dropped")
         if unfinished:
             # The suggestion, or the longest cut of it, must leave the statement finishable. Where the text
             # without it is not finishable either (broken further on), it must only add no error.
@@ -639,6 +654,67 @@ def check(site: Site, s: str) -> Verdict:
         return done("", "dropped")
     except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:   # a parser refusing the text
         return Verdict(s, "unjudged", count, 1000 * (time.perf_counter() - t0), f"not judged: {exc}")
+
+
+_BLOCK_KEYWORDS = re.compile(r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b")
+
+
+@dataclass
+class _PythonGate:
+    """`ast` on the region around the cursor (its included ranges put together), where it applies: the region
+    parses as it is, or with the cursor line set aside (the user is mid-edit on this line, not elsewhere)."""
+
+    head: str        # the region up to the cursor
+    line_suffix: str
+    rest: str        # the region after the cursor line
+    indent: str      # the cursor line's indentation
+    parses: int      # ast.parse calls made to decide it applies
+    site: Site
+
+    @classmethod
+    def at(cls, site: Site) -> _PythonGate | None:
+        ranges = site.ranges or ((0, len(site.data)),)
+        before = b"".join(site.data[a:min(b, site.cursor)] for a, b in ranges if a < site.cursor)
+        after = b"".join(site.data[max(a, site.cursor):b] for a, b in ranges if b > site.cursor)
+        head, tail = before.decode("utf-8", "replace"), after.decode("utf-8", "replace")
+        if site.ranges and site.ranges[0][0] > 0 and head[:1] in " \t":
+            head = "if 1:\n" + head   # an indented region parses as a block's body
+        nl = tail.find("\n")
+        line_suffix, rest = (tail, "") if nl < 0 else (tail[:nl], tail[nl:])
+        line = site.line_prefix + site.line_suffix
+        indent = line[:len(line) - len(line.lstrip(" \t"))]
+        line_head = head[:len(head) - len(site.line_prefix)]
+        gate = cls(head, line_suffix, rest, indent, 1, site)
+        if error_at(head + tail) is None:
+            return gate
+        if site.open_before:
+            return None   # a continuation line cannot be set aside
+        gate.parses = 2
+        return gate if error_at(line_head + indent + "pass" + rest) is None else None
+
+    def ok(self, t: str) -> tuple[bool, int]:
+        """(the region parses with `t` inserted, or would with the brackets the user is inside closed and the
+        header it writes given its colon and body; ast.parse calls made)."""
+        line = self.head + t + self.line_suffix
+        if error_at(line + self.rest) is None:
+            return True, 1
+        used = 1
+        closing = _closers(self.site, t + self.line_suffix)
+        # A bracket the user is still inside: opened before the cursor, t balanced within it.
+        lines = [line + closing] if closing and closing == _closers(self.site, self.line_suffix) else [line]
+        body = "\n" + self.indent + "    pass"
+        for full in lines:
+            last = full[full.rfind("\n") + 1:]
+            if last.rstrip().endswith(":"):
+                full += body
+            elif _BLOCK_KEYWORDS.match(last) and last.strip():
+                full += ":" + body
+            elif full == line:
+                continue
+            used += 1
+            if error_at(full + self.rest) is None:
+                return True, used
+        return False, used
 
 
 def unit_end(site: Site, s: str) -> int | None:
