@@ -241,7 +241,10 @@ class TextRules:
         close "(".
         """
         stack = list(self.open_brackets)
-        owed = self.suffix_closers
+        # Closers right of the cursor beyond the brackets open here close ones the suggestion opens.
+        owed = min(self.suffix_closers, len(stack))
+        # Bash's case patterns end with a `)` that has no opener.
+        lone_paren_ok = self.site is not None and self.site.spec.name == "bash"
         quote = None
         prev = ""
         for i, c in enumerate(s):
@@ -253,6 +256,8 @@ class TextRules:
             elif c in OPENERS:
                 stack.append(c)
             elif c in CLOSERS:
+                if not stack and c == ")" and lone_paren_ok:
+                    continue
                 if not stack:
                     return Cut(i, "unbalanced closing bracket")
                 if stack[-1] != CLOSERS[c]:

@@ -587,10 +587,11 @@ def check(site: Site, s: str) -> Verdict:
         opener or a terminator), has no error left on its lines and the next code line: the suggestion
         heads where the user goes."""
         closing = _closers(site, insert)
-        for ending in _endings(site.spec):
+        # As it is first (the lines below may close what it opens), then its brackets closed.
+        probes = dict.fromkeys([insert] + [insert + closing + ending for ending in _endings(site.spec)])
+        for probe in probes:
             if count >= MAX_PARSES:
                 return False
-            probe = insert + closing + ending
             end = near_end + len(encode(probe))
             if not any(a <= end and b >= line_start for a, b, _, _ in errors_with(probe)):
                 return True
