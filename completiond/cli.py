@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("completiond.commands.generate", "continue a prompt (the external losslessness check)"),
     "bench": ("completiond.commands.bench", "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path"),
     "bench-device": ("completiond.commands.bench_device", "accelerator figures: plain ms/token against the bandwidth bound, verify cost K=1..8, sampling (prepared for a lent GPU)"),
+    "bench-syntax": ("completiond.commands.bench_syntax", "what the syntax layer costs per request on a 5,000-line file (no model)"),
     "pull": ("completiond.commands.pull", "download a hub model (safetensors and tokenizer only) into the local cache"),
     "setup": ("completiond.commands.setup", "one-time preparation (compile the native CPU step) before the first completion"),
     "calibrate": ("completiond.commands.calibrate", "measure acceptance and speed per exit layer and K; store the best"),

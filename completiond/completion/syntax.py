@@ -37,9 +37,10 @@ from tree_sitter import Node, Parser, Point, Range, Tree
 
 from completiond.completion.languages import LanguageSpec, spec_of
 
-MAX_REGION_BYTES = 12000
+MAX_REGION_BYTES = 4000
 MAX_PARSES = 10
 MAX_LEAVES = 4000          # bracket scans around the cursor line stop after this many tokens
+MAX_SHIFTED_EDITS = 64     # edits a document's tree follows by the edit API alone before it is reparsed
 MAX_ERRORS = 64            # error nodes collected per parse (the rest cannot change a verdict much)
 
 _TOKEN = re.compile(r"\w+|\S")
@@ -60,6 +61,8 @@ def _point(text: str, offset: int) -> tuple[int, Point]:
     """(byte offset, tree-sitter point) of a character offset."""
     row = text.count("\n", 0, offset)
     ls = text.rfind("\n", 0, offset) + 1
+    if text.isascii():
+        return offset, Point(row, offset - ls)
     line_bytes = len(text[ls:offset].encode("utf-8", "surrogatepass"))
     before = len(text[:ls].encode("utf-8", "surrogatepass"))
     return before + line_bytes, Point(row, line_bytes)
@@ -87,6 +90,7 @@ class DocumentTree:
         self._tree: Tree | None = None    # parsed for self._parsed, then edited towards self._text
         self._text = text                 # the text the pending edits lead to
         self._clean = False               # self._tree is a parse of self._text
+        self._pending = 0                 # edits since the last parse
         self.parses = 0
 
     def edit(self, old_text: str, start: int, end: int, new: str, new_text: str | None = None) -> None:
@@ -105,10 +109,24 @@ class DocumentTree:
                 self._tree = None   # out of step with the text it was told about: the next parse starts over
             self._text = result
             self._clean = False
+            self._pending += 1
 
     def reset(self, text: str) -> None:
         with self._lock:
             self._tree, self._text, self._clean = None, text, False
+
+    def shifted(self, text: str) -> Tree | None:
+        """A tree for `text` without parsing: the last parse with the edits since applied (tree-sitter's edit
+        API moves its nodes), good for finding the construct around a cursor, not for its errors. None when
+        there is none for this text (never parsed, or out of step)."""
+        with self._lock:
+            if self._tree is None or self._pending > MAX_SHIFTED_EDITS or (text is not self._text and text != self._text):
+                return None
+            return self._tree
+
+    @property
+    def stale(self) -> bool:
+        return not self._clean
 
     def tree(self, text: str) -> Tree | None:
         """The tree of `text` (incremental when `text` is what the edits led to; else a fresh parse)."""
@@ -122,6 +140,7 @@ class DocumentTree:
                 self._tree = Parser(lang).parse(encode(text), self._tree) if self._tree is not None \
                     else Parser(lang).parse(encode(text))
                 self._clean = True
+                self._pending = 0
                 self.parses += 1
             return self._tree
 
@@ -134,9 +153,10 @@ class Site:
     """The region around a cursor and what the stop rules need to know about it."""
 
     spec: LanguageSpec
-    data: bytes                      # the document, UTF-8
-    cursor: int                      # byte offset of the cursor
-    ranges: tuple[tuple[int, int], ...]   # byte ranges parsed as the region (headers, the region, closers)
+    data: bytes                      # the region, UTF-8: the document, or in a long one the construct around the
+                                     # cursor with the headers and closers of those around it, put together
+    cursor: int                      # byte offset of the cursor in data
+    ranges: tuple[tuple[int, int], ...]   # unused (kept empty): data is the region's pieces put together
     tree: Tree                       # the region's parse without the suggestion
     errors: tuple[tuple[int, int, bool, str], ...]   # its error nodes: (start, end, missing, type)
     open_before: tuple[str, ...] = ()    # brackets still open at the start of the cursor line, outermost first
@@ -360,28 +380,34 @@ def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
 def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None,
             data: bytes | None = None) -> Site | None:
     """The Site around `offset`, or None when the language (a spec, or an LSP id or name) has no grammar
-    here. tree: the document's own (a DocumentTree's); parsed here when not given."""
+    here. tree: the document's own (DocumentTree.shifted or .tree), used to find the region in a long
+    document; the whole document is parsed here when it is long and none is given."""
     if isinstance(spec, str):
         spec = spec_of(spec)
     if spec is None or spec.language() is None:
         return None
     t0 = time.perf_counter()
     data = encode(text) if data is None else data
-    cursor = len(encode(text[:offset]))
+    cursor = offset if len(data) == len(text) else len(encode(text[:offset]))   # ASCII: bytes are characters
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
-    ranges: tuple[tuple[int, int], ...] | None = None
     if len(data) > MAX_REGION_BYTES:
         if tree is None:
             tree = Parser(spec.language()).parse(data)
         ranges = _region(spec, tree, data, cursor)
-    parser = _parser(spec, ranges, data)
+        if ranges is not None:
+            # The region's pieces put together: every parse from here on reads only them.
+            before = sum(min(b, cursor) - a for a, b in ranges if a < cursor)
+            data = b"".join(data[a:b] for a, b in ranges)
+            cursor = before
+    parser = _parser(spec, None, data)
     assert parser is not None
-    region_tree = parser.parse(data) if ranges is not None or tree is None else tree
-    bls, ble = cursor - len(encode(text[ls:offset])), cursor + len(encode(text[offset:le]))
+    region_tree = parser.parse(data)
+    bls = cursor - len(encode(text[ls:offset]))
+    ble = min(len(data), cursor + len(encode(text[offset:le])))
     open_before, closed_below = _brackets_around_line(spec, region_tree, data, bls, ble)
-    return Site(spec=spec, data=data, cursor=cursor, ranges=ranges or (), tree=region_tree,
+    return Site(spec=spec, data=data, cursor=cursor, ranges=(), tree=region_tree,
                 errors=tuple(errors_in(region_tree)), open_before=open_before, closed_below=closed_below,
                 line_prefix=text[ls:offset], line_suffix=text[offset:le],
                 node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0))
@@ -674,12 +700,10 @@ class _PythonGate:
 
     @classmethod
     def at(cls, site: Site) -> _PythonGate | None:
-        ranges = site.ranges or ((0, len(site.data)),)
-        before = b"".join(site.data[a:min(b, site.cursor)] for a, b in ranges if a < site.cursor)
-        after = b"".join(site.data[max(a, site.cursor):b] for a, b in ranges if b > site.cursor)
-        head, tail = before.decode("utf-8", "replace"), after.decode("utf-8", "replace")
-        if site.ranges and site.ranges[0][0] > 0 and head[:1] in " \t":
-            head = "if 1:\n" + head   # an indented region parses as a block's body
+        head = site.data[:site.cursor].decode("utf-8", "replace")
+        tail = site.data[site.cursor:].decode("utf-8", "replace")
+        if head[:1] in " \t":
+            head = "if 1:\n" + head   # an indented region (lines around the cursor) parses as a block's body
         nl = tail.find("\n")
         line_suffix, rest = (tail, "") if nl < 0 else (tail[:nl], tail[nl:])
         line = site.line_prefix + site.line_suffix
@@ -688,10 +712,16 @@ class _PythonGate:
         gate = cls(head, line_suffix, rest, indent, 1, site)
         if error_at(head + tail) is None:
             return gate
-        if site.open_before:
-            return None   # a continuation line cannot be set aside
-        gate.parses = 2
-        return gate if error_at(line_head + indent + "pass" + rest) is None else None
+        # The cursor line set aside: a statement in its place, a header when the next code line is deeper
+        # (the body below stays a body), nothing for a continuation line inside brackets.
+        nxt = next((ln for ln in rest.split("\n")[1:40] if ln.strip() and not ln.lstrip().startswith("#")), "")
+        deeper = len(nxt) - len(nxt.lstrip(" \t")) > len(indent)
+        stand_ins = [""] if site.open_before else [indent + ("if 1:" if deeper else "pass"), ""]
+        for stand_in in stand_ins:
+            gate.parses += 1
+            if error_at(line_head + stand_in + rest) is None:
+                return gate
+        return None
 
     def ok(self, t: str) -> tuple[bool, int]:
         """(the region parses with `t` inserted, or would with the brackets the user is inside closed and the

@@ -332,9 +332,13 @@ class Service:
         self.lifecycle.call_soon(self.lifecycle.mark_busy)
         context = self.docs.context(client, cfg, path, language, text, offset, completer.budgets(cfg),
                                     completer.token_counter())
+        # tree: the document's DocumentTree. A request uses it as the edits left it (shifted by tree-sitter's
+        # edit API, not reparsed: enough to find the construct around the cursor); it is reparsed, incrementally,
+        # once edits pile up (DocumentTree.shifted).
+        shifted = (tree.shifted(text) or tree.tree(text)) if tree is not None else None
         try:
             done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
-                           tree=tree.tree(text) if tree is not None else None)   # tree: the document's DocumentTree
+                           tree=shifted)
         except TeamServerError as exc:
             if remote and exc.kind != "config":
                 self.lifecycle.call_soon(self.lifecycle.remote_failed, str(exc))

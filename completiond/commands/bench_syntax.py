@@ -1,0 +1,99 @@
+"""`completiond bench-syntax FILE`: what the syntax layer costs per request on a long file (issue 44's budget).
+
+The file is repeated until it has at least --lines lines (5,000 by default) and opened as an editor's
+document: its tree is kept across edits (syntax.DocumentTree). Each request types one character somewhere
+in the file (tree-sitter's edit API), then does what a completion request does with syntax: find the
+construct around the cursor in the document's tree as the edits shifted it (reparsed incrementally once
+every syntax.MAX_SHIFTED_EDITS edits, inside the timing), parse that region (site: brackets, errors) and
+check a suggestion there (the rest of the line the cursor is in, as the file has it). Reported: p50 / p95 / max of that work per request,
+and of each part. No model runs; run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from completiond.completion.languages import spec_for
+from completiond.completion.syntax import DocumentTree, check, site_at
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", type=Path, help="a source file of a language with a grammar (repeated to --lines)")
+    parser.add_argument("--lines", type=int, default=5000, help="lines of the document (default 5000)")
+    parser.add_argument("--requests", type=int, default=300, help="requests timed (default 300)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def measure(text: str, language: str, requests: int, seed: int = 0) -> dict[str, Any]:
+    spec = spec_for(language)
+    if spec is None or spec.language() is None:
+        raise ValueError(f"no grammar for {language!r}")
+    keeper = DocumentTree(spec, text)
+    keeper.tree(text)   # the first parse happens once, when the document is opened
+    rng = random.Random(seed)
+    starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+    parts: dict[str, list[float]] = {"reparse": [], "site": [], "check": [], "total": []}
+    for _ in range(requests):
+        line = rng.randrange(len(starts) - 1)
+        s, e = starts[line], starts[line + 1] - 1
+        body = text[s:e]
+        if not body.strip():
+            continue
+        indent = len(body) - len(body.lstrip())
+        col = rng.randrange(indent, len(body))
+        offset = s + col
+        # The user types the character at the cursor again (the document changes, then changes back).
+        typed = text[:offset] + text[offset] + text[offset:]
+        t0 = time.perf_counter()
+        keeper.edit(text, offset, offset, text[offset], new_text=typed)
+        tree = keeper.shifted(typed) or keeper.tree(typed)   # as the daemon does
+        t1 = time.perf_counter()
+        site = site_at(typed, offset + 1, spec, tree)
+        t2 = time.perf_counter()
+        if site is not None:
+            check(site, body[col + 1:])
+        t3 = time.perf_counter()
+        keeper.edit(typed, offset, offset + 1, "", new_text=text)   # back to the file, untimed
+        for name, v in (("reparse", t1 - t0), ("site", t2 - t1), ("check", t3 - t2), ("total", t3 - t0)):
+            parts[name].append(1000 * v)
+    return {name: {"p50_ms": round(statistics.median(v), 3), "p95_ms": round(_pct(v, 0.95), 3),
+                   "max_ms": round(max(v), 3)} for name, v in parts.items() if v} | {
+        "requests": len(parts["total"]), "lines": text.count("\n"), "bytes": len(text.encode()), "language": spec.name}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        one = args.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"completiond bench-syntax: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    spec = spec_for(str(args.file))
+    if spec is None or not one.strip():
+        print(f"completiond bench-syntax: {args.file} is not a source file of a language with a grammar",
+              file=sys.stderr)
+        return 2
+    text = one if one.endswith("\n") else one + "\n"
+    while text.count("\n") < args.lines:
+        text += one if one.endswith("\n") else one + "\n"
+    result = measure(text, spec.name, args.requests, args.seed)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    print(f"{result['language']}: {result['lines']} lines, {result['bytes']} bytes, {result['requests']} requests")
+    for name in ("reparse", "site", "check", "total"):
+        r = result[name]
+        print(f"  {name:<8} p50 {r['p50_ms']:.2f} ms  p95 {r['p95_ms']:.2f} ms  max {r['max_ms']:.2f} ms")
+    return 0
