@@ -28,29 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+from completiond.commands.eval_positions import (  # noqa: F401  (re-exported: their old home)
+    CLOSING_RUN, Position, _position_in_line, _read, pick_positions, source_files)
 from completiond.completion.languages import language_of
 from completiond.config import Config
-
-CLOSING_RUN = set(")]}:;,'\"")
-
-
-@dataclass
-class Position:
-    path: str          # relative to DIR
-    text: str          # the document as the user sees it
-    offset: int        # cursor
-    target: str        # what the file really has at the cursor (one line at most)
-    kind: str          # eol | infix | midword
-
 
 @dataclass
 class Outcome:
@@ -113,96 +101,6 @@ def _context_modes(value: str) -> list[str]:
     if bad or not modes:
         raise argparse.ArgumentTypeError(f"--context takes {', '.join(CONTEXT_MODES)} (comma-separated), not {value!r}")
     return list(dict.fromkeys(modes))
-
-
-# -- positions -------------------------------------------------------------
-
-def source_files(root: Path, exts: Iterable[str] | None = None) -> list[Path]:
-    wanted = {e if e.startswith(".") else "." + e for e in exts} if exts else None
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in ("node_modules", "__pycache__"))
-        for name in sorted(filenames):
-            ext = os.path.splitext(name)[1].lower()
-            if (wanted is not None and ext in wanted) or (wanted is None and language_of(name) is not None):
-                out.append(Path(dirpath) / name)
-    return sorted(out)
-
-
-def _read(path: Path, max_bytes: int = 1 << 20) -> str | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    if len(data) > max_bytes or b"\x00" in data[:8192]:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def _is_word(c: str) -> bool:
-    return c.isalnum() or c == "_"
-
-
-def pick_positions(root: Path, count: int, seed: int = 0, per_file: int = 4, exts: Iterable[str] | None = None,
-                   midword_only: bool = False, files: list[Path] | None = None) -> list[Position]:
-    """Deterministic cursor positions: same directory contents and seed give the same list.
-
-    files: sample from these (under root) instead of every source file in root.
-    """
-    files = sorted(files) if files is not None else source_files(root, exts)
-    order = list(files)
-    random.Random(seed).shuffle(order)
-    out: list[Position] = []
-    for path in order:
-        if len(out) >= count:
-            break
-        text = _read(path)
-        if not text:
-            continue
-        rel = path.relative_to(root).as_posix()
-        rng = random.Random(f"{seed}:{rel}")
-        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
-        lines = []
-        for s in starts:
-            e = text.find("\n", s)
-            e = len(text) if e < 0 else e
-            body = text[s:e]
-            if 2 <= len(body.strip()) <= 200:
-                lines.append((s, e))
-        rng.shuffle(lines)
-        taken = 0
-        for s, e in lines:
-            if taken >= per_file or len(out) >= count:
-                break
-            pos = _position_in_line(rel, text, s, e, rng, midword_only)
-            if pos is not None:
-                out.append(pos)
-                taken += 1
-    return out
-
-
-def _position_in_line(rel: str, text: str, s: int, e: int, rng: random.Random, midword_only: bool) -> Position | None:
-    line = text[s:e]
-    indent = len(line) - len(line.lstrip(" \t"))
-    body_end = len(line.rstrip())
-    if midword_only:
-        cols = [c for c in range(indent + 1, body_end) if _is_word(line[c - 1]) and _is_word(line[c])]
-        if not cols:
-            return None
-        c = rng.choice(cols)
-        return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "midword")
-    run = body_end
-    while run > indent and line[run - 1] in CLOSING_RUN:
-        run -= 1
-    if run < body_end and run - indent >= 3 and rng.random() < 0.4:
-        c = rng.randrange(indent, run)
-        # Keep the closing run right of the cursor, remove the middle.
-        return Position(rel, text[:s + c] + text[s + run:], s + c, line[c:run], "infix")
-    c = rng.randrange(indent, body_end)
-    return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "eol")
 
 
 # -- metrics ---------------------------------------------------------------
@@ -298,16 +196,44 @@ def suffix_collision(pos: Position, suggestion: str) -> bool:
 
 
 def parse_check(pos: Position, suggestion: str) -> bool | None:
-    """Whether the Python file still parses with the suggestion inserted at the cursor; None where the
-    check does not apply (not Python, no suggestion, or the file does not parse with its true text)."""
+    """Whether the file still parses with the suggestion inserted at the cursor (Python by `ast`, other
+    languages by their tree-sitter grammar); None where the check does not apply (no grammar, no suggestion,
+    or the file does not parse with its true text)."""
+    from completiond.completion.languages import spec_for
     from completiond.completion.syntax import parses
 
-    if not pos.path.endswith(".py") or not suggestion:
+    spec = spec_for(pos.path)
+    if spec is None or not suggestion:
         return None
     head, tail = pos.text[:pos.offset], pos.text[pos.offset:]
-    if not parses(head + pos.target + tail):
+    if not parses(head + pos.target + tail, spec):
         return None
-    return parses(head + suggestion + tail)
+    return parses(head + suggestion + tail, spec)
+
+
+def by_language(done: list[Outcome]) -> dict[str, dict[str, Any]]:
+    """Per language: positions, exact match, empty rate, and how often a shown suggestion breaks a file that
+    parsed (the other-languages target of issue 44)."""
+    from completiond.completion.languages import spec_for
+
+    groups: dict[str, list[Outcome]] = {}
+    for o in done:
+        spec = spec_for(o.position.path)
+        groups.setdefault(spec.name if spec is not None else "other", []).append(o)
+    out = {}
+    for lang, os_ in sorted(groups.items()):
+        checks = [c for c in (parse_check(o.position, o.suggestion) for o in os_) if c is not None]
+        n = len(os_)
+        out[lang] = {
+            "positions": n,
+            "next_line_exact_match": sum(first_line(o.suggestion).rstrip() == o.position.target.rstrip()
+                                         for o in os_) / n,
+            "empty_rate": sum(not o.suggestion for o in os_) / n,
+            "shown_parse_checked": len(checks),
+            "shown_breaking_a_parsing_file": (len(checks) - sum(checks)) / len(checks) if checks else 0.0,
+            "withheld": sum(o.stats.get("syntax_check") == "dropped" for o in os_),
+        }
+    return out
 
 
 def validity(done: list[Outcome]) -> dict[str, Any]:
@@ -375,6 +301,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "context_holds_line_rate": sum(bool(o.stats.get("context_holds_line")) for o in done) / n if n else 0.0,
         "by_kind": {k: sum(o.position.kind == k for o in done) for k in sorted({o.position.kind for o in done})},
         **validity(done),
+        "by_language": by_language(done),
     }
 
 

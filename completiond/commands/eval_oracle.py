@@ -28,7 +28,7 @@ from typing import Any
 
 from tree_sitter import Parser
 
-from completiond.commands.eval import Position, pick_positions
+from completiond.commands.eval_positions import Position, pick_positions
 from completiond.completion.languages import spec_for
 from completiond.completion.stops import TextRules, document_site, postprocess
 from completiond.completion.syntax import encode, parses
