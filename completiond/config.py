@@ -180,9 +180,10 @@ class Config:
             "One line at most.",
         ))
     max_lines: int = setting(8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general")
-    syntax_check: bool = setting(True, "Python: show only what keeps the code around the cursor parsing (the longest part of "
-        "a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse "
-        "without the suggestion either is left to the user.", group="general")
+    syntax_check: bool = setting(True, "Every language with a grammar (Python, JavaScript, TypeScript, Go, Rust, Java, C, "
+        "C++, C#, Bash): show only what adds no syntax error around the cursor (the longest part of a suggestion that "
+        "does, or nothing). A header without its body yet, a bracket you are still inside and a brace the suggestion "
+        "opens pass.", group="general")
     disabled_languages: str = setting("markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
         "Comma-separated language ids (as editors name them: markdown, plaintext, text, gitcommit...) whose "
         "documents get no suggestions from the server, whatever the client. Prose and commit messages are off "

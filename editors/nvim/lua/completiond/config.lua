@@ -89,7 +89,7 @@ M.defaults = {
     multiline = "auto",
     -- Most lines in a multi-line suggestion. (integer; range 1..200)
     maxLines = 8,
-    -- Python: show only what keeps the code around the cursor parsing (the longest part of a suggestion that does; nothing where the suggestion would break code that parses). Code that does not parse without the suggestion either is left to the user. (boolean)
+    -- Every language with a grammar (Python, JavaScript, TypeScript, Go, Rust, Java, C, C++, C#, Bash): show only what adds no syntax error around the cursor (the longest part of a suggestion that does, or nothing). A header without its body yet, a bracket you are still inside and a brace the suggestion opens pass. (boolean)
     syntaxCheck = true,
     -- Comma-separated language ids (as editors name them: markdown, plaintext, text, gitcommit...) whose documents get no suggestions from the server, whatever the client. Prose and commit messages are off by default; remove one to turn it on (VS Code and Neovim also keep their own list: completiond.editor.disabledLanguages, `filetypes`). (string)
     disabledLanguages = "markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
