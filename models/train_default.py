@@ -994,7 +994,9 @@ def export(a: argparse.Namespace, log=print) -> int:
         return 3
     prev_meta = json.loads((out / "completiond.json").read_text()) if (out / "completiond.json").is_file() else {}
     spec = dict(prev_meta.get("speculation") or {"speculative": True, "exit_layer": 4, "draft_k": 2, "threshold": 0.0})
-    spec["draft"] = "early_exit"  # the trained drafts are removed with the old weights (save_model)
+    # the trained drafts are removed with the old weights (save_model): no draft named, the record's
+    # default (early exit) applies
+    spec.pop("draft", None)
     # the draft head's vocabulary: the most frequent ids of the training stream (exact: q is
     # zero elsewhere); measured figures belong to the weights they were measured on
     counts = np.bincount(np.asarray(data.streams["train"]), minlength=tok.get_vocab_size())

@@ -415,3 +415,56 @@ def test_every_backend_has_its_completer():
     from completiond.completion.completer import Backend
 
     assert set(config_mod.SETTINGS_BY_KEY["backend"].enum or ()) == {b.value for b in Backend}
+
+
+# --- drafts behind one interface (issue 46): kinds are named in the registry only --------------------------------------
+
+KIND_NAMES = {"early_exit", "adapter", "draft_model", "medusa"}
+
+
+def kind_literals(path: Path) -> list[int]:
+    """Lines of path where a string constant names a model draft kind; a subscript, dict key or .get() key is
+    a data label (a metric named after the adapter), a `/` operand a path part: those do not count."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    labels = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            labels.add(id(node.slice))
+        elif isinstance(node, ast.Dict):
+            labels.update(id(k) for k in node.keys if k is not None)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            labels.update((id(node.left), id(node.right)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and node.args:
+            labels.add(id(node.args[0]))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in KIND_NAMES
+            and id(node) not in labels]
+
+
+def test_draft_kinds_are_named_only_in_the_registry():
+    """Every draft kind is a DraftKind member (engine/draft_kind.py); a string naming one is parsed there,
+    never compared elsewhere."""
+    found = {m: lines for m, p in modules().items() if m != "completiond.engine.draft_kind"
+             and (lines := kind_literals(p))}
+    assert not found, found
+
+
+def test_kind_checker_sees_a_literal(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('if kind == "medusa":\n    pass\nscores = {"adapter": 1}\nx = scores["adapter"]\n'
+                   'y = scores.get("adapter")\nSamplingParams(draft="early_exit")\n')
+    assert kind_literals(bad) == [1, 6]
+
+
+def test_the_decode_loop_never_names_a_kind():
+    """engine.py and decode.py reach every draft through speculators.py: neither names DraftKind."""
+    for name in ("engine.py", "decode.py"):
+        text = (ROOT / "completiond" / "engine" / name).read_text(encoding="utf-8")
+        assert "DraftKind" not in text, name
+
+
+@pytest.mark.torch_free
+def test_the_load_plan_is_torch_free():
+    probe = "import sys, completiond.engine.load_plan, completiond.engine.draft_kind; assert 'torch' not in sys.modules"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -393,7 +393,7 @@ def resident(engine):
         yield engine
     finally:
         engine.resident_ids = False
-        engine._pending_dev = None
+        engine.pending_dev = None
 
 
 @pytest.mark.parametrize("on_device", [False, True], ids=["read-per-token", "resident"])
@@ -404,7 +404,7 @@ def test_sampled_speculation_matches_target_distribution(engine, on_device):
         _sampled_matches_target(engine)
     finally:
         engine.resident_ids = False
-        engine._pending_dev = None
+        engine.pending_dev = None
 
 
 def _sampled_matches_target(engine):

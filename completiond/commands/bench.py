@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from completiond.config import SETTINGS_BY_KEY
+from completiond.engine.draft_kind import DraftKind
 from completiond.errors import CompletionError
 
 WEIGHTS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
@@ -372,9 +373,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     # the early-exit rows are early exit whatever draft the calibration chose (the other drafts get rows below)
     spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False,
-                            draft="early_exit")
+                            draft=DraftKind.EARLY_EXIT)
     lookup_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True,
-                              draft="early_exit")
+                              draft=DraftKind.EARLY_EXIT)
     # transformers' own self-speculation with our E, K and threshold (a constant K, as ours at most drafts K)
     hf_ee = {"assistant_early_exit": E, "num_assistant_tokens": K, "num_assistant_tokens_schedule": "constant",
              "assistant_confidence_threshold": threshold}
@@ -419,22 +420,21 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     # prompt lookup: label and method per name.
     # prompt lookup with no model draft behind it: a plain step where the n-gram index finds nothing
     methods["spec_lookup_alone"] = ours(SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_lookup=True,
-                                                       draft="none"))
+                                                       draft=DraftKind.NONE))
     labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}",
               "spec_lookup_alone": "prompt lookup alone, else a plain step"}
-    extra = []
+    extra: list[tuple[DraftKind, str]] = []
     if engine.exit_adapter is not None:
-        extra.append(("adapter", f"exit adapter E={engine.exit_adapter.exit_layer} K<={K}"))
+        extra.append((DraftKind.ADAPTER, f"exit adapter E={engine.exit_adapter.exit_layer} K<={K}"))
     if engine.medusa is not None:
-        extra.append(("medusa", f"{engine.medusa.num_heads} Medusa heads, {len(engine.medusa.tree) + 1}-node tree"))
+        extra.append((DraftKind.MEDUSA, f"{engine.medusa.num_heads} Medusa heads, {len(engine.medusa.tree) + 1}-node tree"))
     if engine.draft_model is not None:
-        extra.append(("draft_model", f"draft model {engine.draft_model.name} K<={K}"))
+        extra.append((DraftKind.DRAFT_MODEL, f"draft model {engine.draft_model.name} K<={K}"))
     for kind, label in extra:
         for lk in (False, True):
-            name = f"spec_{kind}" + ("_lookup" if lk else "")
-            methods[name] = ours(SamplingParams(max_tokens=max_tokens, exit_layer=E if kind == "early_exit" else None,
-                                                draft_k=K, ignore_eos=True, prompt_lookup=lk, draft=kind))
-            labels[name] = ("prompt lookup + " if lk and kind == "medusa" else "prompt lookup, else " if lk else "") + label
+            name = f"spec_{kind.value}" + ("_lookup" if lk else "")
+            methods[name] = ours(SamplingParams(max_tokens=max_tokens, draft_k=K, ignore_eos=True, prompt_lookup=lk, draft=kind))
+            labels[name] = ("prompt lookup + " if lk and kind is DraftKind.MEDUSA else "prompt lookup, else " if lk else "") + label
     if not skip_hf:
         methods.update(hf=hf(None), hf_early_exit=hf(hf_ee))
     names = list(methods)

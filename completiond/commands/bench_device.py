@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from completiond.config import SETTINGS_BY_KEY
+from completiond.engine.draft_kind import DraftKind
 from completiond.errors import CompletionError
 
 # Randomly initialised stand-ins for real models: the shapes (and so the bytes and FLOPs a step
@@ -323,7 +324,7 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     bound_ms = 1000 * wbytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
     cal = engine.calibration
     spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=cal.exit_layer, draft_k=cal.draft_k, ignore_eos=True,
-                            prompt_lookup=False, draft="early_exit")
+                            prompt_lookup=False, draft=DraftKind.EARLY_EXIT)
     _decode_ms_per_token(engine, prompts[:1], spec_p, 1)
     plain_ms, plain_out = _decode_ms_per_token(engine, prompts, plain_p, repeats)
     spec_ms, spec_out = _decode_ms_per_token(engine, prompts, spec_p, repeats)
@@ -355,10 +356,10 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
             f"÷ a plain step, by K: {out['matmul_arithmetic_vs_plain_by_k']}")
     if sampling:
         sampled = {}
-        for name, spec in (("plain", False), ("early_exit", True)):
+        for name, spec in (("plain", False), (DraftKind.EARLY_EXIT.value, True)):
             p = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, speculative=spec, ignore_eos=True,
                                exit_layer=cal.exit_layer if spec else None, draft_k=cal.draft_k if spec else None,
-                               prompt_lookup=False, draft="early_exit" if spec else None)
+                               prompt_lookup=False, draft=DraftKind.EARLY_EXIT if spec else None)
             try:
                 ms, outs = _decode_ms_per_token(engine, prompts[:2], p, 1)
                 sampled[name] = {"ms_per_token": round(ms, 4), "tokens": sum(len(o) for o in outs)}
@@ -679,7 +680,7 @@ def _print_table(r: dict) -> None:
         if "error" in m:
             print(f"| {m['model']} | {m.get('weights', '')} | not measured: {m['error']} | | | | | | | | | |")
             continue
-        ee = m["early_exit"]
+        ee = m[DraftKind.EARLY_EXIT.value]
         vc = ", ".join(str(v) for v in m.get("native_verify_cost_by_k", m["verify_cost_by_k"]).values())
         floor = ", ".join(str(v) for v in m.get("matmul_arithmetic_vs_plain_by_k", {}).values())
         smp = "; ".join(f"{k}: {v.get('ms_per_token', v.get('error'))}" for k, v in m.get("sampling_t0.8", {}).items())

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from completiond.config import SETTINGS_BY_KEY
+from completiond.engine.draft_kind import DraftKind
 from completiond.engine.calibration import Calibration
 
 from completiond.engine.autocalibrate import MIN_GAIN, calibration_steps, candidate_layers, frequent_ids, run_to_end
@@ -50,14 +51,14 @@ def calibrate(engine, prompts: list[list[int]], max_tokens: int, exit_layers: li
     return run_to_end(calibration_steps(engine, prompts, max_tokens, exit_layers, draft_ks, log, ranked_ids, repeats))
 
 
-METHODS = {"early_exit": "early exit", "adapter": "exit adapter", "draft_model": "draft model", "medusa": "Medusa tree",
-           "none": "plain step"}
+METHODS = {DraftKind.EARLY_EXIT: "early exit", DraftKind.ADAPTER: "exit adapter", DraftKind.DRAFT_MODEL: "draft model",
+           DraftKind.MEDUSA: "Medusa tree", DraftKind.NONE: "plain step"}
 
 
 def method_name(row: dict) -> str:
-    if row.get("draft") == "none":
+    if row.get("draft") == DraftKind.NONE:
         return "lookup alone" if row.get("prompt_lookup") else "plain"
-    name = METHODS.get(row.get("draft", "early_exit"), row.get("draft", "?"))
+    name = METHODS.get(row.get("draft", DraftKind.EARLY_EXIT), row.get("draft", "?"))
     return ("lookup + " if row.get("prompt_lookup") else "") + name
 
 
@@ -81,7 +82,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
     series: dict[str, list[dict]] = {}
     for r in rows:
-        label = method_name(r) + (f" E={r['exit_layer']}" if r.get("draft") in ("early_exit", "adapter") else "")
+        label = method_name(r) + (f" E={r['exit_layer']}" if r.get("draft") in (DraftKind.EARLY_EXIT, DraftKind.ADAPTER) else "")
         label += f", vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""
         series.setdefault(label, []).append(r)
     fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Generator
 
 from completiond.engine.calibration import Calibration, save_calibration
+from completiond.engine.speculators import REGISTRY, DraftKind
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     plain_runs: list[float] = []
 
     def candidate(e: int, k: int, vocab: list[int], lookup: bool = False,
-                  draft: str = "early_exit") -> Generator[str, None, dict]:
+                  draft: DraftKind = DraftKind.EARLY_EXIT) -> Generator[str, None, dict]:
         params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
                                 prompt_lookup=lookup, draft=draft)
         speedups, secs_runs = [], []
@@ -111,8 +112,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
                "tokens_per_s": n_tokens / statistics.median(secs_runs),
                # one draft step relative to one verify pass: what choose_k weighs K against
                "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
-        log({"early_exit": "", "adapter": "adapter ", "draft_model": "draft model ", "medusa": "Medusa tree ",
-             "none": "no model draft "}[draft] + f"E={e:2d} K={k}"
+        log(REGISTRY[draft].tag + f"E={e:2d} K={k}"
             + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
               f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
@@ -130,22 +130,22 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
             rows.append((yield from candidate(e, k, [])))
     # The other model drafts, where the engine has them: the exit adapter (at its own exit layer) and a
     # separate draft model, over the same K.
-    if getattr(engine, "exit_adapter", None) is not None:
+    if REGISTRY[DraftKind.ADAPTER].available(engine):
         for k in draft_ks:
-            rows.append((yield from candidate(engine.exit_adapter.exit_layer, k, [], draft="adapter")))
-    if getattr(engine, "draft_model", None) is not None:
+            rows.append((yield from candidate(engine.exit_adapter.exit_layer, k, [], draft=DraftKind.ADAPTER)))
+    if REGISTRY[DraftKind.DRAFT_MODEL].available(engine):
         for k in draft_ks:
-            rows.append((yield from candidate(exit_layers[0], k, [], draft="draft_model")))
-    if getattr(engine, "medusa", None) is not None:
+            rows.append((yield from candidate(exit_layers[0], k, [], draft=DraftKind.DRAFT_MODEL)))
+    if REGISTRY[DraftKind.MEDUSA].available(engine):
         # one tree (its depth is the number of heads); greedy requests only, which is what is timed here
-        rows.append((yield from candidate(exit_layers[0], engine.medusa.num_heads, [], draft="medusa")))
+        rows.append((yield from candidate(exit_layers[0], engine.medusa.num_heads, [], draft=DraftKind.MEDUSA)))
     best = max(rows, key=lambda r: r["speedup"])
     # Then a draft head over only the most frequent ids, at the best E and K.
     vocab: list[int] = []
     for size in (engine.vocab_size // 8, engine.vocab_size // 4, engine.vocab_size // 2):
         if not ranked_ids or size < 256 or size > len(ranked_ids):
             continue
-        if best["draft"] == "draft_model":
+        if best["draft"] is DraftKind.DRAFT_MODEL:
             break  # the draft vocabulary is the early-exit head's: a draft model has its own
         rows.append((yield from candidate(best["exit_layer"], best["draft_k"], ranked_ids[:size], draft=best["draft"])))
         if rows[-1]["speedup"] > best["speedup"]:
@@ -158,7 +158,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
         best = rows[-1]
     alone_rows = []
     for k in draft_ks:  # alone, K is lookup's own
-        alone_rows.append((yield from candidate(best["exit_layer"], k, [], lookup=True, draft="none")))
+        alone_rows.append((yield from candidate(best["exit_layer"], k, [], lookup=True, draft=DraftKind.NONE)))
     rows += alone_rows
     best_alone = max(alone_rows, key=lambda r: r["speedup"])
     alone = best_alone["speedup"] > best["speedup"]
@@ -176,7 +176,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     # record that is off keeps lookup off too, as it was measured.
     cal = Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
                       source="calibrate", measured=measured, draft_vocab=list(vocab),
-                      prompt_lookup=on and (lookup or alone), draft="early_exit" if alone else best["draft"])
+                      prompt_lookup=on and (lookup or alone), draft=DraftKind.EARLY_EXIT if alone else best["draft"])
     return cal, rows
 
 

@@ -13,12 +13,12 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from completiond.engine.draft_kind import MODEL_DRAFTS, DraftKind
 from completiond.engine.model_info import ModelInfo
 from completiond.fileio import read_file, user_cache_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
-DRAFTS = ("early_exit", "adapter", "draft_model", "medusa")
 RECORD_LIMIT = 1 << 20  # a record is a few hundred bytes
 
 
@@ -34,9 +34,9 @@ class Calibration:
     draft_vocab: list = field(default_factory=list)
     # Prompt-lookup (n-gram) drafts before the early-exit draft.
     prompt_lookup: bool = False
-    # The model draft: "early_exit" (layers [0, E) + head), "adapter" (through the trained exit adapter)
-    # "draft_model" (the separate draft model, when one is configured) or "medusa" (Medusa heads, greedy).
-    draft: str = "early_exit"
+    # The model draft (draft_kind.MODEL_DRAFTS): early exit (layers [0, E) + head), through the trained exit
+    # adapter, the separate draft model (when one is configured) or Medusa heads (greedy).
+    draft: DraftKind = DraftKind.EARLY_EXIT
 
     @classmethod
     def heuristic(cls, num_layers: int) -> "Calibration":
@@ -55,13 +55,19 @@ class Calibration:
             measured=dict(data.get("measured", {})),
             draft_vocab=[int(t) for t in data.get("draft_vocab", [])],
             prompt_lookup=bool(data.get("prompt_lookup", False)),
-            draft=str(data.get("draft", "early_exit")),
+            draft=_model_draft(data.get("draft", DraftKind.EARLY_EXIT)),
         )
-        if cal.draft not in DRAFTS:
-            raise ValueError(f"unknown draft {cal.draft!r} (known: {', '.join(DRAFTS)})")
         if not 1 <= cal.exit_layer < num_layers or not 1 <= cal.draft_k <= 32 or not 0 <= cal.threshold <= 1:
             raise ValueError(f"calibration out of range for a {num_layers}-layer model: {data}")
         return cal
+
+
+def _model_draft(value: object) -> DraftKind:
+    """A record's draft, parsed (ValueError for a name that is no model draft: the record is ignored)."""
+    kind = next((k for k in MODEL_DRAFTS if k.value == value), None)
+    if kind is None:
+        raise ValueError(f"unknown draft {value!r} (known: {', '.join(k.value for k in MODEL_DRAFTS)})")
+    return kind
 
 
 def cache_dir() -> Path:

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from completiond.engine import sampling
+from completiond.engine.draft_kind import DraftKind
 from completiond.engine.lookup import OutputHistory, lookup_for
 
 # Most tokens a lookup proposes: free to draft, so bounded only by what a wider verify pass costs.
 LOOKUP_K = 6
 
 if TYPE_CHECKING:
-    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
+    from completiond.engine.runner import Runner
 
 
 def first_usable(paths, load: Callable, error: type[Exception], what: str, log):
@@ -48,9 +49,14 @@ class Proposal:
     # the verifier starts from the embeddings (a lookup proposal; with no tokens, nothing drafted at all)
     exit_states: torch.Tensor | None
     exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
-    kind: str = "early_exit"   # "early_exit" | "adapter" | "lookup" | "none" (for stats)
+    kind: DraftKind = DraftKind.EARLY_EXIT  # who proposed it (for stats)
     token_ids: torch.Tensor | None = None  # [k] the same ids on the device, where the draft made them there
     from_history: bool = False  # a lookup proposal found in the output history (for stats)
+
+    @property
+    def from_lookup(self) -> bool:
+        """Whether prompt lookup proposed it (stats count those rounds apart)."""
+        return self.kind is DraftKind.LOOKUP
 
 
 class Draft(Protocol):
@@ -69,7 +75,7 @@ class Draft(Protocol):
 class EarlyExitDraft:
     """Layers [0, E) + final norm + the shared LM head of the target model itself."""
 
-    kind = "early_exit"
+    kind = DraftKind.EARLY_EXIT
     tap_layer: int | None = None
 
     def __init__(self, engine: "Runner", exit_layer: int):
@@ -219,7 +225,7 @@ class LookupDraft:
                 probs = torch.zeros(len(tokens), eng.vocab_size, device=eng.device)
                 probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
             # no states: the verifier embeds these tokens itself, or runs embed to argmax in one native call
-            return Proposal(tokens, probs, masks, None, exit_layer=0, kind="lookup", from_history=from_history)
+            return Proposal(tokens, probs, masks, None, exit_layer=0, kind=DraftKind.LOOKUP, from_history=from_history)
         if self.fallback is not None:
             return self.fallback.propose(seq, pending, generated, k_max, threshold, warp, rng, constraint, limit)
-        return Proposal([], None, [], None, exit_layer=0, kind="none")  # the engine takes a plain step
+        return Proposal([], None, [], None, exit_layer=0, kind=DraftKind.NONE)  # the engine takes a plain step

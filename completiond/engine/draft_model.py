@@ -21,10 +21,11 @@ import torch
 
 from completiond.engine import sampling
 from completiond.engine.draft import Proposal
+from completiond.engine.draft_kind import DraftKind
 
 if TYPE_CHECKING:
-    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
+    from completiond.engine.runner import Runner
 
 CATCH_UP_CHUNK = 256
 
@@ -48,7 +49,7 @@ def tokenizer_mismatch(target, draft) -> str | None:
 
 
 class DraftModelDraft:
-    kind = "draft_model"
+    kind = DraftKind.DRAFT_MODEL
     exit_layer = 0
     tap_layer = None
 

@@ -29,12 +29,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from completiond.engine.draft import EarlyExitDraft, first_usable
+from completiond.engine.draft_kind import DraftKind
 from completiond.fileio import user_cache_dir
-from completiond.models.exit_adapter import ADAPTER_FILE, AdapterFileError, build_layer, read_adapter
+from completiond.models.exit_adapter import (
+    ADAPTER_FILE,
+    AdapterFileError,
+    build_layer,
+    read_adapter,
+)
 
 if TYPE_CHECKING:
-    from completiond.engine.runner import Runner
     from completiond.engine.kvcache import KVSequence
+    from completiond.engine.runner import Runner
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +88,7 @@ def find_and_attach(engine: "Runner", model_dir: Path | None) -> ExitAdapter | N
 class AdapterDraft(EarlyExitDraft):
     """Early exit at E through the trained adapter layer."""
 
-    kind = "adapter"
+    kind = DraftKind.ADAPTER
 
     def __init__(self, engine: "Runner", adapter: ExitAdapter):
         super().__init__(engine, adapter.exit_layer)

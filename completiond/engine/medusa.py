@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from completiond.engine.draft import first_usable
+from completiond.engine.draft_kind import DraftKind
 from completiond.fileio import user_cache_dir
 from completiond.models.medusa import MEDUSA_FILE, MedusaFileError, read_heads
 
@@ -153,7 +154,7 @@ class TreeDecoder:
     The heads need the final state of the token before pending; the first round has none yet,
     so it is a plain step that keeps its state."""
 
-    kind = "medusa"
+    kind = DraftKind.MEDUSA
 
     def __init__(self, engine: "Runner", medusa: Medusa, lookup: bool, width: int = 2, history=None):
         self.engine = engine

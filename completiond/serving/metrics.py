@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from completiond.engine.draft_kind import DraftKind
 from completiond.serving.scheduler import CANCELLED, OK, Outcome
 
 COUNTERS = ("requests", "completed", "empty", "superseded", "cancelled", "errors", "rejected", "expired",
@@ -98,7 +99,7 @@ def _last_draft(stats: dict[str, Any]) -> str | None:
     """What the request's rounds drafted with: the model draft, prompt lookup, both, or None (no drafting)."""
     parts = []
     if (stats.get("drafted", 0) or 0) > (stats.get("lookup_drafted", 0) or 0):
-        parts.append(str(stats.get("draft") or "early_exit"))
+        parts.append(str(stats.get("draft") or DraftKind.EARLY_EXIT.value))
     if stats.get("lookup_drafted"):
         parts.append("prompt_lookup")
     if stats.get("history_rounds"):
