@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "settings": ("completiond.commands.settings", "print the settings in effect and where each comes from (--schema: as JSON)"),
     "train-adapter": ("completiond.commands.train_adapter", "train a model's exit adapter (a draft that reads a shallow layer well)"),
     "train-medusa": ("completiond.commands.train_medusa", "train Medusa heads for a model (token-tree drafts, greedy)"),
-    "train-default": ("completiond.models.train_default", "retrain the bundled default model"),
+    "train-default": ("completiond.models.training.train_default", "retrain the bundled default model"),
     "train-context": ("completiond.commands.train_context", "continue a model's training on prompts with repository context (the bundled model's last stage)"),
     "stress": ("completiond.commands.stress", "fuzz and load drivers for the daemon and the LSP server (development)"),
 }

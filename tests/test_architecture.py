@@ -468,3 +468,14 @@ def test_the_load_plan_is_torch_free():
     probe = "import sys, completiond.engine.load_plan, completiond.engine.draft_kind; assert 'torch' not in sys.modules"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_engine_never_imports_the_training_code():
+    """models/training/ (data, tokenizer, recipe, model card) is for the training commands only: nothing the
+    daemon or the editor runs imports it."""
+    known = modules()
+    runtime = ("completiond.engine", "completiond.completion", "completiond.serving", "completiond.lsp",
+               "completiond.backends")
+    wrong = [f"{m} imports {t}" for m, p in known.items() if m.startswith(runtime)
+             for t in imports(m, p, type_checking=True, known=known) if t.startswith("completiond.models.training")]
+    assert not wrong, wrong

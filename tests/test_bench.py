@@ -285,7 +285,7 @@ def test_model_card_takes_the_measured_draft_costs_of_a_bench_run(tmp_path):
     import shutil
 
     from completiond.models import default_model_dir
-    from completiond.models.model_card import main
+    from completiond.models.training.model_card import main
 
     model = tmp_path / "model"
     shutil.copytree(default_model_dir(), model)

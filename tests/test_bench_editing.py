@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from completiond.models.data_prep import normalise, read_package_list
+from completiond.models.training.data_prep import normalise, read_package_list
 
 from completiond.commands.bench_editing import (
     EVENTS,

@@ -83,7 +83,7 @@ def test_heldout_loss_far_below_uniform(model, tok):
     import torch
     import torch.nn.functional as F
 
-    from completiond.models.train_default import heldout_windows
+    from completiond.models.training.train_default import heldout_windows
 
     x, y = heldout_windows(tok, corpus.heldout_files()[:30], 256, count=6)
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_early_exits_are_trained(model, tok):
     import torch
     import torch.nn.functional as F
 
-    from completiond.models.train_default import forward_all_exits, heldout_windows
+    from completiond.models.training.train_default import forward_all_exits, heldout_windows
 
     x, y = heldout_windows(tok, corpus.heldout_files()[:30], 256, count=4)
     with torch.no_grad():
@@ -140,7 +140,7 @@ def test_fim_function_body_stops_at_end_token(model, tok, order):
     """A function with its body removed: the FIM prompt yields a body that ends with <|endoftext|>."""
     import torch
 
-    from completiond.models.model_card import encode_fim
+    from completiond.models.training.model_card import encode_fim
 
     ids = encode_fim(tok, FUNC_PREFIX, FUNC_SUFFIX, order)
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
@@ -157,7 +157,7 @@ def test_fim_function_body_stops_at_end_token(model, tok, order):
 
 def test_fim_heldout_functions_mostly_stop(model, tok):
     """Held-out functions with the body removed: most SPM completions end with <|endoftext|>."""
-    from completiond.models.model_card import encode_fim, greedy, small_functions
+    from completiond.models.training.model_card import encode_fim, greedy, small_functions
 
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     funcs = small_functions(corpus.heldout_files(), limit=8)

@@ -111,7 +111,7 @@ def test_gitignore_keeps_checkpoints_out():
 
 
 def test_training_needs_a_run_directory_the_user_names(capsys):
-    from completiond.models.train_default import main
+    from completiond.models.training.train_default import main
 
     assert main(["--max-steps", "1"]) == 2
     err = capsys.readouterr().err
@@ -120,7 +120,7 @@ def test_training_needs_a_run_directory_the_user_names(capsys):
 
 @needs_git
 def test_training_refuses_a_run_directory_inside_the_checkout(capsys, tmp_path):
-    from completiond.models.train_default import checkout_root, main, run_dir_problem
+    from completiond.models.training.train_default import checkout_root, main, run_dir_problem
 
     assert checkout_root() == ROOT
     inside = ROOT / "runs" / "h7-never-created"

@@ -246,8 +246,8 @@ DANGEROUS_MODULES = {"pickle", "marshal", "dill", "shelve", "jinja2", "cloudpick
 ALLOWED: dict[tuple[str, str], str] = {
     # The training command resumes from its own checkpoint, written by itself into the user's run
     # directory (never a downloaded file); it holds numpy RNG state, which weights_only refuses.
-    ("models/train_default.py", "torch.load()"): "own training checkpoint",
-    ("models/train_default.py", "weights_only=False"): "own training checkpoint",
+    ("models/training/train_default.py", "torch.load()"): "own training checkpoint",
+    ("models/training/train_default.py", "weights_only=False"): "own training checkpoint",
     # train-context's own checkpoint, in the user's run directory; plain containers only, read with
     # weights_only=True (no code is unpickled)
     ("completiond/commands/train_context.py", "torch.load()"): "own checkpoint, weights_only=True",

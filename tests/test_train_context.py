@@ -135,7 +135,7 @@ def test_train_then_export_offline(archives, tmp_path):
     assert tc.main(["--run-dir", str(run), "--export", "--out", str(out)]) == 0
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["context_stage"]["steps"] == 2
-    from completiond.models import model_card
+    from completiond.models.training import model_card
     card = model_card._context_stage_md(summary)
     assert "Repository context" in card and "2 steps" in card and "retrieval 50%" in card
     assert model_card._context_stage_md(json.loads((default_model_dir() / "training_summary.json").read_text())) == ""

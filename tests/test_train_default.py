@@ -71,7 +71,8 @@ def _wheel(path: Path, name: str, version: str, licence_lines: str, files: dict[
 def prepared(tmp_path_factory):
     """A data directory prepared without network: a few stdlib files as the 'stdlib', three local
     wheels as the package list (one held out, one with a licence that is not allowed)."""
-    from completiond.models import data_prep, default_model_dir
+    from completiond.models import default_model_dir
+from completiond.models.training import data_prep
 
     tmp = tmp_path_factory.mktemp("data")
     root = tmp / "stdlib"
@@ -109,7 +110,7 @@ def test_corpus_split_is_deterministic_and_disjoint():
 
 
 def test_licence_from_metadata():
-    from completiond.models.data_prep import licence_of
+    from completiond.models.training.data_prep import licence_of
 
     assert licence_of("Name: a\nLicense-Expression: MIT\n")[0] == "MIT"
     assert licence_of("Name: a\nLicense-Expression: Apache-2.0 OR BSD-2-Clause\n")[0] == "Apache-2.0"
@@ -120,7 +121,7 @@ def test_licence_from_metadata():
 
 
 def test_prepare_filters_dedupes_and_splits(prepared):
-    from completiond.models.data_prep import TokenData
+    from completiond.models.training.data_prep import TokenData
 
     out, manifest, root = prepared
     pk = {p["name"]: p for p in manifest["packages"]}
@@ -146,8 +147,8 @@ def test_heldout_stream_matches_the_model_card_windows(prepared):
     from transformers import AutoTokenizer
 
     from completiond.models import default_model_dir
-    from completiond.models.data_prep import TokenData
-    from completiond.models.train_default import heldout_windows, stream_windows
+    from completiond.models.training.data_prep import TokenData
+    from completiond.models.training.train_default import heldout_windows, stream_windows
 
     out, _, root = prepared
     tok = AutoTokenizer.from_pretrained(default_model_dir())
@@ -157,7 +158,7 @@ def test_heldout_stream_matches_the_model_card_windows(prepared):
 
 
 def test_layer_weights_increase_with_depth_and_normalize():
-    from completiond.models.train_default import layer_weights
+    from completiond.models.training.train_default import layer_weights
 
     w = layer_weights(10, 0.1)
     assert len(w) == 10
@@ -167,7 +168,7 @@ def test_layer_weights_increase_with_depth_and_normalize():
 
 
 def test_fim_split_middles_end_at_boundaries():
-    from completiond.models.train_default import fim_split
+    from completiond.models.training.train_default import fim_split
 
     text = SOURCES["pkg_a/core.py"]
     rng = np.random.default_rng(0)
@@ -184,8 +185,8 @@ def test_fim_split_middles_end_at_boundaries():
 
 def _trainer(prepared, **over):
     from completiond.models import default_model_dir
-    from completiond.models.data_prep import TokenData
-    from completiond.models.train_default import DEFAULTS, Trainer, load_tokenizer
+    from completiond.models.training.data_prep import TokenData
+    from completiond.models.training.train_default import DEFAULTS, Trainer, load_tokenizer
 
     out, _, _ = prepared
     tok, ids = load_tokenizer(default_model_dir())
@@ -237,7 +238,7 @@ def test_resume_is_exact(prepared, tmp_path):
     """k steps + checkpoint + resume + (n-k) steps == n uninterrupted steps, bit for bit."""
     import torch
 
-    from completiond.models.train_default import load_checkpoint
+    from completiond.models.training.train_default import load_checkpoint
 
     a, _, _ = _trainer(prepared)
     for _ in range(6):
@@ -273,7 +274,7 @@ def test_custom_forward_matches_transformers(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from completiond.models.train_default import forward_all_exits
+    from completiond.models.training.train_default import forward_all_exits
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     x = torch.randint(0, model.config.vocab_size, (2, 17))
@@ -292,7 +293,7 @@ def test_train_stop_resume_and_export_end_to_end(prepared, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from completiond.models import default_model_dir
-    from completiond.models.train_default import main
+    from completiond.models.training.train_default import main
 
     data, _, _ = prepared
     run = tmp_path / "run"
@@ -357,7 +358,7 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
             "--hidden", "32", "--layers", "4", "--heads", "2", "--kv-heads", "2", "--intermediate", "64",
             "--seq-len", "64", "--batch-size", "4", "--warmup", "2", "--total-tokens", str(64 * 4 * 100_000)]
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, "-m", "completiond.models.train_default", *args], cwd=root,
+    proc = subprocess.Popen([sys.executable, "-m", "completiond.models.training.train_default", *args], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         lines = []
@@ -387,7 +388,7 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
     assert st["stages"][-1]["stop_reason"] == "SIGTERM" and st["step"] >= 6
     logged = [json.loads(line)["step"] for line in (run / "train_log.jsonl").read_text().splitlines()]
     assert {4, 5, 6} <= set(logged), logged
-    from completiond.models.train_default import main
+    from completiond.models.training.train_default import main
 
     assert main(["--resume", "--run-dir", str(run), "--data", str(data), "--no-progress", "--max-steps",
                  str(st["step"] + 2)]) == 0
@@ -398,8 +399,8 @@ def test_sigterm_checkpoints_and_resume_continues(prepared, tmp_path):
 def test_resume_recipe_arguments_are_checked_and_shown_on_the_card():
     import argparse
 
-    from completiond.models.model_card import _recipe_changes_md
-    from completiond.models.train_default import _recipe_from_args
+    from completiond.models.training.model_card import _recipe_changes_md
+    from completiond.models.training.train_default import _recipe_from_args
 
     def ns(**kw):
         return argparse.Namespace(**{"distill": None, "distill_other": None, "draft_exits": None, **kw})

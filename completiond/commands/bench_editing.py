@@ -21,7 +21,7 @@ prompt tokens served from the KV cache (from the daemon's counters around each m
 overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files).
 
 Default files: held-out third-party Python (modules of the installed pygls and watchdog packages, neither in
-models/train_packages.txt), 4-40 kB each.
+models/training/train_packages.txt), 4-40 kB each.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def default_files(count: int = 4) -> list[Path]:
     another), from the installed packages of HELDOUT_PACKAGES that are not in the training list."""
     import importlib.util
 
-    from completiond.models.data_prep import normalise, read_package_list
+    from completiond.models.training.data_prep import normalise, read_package_list
 
     trained = {normalise(name) for name, _ in read_package_list()}
     per_package: list[list[Path]] = []

@@ -73,8 +73,8 @@ def measure_quality(model: str | None, formats: list[str], windows: int = 48, po
 
     from completiond.engine.engine import Engine, EngineError
     from completiond.models import corpus, default_model_dir
-    from completiond.models.model_card import greedy, next_line
-    from completiond.models.train_default import heldout_windows
+    from completiond.models.training.model_card import greedy, next_line
+    from completiond.models.training.train_default import heldout_windows
 
     files = corpus.heldout_files()
     rows: dict[str, dict] = {}

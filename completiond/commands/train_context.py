@@ -28,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from completiond.models import data_prep, default_model_dir
-from completiond.models.train_default import Trainer, fim_split, load_tokenizer, run_dir_problem, save_model, to_batch
+from completiond.models import default_model_dir
+from completiond.models.training import data_prep
+from completiond.models.training.train_default import Trainer, fim_split, load_tokenizer, run_dir_problem, save_model, to_batch
 
 SHARES = {"retrieval": 0.5, "none": 0.2, "plain": 0.3}   # sample kinds per batch, on average
 

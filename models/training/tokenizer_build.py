@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import corpus
+from completiond.models import corpus
 
 EOT = "<|endoftext|>"
 FILE_SEP = "<|file_sep|>"
@@ -68,7 +68,7 @@ def build(out_dir: Path, vocab_size: int = DEFAULT_VOCAB, files=None, show_progr
 
 
 def main(argv=None) -> int:
-    from . import default_model_dir
+    from completiond.models import default_model_dir
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", type=Path, default=default_model_dir())

@@ -1,6 +1,6 @@
 """Training data of the bundled model: download, filter, de-duplicate and pre-tokenise once.
 
-    python -m completiond.models.train_default --prepare          (what `completiond train-default --prepare` runs)
+    python -m completiond.models.training.train_default --prepare          (what `completiond train-default --prepare` runs)
 
 Sources:
 
@@ -35,7 +35,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import corpus
+from completiond.models import corpus
 
 PACKAGES_FILE = Path(__file__).resolve().parent / "train_packages.txt"
 LOCK_FILE = Path(__file__).resolve().parent / "train_packages.lock"

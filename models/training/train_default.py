@@ -1,11 +1,11 @@
-"""Train the bundled default model: `completiond train-default` (or `python -m models.train_default`).
+"""Train the bundled default model: `completiond train-default` (or `python -m completiond.models.training.train_default`).
 
 Stages of one model's life, all from the same run directory, which you name with --run-dir. It
 holds the checkpoint (weights, AdamW state: three times the model), so it lives outside the
 checkout: a run directory inside this repository is refused unless --run-dir-in-checkout.
 
     --prepare      download the third-party packages, filter, de-duplicate and pre-tokenise
-                   everything once into runs/data/ (models/data_prep.py); also done
+                   everything once into runs/data/ (models/training/data_prep.py); also done
                    automatically when a run starts without prepared data
     (no flag)      start a new run: a planned total of --total-tokens with one warmup + cosine
                    schedule over it; this invocation stops after --minutes (or at the total)
@@ -21,7 +21,7 @@ flight), so stopping it loses at most that much. Stop: `kill -TERM` the trainer'
 
 Data: memory-mapped uint16 token streams (runs/data/*.u16). A training sample is the next chunk
 of seq_len+1 tokens of an epoch-wise permutation of the training stream; the data position is
-(epoch, index). Tokenizer: the 8k byte-level BPE of the shipped model (models/tokenizer_build.py),
+(epoch, index). Tokenizer: the 8k byte-level BPE of the shipped model (models/training/tokenizer_build.py),
 kept so the engine's and FIM code's special tokens stay valid.
 
 Model: a plain `LlamaForCausalLM` with tied embeddings. Recipe (LayerSkip, Elhoushi et al. 2024,
@@ -80,7 +80,7 @@ SPECIALS = ("<|endoftext|>", "<|file_sep|>", "<|fim_prefix|>", "<|fim_suffix|>",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import default_model_dir
+    from completiond.models import default_model_dir
 
     d = DEFAULTS
     mode = parser.add_mutually_exclusive_group()
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, default=default_model_dir(),
                         help="directory with the tokenizer files the model uses")
     parser.add_argument("--packages", type=Path, default=None,
-                        help="package list for --prepare (default models/train_packages.txt); 'none': stdlib only")
+                        help="package list for --prepare (default models/training/train_packages.txt); 'none': stdlib only")
     parser.add_argument("--out", type=Path, default=default_model_dir(), help="model directory --export writes")
     parser.add_argument("--force", action="store_true", help="--export even if --out holds a better model")
     parser.add_argument("--no-card", action="store_true", help="--export without regenerating the model card")
@@ -1058,7 +1058,7 @@ def export(a: argparse.Namespace, log=print) -> int:
 
 def checkout_root() -> Path | None:
     """The git checkout this module runs from, or None (an installed package)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return root if (root / ".git").exists() else None
 
 
