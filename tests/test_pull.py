@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 
-from completiond.engine import hub
+from completiond.engine import hub, memory
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "models" / "completiond-py-mini"
@@ -359,10 +359,10 @@ def test_parameters_are_counted_from_the_headers_alone(tmp_path):
     header = json.dumps({"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
                          "b": {"dtype": "BF16", "shape": [5], "data_offsets": [48, 58]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 58)
-    assert hub.parameter_count(tmp_path) == 17
+    assert memory.parameter_count(tmp_path) == 17
     (tmp_path / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little"))
     with pytest.raises(ValueError, match="header"):
-        hub.parameter_count(tmp_path)
+        memory.parameter_count(tmp_path)
 
 
 # --- loading by hub id, offline --------------------------------------------------------------------

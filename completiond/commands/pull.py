@@ -91,7 +91,7 @@ def _fit(text: str, width: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from completiond.engine import hub
+    from completiond.engine import hub, memory
 
     if args.list:
         print(catalog_text(), end="")
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     bar.close()
     try:
-        params = hub.parameter_count(pulled.path)
+        params = memory.parameter_count(pulled.path)
     except (OSError, ValueError, KeyError) as exc:
         print(f"completiond pull: cannot read the weights' headers in {pulled.path}: {exc}", file=sys.stderr)
         return 1

@@ -28,12 +28,23 @@ import inspect
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from completiond.config import is_local_model
+from completiond.engine.catalog import (  # noqa: F401  (hub.CATALOG and the rest: the catalog's API)
+    CATALOG,
+    CATALOG_BY_NAME,
+    CATALOG_BY_REPO,
+    CPU_BANDWIDTH,
+    GPU_BANDWIDTH,
+    CatalogEntry,
+    _speed_class,
+    catalog_table,
+    cpu_speed,
+)
+from completiond.engine.download_progress import ByteCounter
 from completiond.errors import CompletionError
 from completiond.fileio import check_file, read_file, user_cache_dir
 from completiond.models.adapters import FAMILIES
@@ -77,83 +88,6 @@ CONFIG_LIMITS: tuple[tuple[str, int], ...] = (
 
 class HubError(CompletionError):
     """A hub model that cannot be found, fetched or accepted; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class CatalogEntry:
-    name: str            # the short name `completiond pull` accepts
-    repo: str            # hub id
-    params_b: float      # parameters, billions
-    family: str          # config.json model_type
-    fim: str             # FIM template (models/fim.py), "" when the model has none
-    early_exit: str      # how well its early exits draft
-    gated: bool = False  # the hub asks users to accept a licence first
-    # The languages it serves, as editors name them; ("*",): the many its authors list (Qwen2.5-Coder 92,
-    # DeepSeek-Coder 87, StarCoder2 600+, Code Llama the common ones), so any document is asked.
-    languages: tuple[str, ...] = ("*",)
-
-    @property
-    def supported(self) -> bool:
-        return self.family in FAMILIES
-
-
-# Memory is the weights alone (the KV cache budget, cacheMegabytes, comes on top). The speed
-# classes are estimates: batch-1 decoding streams every weight once per token, so one token costs
-# about weight bytes / memory bandwidth (a GPU at 1 TB/s in bfloat16; on the CPU the native step in bf16
-# or int8 at the 30 GB/s the development machine's 2 cores copy at, which its bench-device runs of the
-# 0.5B and 1.5B shapes matched within 30 %: docs/PERFORMANCE.md); speculation can divide that by up to
-# its tokens per round.
-CPU_BANDWIDTH = 30e9
-GPU_BANDWIDTH = 1e12
-CATALOG: tuple[CatalogEntry, ...] = (
-    CatalogEntry("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B", 0.49, "qwen2", "qwen2.5-coder",
-                 "ordinary model: calibrate decides"),
-    CatalogEntry("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B", 1.54, "qwen2", "qwen2.5-coder",
-                 "ordinary model: calibrate decides"),
-    CatalogEntry("qwen2.5-coder-7b", "Qwen/Qwen2.5-Coder-7B", 7.62, "qwen2", "qwen2.5-coder",
-                 "ordinary model: calibrate decides"),
-    CatalogEntry("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base", 1.35, "llama", "deepseek-coder",
-                 "ordinary model: calibrate decides"),
-    CatalogEntry("codellama-7b", "codellama/CodeLlama-7b-hf", 6.74, "llama", "codellama",
-                 "ordinary model: calibrate decides"),
-    CatalogEntry("layerskip-codellama-7b", "facebook/layerskip-codellama-7B", 6.74, "llama", "codellama",
-                 "trained to exit early (LayerSkip): drafts well", gated=True),
-    CatalogEntry("starcoder2-3b", "bigcode/starcoder2-3b", 3.03, "starcoder2", "starcoder",
-                 "ordinary model"),
-)
-CATALOG_BY_NAME = {e.name: e for e in CATALOG}
-CATALOG_BY_REPO = {e.repo.lower(): e for e in CATALOG}
-
-
-def _speed_class(ms: float) -> str:
-    for limit, label in ((30, "fast"), (100, "usable"), (300, "slow")):
-        if ms <= limit:
-            return f"{label} (~{ms:.0f} ms/token)"
-    return f"too slow (~{ms / 1000:.1f} s/token)"
-
-
-def cpu_speed(e: CatalogEntry) -> str:
-    """The CPU estimate in bf16 (the default for bf16 checkpoints) and int8 (`weights = "int8"`: one
-    byte a weight, the per-channel scales negligible)."""
-    bf16_ms, int8_ms = 1000 * e.params_b * 2e9 / CPU_BANDWIDTH, 1000 * e.params_b * 1e9 / CPU_BANDWIDTH
-    label = _speed_class(int8_ms).split(" (")[0]
-    return f"{label} (~{bf16_ms:.0f} / ~{int8_ms:.0f} ms/token)"
-
-
-def catalog_table() -> str:
-    """The README's table of short names (a test keeps README in step with CATALOG)."""
-    rows = ["| short name | hub id | parameters | memory bf16 / fp32 | CPU (bf16 / int8) | GPU (bf16) | FIM | early exits |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in CATALOG:
-        bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
-        repo = f"`{e.repo}`" + (" (gated: accept its licence on the hub, then log in)" if e.gated else "")
-        if e.supported:
-            cpu, gpu = cpu_speed(e), _speed_class(1000 * bf16 / GPU_BANDWIDTH)
-        else:
-            cpu = gpu = f"not supported yet (the engine has no `{e.family}` layout)"
-        rows.append(f"| `{e.name}` | {repo} | {e.params_b:.2f} B | {bf16 / 1e9:.1f} / {fp32 / 1e9:.1f} GB | {cpu} | "
-                    f"{gpu} | {e.fim or 'no'} | {e.early_exit} |")
-    return "\n".join(rows) + "\n"
 
 
 # --- names ---------------------------------------------------------------------------------
@@ -439,37 +373,6 @@ def _describe(repo: str, exc: BaseException) -> HubError:
                     + _where_to_copy(repo) + ".")
 
 
-class _Bytes:
-    """A stand-in for the tqdm bar huggingface_hub updates per file: it adds the bytes to one total
-    (`sink`, set on a subclass per pull)."""
-
-    sink: Callable[[int], None]
-
-    def __init__(self, *args, **kwargs):
-        if kwargs.get("initial"):
-            self.sink(int(kwargs["initial"]))
-
-    def update(self, n=1):
-        self.sink(int(n or 0))
-
-    def update_transfer(self, n=1):  # network bytes of xet transfers: update() already counts what was written
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def close(self):
-        pass
-
-    def refresh(self, *a, **k):
-        pass
-
-    set_postfix_str = set_transfer_postfix_str = set_description = set_description_str = refresh
-
-
 def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | None = None) -> Pulled:
     """The local snapshot of `model` (hub id or short name), downloading what the cache lacks."""
     repo, revision = parse(model)
@@ -502,7 +405,7 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
         if progress is not None:
             progress(min(done[0], total), total)
 
-    bar = type("_PullBytes", (_Bytes,), {"sink": staticmethod(add)})
+    bar = type("_PullBytes", (ByteCounter,), {"sink": staticmethod(add)})
 
     # Byte-level progress needs the tqdm_class hook (huggingface_hub 0.3x and later); without it, per file.
     per_byte = "tqdm_class" in inspect.signature(hf_hub_download).parameters
@@ -573,40 +476,3 @@ def _check_local(repo: str, snapshot: Path, trust_remote_code: bool) -> None:
     except (OSError, ValueError) as exc:
         raise HubError(f"{snapshot}/config.json is unreadable: {exc}") from None
     check_config(repo, config if isinstance(config, dict) else {}, trust_remote_code)
-
-
-# --- sizes before loading ---------------------------------------------------------------------
-
-MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
-
-
-def parameter_count(model_dir: Path) -> int:
-    """Parameters in a directory's safetensors weights, from the file headers only (no tensor is read)."""
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_FILE
-    files = ([model_dir / s for s in shards(model_dir)] if index.is_file() else
-             sorted(p for p in model_dir.glob("*.safetensors") if p.name not in DRAFT_FILES))
-    total = 0
-    for path in files:
-        check_file(path, 1 << 50)  # a regular file (a FIFO here would block the read below)
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file")
-            (length,) = struct.unpack("<Q", raw)
-            if length > MAX_HEADER:
-                raise ValueError(f"{path}: header of {length} bytes")
-            header = loads_json(f.read(length), f"{path.name}'s header")
-        if not isinstance(header, dict):
-            raise ValueError(f"{path}: its header is not a JSON object")
-        for key, entry in header.items():
-            if key == "__metadata__" or not isinstance(entry, dict):
-                continue
-            n = 1
-            try:
-                for d in entry.get("shape", []):
-                    n *= int(d)
-            except TypeError:
-                raise ValueError(f"{path}: tensor {key!r} has a malformed shape") from None
-            total += n
-    return total

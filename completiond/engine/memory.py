@@ -15,9 +15,11 @@ layers the files lack, for minutes, until the allocator gives up.
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 from completiond.engine import hub
+from completiond.fileio import check_file
 
 GIB = 1 << 30
 
@@ -50,7 +52,7 @@ def fit_warning(name: str, model_dir: Path, bytes_per_param: int, dtype_name: st
                 cache_bytes: int, available: int | None = None) -> str:
     """A warning for the user when the model (or its KV cache budget) will not fit; '' when it will."""
     try:
-        params = hub.parameter_count(model_dir)
+        params = parameter_count(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"cannot estimate the memory {name} needs ({exc}); loading it anyway"
     weights = params * bytes_per_param
@@ -108,7 +110,7 @@ def config_fit_error(name: str, config: dict, model_dir: Path | None, bytes_per_
     held = None
     if model_dir is not None:
         try:
-            held = hub.parameter_count(model_dir)
+            held = parameter_count(model_dir)
         except (OSError, ValueError, KeyError, TypeError):
             held = None
     available = available_bytes(device) if available is None else available
@@ -125,3 +127,40 @@ def config_fit_error(name: str, config: dict, model_dir: Path | None, bytes_per_
     if available is not None and need > available:
         return f"{what}, more than the {room}; refusing to allocate it"
     return ""
+
+
+# --- sizes before loading ---------------------------------------------------------------------
+
+MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
+
+
+def parameter_count(model_dir: Path) -> int:
+    """Parameters in a directory's safetensors weights, from the file headers only (no tensor is read)."""
+    model_dir = Path(model_dir)
+    index = model_dir / hub.INDEX_FILE
+    files = ([model_dir / s for s in hub.shards(model_dir)] if index.is_file() else
+             sorted(p for p in model_dir.glob("*.safetensors") if p.name not in hub.DRAFT_FILES))
+    total = 0
+    for path in files:
+        check_file(path, 1 << 50)  # a regular file (a FIFO here would block the read below)
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{path}: not a safetensors file")
+            (length,) = struct.unpack("<Q", raw)
+            if length > MAX_HEADER:
+                raise ValueError(f"{path}: header of {length} bytes")
+            header = hub.loads_json(f.read(length), f"{path.name}'s header")
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: its header is not a JSON object")
+        for key, entry in header.items():
+            if key == "__metadata__" or not isinstance(entry, dict):
+                continue
+            n = 1
+            try:
+                for d in entry.get("shape", []):
+                    n *= int(d)
+            except TypeError:
+                raise ValueError(f"{path}: tensor {key!r} has a malformed shape") from None
+            total += n
+    return total
