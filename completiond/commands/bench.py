@@ -273,7 +273,7 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) 
     extra = {}
     if native is not None and k + 1 <= native_mod.MAX_ROWS:
         # What a greedy round really pays on the native step: a plain step and a verify pass each in one
-        # call (embed, layers, head, argmax), with no Python between their parts (engine.speculative_round)
+        # call (embed, layers, head, argmax), with no Python between their parts (decode.speculative_round)
         L, head_w, head_b = engine.num_layers, engine.fwd.head_w, engine.fwd.head_b
         ids = prompt[-(k + 1):]
         n_one, n_many = [], []
