@@ -23,6 +23,17 @@ import tempfile  # noqa: E402
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="completiond-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+# The native step's builds (a compile per kernel, ~12 s of CPU each) are shared by the whole run: the
+# pytest-xdist workers inherit this from the process that starts them, tests that give themselves a fresh
+# XDG_CACHE_HOME keep using it, and so do the daemons and commands the tests start. Tests of building and
+# caching itself drop it (tests/emulated_kernels.py real_build). Calibration records stay per process.
+if not os.environ.get("COMPLETIOND_NATIVE_CACHE"):
+    os.environ["COMPLETIOND_NATIVE_CACHE"] = tempfile.mkdtemp(prefix="completiond-tests-native-")
+    atexit.register(shutil.rmtree, os.environ["COMPLETIOND_NATIVE_CACHE"], ignore_errors=True)
+# Daemons the tests start listen in a runtime directory of their own per process (parallel workers never
+# meet, and a developer's own daemon is never touched); tests that need one per test set it themselves.
+os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="completiond-tests-run-")
+atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
 
 import pytest
 

@@ -136,7 +136,9 @@ def emulate_cpu(kernel: str) -> None:
 
 def real_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """For a test of building, caching and choosing the library itself: under emulate_cpu, this CPU's own
-    flags and builds again for the test (an emulated build is never compiled by native.build._build)."""
+    flags and builds again for the test (an emulated build is never compiled by native.build._build), and
+    the builds go where the test's XDG_CACHE_HOME says, not into the run's shared directory (conftest.py)."""
+    monkeypatch.delenv("COMPLETIOND_NATIVE_CACHE", raising=False)
     if _real is not None:
         monkeypatch.setattr(native.build, "_cpu_flags", _real[0])
         monkeypatch.setattr(native.build, "_load", _real[1])

@@ -68,6 +68,7 @@ def cache(tmp_path, monkeypatch):
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(planted), str(planted_src)], check=True, timeout=120)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "PLANTED_MARK": str(tmp_path / "marker"),
            "TMPDIR": str(tmp_path / "tmp"), "COMPLETIOND_NATIVE": "1"}
+    env.pop("COMPLETIOND_NATIVE_CACHE", None)  # this cache under tmp_path, not the run's shared one (conftest.py)
     (tmp_path / "tmp").mkdir()
 
     def probe() -> str:

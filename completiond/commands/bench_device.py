@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from completiond.config import SETTINGS_BY_KEY
 from completiond.engine.draft_kind import DraftKind
@@ -72,7 +73,7 @@ SHAPES = {
                        tie_word_embeddings=True),
 }
 DEFAULT_MODELS = ("bundled", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-WEIGHT_FORMATS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
+WEIGHT_FORMATS: tuple[str, ...] = SETTINGS_BY_KEY["weights"].enum or ()  # the formats Engine.load(weights=...) accepts
 READERS = ("auto", "transformers")  # Engine.load(reader=...)
 LLAMA_TYPES = ("f32", "bf16", "q8_0")
 # Which llama.cpp type stores the weights as our format does: the pairs the ratios compare.
@@ -191,7 +192,7 @@ def random_model(shape: str, directory: Path, vocab: str = "real", seed: int = 0
 
     from completiond.models import default_model_dir
 
-    cfg = transformers.Qwen2Config(**shape_config(shape, vocab), eos_token_id=0, bos_token_id=0)
+    cfg: Any = transformers.Qwen2Config(**shape_config(shape, vocab), eos_token_id=0, bos_token_id=0)
     directory.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(directory)
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
@@ -228,7 +229,8 @@ def context_prompts(tokenizer, count: int, context: int) -> list[list[int]]:
     third of the way into each file (shorter files give way to longer ones; the last resort repeats)."""
     from completiond.commands.bench import source_lines
 
-    out, short = [], []
+    out: list[list[int]] = []
+    short: list[list[int]] = []
     for lines in source_lines(None):
         ids = tokenizer("".join(lines))["input_ids"]
         start = min(len(ids) // 3, max(0, len(ids) - context))
@@ -268,7 +270,8 @@ def parameter_count(engine) -> int:
 def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, list[list[int]]]:
     from completiond.commands.bench import _timed
 
-    times, outs = [], []
+    times: list[float] = []
+    outs: list[list[int]] = []
     for _ in range(repeats):
         total_ms = tokens = 0
         outs = []
@@ -312,7 +315,7 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     wbytes = weight_bytes(engine)
     rss_warm = rss_bytes()
     embed = engine.fwd.embed_w
-    out = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+    out: dict[str, Any] = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
            "layers": engine.num_layers, "parameters": parameter_count(engine), "weights": engine.weights,
            "weights_in_use": engine.weights_in_use(), "kernel": native_mod.kernel_name(),
            "native_reason": engine.fwd.native_reason, "weight_bytes": wbytes,
@@ -355,7 +358,7 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
         log(f"  matmul arithmetic alone (weights in cache): {out['matmul_arithmetic_ms_by_rows']} ms by rows; "
             f"÷ a plain step, by K: {out['matmul_arithmetic_vs_plain_by_k']}")
     if sampling:
-        sampled = {}
+        sampled: dict[str, dict[str, Any]] = {}
         for name, spec in (("plain", False), (DraftKind.EARLY_EXIT.value, True)):
             p = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, speculative=spec, ignore_eos=True,
                                exit_layer=cal.exit_layer if spec else None, draft_k=cal.draft_k if spec else None,

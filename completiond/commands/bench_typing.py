@@ -181,7 +181,7 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
     requests: list[_Request] = []
     ids = iter(range(1, 1 << 30))
 
-    async def stats() -> dict[str, Any]:
+    async def stats() -> Any:  # the stats dict
         return await asyncio.wait_for(client.workspace_execute_command_async(
             types.ExecuteCommandParams(command="completiond.stats")), 60)
 
@@ -344,7 +344,7 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
     progress = progress or log
     file = Path(file) if file is not None else default_file()
     own_dir = runtime_dir is None
-    base = Path(tempfile.mkdtemp(prefix="completiond-bench-")) if own_dir else Path(runtime_dir)
+    base = Path(runtime_dir) if runtime_dir is not None else Path(tempfile.mkdtemp(prefix="completiond-bench-"))
     try:
         result = asyncio.run(_bench(model, file, keystrokes, interval_ms, device, max_tokens, base, settings,
                                     timeout_s, progress, lsp_command, workspace))

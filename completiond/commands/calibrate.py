@@ -86,7 +86,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
         label += f", vocab {r['draft_vocab']}" if r.get("draft_vocab") else ""
         series.setdefault(label, []).append(r)
     fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colours = plt.get_cmap("tab20").colors  # more distinct colours than the default cycle's ten
+    colours = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]  # a ListedColormap; more distinct colours than the default cycle's ten
     markers = "os^Dv<>Ph*X"
     for n, (label, rs) in enumerate(sorted(series.items())):
         rs = sorted(rs, key=lambda r: r["draft_k"])

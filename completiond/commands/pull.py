@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ class TerminalBar:
 
     def __init__(self, label: str):
         self.label = label
-        self.bar = None
+        self.bar: Any = None  # a tqdm bar, made on the first call
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -104,7 +104,7 @@ def alive(pid: int | None) -> bool:
         return False
 
 
-def start_daemon(model: str, runtime: Path, timeout: float = 120.0, extra: list[str] = ()) -> subprocess.Popen:
+def start_daemon(model: str, runtime: Path, timeout: float = 120.0, extra: Sequence[str] = ()) -> subprocess.Popen:
     """`completiond serve` in runtime/completiond; returns once the socket accepts and the model is ready."""
     rundir = runtime / "completiond"
     cmd = [sys.executable, "-m", "completiond.cli", "serve", "--model", model, "--device", "cpu",
@@ -243,14 +243,14 @@ FUZZ_TEXT = "def f(x):\n    return x\n"
 
 def random_params(rng: random.Random, method: str) -> Any:
     """Params that are mostly right for `method`, with one or two things wrong."""
-    good: dict[str, Any] = {
+    by_method: dict[str, dict[str, Any]] = {
         "open": {"uri": "file:///f.py", "version": 1, "text": FUZZ_TEXT, "languageId": "python"},
         "change": {"uri": "file:///f.py", "version": 2, "edits": [[0, 0, "# hi\n"]]},
         "close": {"uri": "file:///f.py"},
         "complete": {"uri": "file:///f.py", "version": 1, "offset": 10, "settings": {"maxTokens": 2}},
         "cancel": {"id": 5},
-    }.get(method, {})
-    params = dict(good)
+    }
+    params: dict[str, Any] = dict(by_method.get(method, {}))
     for _ in range(rng.randrange(0, 3)):
         op = rng.randrange(4)
         if op == 0 and params:
@@ -428,7 +428,11 @@ class RawLsp:
     """
 
     def __init__(self, proc: asyncio.subprocess.Process, settings: dict[str, Any]):
+        # started with all three pipes (start below)
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         self.proc = proc
+        self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
+        self.init: Any = None  # the initialize result
         self.settings = settings
         self.pending: dict[Any, asyncio.Future] = {}
         self.notifications: list[dict[str, Any]] = []
@@ -466,13 +470,13 @@ class RawLsp:
 
     async def _drain_stderr(self) -> None:
         while True:
-            chunk = await self.proc.stderr.read(1 << 16)
+            chunk = await self.stderr.read(1 << 16)
             if not chunk:
                 return
             self.stderr_tail = (self.stderr_tail + chunk)[-20000:]
 
     async def _read_loop(self) -> None:
-        out = self.proc.stdout
+        out = self.stdout
         try:
             while True:
                 length = None
@@ -485,6 +489,8 @@ class RawLsp:
                     name, _, value = line.decode("ascii").partition(":")
                     if name.lower() == "content-length":
                         length = int(value.strip())
+                if length is None:
+                    raise ValueError("a message without Content-Length")
                 body = await out.readexactly(length)
                 msg = json.loads(body)
                 self._dispatch(msg)
@@ -515,10 +521,10 @@ class RawLsp:
 
     def _write(self, msg: dict[str, Any] | bytes) -> None:
         body = msg if isinstance(msg, bytes) else _dumps(msg)
-        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.stdin.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
     def send_raw(self, data: bytes) -> None:
-        self.proc.stdin.write(data)
+        self.stdin.write(data)
 
     def notify(self, method: str, params: Any) -> None:
         self._write({"jsonrpc": "2.0", "method": method, "params": params})
@@ -580,7 +586,7 @@ def utf16_position(text: str, offset: int) -> dict[str, int]:
     return {"line": line, "character": len(text[start:offset].encode("utf-16-le")) // 2}
 
 
-def did_open(uri: str, text: str, version: int = 1, language: str = "python") -> dict[str, Any]:
+def did_open(uri: Any, text: Any, version: Any = 1, language: str = "python") -> dict[str, Any]:  # fuzzing: any type
     return {"textDocument": {"uri": uri, "languageId": language, "version": version, "text": text}}
 
 

@@ -71,8 +71,10 @@ def _texts(paths: list[Path], rng: random.Random):
             yield text
 
 
-def default_out(model_dir: Path, file_name: str, user_path: Path) -> Path:
+def default_out(model_dir: Path | None, file_name: str, user_path: Path) -> Path:
     """Beside the model when its directory is ours to write, else the user's cache (a hub model)."""
+    if model_dir is None:  # an engine not loaded from a directory
+        return user_path
     in_hub_cache = any(part.startswith("models--") for part in model_dir.resolve().parts)
     if not in_hub_cache and os.access(model_dir, os.W_OK):
         return model_dir / file_name

@@ -26,6 +26,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from completiond.models import default_model_dir
@@ -63,7 +64,7 @@ class ContextSampler:
     """Batches of (prompt + middle) samples built by the daemon's retrieval and prompt code."""
 
     def __init__(self, roots: list[Path], model_dir: Path, seq_len: int, seed: int, shares=SHARES,
-                 workspaces: int = 64, extra_files: list[tuple[Path, Path]] = ()):
+                 workspaces: int = 64, extra_files: Sequence[tuple[Path, Path]] = ()):
         import numpy as np
         from transformers import AutoTokenizer
 
@@ -92,7 +93,7 @@ class ContextSampler:
         self._ws: dict[Path, object] = {}
         self._ws_max = workspaces
         self.counts = {k: 0 for k in shares}
-        self.context_share = collections.deque(maxlen=80)   # context / prompt tokens of recent retrieval samples (logged)
+        self.context_share: collections.deque[float] = collections.deque(maxlen=80)   # context / prompt tokens of recent retrieval samples (logged)
 
     def _workspace(self, root: Path):
         from completiond.completion.workspace import Workspace

@@ -48,7 +48,10 @@ _logged: set[str] = set()  # the fallbacks library() has warned about ("": to th
 
 
 def cache_dir() -> Path:
-    return user_cache_dir() / "completiond" / "native"
+    # COMPLETIOND_NATIVE_CACHE puts the builds elsewhere (the test suite shares one directory between its
+    # workers, each with its own XDG_CACHE_HOME); it must pass the same private-directory check.
+    override = os.environ.get("COMPLETIOND_NATIVE_CACHE")
+    return Path(override) if override else user_cache_dir() / "completiond" / "native"
 
 
 def _cpu_flags() -> str:
@@ -202,11 +205,42 @@ def _build(cc: str, kernel: str) -> Path:
     """The checked cached shared object for this source, compiler and kernel, compiled if absent or if
     the cached one fails its checks."""
     out = _target(cc, kernel)
-    directory = out.parent
-    flags = KERNELS[kernel][1]
     why = _file_ok(out)
     if why is None:
         return out
+    with _build_lock(out):
+        # Another process (a second daemon, a parallel test worker) may have built it while we waited.
+        why = _file_ok(out)
+        if why is None:
+            return out
+        return _compile(cc, kernel, out, why)
+
+
+def _build_lock(out: Path):
+    """Held while one process compiles `out`, so processes starting together build it once. Where there
+    is no fcntl (Windows), each builds its own and the atomic replace keeps the cache whole."""
+    import contextlib
+
+    try:
+        import fcntl
+    except ImportError:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        fd = os.open(out.with_name(out.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    return held()
+
+
+def _compile(cc: str, kernel: str, out: Path, why: str) -> Path:
+    directory = out.parent
+    flags = KERNELS[kernel][1]
     if why != "absent":
         log.warning("native step: not loading the cached library (%s); building it again", why)
     fd, tmp = tempfile.mkstemp(prefix=".step-", suffix=".so", dir=directory)
@@ -229,9 +263,9 @@ def _build(cc: str, kernel: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    why = _file_ok(out)  # what is loaded is what was checked (a concurrent build may have replaced it)
-    if why is not None:
-        raise RuntimeError(f"the freshly built library fails its check: {why}")
+    fresh = _file_ok(out)  # what is loaded is what was checked (a concurrent build may have replaced it)
+    if fresh is not None:
+        raise RuntimeError(f"the freshly built library fails its check: {fresh}")
     return out
 
 
