@@ -177,7 +177,7 @@ from test_lsp import model_dir, runtime, settings_for, start  # noqa: E402,F401 
 
 
 @pytest.mark.slow
-async def test_the_lsp_answers_a_line_of_5000_spaces_and_keeps_serving(start, model_dir, tmp_path):
+async def test_the_lsp_answers_a_line_of_5000_spaces_and_keeps_serving(start, model_dir, tmp_path):  # noqa: F811
     """The issue's document through the real `completiond lsp` and daemon: the cursor before 5,000 spaces
     and a letter (the midline check runs on the LSP's event loop), and `from` with 20,000 dots (the
     retrieval index's import reader, on the daemon), while another document is completed. Before, the
