@@ -385,19 +385,26 @@ async def test_invalid_settings_message_and_defaults_no_daemon_utf8(start, model
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory away")
 async def test_foreign_owned_runtime_dir_reported(start, model_dir, runtime):
+    """Refused and left alone, said once, and the daemon runs in a private directory beside it instead, so
+    completions keep working (issue 43: they stayed off for good)."""
     d = runtime / "completiond"
     d.mkdir(mode=0o700)
     os.chown(d, 12345, 12345)
-    s = await start(settings_for(model_dir))
-    for _ in range(200):
-        if s.client.messages:
-            break
-        await asyncio.sleep(0.05)
-    assert any("owned by uid 12345" in m.message and m.type == types.MessageType.Error for m in s.client.messages)
-    await s.open()
-    result = await s.inline(timeout=30)  # the server stays up and answers, with nothing to show
-    assert not result.items
-    assert not (d / paths.SOCKET_NAME).exists()
+    fallback = runtime / "completiond-private"
+    try:
+        s = await start(settings_for(model_dir))
+        await s.open()
+        await s.wait_ready()
+        assert isinstance(await s.inline(), types.InlineCompletionList)
+        told = [m for m in s.client.messages if "owned by uid 12345" in m.message]
+        assert len(told) == 1 and str(fallback) in told[0].message, s.client.messages
+        assert (fallback / paths.SOCKET_NAME).exists() and not (d / paths.SOCKET_NAME).exists()
+        assert os.stat(d).st_uid == 12345
+    finally:
+        try:
+            os.kill(int((fallback / paths.PID_NAME).read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 async def test_setting_the_model_cannot_serve_is_reported_once(start, model_dir):

@@ -51,8 +51,16 @@ def runtime_dir() -> Path:
 
 def fallback_runtime_dir() -> Path:
     """Where the daemon lives when the default runtime directory is not safe (someone else's, a symlink,
-    writable by others: e.g. a squatted $TMPDIR/completiond-<uid> when XDG_RUNTIME_DIR is unset): under
-    the user's own cache folder, which no other user can plant anything in."""
+    writable by others: e.g. a squatted $TMPDIR/completiond-<uid> when XDG_RUNTIME_DIR is unset): beside it
+    in $XDG_RUNTIME_DIR when that directory itself is private, else under the user's own cache folder,
+    which no other user can plant anything in."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        try:
+            check_private_dir(Path(xdg))
+            return Path(xdg) / "completiond-private"
+        except InsecureDirectoryError:
+            pass
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "completiond" / "run"
 
