@@ -72,7 +72,7 @@ def prepared(tmp_path_factory):
     """A data directory prepared without network: a few stdlib files as the 'stdlib', three local
     wheels as the package list (one held out, one with a licence that is not allowed)."""
     from completiond.models import default_model_dir
-from completiond.models.training import data_prep
+    from completiond.models.training import data_prep
 
     tmp = tmp_path_factory.mktemp("data")
     root = tmp / "stdlib"
