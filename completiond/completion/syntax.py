@@ -37,7 +37,7 @@ from tree_sitter import Node, Parser, Point, Range, Tree
 
 from completiond.completion.languages import LanguageSpec, spec_of
 
-MAX_REGION_BYTES = 4000
+MAX_REGION_BYTES = 8000
 MAX_PARSES = 10
 MAX_LEAVES = 4000          # bracket scans around the cursor line stop after this many tokens
 MAX_SHIFTED_EDITS = 64     # edits a document's tree follows by the edit API alone before it is reparsed
@@ -410,7 +410,19 @@ def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree 
     return Site(spec=spec, data=data, cursor=cursor, ranges=(), tree=region_tree,
                 errors=tuple(errors_in(region_tree)), open_before=open_before, closed_below=closed_below,
                 line_prefix=text[ls:offset], line_suffix=text[offset:le],
-                node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0))
+                node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0),
+                checkable=not _in_multiline_string(spec, region_tree, cursor, bls))
+
+
+def _in_multiline_string(spec: LanguageSpec, tree: Tree, cursor: int, line_start: int) -> bool:
+    """The cursor is inside a string that began on an earlier line (a docstring, a template literal): where it
+    ends, and so what the code after it is, is not known while it is being typed. Nothing is judged there."""
+    node: Node | None = tree.root_node.descendant_for_byte_range(cursor, cursor)
+    while node is not None:
+        if node.type in spec.strings and node.start_byte < line_start:
+            return True
+        node = node.parent
+    return False
 
 
 # -- the verdict ---------------------------------------------------------------------------------------------
@@ -633,6 +645,8 @@ def check(site: Site, s: str) -> Verdict:
     try:
         if not s.strip():
             return done(s, "parses")
+        if not site.checkable:
+            return done(s, "unjudged")
         blank = not site.line_prefix.strip()
         if site.spec.name == "python":
             gate = _PythonGate.at(site)
@@ -707,6 +721,8 @@ class _PythonGate:
         nl = tail.find("\n")
         line_suffix, rest = (tail, "") if nl < 0 else (tail[:nl], tail[nl:])
         line = site.line_prefix + site.line_suffix
+        if '"""' in line or "'''" in line or site.line_prefix.rstrip().endswith(("'", '"')):
+            return None   # a triple-quoted string opens or closes here: setting the line aside says nothing
         indent = line[:len(line) - len(line.lstrip(" \t"))]
         line_head = head[:len(head) - len(site.line_prefix)]
         gate = cls(head, line_suffix, rest, indent, 1, site)
