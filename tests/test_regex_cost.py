@@ -76,7 +76,7 @@ def run_child(code: str, setup: str = "") -> dict:
 USES = {
     "IDENT": "finditer fullmatch", "DEF_LINE": "match", "DECORATOR": "match", "ASSIGN": "match",
     "FROM_IMPORT": "finditer", "IMPORT": "finditer", "_OTHER_BREAKS": "finditer",
-    "_CONTINUES": "match", "_SCAN": "finditer", "_TOKEN": "finditer", "_STATEMENT": "match",
+    "_CONTINUES": "match", "_SCAN": "finditer", "_TOKEN": "finditer", "_STATEMENT": "match", "_BLOCK_KEYWORDS": "match",
     "_EOL": "finditer", "_LOOPS[0]": "finditer", "_LOOPS[1]": "finditer",
     "MIDLINE_REST": "fullmatch", "_HUB_ID": "match", "_COMMIT": "match", "_REVISION": "match",
     "_ENV_NAME": "fullmatch",
