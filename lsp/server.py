@@ -30,6 +30,7 @@ from completiond.serving import paths
 from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.completion.documents import UTF8, UTF16, UTF32, Document
 from completiond.serving.wire import MAX_FRAME, Code, RemoteError
+from completiond.lsp import first_run
 
 if TYPE_CHECKING:
     from completiond.serving.service import Service  # imported at run time only for --no-daemon (torch)
@@ -217,6 +218,9 @@ class CompletionServer(LanguageServer):
         self.init_options: Any = None
         self.workspace_options: Any = None
         self.cfg = self.file_cfg
+        # The model the user accepted at the first-run offer (lsp/first_run.py), used while no `model` is set.
+        self.first_run_settings: dict[str, Any] = first_run.accepted_settings()
+        self.first_run_offer: first_run.Offer | None = None
         # Where no daemon can run (Windows), the engine runs here: said once, at start-up (see `initialized`).
         self.platform_note = "" if no_daemon else paths.daemon_unsupported()
         no_daemon = no_daemon or bool(self.platform_note)
@@ -238,6 +242,7 @@ class CompletionServer(LanguageServer):
         self._started: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._progress_task: asyncio.Task | None = None  # held: the loop keeps only a weak reference
+        self._offer_task: asyncio.Task | None = None
         if no_daemon:
             self.service: ServiceLink = InProcessService(self.cfg, self._on_service_notification)
         else:
@@ -256,6 +261,11 @@ class CompletionServer(LanguageServer):
         for layer in (self.init_options, self.workspace_options):
             cfg, more = config_mod.merge(cfg, _section(layer), source="editor settings")
             errors += more
+        if not cfg.model and self.first_run_settings:  # no model set anywhere: the one accepted at the first run
+            accepted = dict(self.first_run_settings)
+            if cfg.weights != "auto":
+                accepted.pop("weights", None)
+            cfg, _ = config_mod.merge(cfg, accepted)
         before = config_mod.engine_settings(self.cfg)
         self.cfg = cfg
         want = config_mod.engine_settings(cfg)
@@ -410,6 +420,8 @@ class CompletionServer(LanguageServer):
         previous = self.status.get("state")
         self.status = params
         state = params.get("state")
+        if state == "error" and self._first_run_failed(str(params.get("error") or "")):
+            return  # said once, and the bundled model is on its way back
         if state == "error" and params.get("error") and (previous != "error" or params["error"] not in self._told):
             # Once per failure, not once per keystroke while it lasts; and not again as the warning of the
             # requests that fail for the same reason (tell_once knows it was said).
@@ -430,6 +442,58 @@ class CompletionServer(LanguageServer):
             return  # metrics-only updates arrive per keystroke; status bars need far fewer
         self._status_sent = now
         self.send_status()
+
+    # --- the first-run offer (lsp/first_run.py) ----------------------------------------------
+
+    async def offer_first_run(self) -> None:
+        """Ask once, on the first start with no model set, whether to download the recommended model."""
+        if not first_run.should_offer(self.cfg) or self.first_run_settings:
+            return
+        offer = await asyncio.to_thread(first_run.machine_offer)
+        # Asked once the bundled model serves: the editor works meanwhile, and the download's progress is its own.
+        for _ in range(1200):
+            if self.status.get("state") not in ("starting", "loading") and not self._progress_wanted:
+                break
+            await asyncio.sleep(0.1)
+        try:
+            answer = await self.window_show_message_request_async(types.ShowMessageRequestParams(
+                type=types.MessageType.Info, message=offer.message(),
+                actions=[types.MessageActionItem(title=first_run.DOWNLOAD), types.MessageActionItem(title=first_run.NOT_NOW)]))
+        except Exception as exc:  # a client that cannot ask: leave it for one that can, nothing recorded
+            log.info("first-run offer not shown: %s", exc)
+            return
+        title = answer.title if answer is not None else ""
+        state = await asyncio.to_thread(first_run.record, title or "dismissed", offer)
+        if title == first_run.DOWNLOAD:
+            self.first_run_offer = offer
+            self.first_run_settings = {"model": state["model"], "weights": state["weights"]}
+            self.apply_settings()  # restarts the daemon with it: it downloads, with progress here
+        else:
+            self.tell_once(first_run.declined_notice(offer), types.MessageType.Info)
+
+    def _first_run_loading(self) -> bool:
+        return bool(self.first_run_settings) and self.cfg.model == self.first_run_settings.get("model")
+
+    def _first_run_failed(self, error: str) -> bool:
+        """The model accepted at the first run failed to download or load: back to the bundled model, with one
+        notice (not the error and then the fallback)."""
+        if not self._first_run_loading():
+            return False
+        model = self.first_run_settings.get("model", "")
+        first_run.download_failed(error)
+        self.first_run_settings = {}
+        offer = self.first_run_offer
+        pull = f"`completiond pull {offer.name}`" if offer else f"`completiond pull {model}`"
+        self.tell_once(f"{model} could not be downloaded or loaded ({error}); using the bundled model (Python only) "
+                       f"instead. When it can be, {pull}, then set model = \"{model}\"", types.MessageType.Warning)
+        self.apply_settings()
+        return True
+
+    def cancel_first_run(self) -> None:
+        """The user cancelled the download's progress: the bundled model again (the partial files stay in the
+        hub cache, so `completiond pull` resumes it)."""
+        if self._first_run_loading():
+            self._first_run_failed("download cancelled")
 
     def model_mismatch(self) -> str:
         """What the daemon serves differently from this editor's engine settings ('' when nothing)."""
@@ -498,7 +562,7 @@ class CompletionServer(LanguageServer):
                 return
             # A percentage in begin tells the client that reports will carry one (else it may show a spinner).
             self.work_done_progress.begin(token, types.WorkDoneProgressBegin(
-                title="completiond", message=message, cancellable=False, percentage=0))
+                title="completiond", message=message, cancellable=self._first_run_loading(), percentage=0))
             self._progress_token = token
             self._progress_sent = 0
             if not self._progress_wanted or self.status.get("state") != "loading":
@@ -687,6 +751,7 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             if ls.cfg.enable:  # disabled: no daemon, no model in memory, until enabled
                 await ls.start_service()
                 ls.service_started = True
+                ls._offer_task = asyncio.ensure_future(ls.offer_first_run())
 
         ls._started = asyncio.ensure_future(start())
         ls._watcher = asyncio.ensure_future(ls.watch_config_file())
@@ -802,6 +867,12 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             ls.service_failed(exc)
             return {"restarted": False, "error": str(exc)}
         return {"restarted": True}
+
+    @server.feature(types.WINDOW_WORK_DONE_PROGRESS_CANCEL)
+    def progress_cancel(ls: CompletionServer, params: types.WorkDoneProgressCancelParams) -> None:
+        # Only the download of the model accepted at the first run can be cancelled (cancellable=True then).
+        if params.token == ls._progress_token:
+            ls.cancel_first_run()
 
     @server.feature(types.SHUTDOWN)
     async def shutdown(ls: CompletionServer, params: Any) -> None:
