@@ -49,7 +49,7 @@ def test_tasks_are_cut_as_the_mode_says_and_deterministic(problems, mode):
 @pytest.mark.parametrize("mode", humaneval.BENCHMARKS)
 def test_the_canonical_insertion_passes_every_task(problems, mode):
     result = humaneval.evaluate(humaneval.build_tasks(problems, mode), None, None)
-    failed = [r for r in result["rows"] if not r["canonical"]]
+    failed = [r for r in result["rows"] if not r["passed"]["canonical"]]
     assert result["passed"]["canonical"] == 164, failed[:3]
 
 
@@ -92,6 +92,8 @@ def test_whole_and_first_line_are_scored_apart(problems):
     result = humaneval.evaluate([task], _Fixed(task.middle + "\n    x = (\n"), config_mod.Config())
     assert result["passed"] == {"canonical": 1, "whole": 0, "first_line": 1}
     assert result["shown"] == 1
+    row = result["rows"][0]
+    assert row["suggestion"] == task.middle + "\n    x = (\n" and row["passed"]["first_line"]
 
 
 def test_the_command_runs_the_self_check(tmp_path):

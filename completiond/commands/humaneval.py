@@ -218,7 +218,7 @@ def evaluate(tasks: list[Task], completer: Any | None, cfg: Any, raw: bool = Fal
             insertion = insertions.get(kind)
             ok, why = run_program(task.program(insertion or "")) if insertion is not None else (False, "n/a")
             passed[kind] += ok
-            row[kind] = ok
+            row.setdefault("passed", {})[kind] = ok
             if not ok and kind == "canonical":
                 row["canonical_error"] = why
         rows.append(row)
@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  suggestions shown                  {result['shown']:4d}/{n}")
     canonical = result["passed"].get("canonical")
     if canonical is not None and canonical != result["tasks"]:
-        failed = [r["task"] + ": " + r.get("canonical_error", "") for r in result["rows"] if not r["canonical"]]
+        failed = [r["task"] + ": " + r.get("canonical_error", "") for r in result["rows"] if not r["passed"]["canonical"]]
         print("completiond eval: the canonical insertion failed (the benchmark or its sandbox is broken):\n  "
               + "\n  ".join(failed[:10]), file=sys.stderr)
         return 1
