@@ -148,3 +148,50 @@ async def test_offline_the_bundled_model_comes_back_with_one_notice(editor, runt
     assert len(told) == 1 and "completiond pull" in told[0].message, e.client.messages
     assert not [m for m in e.client.messages if m.type == types.MessageType.Error], e.client.messages
     assert "model" not in state(runtime) and not hub.fetched()
+
+
+# --- the download's checks (engine/hub.py pull, which the daemon's load uses) ----------------------------
+
+def _hub_env(monkeypatch, tmp_path, server) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def test_every_file_is_checked_against_the_hubs_hashes(tmp_path, monkeypatch):
+    from completiond.engine import hub as hub_mod
+
+    server = FakeHub()
+    try:
+        server.add("Qwen/Qwen2.5-Coder-0.5B", BUNDLED)
+        _hub_env(monkeypatch, tmp_path, server)
+        pulled = hub_mod.pull("Qwen/Qwen2.5-Coder-0.5B")  # sha256 of the weights, git blob ids of the rest
+        assert (pulled.path / "model.safetensors").is_file()
+        server.add("Qwen/Qwen2.5-Coder-1.5B", BUNDLED)
+        server.wrong = {"model.safetensors"}
+        with pytest.raises(hub_mod.HubError, match="does not match the hub's sha256"):
+            hub_mod.pull("Qwen/Qwen2.5-Coder-1.5B")
+        assert not list((tmp_path / "hf").glob("models--Qwen--Qwen2.5-Coder-1.5B/snapshots/*/model.safetensors"))
+        server.wrong = {"tokenizer.json"}
+        with pytest.raises(hub_mod.HubError, match="git-sha1"):
+            hub_mod.pull("Qwen/Qwen2.5-Coder-1.5B")
+    finally:
+        server.close()
+
+
+def test_a_full_disk_is_found_before_anything_is_downloaded(tmp_path, monkeypatch):
+    import shutil
+
+    from completiond.engine import hub as hub_mod
+
+    server = FakeHub()
+    try:
+        server.add("Qwen/Qwen2.5-Coder-0.5B", BUNDLED)
+        _hub_env(monkeypatch, tmp_path, server)
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))
+        with pytest.raises(hub_mod.HubError, match="not enough free disk space"):
+            hub_mod.pull("Qwen/Qwen2.5-Coder-0.5B")
+        assert not server.fetched()
+    finally:
+        server.close()

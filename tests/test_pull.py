@@ -80,6 +80,7 @@ class FakeHub:
         self.repos: dict[str, tuple[str, dict[str, bytes]]] = {}
         self.requests: list[tuple[str, str]] = []
         self.gated: set[str] = set()  # repos whose files need an accepted licence (403, as the hub answers)
+        self.wrong: set[str] = set()  # files whose metadata gives another hash than their contents have
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -102,7 +103,7 @@ class FakeHub:
                         return self._send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
                     commit, files = hub.repos[repo]
                     info = {"id": repo, "sha": commit, "private": False, "gated": False,
-                            "siblings": [{"rfilename": f, "size": len(d)} for f, d in files.items()]}
+                            "siblings": [hub.sibling(f, d) for f, d in files.items()]}
                     return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
                 if len(parts) >= 5 and parts[2] == "resolve":
                     if "/".join(parts[:2]) in hub.gated:
@@ -138,6 +139,17 @@ class FakeHub:
             files["config.json"] = json.dumps({**json.loads(files["config.json"]), **config}).encode()
         files.update(extra or {})
         self.repos[repo] = (commit, files)
+
+    def sibling(self, name: str, data: bytes) -> dict:
+        """A file's entry in the model info, with the hashes the hub gives: sha256 for LFS files (weights),
+        the git blob id for the others."""
+        if name in self.wrong:
+            data = data + b"tampered"
+        if name.endswith(".safetensors"):
+            return {"rfilename": name, "size": len(data), "lfs": {"size": len(data), "pointerSize": 134,
+                                                                   "sha256": hashlib.sha256(data).hexdigest()}}
+        blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+        return {"rfilename": name, "size": len(data), "blobId": blob}
 
     def fetched(self) -> list[str]:
         """Files whose contents were downloaded (GET)."""

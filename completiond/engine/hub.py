@@ -396,7 +396,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     if not commit or not _COMMIT.match(commit):
         raise HubError(f"the hub ({endpoint()}) gave no commit for {repo}; try again later")
     sizes = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
+    digests = {s.rfilename: _digest(s) for s in (info.siblings or [])}
     chosen = choose_files(repo, sizes, trust_remote_code)
+    check_free_space(repo_folder(repo), sum(sizes.get(f, 0) for f in chosen))
     folder = repo_folder(repo)
     done = [0]
 
@@ -417,6 +419,7 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
                                         **({"tqdm_class": bar} if per_byte else {})))
             if not per_byte:
                 add(sizes.get(filename, 0))
+            check_digest(repo, filename, path, digests.get(filename))
             return path
         except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, *_transport_errors()) as exc:
             raise _describe(repo, exc) from None
@@ -460,6 +463,61 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     if missing:
         raise HubError(f"{repo}: the download left {snapshot} incomplete (missing {', '.join(missing)}); pull again")
     return Pulled(snapshot, repo, revision, commit, done[0], total)
+
+
+def _digest(sibling) -> tuple[str, str] | None:
+    """What the hub's metadata says a file hashes to: ("sha256", hex) for an LFS file (the weights),
+    ("git-sha1", hex) for a small one (its git blob id); None when it says neither."""
+    lfs = getattr(sibling, "lfs", None)
+    sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
+    if isinstance(sha256, str) and re.fullmatch(r"[0-9a-f]{64}", sha256):
+        return ("sha256", sha256)
+    blob = getattr(sibling, "blob_id", None)
+    if isinstance(blob, str) and re.fullmatch(r"[0-9a-f]{40}", blob):
+        return ("git-sha1", blob)
+    return None
+
+
+def check_digest(repo: str, filename: str, path: Path, digest: tuple[str, str] | None) -> None:
+    """The downloaded file hashes to what the hub's metadata says, or it is removed and the pull fails."""
+    if digest is None:
+        return
+    import hashlib
+
+    kind, want = digest
+    h = hashlib.sha256() if kind == "sha256" else hashlib.sha1()
+    if kind == "git-sha1":
+        h.update(f"blob {path.stat().st_size}\0".encode())
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if h.hexdigest() != want:
+        try:
+            os.unlink(os.path.realpath(path))  # the blob: the next pull fetches it again
+            os.unlink(path)
+        except OSError:
+            pass
+        raise HubError(f"{repo}: {filename} does not match the hub's {kind} ({h.hexdigest()[:12]}... instead of "
+                       f"{want[:12]}...); it was removed, pull again")
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """Enough free disk where the model goes for what is still to download (with 5 % and 64 MB to spare)."""
+    import shutil
+
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    have = sum(p.stat().st_size for p in (folder / "blobs").iterdir() if p.is_file()) if (folder / "blobs").is_dir() else 0
+    missing = max(0, needed - have)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if missing and free < missing * 1.05 + (64 << 20):
+        raise HubError(f"not enough free disk space for this model: {missing / 1e9:.2f} GB to download, "
+                       f"{free / 1e9:.2f} GB free in {where}; free some space (or set HF_HUB_CACHE to a larger disk) "
+                       "and pull again")
 
 
 def _size(path: Path) -> int:
