@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Generator
 
 from completiond.engine.calibration import Calibration, save_calibration
@@ -87,7 +88,8 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
                   draft: DraftKind = DraftKind.EARLY_EXIT) -> Generator[str, None, dict]:
         params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
                                 prompt_lookup=lookup, draft=draft)
-        speedups, secs_runs = [], []
+        speedups: list[float] = []
+        secs_runs: list[float] = []
         drafted = accepted = rejected = rounds = 0
         dms = vms = 0.0
         while len(speedups) < repeats:
@@ -309,7 +311,7 @@ class BackgroundCalibration:
         engine = self.engine
         if state == "done" and self.result is not None:
             try:
-                where = save_calibration(engine.model_id, self.result)
+                where: Path | str = save_calibration(engine.model_id, self.result)
             except OSError as exc:
                 where = f"not stored ({exc})"
             engine.calibration = self.result

@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from completiond.config import is_local_model
 from completiond.engine.catalog import (  # noqa: F401  (hub.CATALOG and the rest: the catalog's API)
@@ -412,11 +412,13 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     # Byte-level progress needs the tqdm_class hook (huggingface_hub 0.3x and later); without it, per file.
     per_byte = "tqdm_class" in inspect.signature(hf_hub_download).parameters
 
+    progress_hook: dict[str, Any] = {"tqdm_class": bar} if per_byte else {}
+
     def fetch(filename: str) -> Path:
         try:
             path = Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
                                         endpoint=endpoint(), etag_timeout=HUB_TIMEOUT,
-                                        **({"tqdm_class": bar} if per_byte else {})))
+                                        **progress_hook))
             if not per_byte:
                 add(sizes.get(filename, 0))
             check_digest(repo, filename, path, digests.get(filename))

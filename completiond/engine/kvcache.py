@@ -11,7 +11,7 @@ caller can return memory to the allocator.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ class KVSequence:
         # A separate draft model's own sequence over the same tokens (engine/draft_model.py). It rides
         # on this one so that the prefix cache crops, copies and evicts both together; it may lag.
         self.companion: "KVSequence | None" = None
-        self.lookup = None  # the prompt-lookup draft's n-gram index over tokens[:length], made on first use
+        self.lookup: Any = None  # an NgramIndex (lookup.py, which imports this module): the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
     def capacity(self) -> int:

@@ -89,7 +89,7 @@ class NgramIndex:
         # (about 3x faster than slicing the array per position). Per key, positions stay ascending.
         lo = max(0, keep - max(self.sizes) + 1)
         toks = self.tokens[lo:length].tolist()
-        ends = self.ends
+        index = self.ends
         for n in self.sizes:
             first = max(keep, n - 1)  # the first position that ends an n-gram and is new
             if first >= length:
@@ -97,9 +97,9 @@ class NgramIndex:
             a = first - n + 1 - lo
             keys = zip(*(toks[a + i:length - lo - n + 1 + i] for i in range(n)))
             for p, key in zip(range(first, length), keys):
-                got = ends.get(key)
+                got = index.get(key)
                 if got is None:
-                    ends[key] = [p]
+                    index[key] = [p]
                 else:
                     got.append(p)
         self.length = length

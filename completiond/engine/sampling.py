@@ -95,6 +95,7 @@ def accept_sampled_resident(draft: torch.Tensor, q: torch.Tensor | None, p: torc
     k, vocab = draft.numel(), p.shape[-1]
     if k == 0:
         return torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), torch.multinomial(p[0], 1, generator=gen)])
+    assert q is not None  # drafted tokens come with their distributions
     rows = torch.arange(k, device=p.device)
     u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype)
     rejected = u >= torch.clamp(p[rows, draft] / q[rows, draft], max=1.0)  # [k]: not min(1, p(x)/q(x))

@@ -100,9 +100,12 @@ class LightTokenizer:
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
         if isinstance(tokens, str):
-            tid = self._tok.token_to_id(tokens)
-            return self.unk_token_id if tid is None else tid
-        return [self.convert_tokens_to_ids(t) for t in tokens]
+            return self._tok_id(tokens)
+        return [self._tok_id(t) for t in tokens]
+
+    def _tok_id(self, token: str) -> int | None:
+        tid = self._tok.token_to_id(token)
+        return self.unk_token_id if tid is None else tid
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
         if isinstance(ids, int):
@@ -330,7 +333,7 @@ def probe_texts(tokens: Sequence[str]) -> list[str]:
     import textwrap
 
     for module in (json, textwrap, string):   # real code, present wherever Python is
-        path = Path(module.__file__)
+        path = Path(module.__file__ or "")
         if path.is_file():
             texts.append(path.read_text(encoding="utf-8", errors="replace")[:20000])
     pool = "abcxyzABC_019 \t\n\r(){}[]<>:;,.'\"#@$%^&*+-=/\\|~`?!éßü日本🙂" + "".join(tokens[:8])
