@@ -54,6 +54,8 @@ SUGGESTION_EVENTS = {("accepted", "full"), ("accepted", "word"), ("accepted", "l
 # not: a line of 2,000 spaces and a letter froze the event loop for seconds.
 MIDLINE_REST = re.compile(r"[)>}\]\"'`]*\s*[:{;,]?")
 MIDLINE_MAX = 256  # longer (stripped) text after the cursor is never only closers: no match attempted
+# Suggestions generated when the user asks for alternatives (an invoked request, e.g. cycling).
+ON_DEMAND_ALTERNATIVES = 3
 STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
 
 
@@ -584,8 +586,10 @@ class CompletionServer(LanguageServer):
 
     # --- completion -------------------------------------------------------------------
 
-    async def suggest(self, uri: str, position: types.Position) -> tuple[Document, list[dict[str, Any]]] | None:
-        """The document and its suggestions at the position, best first (several with `alternatives` > 1)."""
+    async def suggest(self, uri: str, position: types.Position,
+                      alternatives: int | None = None) -> tuple[Document, list[dict[str, Any]]] | None:
+        """The document and its suggestions at the position, best first (several with `alternatives` > 1, or
+        at least `alternatives` when given: the user asked for them, by cycling)."""
         doc = self.docs.get(uri)
         if doc is None or not self.cfg.enable:
             return None
@@ -599,14 +603,15 @@ class CompletionServer(LanguageServer):
             return None
         version = doc.version
         offset = doc.offset(position.line, position.character, self.encoding)
-        typed_through = self._typed_through(doc, offset)
+        typed_through = self._typed_through(doc, offset) if alternatives is None else None
         if typed_through is not None:
             return doc, [typed_through]
         if self._started is not None and not self._started.done():
             await asyncio.shield(self._started)
         try:
             result = await self.service.request("complete", {
-                "uri": uri, "version": version, "offset": offset, "settings": self.request_settings()})
+                "uri": uri, "version": version, "offset": offset,
+                "settings": _with_alternatives(self.request_settings(), alternatives)})
         except RemoteError as exc:
             if exc.code == Code.CANCELLED:
                 return None  # superseded by a newer request: that one answers
@@ -703,6 +708,12 @@ def midline_rest_ok(rest: str) -> bool:
     (MIDLINE_REST), decided in time linear in its length."""
     rest = rest.strip()
     return len(rest) <= MIDLINE_MAX and MIDLINE_REST.fullmatch(rest) is not None
+
+
+def _with_alternatives(settings: dict[str, Any], alternatives: int | None) -> dict[str, Any]:
+    if alternatives is None:
+        return settings
+    return {**settings, "alternatives": max(int(settings.get("alternatives") or 1), alternatives)}
 
 
 def _rest_of_line(doc: Document, offset: int) -> tuple[str, int]:
@@ -810,7 +821,11 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
                 doc, doc.offset(params.position.line, params.position.character, ls.encoding)):
             return types.InlineCompletionList(items=[])
         typed_through = ls.typed_through_count
-        found = await ls.suggest(params.text_document.uri, params.position)
+        # Asked for explicitly (VS Code asks so when the user cycles through a single suggestion, Neovim's
+        # cycle keys too): alternatives on demand, as Copilot does, whatever `alternatives` says for typing.
+        invoked = params.context is not None and params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+        found = await ls.suggest(params.text_document.uri, params.position,
+                                 alternatives=ON_DEMAND_ALTERNATIVES if invoked else None)
         if found is None:
             return types.InlineCompletionList(items=[])
         doc, suggestions = found

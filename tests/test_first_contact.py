@@ -241,3 +241,20 @@ def test_setup_builds_the_native_step_ahead(monkeypatch, capsys):
     assert "compiling the native CPU step" in err and "ready" in err and calls == ["built"]
     assert setup.prepare() == 0  # already built: nothing compiled again
     assert calls == ["built", "built"] and "ready" in capsys.readouterr().err  # (library() loads, no build)
+
+
+# --- cycling fetches alternatives on demand ------------------------------------------------------------------
+
+@pytest.mark.slow
+async def test_an_invoked_request_brings_alternatives(start, tiny_model_dir):
+    s = await start(settings_for(tiny_model_dir, maxTokens=6))  # alternatives = 1: one suggestion while typing
+    await s.open(text="def add(a, b):\n    return a + b\n\n\n")
+    typed = await s.inline()
+    assert len(typed.items) <= 1
+    params = s.inline_params()
+    params.context = types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Invoked)
+    cycled = await asyncio.wait_for(s.client.text_document_inline_completion_async(params), 120)
+    texts = [i.insert_text for i in cycled.items]
+    assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
+    if typed.items:
+        assert texts[0] == typed.items[0].insert_text  # the first is the one already shown
