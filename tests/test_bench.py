@@ -198,6 +198,7 @@ class _ScriptedEngine:
         self.draft_ids = None
         self.vocab_size = 100
         self.cache = type("C", (), {"clear": lambda self: None})()
+        self.exit_adapter = self.draft_model = self.medusa = None  # no trained drafts attached
 
     def set_draft_vocab(self, ids):
         pass
