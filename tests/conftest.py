@@ -35,7 +35,7 @@ if not os.environ.get("COMPLETIOND_NATIVE_CACHE"):
 os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="completiond-tests-run-")
 atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], ignore_errors=True)
 
-import pytest
+import pytest  # noqa: E402  (after the environment above is set)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,3 +91,15 @@ class float32_kernel_env:
             os.environ.pop("COMPLETIOND_KERNEL", None)
         else:
             os.environ["COMPLETIOND_KERNEL"] = self.saved
+
+
+# The files that take longest (from `--durations`), collected first: with a file per worker
+# (`--dist loadfile`), a long one started last would leave the other workers idle at the end.
+SLOW_FILES = ("test_train_default.py", "test_engine.py", "test_native_step.py", "test_tokenizer_light.py",
+              "test_bench.py", "test_lsp.py", "test_bench_device.py", "test_recovery.py", "test_daemon.py",
+              "test_nvim.py", "test_vscode.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
