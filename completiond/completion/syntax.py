@@ -562,15 +562,6 @@ def _closers(site: Site, x: str) -> str:
     return "".join(pairs[c] for c in reversed(stack[site.closed_below:]))
 
 
-def _endings(spec: LanguageSpec) -> tuple[str, ...]:
-    """What may follow a statement's open brackets to finish it, tried in order: nothing, a body opener."""
-    if spec.name == "python":
-        return ("", ":")
-    if spec.name == "bash":
-        return ("",)
-    return ("", " {}", ";")
-
-
 def check(site: Site, s: str) -> Verdict:
     """What of suggestion `s` to show at `site` (see the module doc). Never raises for any text."""
     t0 = time.perf_counter()
@@ -624,9 +615,18 @@ def check(site: Site, s: str) -> Verdict:
         """The statement being typed, with `insert` and then only its open brackets closed (and a body
         opener or a terminator), has no error left on its lines and the next code line: the suggestion
         heads where the user goes."""
-        closing = _closers(site, insert)
-        # As it is first (the lines below may close what it opens), then its brackets closed.
-        probes = dict.fromkeys([insert] + [insert + closing + ending for ending in _endings(site.spec)])
+        # As it is first (the lines below may close what it opens); then with the brackets the user is inside
+        # closed, when the suggestion is balanced within them; then with the block it opens at its end closed.
+        probes = [insert]
+        inside = _closers(site, "")
+        if inside and _closers(site, insert) == inside:
+            probes.append(insert + inside)
+        own = _open_at_line_ends(site.spec, insert)
+        if own:
+            probes.append(insert + own + inside)
+        last = (site.line_prefix + insert).rsplit("\n", 1)[-1]
+        if site.spec.name == "python" and _BLOCK_KEYWORDS.match(last) and not last.rstrip().endswith(":"):
+            probes += [p + ":" for p in probes]   # a header whose colon is still to come
         for probe in probes:
             if count >= MAX_PARSES:
                 return False
