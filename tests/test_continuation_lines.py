@@ -80,7 +80,6 @@ def test_stream_callback_keeps_the_closer_of_a_continuation_line(tmp_path):
 @pytest.mark.parametrize("language, text", [
     ("javascript", "function f() {\n  x = foo(a,\n    b"),
     ("go", "package p\n\nfunc f() {\n\tx := foo(a,\n\t\tb"),
-    ("rust", "fn f() {\n    let x = foo(a,\n        b"),
 ])
 def test_every_language_with_a_grammar_sees_the_statement(language, text):
     # The ")" closes the bracket the line above opened.

@@ -233,7 +233,8 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(d)
 
 
-@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", "y = x +")])
+# Python's text in a JavaScript document: the line `y = x +` there is not finishable JavaScript either.
+@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", None)])
 def test_local_path_checks_suggestions(tok, language, expected):
     from completiond import config as config_mod
     from completiond.completion.completer import suggest
@@ -247,7 +248,7 @@ def test_local_path_checks_suggestions(tok, language, expected):
     text = FUNC + AFTER
     found = suggest(LocalCompleter(ScriptedEngine(tok, "y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
                     language=language).suggestion
-    assert found is not None and found.text == expected
+    assert (found.text if found is not None else None) == expected
     if language == "python":
         assert found.stats["syntax_check"] == "cut" and found.stats["syntax_parses"] >= 2
 
@@ -266,7 +267,7 @@ class _Server:
         return TeamGeneration(self.text, "stop", {})
 
 
-@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", "y = x +")])
+@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", None)])
 def test_remote_path_checks_suggestions(language, expected):
     from completiond import config as config_mod
     from completiond.completion.completer import suggest
@@ -278,7 +279,7 @@ def test_remote_path_checks_suggestions(language, expected):
     text = FUNC + AFTER
     done = suggest(TeamCompleter(_Server("y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
                    path="/w/a.py" if language == "python" else "/w/a.js", language=language)
-    assert [s.text for s in done.suggestions] == [expected]
+    assert [s.text for s in done.suggestions] == ([expected] if expected else [])
 
 
 

@@ -630,13 +630,17 @@ def check(site: Site, s: str) -> Verdict:
         for probe in probes:
             if count >= MAX_PARSES:
                 return False
-            end = near_end + len(encode(probe))
-            if not any(a <= end and b >= line_start for a, b, _, _ in errors_with(probe)):
+            size = len(encode(probe))
+            end, data_end = near_end + size, len(data) + size
+            # A closer missing at the very end of the region is owed by a construct opened above the line.
+            if not any(a <= end and b >= line_start and not (missing and a >= data_end)
+                       for a, b, missing, _ in errors_with(probe)):
                 return True
         return False
 
     # Unfinished here: an error on the cursor line or the next code line before anything is inserted.
     unfinished = any(a <= near_end and b >= line_start for a, b, _, _ in site.errors)
+    on_line = any(a <= line_end and b >= line_start for a, b, _, _ in site.errors)
 
     def done(text: str, outcome: str) -> Verdict:
         reason = reasons[0] if reasons and outcome in ("cut", "dropped") else ""
@@ -675,7 +679,8 @@ def check(site: Site, s: str) -> Verdict:
                     if not reasons:
                         reasons.append("only part of it leaves the line being typed finishable")
                     return done(c, "cut")
-            if viable(""):
+            if on_line or viable(""):
+                # The unfinished edit is this line's: what does not finish it is not shown.
                 if not reasons:
                     reasons.append("leaves the line being typed unfinishable")
                 return done("", "dropped")
