@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from completiond import config as config_mod
+from completiond.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def accepted_settings() -> dict[str, Any]:
     return {"model": model, "weights": weights}
 
 
-def should_offer(cfg: Any) -> bool:
+def should_offer(cfg: Config) -> bool:
     """No model set anywhere, a local engine, and never asked before."""
     return not cfg.model and cfg.backend == "local" and not read_state().get("asked")
 

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from completiond.config import SETTINGS_BY_KEY
 from completiond.engine.draft_kind import DraftKind
@@ -192,7 +192,7 @@ def random_model(shape: str, directory: Path, vocab: str = "real", seed: int = 0
 
     from completiond.models import default_model_dir
 
-    cfg: Any = transformers.Qwen2Config(**shape_config(shape, vocab), eos_token_id=0, bos_token_id=0)
+    cfg = cast(Any, transformers.Qwen2Config(**shape_config(shape, vocab), eos_token_id=0, bos_token_id=0))
     directory.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(directory)
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from completiond.config import Config
+
 BENCHMARKS = ("humaneval-single", "humaneval-multi", "humaneval-span")
 TIMEOUT_S = 10.0          # wall clock per program
 CPU_S = 10                # CPU seconds per program
@@ -166,7 +168,7 @@ def _config(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def _raw(completer: Any, task: Task, cfg: Any) -> str | None:
+def _raw(completer: Any, task: Task, cfg: Config) -> str | None:
     """The model's own output at the cursor (no stop rules, trimming or syntax check): the generated tokens
     up to its end-of-text or maxTokens, decoded. None for a team server (its answer is already cut)."""
     engine = getattr(completer, "engine", None)
@@ -185,7 +187,7 @@ def _raw(completer: Any, task: Task, cfg: Any) -> str | None:
     return engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def evaluate(tasks: list[Task], completer: Any | None, cfg: Any, raw: bool = False, self_check: bool = True,
+def evaluate(tasks: list[Task], completer: Any | None, cfg: Config, raw: bool = False, self_check: bool = True,
              progress: Any = None) -> dict[str, Any]:
     """pass@1 (greedy, one sample) of each insertion kind over `tasks`, and the rows behind it."""
     from completiond.completion.completer import suggest
