@@ -205,13 +205,27 @@ class TextRules:
             if nl >= 0 and (cut is None or nl < cut.pos):
                 cut = Cut(nl, "single-line")
             return cut
-        cycle = find_line_cycle(s, final, self.line_prefix)
+        # Cycles are looked for only within maxLines: past it the stream stops, so a repeat found there
+        # would make the whole output's cut differ from the one the engine stopped at.
+        window = self._max_lines_end(s)
+        cycle = find_line_cycle(s, final, self.line_prefix) if window is None \
+            else find_line_cycle(s[:window], True, self.line_prefix)
         if cycle is not None and (cut is None or cycle.pos < cut.pos):
             cut = cycle
         line_cut = self._line_cut(s if cut is None else s[: cut.pos], final or cut is not None)
         if line_cut is not None:
             return line_cut
         return cut
+
+    def _max_lines_end(self, s: str) -> int | None:
+        """Offset of the newline that ends the last line maxLines allows, or None if `s` has not reached it."""
+        first = 0 if s.split("\n", 1)[0].strip() else 1  # a suggestion after an opener starts with "\n"
+        pos = -1
+        for _ in range(first + self.max_lines):
+            pos = s.find("\n", pos + 1)
+            if pos < 0:
+                return None
+        return pos
 
     def _retype_cut(self, s: str) -> Cut | None:
         """Cut where the suggestion starts typing the text that is already right of the cursor.
