@@ -114,6 +114,16 @@ class Completer(Protocol):
         """A calibration job to run between requests (engine/autocalibrate.py), or None."""
         ...
 
+    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
+               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
+        """A background warm-up of the prompts the document's next requests start with (completion/warmup.py:
+        step(cancel) -> more to do), or None where nothing can be warmed. offset None: a file just opened."""
+        ...
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """What the prefix KV cache holds (bytes, budget, sequences), or None where there is none."""
+        ...
+
 
 def suggest(completer: Completer, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
             language: str | None = None, context: Sequence[tuple[str, str]] = (), tree: Any = None) -> Completion:

@@ -30,6 +30,11 @@ from completiond.models.fim import FimError, FimTemplate, make_template
 __all__ = ["CHARS_PER_TOKEN", "Prompt", "PromptBuilder", "PromptOptions", "TokenEncoder", "skip_reason"]
 
 
+# The suffix's share of a jump's wait: on a CPU it is at most what the engine's estimated prefill rate gets
+# through in this time, and never fewer tokens than SUFFIX_MIN_TOKENS.
+SUFFIX_PREFILL_S = 0.25
+SUFFIX_MIN_TOKENS = 32
+
 @dataclass
 class Prompt:
     """Everything one request needs around `engine.generate`: the ids, the healing constraint and
@@ -204,6 +209,16 @@ class PromptBuilder:
     def for_engine(cls, engine: Any, cfg: Config | None = None, **kw) -> "PromptBuilder":
         # The healing mask must match the model's logits, which can be wider than the tokenizer.
         vocab = getattr(engine, "vocab_size", None)
+        rate = getattr(engine, "prefill_tokens_per_s", None)
+        if rate and cfg is not None and "options" not in kw and int(cfg.suffix_tokens) > SUFFIX_MIN_TOKENS:
+            # Sized for the device: after every jump the suffix is prefilled anew, so on a CPU it is at most
+            # what prefills in SUFFIX_PREFILL_S (the 0.5B shape: about 60 tokens; the bundled model: all).
+            cap = max(SUFFIX_MIN_TOKENS, int(rate * SUFFIX_PREFILL_S))
+            if cap < int(cfg.suffix_tokens):
+                info = getattr(engine, "info", None)
+                train = getattr(info, "train_context", None)
+                max_context = min(engine.max_context, train) if train else engine.max_context
+                kw["options"] = PromptOptions.from_config(cfg, max_context, suffix_tokens=cap)
         return cls.for_model(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
                              device=getattr(engine, "device", "cpu"), info=getattr(engine, "info", None), **kw)
 

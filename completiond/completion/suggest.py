@@ -279,6 +279,22 @@ class LocalCompleter:
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
+               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
+        from completiond.completion.warmup import Warmup
+
+        if not hasattr(self.engine, "warm"):  # an engine without a prefix cache to warm
+            return None
+        try:
+            builder = builder_for(self.engine, cfg)
+        except PromptError:
+            return None
+        return Warmup(self.engine, builder, text, offset, context, path, language)
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        cache = getattr(self.engine, "cache", None)
+        return cache.stats() if cache is not None and hasattr(cache, "stats") else None
+
     def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
         """A model that has neither a user record nor shipped defaults is calibrated on the engine thread
         whenever no request waits (a request preempts it within one round); None otherwise."""

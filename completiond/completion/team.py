@@ -59,6 +59,13 @@ class TeamCompleter:
     def describe(self) -> dict[str, str | None]:
         return {"draft": None, "decode_step": None, "tokenizer": None}
 
+    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
+               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
+        return None   # the server keeps its own cache
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        return None
+
     def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
         return None  # nothing of ours to calibrate
 

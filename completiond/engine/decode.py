@@ -37,7 +37,9 @@ class Host(Runner, Protocol):
     pending_dev: tuple[int, torch.Tensor] | None  # the last committed token, kept on the device
 
     def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None,
-                draft: Draft | None = None) -> bool: ...
+                draft: Draft | None = None, chunk_size: int = ...) -> bool: ...
+
+    prefill_chunk: int
 
 
 @dataclass
@@ -71,7 +73,8 @@ def decode(engine: Host, seq: KVSequence, prompt: list[int], reused: int, rounds
     # step, they cost about one pass instead of two (a prefill, then the step).
     ahead = rest if rounds.merges_prefill and 0 < len(rest) <= MERGE_PREFILL else []
     out: list[int] = []
-    finish = "length" if ahead or engine.prefill(seq, rest, req.cancel, rounds.draft) else "cancelled"
+    finish = "length" if ahead or engine.prefill(seq, rest, req.cancel, rounds.draft,
+                                                                   engine.prefill_chunk) else "cancelled"
     t1 = time.perf_counter()
     stats.prefill_ms = 1000 * (t1 - t0)
     pending = prompt[-1]

@@ -4,8 +4,10 @@ A `KVSequence` is one token sequence with the keys and values of every layer
 for each of its tokens. The `PrefixCache` holds sequences that are not in use,
 within a byte budget, and hands out the one sharing the longest prefix with a
 new prompt (any cached sequence, so switching files and back still hits).
-Least recently used sequences are evicted first; `on_evict` is told, so a GPU
-caller can return memory to the allocator.
+Least recently used sequences are evicted first (a sequence that a newer one
+holds nearly all of goes at once: the budget keeps the prefixes of distinct
+files and regions, an LRU of them); `on_evict` is told, so a GPU caller can
+return memory to the allocator.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import torch
 
 # Growing a sequence's tensors copies them, so capacity grows in steps.
 _CAPACITY_STEP = 256
+# Fewer shared tokens than this (and than half the prompt) are not reused from a sequence that would lose
+# more than that to them.
+_MIN_SHARED = 32
+# A cached sequence sharing all but this many of its tokens with one released after it is dropped then.
+_SUPERSEDED = 8
 
 
 class KVSequence:
@@ -107,6 +114,13 @@ class PrefixCache:
         self.hits = 0
         self.lookups = 0
         self.evictions = 0
+        self.superseded = 0
+
+    def stats(self) -> dict[str, int]:
+        """What the cache holds and has done (the daemon's stats)."""
+        return {"bytes": self.nbytes, "budget_bytes": self.budget_bytes, "sequences": len(self._entries),
+                "tokens": sum(s.length for s in self._entries.values()), "lookups": self.lookups, "hits": self.hits,
+                "evictions": self.evictions, "superseded": self.superseded}
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +145,12 @@ class PrefixCache:
         best = min(best, len(prompt) - 1)
         if best_key is None or best <= 0:
             return factory(len(prompt)), 0
-        self.hits += 1
         seq = self._entries[best_key]
+        if best < _MIN_SHARED and best < len(prompt) // 2 and seq.length - best > best:
+            # A few shared tokens (the template's first ones) are not worth another file's prefix: a fresh
+            # sequence, and that one stays cached for its file.
+            return factory(len(prompt)), 0
+        self.hits += 1
         if seq.length - best > self.branch_threshold:
             self._entries.move_to_end(best_key)
             return seq.copy_prefix(best, extra_capacity=len(prompt) - best), best
@@ -143,6 +161,14 @@ class PrefixCache:
     def release(self, seq: KVSequence) -> None:
         if seq.length == 0:
             return
+        # A sequence this one holds (nearly) all of is only its shorter copy: drop it, so that the budget
+        # keeps distinct prefixes (other files, other regions of a file) rather than copies of one.
+        for key, other in list(self._entries.items()):
+            if other.length <= seq.length and seq.common_prefix(other.tokens[:other.length]) >= other.length - _SUPERSEDED:
+                del self._entries[key]
+                self.superseded += 1
+                if self.on_evict is not None:
+                    self.on_evict(other)
         self._entries[id(seq)] = seq
         self._evict()
 

@@ -1,0 +1,89 @@
+"""Background warm-ups of a document's prompt heads: what its next requests will start with, prefilled into
+the engine's prefix cache while the engine has nothing else to do (serving/prefetch.py schedules them).
+
+With a prefix-first FIM layout (every family but the bundled model's suffix-first one) a prompt is the
+context block, the FIM prefix token, then the text above the cursor from the window's anchor
+(completion/plan.py), then the cursor line and the suffix. What comes before the cursor line does not
+depend on where on its line, or on which line of a region, the cursor is. A `Warmup` prefills those heads
+for cursors at line starts one chunk apart, walking down from the cursor (from the top for a file just
+opened) and then up, a few windows' worth at most, in small engine chunks (`Engine.warm`), one piece per
+`step`. A request there later finds its prompt's head cached and prefills only the cursor line and the
+suffix. The KV is the one a cold prefill computes (a token's KV depends only on the tokens before it), so
+suggestions are those of a cold prefill of the same prompt.
+
+A suffix-first layout puts the suffix, which moves with the cursor, first: there is nothing to warm ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+WALK_WINDOWS = 4      # prefix windows' worth of tokens one warm-up prefills at most
+
+
+class Warmup:
+    """One document's walk (worker thread only). `step(cancel)` does one bounded piece; False when done."""
+
+    def __init__(self, engine: Any, builder: Any, text: str, offset: int | None,
+                 context: Sequence[tuple[str, str]] = (), path: str | None = None, language: str | None = None):
+        self.engine, self.builder, self.text = engine, builder, text
+        self.context, self.path, self.language = list(context), path, language
+        self.lines = walk_lines(text, offset, builder.options.chunk_lines)
+        self.targets: list[list[int]] = []
+        self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
+        self.warmed = 0     # tokens prefilled
+        self.done_targets = 0
+
+    def step(self, cancel: Any = None) -> bool:
+        while self.lines and not self.targets:
+            at = self.lines.pop(0)
+            ids = head_ids(self.builder.build(self.text, at, context=self.context, path=self.path,
+                                              language=self.language))
+            if ids:
+                self.targets.append(ids)
+        if not self.targets or self.budget <= 0:
+            return False
+        ids = self.targets[0]
+        warmed, cached = self.engine.warm(ids, cancel, limit=min(self.budget, 4 * self.engine.prefill_chunk))
+        if cached >= len(ids):
+            self.targets.pop(0)
+            self.done_targets += 1
+        self.budget -= warmed
+        self.warmed += warmed
+        return bool(self.targets or self.lines) and self.budget > 0
+
+
+def head_ids(prompt: Any) -> list[int]:
+    """The ids of `prompt` before its cursor line, when nothing among them depends on the cursor (a
+    prefix-first layout: context, FIM prefix token, the window above the cursor line); [] otherwise (a
+    suffix-first layout starts with the suffix; a skipped prompt has no ids)."""
+    ids, prefix, suffix = list(prompt.ids), list(prompt.prefix_ids), list(prompt.suffix_ids)
+    if not ids or not prefix:
+        return []
+    if ids[len(ids) - len(prefix):] == prefix:   # the prefix ends the prompt: suffix-first, or no FIM at all
+        return [] if suffix else ids[:len(ids) - int(prompt.cursor_line_tokens)]
+    end = len(ids) - len(suffix) - 2         # prefix-first: <prefix> P <suffix> S <middle>
+    if end < len(prefix) or ids[end - len(prefix):end] != prefix:
+        return []
+    return ids[:end - int(prompt.cursor_line_tokens)]
+
+
+def walk_lines(text: str, offset: int | None, chunk_lines: int) -> list[int]:
+    """Document offsets of line starts one chunk apart to warm at: from the cursor's chunk down to the end,
+    then up from it (a file just opened, offset None: from the top down)."""
+    starts = [0]
+    n = max(1, chunk_lines)
+    pos, line = 0, 0
+    while True:
+        pos = text.find("\n", pos)
+        if pos < 0:
+            break
+        pos += 1
+        line += 1
+        if line % n == 0:
+            starts.append(pos)
+    if offset is None:
+        return starts[1:] + starts[:1]
+    here = sum(1 for s in starts if s <= offset) - 1
+    return starts[here + 1:] + starts[here::-1][1:]

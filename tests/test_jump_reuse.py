@@ -1,0 +1,134 @@
+"""Jumps, switches and opens reuse exact KV: every suggestion from a reused or warmed cache equals the one a
+cold prefill of the same prompt gives, token for token; the prefix cache keeps distinct prefixes within its
+byte budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from completiond.completion.healing import TokenHealer
+from completiond.completion.plan import PromptOptions
+from completiond.completion.prompt import PromptBuilder
+from completiond.completion.warmup import Warmup, head_ids, walk_lines
+from completiond.engine.engine import Engine, SamplingParams
+from completiond.engine.kvcache import KVSequence, PrefixCache
+from completiond.models.fim import make_template
+
+FILES = [
+    "".join(f"def handler_{k}_{i}(request, value):\n    '''Handle {i}.'''\n    result = value * {i} + {k}\n"
+            f"    if result > {i * 3}:\n        return request.send(result)\n    return None\n\n" for i in range(60))
+    for k in range(3)
+]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    warm, cold = Engine.load(None, device="cpu"), Engine.load(None, device="cpu")
+    return warm, cold
+
+
+def psm_builder(engine: Engine, order: str = "psm") -> PromptBuilder:
+    tok = engine.tokenizer
+    options = PromptOptions(prefix_tokens=320, suffix_tokens=48, context_tokens=0, max_prompt_tokens=440)
+    return PromptBuilder(make_template(tok, "completiond", order=order), options, TokenHealer.for_tokenizer(tok))
+
+
+def line_end(text: str, line: int) -> int:
+    lines = text.split("\n")
+    return sum(len(x) + 1 for x in lines[:line]) + len(lines[line])
+
+
+def test_every_event_kind_equals_a_cold_prefill(engines):
+    warm, cold = engines
+    warm.cache.clear()
+    builder = psm_builder(warm)
+    params = SamplingParams(max_tokens=6, speculative=False)
+    reused: dict[str, list[float]] = {}
+
+    def request(kind: str, text: str, offset: int) -> None:
+        prompt = builder.build(text, offset)
+        got = warm.generate(prompt.ids, params, constraint=prompt.constraint)
+        cold.cache.clear()
+        want = cold.generate(prompt.ids, params, constraint=prompt.constraint)
+        assert got.tokens == want.tokens, kind
+        reused.setdefault(kind, []).append(got.stats.reused_tokens / len(prompt.ids))
+
+    def warm_up(text: str, offset: int | None) -> None:
+        w = Warmup(warm, builder, text, offset)
+        while w.step(None):
+            pass
+
+    a, b = FILES[0], FILES[1]
+    warm_up(a, None)                                   # opened
+    request("open", a, line_end(a, 40))
+    typed = a[:line_end(a, 40)]
+    for ch in "\n    x = handler":                      # typing in place
+        typed += ch
+        request("keystroke", typed + a[line_end(a, 40):], len(typed))
+    request("jump", a, line_end(a, 150))               # at once, no warm-up: window anchored, prefix shared
+    request("jump", a, line_end(a, 120))
+    warm_up(a, line_end(a, 120))                        # the cursor rests
+    request("jump_rest", a, line_end(a, 200))
+    request("jump_rest", a, line_end(a, 90))
+    warm_up(b, None)                                   # another file
+    request("open", b, line_end(b, 30))
+    request("switch", a, line_end(a, 90))              # back to the first one
+    assert max(reused["jump_rest"]) > 0.5 and min(reused["switch"]) > 0.5, reused
+    assert max(reused["open"]) > 0.3, reused
+
+
+def test_warm_ups_skip_a_suffix_first_layout(engines):
+    warm, _ = engines
+    spm = psm_builder(warm, order="spm").build(FILES[0], line_end(FILES[0], 20))
+    psm = psm_builder(warm).build(FILES[0], line_end(FILES[0], 20))
+    assert head_ids(spm) == []
+    head = head_ids(psm)
+    assert head and psm.ids[:len(head)] == head and len(head) < len(psm.ids) - len(psm.suffix_ids)
+
+
+def test_walk_lines_go_down_from_the_cursor_then_up():
+    text = "".join(f"line {i}\n" for i in range(100))
+    starts = walk_lines(text, None, 16)
+    assert starts[0] == text.index("line 16") and starts[-1] == 0
+    at = walk_lines(text, text.index("line 50"), 16)
+    assert at[0] == text.index("line 64") and text.index("line 32") in at and at[-1] == 0
+
+
+def test_prefix_lru_stays_within_its_budget_and_keeps_recent_files(engines):
+    warm, _ = engines
+    builder = psm_builder(warm)
+    per_token = 2 * warm.num_layers * warm.adapter.num_kv_heads * warm.adapter.head_dim * 4
+    budget = 1500 * per_token
+    saved = warm.cache
+    warm.cache = PrefixCache(budget)
+    try:
+        files = [f.replace("handler_", f"h{n}_") for n in range(20) for f in FILES[:1]]
+        for text in files:   # 20 files opened, each file's head warmed
+            warm.warm(head_ids(builder.build(text, line_end(text, 14))))
+            assert warm.cache.nbytes <= budget
+        assert warm.cache.evictions > 0
+        last = head_ids(builder.build(files[-1], line_end(files[-1], 14)))
+        new, cached = warm.warm(last)
+        assert new == 0 and cached == len(last)         # the most recent file's head is still there
+        first = head_ids(builder.build(files[0], line_end(files[0], 14)))
+        assert warm.warm(first, limit=0)[1] < len(first)  # the oldest went
+    finally:
+        warm.cache = saved
+
+
+def test_a_sequence_holding_another_supersedes_it():
+    cache = PrefixCache(1 << 30)
+
+    def seq(tokens: list[int]) -> KVSequence:
+        s = KVSequence(1, 1, 4, __import__("torch").float32, "cpu", capacity=len(tokens))
+        s.commit(tokens)
+        return s
+
+    short, other = seq(list(range(100))), seq(list(range(50)) + [7] * 60)
+    cache.release(short)
+    cache.release(other)
+    cache.release(seq(list(range(300))))
+    assert len(cache) == 2 and cache.superseded == 1     # the 100-token copy went; the branch stays
+    s, reused = cache.acquire(np.arange(300), lambda n: seq([]))
+    assert reused == 299
