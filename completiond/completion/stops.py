@@ -145,23 +145,15 @@ def _suffix_closers(line_suffix: str) -> int:
 
 @dataclass
 class Cut:
-    pos: int  # character offset in the suggestion text where it ends
+    pos: int       # character offset in the suggestion text where it ends
     reason: str
 
 
 class TextRules:
     """The stop rules on plain text; StopRules adds tokens around them."""
 
-    def __init__(
-        self,
-        line_prefix: str,
-        line_suffix: str = "",
-        following: str = "",
-        multiline: str = "auto",
-        max_lines: int = 8,
-        site: Site | None = None,
-        check_syntax: bool = True,
-    ):
+    def __init__(self, line_prefix: str, line_suffix: str = "", following: str = "", multiline: str = "auto",
+                 max_lines: int = 8, site: Site | None = None, check_syntax: bool = True):
         self.line_prefix = line_prefix
         self.line_suffix = line_suffix
         self.following = following
@@ -172,7 +164,7 @@ class TextRules:
         # the rules know of the code's structure.
         self.site = site
         self.check_syntax = check_syntax
-        self.syntax: Verdict | None = None  # the last syntax check's verdict (postprocess sets it)
+        self.syntax: Verdict | None = None   # the last syntax check's verdict (postprocess sets it)
         # Brackets open at the cursor, and how many of them the text right of
         # the cursor closes: the suggestion must leave exactly those open.
         self.open_depth = bracket_scan(line_prefix)[0]
@@ -191,9 +183,7 @@ class TextRules:
         if line_prefix.strip():
             # The block is the one the cursor line belongs to; after an
             # opener, the new block is deeper than the opener's line.
-            self.min_indent = indent_width(line_prefix) + (
-                1 if line_prefix.rstrip().endswith(BLOCK_OPENER_ENDINGS) else 0
-            )
+            self.min_indent = indent_width(line_prefix) + (1 if line_prefix.rstrip().endswith(BLOCK_OPENER_ENDINGS) else 0)
         else:
             self.min_indent = indent_width(line_prefix)
         self.next_line = next((ln.strip() for ln in following.split("\n") if ln.strip()), "")
@@ -218,11 +208,8 @@ class TextRules:
         # Cycles are looked for only within maxLines: past it the stream stops, so a repeat found there
         # would make the whole output's cut differ from the one the engine stopped at.
         window = self._max_lines_end(s)
-        cycle = (
-            find_line_cycle(s, final, self.line_prefix)
-            if window is None
+        cycle = find_line_cycle(s, final, self.line_prefix) if window is None \
             else find_line_cycle(s[:window], True, self.line_prefix)
-        )
         if cycle is not None and (cut is None or cycle.pos < cut.pos):
             cut = cycle
         line_cut = self._line_cut(s if cut is None else s[: cut.pos], final or cut is not None)
@@ -300,8 +287,8 @@ class TextRules:
         starts = [0]
         for ln in lines[:-1]:
             starts.append(starts[-1] + len(ln) + 1)
-        complete = len(lines) - 1 + (1 if final else 0)  # lines[:complete] are finished lines
-        first = 0 if lines[0].strip() else 1  # a suggestion after an opener starts with "\n"
+        complete = len(lines) - 1 + (1 if final else 0)   # lines[:complete] are finished lines
+        first = 0 if lines[0].strip() else 1                # a suggestion after an opener starts with "\n"
         depth = self.carry
         seen_content = bool(lines[0].strip())
         for i, ln in enumerate(lines):
@@ -318,13 +305,8 @@ class TextRules:
                     return Cut(_trim_blank_tail(s, end_of_prev), "top-level code after a blank line")
             # A closer the suggestion owes its own opener is not a repeat of the document's next `}`.
             closes_own = _only_closers(stripped) and depth > self.carry
-            if (
-                i < complete
-                and stripped
-                and stripped == self.next_line
-                and (i >= 1 or not self.line_prefix.strip())
-                and not closes_own
-            ):
+            if i < complete and stripped and stripped == self.next_line and (i >= 1 or not self.line_prefix.strip()) \
+                    and not closes_own:
                 return Cut(_trim_blank_tail(s, end_of_prev) if i >= 1 else 0, "repeats the next line of the document")
             d, unmatched = bracket_scan(ln)
             before = depth
@@ -342,10 +324,8 @@ LONG_LOOP_REPEATS = 3
 LONG_LOOP_MAX_UNIT = 64
 # A short unit must come 6 times in a row, a longer one (`name of the ` in a comment, an f-string's
 # ` with {self.type!r}`) 3 times: either is a model stuck in a loop, not code.
-_LOOPS = (
-    re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
-    re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)),
-)
+_LOOPS = (re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
+          re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)))
 RETYPE_PROBE_CHARS = 8
 
 
@@ -384,24 +364,8 @@ def _significant(line: str) -> bool:
     return sum(c.isalnum() for c in body) >= 3 and body.rstrip(":;{") not in TRIVIAL_LINES
 
 
-TRIVIAL_LINES = frozenset(
-    {
-        "pass",
-        "else",
-        "try",
-        "finally",
-        "break",
-        "continue",
-        "return",
-        "end",
-        "fi",
-        "done",
-        "default",
-        "return;",
-        "break;",
-        "continue;",
-    }
-)
+TRIVIAL_LINES = frozenset({"pass", "else", "try", "finally", "break", "continue", "return", "end", "fi", "done",
+                           "default", "return;", "break;", "continue;"})
 
 
 def find_line_cycle(s: str, final: bool = False, line_prefix: str = "") -> Cut | None:
@@ -430,7 +394,7 @@ def find_line_cycle(s: str, final: bool = False, line_prefix: str = "") -> Cut |
             run = max(2, p)
             if i + run > len(keys):
                 continue
-            if keys[i : i + run] == keys[i - p : i - p + run] and any(sig[i - p : i - p + run]):
+            if keys[i:i + run] == keys[i - p:i - p + run] and any(sig[i - p:i - p + run]):
                 return Cut(_trim_blank_tail(s, starts[i] - 1), "repeated lines (a cycle)")
         seen[key] = seen.get(key, 0) + 1
     return None
@@ -491,14 +455,14 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
     """
     body = s.rstrip()
     if not body or not line_suffix or "\n" in body or outside_strings(line_prefix + body)[1]:
-        return False  # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
+        return False   # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
     nxt, last = line_suffix[0], body[-1]
     if not (nxt in "'\"" or _is_word_char(nxt)):
         return False
     if last in CLOSERS:
         return True
     if last in "'\"":
-        return nxt not in "'\""  # the string just closed; two literals in a row are a concatenation
+        return nxt not in "'\""   # the string just closed; two literals in a row are a concatenation
     if _is_word_char(last) and nxt in "'\"":
         word = _trailing_word(body)
         return word.lower() not in STRING_PREFIXES
@@ -556,9 +520,7 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
         # comments); without healing (a remote server, healing off) a space
         # there is the tokenizer's, not the code's.
         s = s.lstrip(" \t")
-    keep_newline = (
-        rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
-    )
+    keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
     unfinished = truncated and cut is None and not s.rstrip(" \t").endswith("\n")
     s = s.rstrip()
     if rules.multiline and "\n" in s.strip():
@@ -586,9 +548,8 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
     return s
 
 
-def document_site(
-    text: str, offset: int, language: str | None = None, path: str | None = None, tree=None
-) -> Site | None:
+def document_site(text: str, offset: int, language: str | None = None, path: str | None = None,
+                  tree=None) -> Site | None:
     """Where the cursor sits in the document (syntax.site_at); None for a language without a grammar here
     (the cursor line is then all the rules know). tree: the document's own tree (documents.Document)."""
     return site_at(text, offset, spec_of(language, path), tree)
@@ -601,17 +562,8 @@ class StopRules:
     regenerates it and the rules only look at what follows.
     """
 
-    def __init__(
-        self,
-        token_bytes: TokenBytes,
-        line_prefix: str,
-        line_suffix: str = "",
-        following: str = "",
-        multiline: str = "auto",
-        max_lines: int = 8,
-        stop_ids: Iterable[int] = (),
-        healed: str = "",
-    ):
+    def __init__(self, token_bytes: TokenBytes, line_prefix: str, line_suffix: str = "", following: str = "",
+                 multiline: str = "auto", max_lines: int = 8, stop_ids: Iterable[int] = (), healed: str = ""):
         self.table = token_bytes
         self.rules = TextRules(line_prefix, line_suffix, following, multiline, max_lines)
         self.stop_ids = frozenset(stop_ids)
@@ -619,26 +571,17 @@ class StopRules:
         self.healed_bytes = healed.encode("utf-8")
         self.rules.whitespace_healed = healed.endswith((" ", "\t"))
         self.reason: str | None = None
-        self._ends: list[int] = []  # cumulative byte end of each processed token
+        self._ends: list[int] = []      # cumulative byte end of each processed token
         self._data = bytearray()
 
     @classmethod
-    def for_prompt(
-        cls, prompt, template, multiline: str = "auto", max_lines: int = 8, token_bytes: TokenBytes | None = None
-    ) -> "StopRules":
+    def for_prompt(cls, prompt, template, multiline: str = "auto", max_lines: int = 8,
+                   token_bytes: TokenBytes | None = None) -> "StopRules":
         """Rules for a completiond.completion.prompt.Prompt and its models.fim template."""
         table = token_bytes or TokenBytes.for_tokenizer(template.tokenizer)
         healed = prompt.healing.removed if prompt.healing is not None else ""
-        return cls(
-            table,
-            prompt.line_prefix,
-            prompt.line_suffix,
-            prompt.following,
-            multiline,
-            max_lines,
-            template.stop_ids,
-            healed,
-        )
+        return cls(table, prompt.line_prefix, prompt.line_suffix, prompt.following, multiline, max_lines,
+                   template.stop_ids, healed)
 
     @property
     def multiline(self) -> bool:
@@ -649,15 +592,8 @@ class StopRules:
         """The syntax check's verdict on the last suggestion (None: no grammar, or not checked)."""
         return self.rules.syntax
 
-    def attach_document(
-        self,
-        text: str,
-        offset: int,
-        language: str | None = None,
-        path: str | None = None,
-        check_syntax: bool = True,
-        tree=None,
-    ) -> None:
+    def attach_document(self, text: str, offset: int, language: str | None = None, path: str | None = None,
+                        check_syntax: bool = True, tree=None) -> None:
         """Let the rules see the document around the cursor; call it before generation starts.
 
         Every language with a grammar (others keep the cursor-line rules): brackets that earlier lines of
@@ -666,18 +602,17 @@ class StopRules:
         """
         site = document_site(text, offset, language, path, tree)
         old = self.rules
-        if site is None or text[text.rfind("\n", 0, offset) + 1 : offset] != old.line_prefix:
+        if site is None or text[text.rfind("\n", 0, offset) + 1:offset] != old.line_prefix:
             return
-        self.rules = TextRules(
-            old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines, site, check_syntax
-        )
+        self.rules = TextRules(old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines,
+                               site, check_syntax)
         self.rules.whitespace_healed = old.whitespace_healed
 
     def _sync(self, tokens: Sequence[int]) -> None:
         if len(tokens) < len(self._ends):
             self._ends.clear()
             self._data.clear()
-        for t in tokens[len(self._ends) :]:
+        for t in tokens[len(self._ends):]:
             self._data += self.table[t] or b""
             self._ends.append(len(self._data))
 

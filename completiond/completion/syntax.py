@@ -39,12 +39,12 @@ from completiond.completion.languages import LanguageSpec, spec_of
 
 MAX_REGION_BYTES = 8000
 MAX_PARSES = 10
-MAX_LEAVES = 4000  # bracket scans around the cursor line stop after this many tokens
-MAX_SHIFTED_EDITS = 64  # edits a document's tree follows by the edit API alone before it is reparsed
-MAX_ERRORS = 64  # error nodes collected per parse (the rest cannot change a verdict much)
+MAX_LEAVES = 4000          # bracket scans around the cursor line stop after this many tokens
+MAX_SHIFTED_EDITS = 64     # edits a document's tree follows by the edit API alone before it is reparsed
+MAX_ERRORS = 64            # error nodes collected per parse (the rest cannot change a verdict much)
 
 _TOKEN = re.compile(r"\w+|\S")
-_BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")  # Bash: a header waiting for fi / done / esac
+_BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")        # Bash: a header waiting for fi / done / esac
 _KEYWORD_CLOSERS = frozenset({"fi", "done", "esac", "}", "end"})
 
 
@@ -72,7 +72,7 @@ def _end_point(start: Point, new: str) -> Point:
     nl = new.count("\n")
     if not nl:
         return Point(start.row, start.column + len(new.encode("utf-8", "surrogatepass")))
-    return Point(start.row + nl, len(new[new.rfind("\n") + 1 :].encode("utf-8", "surrogatepass")))
+    return Point(start.row + nl, len(new[new.rfind("\n") + 1:].encode("utf-8", "surrogatepass")))
 
 
 def encode(text: str) -> bytes:
@@ -87,10 +87,10 @@ class DocumentTree:
     def __init__(self, spec: LanguageSpec, text: str):
         self.spec = spec
         self._lock = threading.Lock()
-        self._tree: Tree | None = None  # parsed for self._parsed, then edited towards self._text
-        self._text = text  # the text the pending edits lead to
-        self._clean = False  # self._tree is a parse of self._text
-        self._pending = 0  # edits since the last parse
+        self._tree: Tree | None = None    # parsed for self._parsed, then edited towards self._text
+        self._text = text                 # the text the pending edits lead to
+        self._clean = False               # self._tree is a parse of self._text
+        self._pending = 0                 # edits since the last parse
         self.parses = 0
 
     def edit(self, old_text: str, start: int, end: int, new: str, new_text: str | None = None) -> None:
@@ -102,17 +102,11 @@ class DocumentTree:
                 sb, sp = _point(old_text, start)
                 eb, ep = _point(old_text, end)
                 tree = self._tree.copy()
-                tree.edit(
-                    start_byte=sb,
-                    old_end_byte=eb,
-                    new_end_byte=sb + len(encode(new)),
-                    start_point=sp,
-                    old_end_point=ep,
-                    new_end_point=_end_point(sp, new),
-                )
+                tree.edit(start_byte=sb, old_end_byte=eb, new_end_byte=sb + len(encode(new)),
+                          start_point=sp, old_end_point=ep, new_end_point=_end_point(sp, new))
                 self._tree = tree
             elif old_text is not self._text and old_text != self._text:
-                self._tree = None  # out of step with the text it was told about: the next parse starts over
+                self._tree = None   # out of step with the text it was told about: the next parse starts over
             self._text = result
             self._clean = False
             self._pending += 1
@@ -126,11 +120,7 @@ class DocumentTree:
         API moves its nodes), good for finding the construct around a cursor, not for its errors. None when
         there is none for this text (never parsed, or out of step)."""
         with self._lock:
-            if (
-                self._tree is None
-                or self._pending > MAX_SHIFTED_EDITS
-                or (text is not self._text and text != self._text)
-            ):
+            if self._tree is None or self._pending > MAX_SHIFTED_EDITS or (text is not self._text and text != self._text):
                 return None
             return self._tree
 
@@ -147,11 +137,8 @@ class DocumentTree:
             if text is not self._text and text != self._text:
                 return Parser(lang).parse(encode(text))
             if not self._clean or self._tree is None:
-                self._tree = (
-                    Parser(lang).parse(encode(text), self._tree)
-                    if self._tree is not None
+                self._tree = Parser(lang).parse(encode(text), self._tree) if self._tree is not None \
                     else Parser(lang).parse(encode(text))
-                )
                 self._clean = True
                 self._pending = 0
                 self.parses += 1
@@ -166,28 +153,28 @@ class Site:
     """The region around a cursor and what the stop rules need to know about it."""
 
     spec: LanguageSpec
-    data: bytes  # the region, UTF-8: the document, or in a long one the construct around the
-    # cursor with the headers and closers of those around it, put together
-    cursor: int  # byte offset of the cursor in data
-    ranges: tuple[tuple[int, int], ...]  # unused (kept empty): data is the region's pieces put together
-    tree: Tree  # the region's parse without the suggestion
-    errors: tuple[tuple[int, int, bool, str], ...]  # its error nodes: (start, end, missing, type)
-    open_before: tuple[str, ...] = ()  # brackets still open at the start of the cursor line, outermost first
-    closed_below: int = 0  # closers in the lines below the cursor line owed to brackets open above them
+    data: bytes                      # the region, UTF-8: the document, or in a long one the construct around the
+                                     # cursor with the headers and closers of those around it, put together
+    cursor: int                      # byte offset of the cursor in data
+    ranges: tuple[tuple[int, int], ...]   # unused (kept empty): data is the region's pieces put together
+    tree: Tree                       # the region's parse without the suggestion
+    errors: tuple[tuple[int, int, bool, str], ...]   # its error nodes: (start, end, missing, type)
+    open_before: tuple[str, ...] = ()    # brackets still open at the start of the cursor line, outermost first
+    closed_below: int = 0            # closers in the lines below the cursor line owed to brackets open above them
     line_prefix: str = ""
     line_suffix: str = ""
-    node_types: tuple[str, ...] = ()  # the cursor's ancestors in the region's tree, innermost first
+    node_types: tuple[str, ...] = ()   # the cursor's ancestors in the region's tree, innermost first
     checkable: bool = True
-    ms: float = 0.0  # time spent finding it (parse included)
+    ms: float = 0.0                  # time spent finding it (parse included)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    text: str  # what to show
-    outcome: str  # parses | cut | dropped | unjudged
-    parses: int  # parses made for the verdict
+    text: str        # what to show
+    outcome: str     # parses | cut | dropped | unjudged
+    parses: int      # parses made for the verdict
     ms: float
-    reason: str = ""  # why it was cut or dropped (the first new error), "" when it passed whole
+    reason: str = ""   # why it was cut or dropped (the first new error), "" when it passed whole
 
     def stats(self) -> dict:
         out: dict = {"syntax_check": self.outcome, "syntax_parses": self.parses, "syntax_ms": round(self.ms, 3)}
@@ -240,31 +227,23 @@ def _region(spec: LanguageSpec, doc_tree: Tree, data: bytes, cursor: int) -> tup
     units = spec.statements | spec.definitions
     # The outermost statement / definition on the path that fits; its enclosing constructs contribute
     # their headers (what precedes their first member) and their closing brackets.
-    chosen = next(
-        (i for i, n in enumerate(path) if n.type in units and n.end_byte - n.start_byte <= MAX_REGION_BYTES and i > 0),
-        None,
-    )
+    chosen = next((i for i, n in enumerate(path) if n.type in units and n.end_byte - n.start_byte <= MAX_REGION_BYTES
+                   and i > 0), None)
     if chosen is None:
         return _window(data, cursor)
     region = path[chosen]
     heads: list[tuple[int, int]] = []
     tails: list[tuple[int, int]] = []
-    for anc, child in itertools.pairwise(path[: chosen + 1]):
-        first = next(
-            (c for c in anc.children if c.type in units or c == child or c.start_byte >= child.start_byte), child
-        )
+    for anc, child in itertools.pairwise(path[:chosen + 1]):
+        first = next((c for c in anc.children if c.type in units or c == child or c.start_byte >= child.start_byte),
+                     child)
         hb = first.start_byte
         if data.find(b"\n", anc.start_byte, hb) >= 0:
-            hb = _line_start(data, hb)  # up to the header's line end: the region brings its own indentation
+            hb = _line_start(data, hb)   # up to the header's line end: the region brings its own indentation
         if hb > anc.start_byte:
             heads.append((anc.start_byte, hb))
         last = anc.children[-1] if anc.child_count else None
-        if (
-            last is not None
-            and not last.is_named
-            and last.type in spec.close_brackets
-            and last.start_byte >= region.end_byte
-        ):
+        if last is not None and not last.is_named and last.type in spec.close_brackets and last.start_byte >= region.end_byte:
             tails.append((last.start_byte, last.end_byte))
     start = _line_start(data, region.start_byte)
     ranges = [r for r in heads if r[1] <= start] + [(start, max(region.end_byte, cursor))] + list(reversed(tails))
@@ -339,10 +318,9 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
     holder: Node | None = None
     while node is not None:
         if node.start_byte < ls and (node.type in spec.strings or node.type in spec.comments):
-            return (), 0  # the line starts inside a multi-line string or comment
-        if node.start_byte < ls and (
-            node.type in spec.statements or node.parent is None or node.parent == root or node.is_error
-        ):
+            return (), 0   # the line starts inside a multi-line string or comment
+        if node.start_byte < ls and (node.type in spec.statements or node.parent is None or node.parent == root
+                                     or node.is_error):
             holder = node
             if node.type in spec.statements or node.parent == root or node.parent is None:
                 break
@@ -386,13 +364,8 @@ def _block_brace(spec: LanguageSpec, leaf: Node) -> bool:
     if parent.type in spec.blocks:
         return True
     # Error recovery flattens an unclosed body into an ERROR node: a `{` ending its line is taken for one.
-    return (
-        parent.is_error
-        and leaf.type == "{"
-        and spec.body_opener == "{"
-        and leaf.next_sibling is not None
+    return parent.is_error and leaf.type == "{" and spec.body_opener == "{" and leaf.next_sibling is not None \
         and leaf.next_sibling.start_point.row > leaf.end_point.row
-    )
 
 
 def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
@@ -404,9 +377,8 @@ def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def site_at(
-    text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None, data: bytes | None = None
-) -> Site | None:
+def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None,
+            data: bytes | None = None) -> Site | None:
     """The Site around `offset`, or None when the language (a spec, or an LSP id or name) has no grammar
     here. tree: the document's own (DocumentTree.shifted or .tree), used to find the region in a long
     document; the whole document is parsed here when it is long and none is given."""
@@ -416,7 +388,7 @@ def site_at(
         return None
     t0 = time.perf_counter()
     data = encode(text) if data is None else data
-    cursor = offset if len(data) == len(text) else len(encode(text[:offset]))  # ASCII: bytes are characters
+    cursor = offset if len(data) == len(text) else len(encode(text[:offset]))   # ASCII: bytes are characters
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
@@ -435,21 +407,11 @@ def site_at(
     bls = cursor - len(encode(text[ls:offset]))
     ble = min(len(data), cursor + len(encode(text[offset:le])))
     open_before, closed_below = _brackets_around_line(spec, region_tree, data, bls, ble)
-    return Site(
-        spec=spec,
-        data=data,
-        cursor=cursor,
-        ranges=(),
-        tree=region_tree,
-        errors=tuple(errors_in(region_tree)),
-        open_before=open_before,
-        closed_below=closed_below,
-        line_prefix=text[ls:offset],
-        line_suffix=text[offset:le],
-        node_types=_ancestors(region_tree, cursor),
-        ms=1000 * (time.perf_counter() - t0),
-        checkable=not _in_multiline_string(spec, region_tree, cursor, bls),
-    )
+    return Site(spec=spec, data=data, cursor=cursor, ranges=(), tree=region_tree,
+                errors=tuple(errors_in(region_tree)), open_before=open_before, closed_below=closed_below,
+                line_prefix=text[ls:offset], line_suffix=text[offset:le],
+                node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0),
+                checkable=not _in_multiline_string(spec, region_tree, cursor, bls))
 
 
 def _in_multiline_string(spec: LanguageSpec, tree: Tree, cursor: int, line_start: int) -> bool:
@@ -473,7 +435,7 @@ class _Parse:
 
 
 def _inserted(site: Site, insert: bytes) -> Tree:
-    data = site.data[: site.cursor] + insert + site.data[site.cursor :]
+    data = site.data[:site.cursor] + insert + site.data[site.cursor:]
     ranges = _shift(site.ranges or None, site.cursor, len(insert))
     parser = _parser(site.spec, ranges, data)
     assert parser is not None
@@ -482,14 +444,8 @@ def _inserted(site: Site, insert: bytes) -> Tree:
         old = site.tree.copy()
         sp = _bpoint(site.data, site.cursor)
         ep = _end_point(sp, insert.decode("utf-8", "surrogatepass"))
-        old.edit(
-            start_byte=site.cursor,
-            old_end_byte=site.cursor,
-            new_end_byte=site.cursor + len(insert),
-            start_point=sp,
-            old_end_point=sp,
-            new_end_point=ep,
-        )
+        old.edit(start_byte=site.cursor, old_end_byte=site.cursor, new_end_byte=site.cursor + len(insert),
+                 start_point=sp, old_end_point=sp, new_end_point=ep)
         return parser.parse(data, old)
     return parser.parse(data)
 
@@ -529,7 +485,7 @@ def _open_at_line_ends(spec: LanguageSpec, s: str) -> str | None:
     if not stack:
         return ""
     for _c, i in stack:
-        rest = s[i + 1 :]
+        rest = s[i + 1:]
         nl = rest.find("\n")
         if (rest if nl < 0 else rest[:nl]).strip():
             return None
@@ -542,7 +498,7 @@ def _describe(site: Site, data: bytes, e: tuple[int, int, bool, str]) -> str:
     where = "on the cursor line" if row == 1 else f"on line {row} of the suggestion" if row > 1 else "above"
     if missing:
         return f"leaves a syntax error {where}: a missing {kind!r}"
-    snippet = data[s : min(t, s + 24)].decode("utf-8", "replace").split("\n")[0]
+    snippet = data[s:min(t, s + 24)].decode("utf-8", "replace").split("\n")[0]
     return f"adds a syntax error {where} at {snippet!r}"
 
 
@@ -565,7 +521,7 @@ def cuts(s: str, limit: int = MAX_PARSES, blank_line: bool = False) -> list[str]
     for k in range(len(bounds) - 1, least - 2, -1):
         if k < least - 1 or len(out) >= limit:
             break
-        c = first[: bounds[k]].rstrip()
+        c = first[:bounds[k]].rstrip()
         if c.strip() and c != whole and (not out or c != out[-1]):
             out.append(c)
     return out
@@ -603,7 +559,7 @@ def _closers(site: Site, x: str) -> str:
             stack.pop()
         i += 1
     # The outermost brackets the lines below close stay open.
-    return "".join(pairs[c] for c in reversed(stack[site.closed_below :]))
+    return "".join(pairs[c] for c in reversed(stack[site.closed_below:]))
 
 
 def check(site: Site, s: str) -> Verdict:
@@ -630,7 +586,7 @@ def check(site: Site, s: str) -> Verdict:
             raw = encode(insert)
             found = _new_errors(site, errors_with(insert), len(raw))
             if found and not reasons:
-                reasons.append(_describe(site, data[: site.cursor] + raw + data[site.cursor :], found[0]))
+                reasons.append(_describe(site, data[:site.cursor] + raw + data[site.cursor:], found[0]))
             seen[insert] = found
         return seen[insert]
 
@@ -650,7 +606,7 @@ def check(site: Site, s: str) -> Verdict:
     while p < len(data):
         q = data.find(b"\n", p + 1)
         q = len(data) if q < 0 else q
-        if data[p + 1 : q].strip():
+        if data[p + 1:q].strip():
             break
         p = q
     near_end = min(len(data), max(line_end, p if p >= len(data) else q))
@@ -670,17 +626,15 @@ def check(site: Site, s: str) -> Verdict:
             probes.append(insert + own + inside)
         last = (site.line_prefix + insert).rsplit("\n", 1)[-1]
         if site.spec.name == "python" and _BLOCK_KEYWORDS.match(last) and not last.rstrip().endswith(":"):
-            probes += [p + ":" for p in probes]  # a header whose colon is still to come
+            probes += [p + ":" for p in probes]   # a header whose colon is still to come
         for probe in probes:
             if count >= MAX_PARSES:
                 return False
             size = len(encode(probe))
             end, data_end = near_end + size, len(data) + size
             # A closer missing at the very end of the region is owed by a construct opened above the line.
-            if not any(
-                a <= end and b >= line_start and not (missing and a >= data_end)
-                for a, b, missing, _ in errors_with(probe)
-            ):
+            if not any(a <= end and b >= line_start and not (missing and a >= data_end)
+                       for a, b, missing, _ in errors_with(probe)):
                 return True
         return False
 
@@ -744,13 +698,11 @@ def check(site: Site, s: str) -> Verdict:
             if clean(c):
                 return done(c, "cut")
         return done("", "dropped")
-    except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:  # a parser refusing the text
+    except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:   # a parser refusing the text
         return Verdict(s, "unjudged", count, 1000 * (time.perf_counter() - t0), f"not judged: {exc}")
 
 
-_BLOCK_KEYWORDS = re.compile(
-    r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b"
-)
+_BLOCK_KEYWORDS = re.compile(r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b")
 
 
 @dataclass
@@ -758,26 +710,26 @@ class _PythonGate:
     """`ast` on the region around the cursor (its included ranges put together), where it applies: the region
     parses as it is, or with the cursor line set aside (the user is mid-edit on this line, not elsewhere)."""
 
-    head: str  # the region up to the cursor
+    head: str        # the region up to the cursor
     line_suffix: str
-    rest: str  # the region after the cursor line
-    indent: str  # the cursor line's indentation
-    parses: int  # ast.parse calls made to decide it applies
+    rest: str        # the region after the cursor line
+    indent: str      # the cursor line's indentation
+    parses: int      # ast.parse calls made to decide it applies
     site: Site
 
     @classmethod
     def at(cls, site: Site) -> _PythonGate | None:
-        head = site.data[: site.cursor].decode("utf-8", "replace")
-        tail = site.data[site.cursor :].decode("utf-8", "replace")
+        head = site.data[:site.cursor].decode("utf-8", "replace")
+        tail = site.data[site.cursor:].decode("utf-8", "replace")
         if head[:1] in " \t":
-            head = "if 1:\n" + head  # an indented region (lines around the cursor) parses as a block's body
+            head = "if 1:\n" + head   # an indented region (lines around the cursor) parses as a block's body
         nl = tail.find("\n")
         line_suffix, rest = (tail, "") if nl < 0 else (tail[:nl], tail[nl:])
         line = site.line_prefix + site.line_suffix
         if '"""' in line or "'''" in line or site.line_prefix.rstrip().endswith(("'", '"')):
-            return None  # a triple-quoted string opens or closes here: setting the line aside says nothing
-        indent = line[: len(line) - len(line.lstrip(" \t"))]
-        line_head = head[: len(head) - len(site.line_prefix)]
+            return None   # a triple-quoted string opens or closes here: setting the line aside says nothing
+        indent = line[:len(line) - len(line.lstrip(" \t"))]
+        line_head = head[:len(head) - len(site.line_prefix)]
         gate = cls(head, line_suffix, rest, indent, 1, site)
         if error_at(head + tail) is None:
             return gate
@@ -804,7 +756,7 @@ class _PythonGate:
         lines = [line + closing] if closing and closing == _closers(self.site, self.line_suffix) else [line]
         body = "\n" + self.indent + "    pass"
         for full in lines:
-            last = full[full.rfind("\n") + 1 :]
+            last = full[full.rfind("\n") + 1:]
             if last.rstrip().endswith(":"):
                 full += body
             elif _BLOCK_KEYWORDS.match(last) and last.strip():
@@ -829,11 +781,11 @@ def unit_end(site: Site, s: str) -> int | None:
     best = None
     while node is not None and node.start_byte == a0:
         if node.type in site.spec.statements and not node.has_error and node.end_byte <= a1:
-            best = node  # the outermost statement that starts here and ends inside the suggestion
+            best = node   # the outermost statement that starts here and ends inside the suggestion
         node = node.parent
-    if best is None or not raw[best.end_byte - a0 :].strip():
+    if best is None or not raw[best.end_byte - a0:].strip():
         return None
-    return len(raw[: best.end_byte - a0].decode("utf-8", "replace"))
+    return len(raw[:best.end_byte - a0].decode("utf-8", "replace"))
 
 
 # -- whole-file checks (the eval's judge) --------------------------------------------------------------------
@@ -859,7 +811,7 @@ def error_at(source: str) -> int | None:
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
             ast.parse(source)
-        except SyntaxError as exc:  # IndentationError included
+        except SyntaxError as exc:   # IndentationError included
             if not exc.lineno:
                 return len(source)
             pos = 0

@@ -55,17 +55,9 @@ def frequent_ids(engine, texts: list[str]) -> list[int]:
 Steps = Generator[str, None, "tuple[Calibration, list[dict]]"]
 
 
-def calibration_steps(
-    engine,
-    prompts: list[list[int]],
-    max_tokens: int,
-    exit_layers: list[int],
-    draft_ks: list[int],
-    log: Callable[..., None] = print,
-    ranked_ids: list[int] | None = None,
-    repeats: int = 3,
-    cancel: Callable[[], Any] | None = None,
-) -> Steps:
+def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
+                      log: Callable[..., None] = print, ranked_ids: list[int] | None = None, repeats: int = 3,
+                      cancel: Callable[[], Any] | None = None) -> Steps:
     """Yields after each timed pair ("measured") and after each preempted one ("preempted"); returns
     (calibration, candidate rows). cancel() gives the token each run is handed (None: not cancellable)."""
     from completiond.engine.engine import SamplingParams
@@ -84,12 +76,7 @@ def calibration_steps(
                 raise Preempted()
             s = gen.stats
             total += s.decode_ms / 1000
-            drafted, accepted, rejected, rounds = (
-                drafted + s.drafted,
-                accepted + s.accepted,
-                rejected + s.rejected,
-                rounds + s.rounds,
-            )
+            drafted, accepted, rejected, rounds = drafted + s.drafted, accepted + s.accepted, rejected + s.rejected, rounds + s.rounds
             draft_ms, verify_ms = draft_ms + s.draft_ms, verify_ms + s.verify_ms
         return total, drafted, accepted, rejected, draft_ms, verify_ms, rounds
 
@@ -97,18 +84,10 @@ def calibration_steps(
     plain_params = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     plain_runs: list[float] = []
 
-    def candidate(
-        e: int, k: int, vocab: list[int], lookup: bool = False, draft: DraftKind = DraftKind.EARLY_EXIT
-    ) -> Generator[str, None, dict]:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            exit_layer=e,
-            draft_k=k,
-            adaptive_k=False,
-            ignore_eos=True,
-            prompt_lookup=lookup,
-            draft=draft,
-        )
+    def candidate(e: int, k: int, vocab: list[int], lookup: bool = False,
+                  draft: DraftKind = DraftKind.EARLY_EXIT) -> Generator[str, None, dict]:
+        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
+                                prompt_lookup=lookup, draft=draft)
         speedups: list[float] = []
         secs_runs: list[float] = []
         drafted = accepted = rejected = rounds = 0
@@ -127,30 +106,18 @@ def calibration_steps(
             speedups.append(plain_s / secs)
             yield "measured"
         speedup = statistics.median(speedups)
-        row = {
-            "draft": draft,
-            "exit_layer": e,
-            "draft_k": k,
-            "draft_vocab": len(vocab),
-            "prompt_lookup": lookup,
-            # per-token acceptance, as in Stats.alpha
-            "alpha": accepted / max(1, accepted + rejected),
-            "speedup": speedup,
-            "speedup_min": min(speedups),
-            "speedup_max": max(speedups),
-            "spread": (max(speedups) - min(speedups)) / speedup,
-            "tokens_per_s": n_tokens / statistics.median(secs_runs),
-            # one draft step relative to one verify pass: what choose_k weighs K against
-            "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1)),
-        }
-        log(
-            REGISTRY[draft].tag
-            + f"E={e:2d} K={k}"
-            + (f" draft vocab {len(vocab)}" if vocab else "")
-            + (" + lookup" if lookup else "")
+        row = {"draft": draft, "exit_layer": e, "draft_k": k, "draft_vocab": len(vocab), "prompt_lookup": lookup,
+               # per-token acceptance, as in Stats.alpha
+               "alpha": accepted / max(1, accepted + rejected),
+               "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
+               "spread": (max(speedups) - min(speedups)) / speedup,
+               "tokens_per_s": n_tokens / statistics.median(secs_runs),
+               # one draft step relative to one verify pass: what choose_k weighs K against
+               "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
+        log(REGISTRY[draft].tag + f"E={e:2d} K={k}"
+            + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
-            f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})"
-        )
+              f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
         return row
 
     loaded_vocab = [] if engine.draft_ids is None else engine.draft_ids.tolist()
@@ -201,32 +168,17 @@ def calibration_steps(
         best, vocab = best_alone, []
     engine.set_draft_vocab(loaded_vocab)
     plain_s = statistics.median(plain_runs)
-    measured = {
-        "alpha": best["alpha"],
-        "speedup": best["speedup"],
-        "speedup_min": best["speedup_min"],
-        "speedup_max": best["speedup_max"],
-        "spread": best["spread"],
-        "draft_cost": best["draft_cost"],
-        "plain_tokens_per_s": n_tokens / plain_s,
-        "repeats": repeats,
-        "date": time.strftime("%Y-%m-%d"),
-    }
+    measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
+                "speedup_max": best["speedup_max"], "spread": best["spread"], "draft_cost": best["draft_cost"],
+                "plain_tokens_per_s": n_tokens / plain_s, "repeats": repeats, "date": time.strftime("%Y-%m-%d")}
     # On only where the gain clears the noise: the median beats the margin and even the worst
     # repeat was faster than plain decoding.
     on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
     # Lookup alone is a record without a model draft (speculative off) that keeps prompt lookup on; a
     # record that is off keeps lookup off too, as it was measured.
-    cal = Calibration(
-        speculative=on and not alone,
-        exit_layer=best["exit_layer"],
-        draft_k=best["draft_k"],
-        source="calibrate",
-        measured=measured,
-        draft_vocab=list(vocab),
-        prompt_lookup=on and (lookup or alone),
-        draft=DraftKind.EARLY_EXIT if alone else best["draft"],
-    )
+    cal = Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
+                      source="calibrate", measured=measured, draft_vocab=list(vocab),
+                      prompt_lookup=on and (lookup or alone), draft=DraftKind.EARLY_EXIT if alone else best["draft"])
     return cal, rows
 
 
@@ -247,7 +199,7 @@ BACKGROUND_TOKENS = 32
 BACKGROUND_REPEATS = 2
 BACKGROUND_LAYERS = 4
 BACKGROUND_KS = (2, 4)
-BACKGROUND_BUDGET_S = 600.0  # engine time spent measuring, preempted pairs included
+BACKGROUND_BUDGET_S = 600.0   # engine time spent measuring, preempted pairs included
 BACKGROUND_MIN_PARAMS = 100_000_000  # below this (test models, the bundled one) drafting gains little to measure
 
 
@@ -262,7 +214,7 @@ def sample_prompts(engine, count: int, chars: int = 1500) -> list[list[int]]:
         except (OSError, UnicodeDecodeError):
             continue
         if len(lines) >= 60:
-            out.append(engine.tokenizer("".join(lines[: len(lines) // 3])[-chars:]).input_ids)
+            out.append(engine.tokenizer("".join(lines[:len(lines) // 3])[-chars:]).input_ids)
         if len(out) == count:
             break
     return out
@@ -279,19 +231,13 @@ class BackgroundCalibration:
     seconds of engine time, or when `cancel()` is called.
     """
 
-    def __init__(
-        self,
-        engine,
-        budget_s: float = BACKGROUND_BUDGET_S,
-        prompts: list[list[int]] | None = None,
-        max_tokens: int = BACKGROUND_TOKENS,
-        repeats: int = BACKGROUND_REPEATS,
-        on_done: Callable[[str], None] | None = None,
-    ):
+    def __init__(self, engine, budget_s: float = BACKGROUND_BUDGET_S, prompts: list[list[int]] | None = None,
+                 max_tokens: int = BACKGROUND_TOKENS, repeats: int = BACKGROUND_REPEATS,
+                 on_done: Callable[[str], None] | None = None):
         self.engine = engine
         self.budget_s = budget_s
         self.spent_s = 0.0
-        self.state = "pending"  # pending | running | done | gave up | cancelled | failed
+        self.state = "pending"     # pending | running | done | gave up | cancelled | failed
         self.result: Calibration | None = None
         self.preempted = 0
         self._on_done = on_done
@@ -317,20 +263,12 @@ class BackgroundCalibration:
             raise ValueError("no held-out sample files to calibrate on")
         longest = max(len(p) for p in prompts) + self._max_tokens + 16
         if longest > engine.max_context:
-            prompts = [p[-(engine.max_context - self._max_tokens - 16) :] for p in prompts]
+            prompts = [p[-(engine.max_context - self._max_tokens - 16):] for p in prompts]
         layers = candidate_layers(engine.num_layers, BACKGROUND_LAYERS)
         ranked = frequent_ids(engine, [engine.tokenizer.decode(p) for p in prompts])
-        return calibration_steps(
-            engine,
-            prompts,
-            self._max_tokens,
-            layers,
-            list(BACKGROUND_KS),
-            log=lambda *a: log.debug(*a),
-            ranked_ids=ranked,
-            repeats=self._repeats,
-            cancel=lambda: self._token,
-        )
+        return calibration_steps(engine, prompts, self._max_tokens, layers, list(BACKGROUND_KS),
+                                 log=lambda *a: log.debug(*a), ranked_ids=ranked, repeats=self._repeats,
+                                 cancel=lambda: self._token)
 
     def step(self, token: Any) -> bool:
         """One timed pair on the engine thread; False when finished (done, gave up, cancelled or failed)."""
@@ -379,24 +317,17 @@ class BackgroundCalibration:
             engine.calibration = self.result
             engine.set_draft_vocab(self.result.draft_vocab)
             c = self.result
-            message = (
-                f"calibrated {engine.name} in the background: "
-                + (
-                    f"speculation on (E={c.exit_layer}, K={c.draft_k}"
-                    f"{', prompt lookup' if c.prompt_lookup else ''}), {c.measured['speedup']:.2f}x plain decoding"
-                    if c.speculative
-                    else f"prompt lookup alone (no model draft), {c.measured['speedup']:.2f}x plain decoding"
-                    if c.prompt_lookup
-                    else f"no speculation (best candidate {c.measured['speedup']:.2f}x)"
-                )
-                + f"; saved to {where}"
-            )
+            message = (f"calibrated {engine.name} in the background: " +
+                       (f"speculation on (E={c.exit_layer}, K={c.draft_k}"
+                        f"{', prompt lookup' if c.prompt_lookup else ''}), {c.measured['speedup']:.2f}x plain decoding"
+                        if c.speculative else
+                        f"prompt lookup alone (no model draft), {c.measured['speedup']:.2f}x plain decoding"
+                        if c.prompt_lookup else f"no speculation (best candidate {c.measured['speedup']:.2f}x)")
+                       + f"; saved to {where}")
         elif state == "gave up":
             self._steps = None
-            message = (
-                f"background calibration of {engine.name} stopped after {self.spent_s:.0f} s of engine time; "
-                "run `completiond calibrate` for a full measurement"
-            )
+            message = (f"background calibration of {engine.name} stopped after {self.spent_s:.0f} s of engine time; "
+                       "run `completiond calibrate` for a full measurement")
         else:
             self._steps = None
             message = f"background calibration of {engine.name} {state}" + (f": {reason}" if reason else "")

@@ -43,19 +43,19 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 @dataclass
 class FusedLayer:
-    ln1: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [(H + 2*KV) * hd, d]
+    ln1: torch.Tensor          # [d]
+    qkv: torch.Tensor          # [(H + 2*KV) * hd, d]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [d, H * hd]
+    o: torch.Tensor            # [d, H * hd]
     o_bias: torch.Tensor | None
-    ln2: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2 * I, d]
+    ln2: torch.Tensor          # [d]
+    gate_up: torch.Tensor      # [2 * I, d]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [d, I]
+    down: torch.Tensor         # [d, I]
     down_bias: torch.Tensor | None
-    act: object  # the MLP's activation function (silu for every supported family)
+    act: object                # the MLP's activation function (silu for every supported family)
     eps: float
-    q_norm: torch.Tensor | None = None  # [hd] Qwen3's per-head norms
+    q_norm: torch.Tensor | None = None   # [hd] Qwen3's per-head norms
     k_norm: torch.Tensor | None = None
     # CPU only: the same weights transposed, [in, out] contiguous, for decode and verify steps (see _proj)
     qkv_t: torch.Tensor | None = None
@@ -71,20 +71,15 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     has_bias = [m.bias is not None for m in modules]
     bias = None
     if any(has_bias):
-        bias = torch.cat(
-            [
-                m.bias.detach()
-                if m.bias is not None
-                else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
-                for m in modules
-            ]
-        )
+        bias = torch.cat([m.bias.detach() if m.bias is not None else
+                          torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
+                          for m in modules])
     start = 0
     for m in modules:
         n = m.weight.shape[0]
-        m.weight.data = weight[start : start + n]
+        m.weight.data = weight[start:start + n]
         if m.bias is not None:
-            m.bias.data = bias[start : start + n]
+            m.bias.data = bias[start:start + n]
         start += n
     return weight, bias
 
@@ -95,18 +90,12 @@ def fuse_layer(layer, qk_norm: bool) -> FusedLayer:
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return FusedLayer(
-        ln1=layer.input_layernorm.weight.detach(),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o=attn.o_proj.weight.detach(),
-        o_bias=_bias(attn.o_proj),
+        ln1=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(), o_bias=_bias(attn.o_proj),
         ln2=layer.post_attention_layernorm.weight.detach(),
-        gate_up=gate_up,
-        gate_up_bias=gate_up_bias,
-        down=mlp.down_proj.weight.detach(),
-        down_bias=_bias(mlp.down_proj),
-        act=mlp.act_fn,
-        eps=float(layer.input_layernorm.variance_epsilon),
+        gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(), down_bias=_bias(mlp.down_proj),
+        act=mlp.act_fn, eps=float(layer.input_layernorm.variance_epsilon),
         q_norm=attn.q_norm.weight.detach() if qk_norm else None,
         k_norm=attn.k_norm.weight.detach() if qk_norm else None,
     )
@@ -123,14 +112,14 @@ def check_rope(config) -> None:
     if kind in LENGTH_DEPENDENT_ROPE:
         raise UnsupportedModel(
             f"rope type {kind!r} changes its tables with the sequence length, which completiond's precomputed "
-            "rotary tables cannot follow exactly; use a model with static rope scaling (default, linear, yarn, llama3)"
-        )
+            "rotary tables cannot follow exactly; use a model with static rope scaling (default, linear, yarn, llama3)")
 
 
 class Forward:
     """Layers, final norm and LM head of one model, on fused weights. Token ids and hidden states only."""
 
-    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int, weights: str = "auto"):
+    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int,
+                 weights: str = "auto"):
         check_rope(config)
         if weights not in native.WEIGHT_FORMATS:
             raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native.WEIGHT_FORMATS)}")
@@ -161,8 +150,8 @@ class Forward:
         self.embed_w = adapter.embed.weight.detach()
         self.head_w = adapter.lm_head.weight.detach()
         self.head_b = None if _bias(adapter.lm_head) is None else _bias(adapter.lm_head).to(dtype)
-        self._cos = self._sin = None  # [P, hd] each; sin with rotate_half's sign folded in
-        self._mask = None  # [T, W] bool: see mask()
+        self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
+        self._mask = None                 # [T, W] bool: see mask()
         # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
         # weights the panels become the only copy (each layer's own tensors are dropped once packed), and
         # for a weight format that changes the values (bf16 rounding, int8) every pass must read the
@@ -213,15 +202,8 @@ class Forward:
         L.qkv = L.o = L.gate_up = L.down = None
         L.qkv_t = L.o_t = L.gate_up_t = L.down_t = None
         layer = self.adapter.layers[i]
-        for m in (
-            layer.self_attn.q_proj,
-            layer.self_attn.k_proj,
-            layer.self_attn.v_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        ):
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
 
     def _compact_embeddings(self) -> None:
@@ -278,7 +260,7 @@ class Forward:
             W = max(W, 1 << (W - 1).bit_length())
             self._mask = torch.ones(T, W, dtype=torch.bool, device=self.device).tril(diagonal=W - T)
         T, W = self._mask.shape
-        return self._mask[T - t :, W - need_w :]
+        return self._mask[T - t:, W - need_w:]
 
     # ---------------------------------------------------------------- the pass
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -286,16 +268,8 @@ class Forward:
         h = F.embedding(ids, self.embed_w)
         return h if h.dtype == self.dtype else h.to(self.dtype)  # a compacted bf16 embedding widens exactly
 
-    def layers_range(
-        self,
-        h: torch.Tensor,
-        first: int,
-        last: int,
-        pos: int,
-        seq: "KVSequence",
-        write: bool = True,
-        tree: "tuple[torch.Tensor, torch.Tensor] | None" = None,
-    ) -> torch.Tensor:
+    def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
+                     write: bool = True, tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
         """Layers [first, last) on h [1, t, d] at positions [pos, pos+t); writes their K/V into seq.
 
         write=False recomputes hidden states of positions whose K/V seq already holds, attending over
@@ -306,12 +280,8 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        if (
-            self.native is not None
-            and (self.native_all or t <= native.MAX_ROWS)
-            and h.dtype == torch.float32
-            and seq.k.is_contiguous()
-        ):
+        if self.native is not None and (self.native_all or t <= native.MAX_ROWS) and h.dtype == torch.float32 \
+                and seq.k.is_contiguous():
             if last > self.native.n_layers:
                 self.native.bind()
             if tree is None:
@@ -321,10 +291,8 @@ class Forward:
             self.rope(0, int(positions.max()) + 1)
             return self.native.layers(h, first, last, pos, seq, write, positions, tree_mask)
         if self.released:
-            raise EngineError(
-                f"the model's weights live in the native step's panels only, which cannot run a "
-                f"{h.dtype} pass of {t} positions on a non-contiguous cache"
-            )
+            raise EngineError(f"the model's weights live in the native step's panels only, which cannot run a "
+                                     f"{h.dtype} pass of {t} positions on a non-contiguous cache")
         if tree is None:
             cos, sin = self.rope(pos, t)
             # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
@@ -341,23 +309,17 @@ class Forward:
             x = _rms(h, L.ln1, L.eps)
             qkv = _proj(x, L.qkv, L.qkv_t, L.qkv_bias).view(1, t, H + 2 * KV, hd)  # [1, t, H+2KV, hd]
             if L.q_norm is not None:
-                qk = torch.cat([_rms(qkv[:, :, :H], L.q_norm, L.eps), _rms(qkv[:, :, H : H + KV], L.k_norm, L.eps)], 2)
+                qk = torch.cat([_rms(qkv[:, :, :H], L.q_norm, L.eps), _rms(qkv[:, :, H:H + KV], L.k_norm, L.eps)], 2)
             else:
-                qk = qkv[:, :, : H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
+                qk = qkv[:, :, :H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
             qk = qk * cos + _swap_halves(qk) * sin
             q = qk[:, :, :H].transpose(1, 2)  # [1, H, t, hd]
             if write:
-                seq.k[li, :, pos : pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
-                seq.v[li, :, pos : pos + t] = qkv[0, :, H + KV :].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q,
-                seq.k[li : li + 1, :, : pos + t],
-                seq.v[li : li + 1, :, : pos + t],
-                attn_mask=mask,
-                is_causal=causal,
-                scale=self.scaling,
-                enable_gqa=self.gqa,
-            )  # [1, H, t, hd]
+                seq.k[li, :, pos:pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
+                seq.v[li, :, pos:pos + t] = qkv[0, :, H + KV:].transpose(0, 1)
+            o = F.scaled_dot_product_attention(q, seq.k[li:li + 1, :, :pos + t], seq.v[li:li + 1, :, :pos + t],
+                                               attn_mask=mask, is_causal=causal, scale=self.scaling,
+                                               enable_gqa=self.gqa)  # [1, H, t, hd]
             h = h + _proj(o.transpose(1, 2).reshape(1, t, H * hd), L.o, L.o_t, L.o_bias)  # [1, t, d]
             gate, up = _proj(_rms(h, L.ln2, L.eps), L.gate_up, L.gate_up_t, L.gate_up_bias).chunk(2, dim=-1)
             h = h + _proj(L.act(gate) * up, L.down, L.down_t, L.down_bias)
@@ -379,9 +341,7 @@ class Forward:
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
 
     def _native_rows(self, h: torch.Tensor) -> bool:
-        return (
-            self.native is not None and (self.native_all or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32
-        )
+        return self.native is not None and (self.native_all or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32
 
 
 # Transposed copies (and packed panels beside the model's own weights) cost one more copy of the layer
@@ -389,7 +349,6 @@ class Forward:
 # models keep the packed panels only.
 TRANSPOSED_COPY_LIMIT = 512 << 20
 SMALL_T = 8  # up to this many positions, x @ w_t (see _proj)
-
 
 def _stored_bf16(directory) -> bool:
     """Whether every layer matrix in the model's safetensors files is stored as BF16 (their headers only)."""
@@ -412,11 +371,8 @@ def _stored_bf16(directory) -> bool:
         if not isinstance(header, dict):
             return False  # not a safetensors header: the load reports the file
         for name, entry in header.items():
-            if (
-                name != "__metadata__"
-                and name.endswith("proj.weight")
-                and (not isinstance(entry, dict) or entry.get("dtype") != "BF16")
-            ):
+            if name != "__metadata__" and name.endswith("proj.weight") and (
+                    not isinstance(entry, dict) or entry.get("dtype") != "BF16"):
                 return False
     return True
 
@@ -428,11 +384,8 @@ def packs_bf16_checkpoint(config: dict, directory=None) -> bool:
     with a native library here. Forward then computes in float32 from the bf16 panels, the very values
     a float32 load holds."""
     # the stored tensors decide (config.json's dtype may say otherwise); without the files, the config
-    stored_bf16 = (
-        _stored_bf16(directory)
-        if directory is not None
-        else str(config.get("torch_dtype") or config.get("dtype") or "") == "bfloat16"
-    )
+    stored_bf16 = (_stored_bf16(directory) if directory is not None
+                   else str(config.get("torch_dtype") or config.get("dtype") or "") == "bfloat16")
     if not stored_bf16:
         return False
     try:

@@ -56,16 +56,8 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 INFO_FILES = ("completiond.json",)
 INDEX_FILE = "model.safetensors.index.json"
 # Files beside a model's weights that are trained on it here (keyed to its identity), not part of it.
@@ -77,18 +69,10 @@ ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 # FIFO, or a multi-gigabyte "config", fails at once with its name instead of exhausting memory. The caps
 # are far above real files (Qwen2.5's tokenizer.json: 7 MB; a 405B model's weight index: 100 kB).
 SIDE_FILE_LIMITS: dict[str, int] = {
-    "config.json": 1 << 20,
-    "generation_config.json": 1 << 20,
-    "completiond.json": 1 << 20,
-    INDEX_FILE: 16 << 20,
-    "tokenizer.json": 64 << 20,
-    "tokenizer_config.json": 16 << 20,
-    "special_tokens_map.json": 1 << 20,
-    "added_tokens.json": 16 << 20,
-    "vocab.json": 32 << 20,
-    "merges.txt": 32 << 20,
-    "tokenizer.model": 32 << 20,
-    "chat_template.jinja": 1 << 20,
+    "config.json": 1 << 20, "generation_config.json": 1 << 20, "completiond.json": 1 << 20,
+    INDEX_FILE: 16 << 20, "tokenizer.json": 64 << 20, "tokenizer_config.json": 16 << 20,
+    "special_tokens_map.json": 1 << 20, "added_tokens.json": 16 << 20, "vocab.json": 32 << 20,
+    "merges.txt": 32 << 20, "tokenizer.model": 32 << 20, "chat_template.jinja": 1 << 20,
 }
 REF_LIMIT = 256  # refs/<revision>: one commit hash
 
@@ -96,14 +80,9 @@ REF_LIMIT = 256  # refs/<revision>: one commit hash
 # far beyond any released model (Llama 3.1 405B: 126 layers, hidden 16,384, intermediate 53,248, 128 heads;
 # Gemma: vocabulary 256,000; Llama 4 Scout: 10M positions) and keeps one value from asking for terabytes.
 CONFIG_LIMITS: tuple[tuple[str, int], ...] = (
-    ("num_hidden_layers", 1024),
-    ("hidden_size", 65_536),
-    ("num_attention_heads", 1024),
-    ("num_key_value_heads", 1024),
-    ("head_dim", 4096),
-    ("vocab_size", 1 << 21),
-    ("intermediate_size", 1 << 20),
-    ("max_position_embeddings", 1 << 24),
+    ("num_hidden_layers", 1024), ("hidden_size", 65_536), ("num_attention_heads", 1024),
+    ("num_key_value_heads", 1024), ("head_dim", 4096), ("vocab_size", 1 << 21),
+    ("intermediate_size", 1 << 20), ("max_position_embeddings", 1 << 24),
 )
 
 
@@ -122,12 +101,8 @@ MAX_REVISION = 128
 
 
 def valid_revision(revision: str) -> bool:
-    return (
-        len(revision) <= MAX_REVISION
-        and _REVISION.match(revision) is not None
-        and ".." not in revision
-        and not revision.endswith((".lock", "."))
-    )
+    return (len(revision) <= MAX_REVISION and _REVISION.match(revision) is not None and ".." not in revision
+            and not revision.endswith((".lock", ".")))
 
 
 def parse(model: str) -> tuple[str, str | None]:
@@ -137,16 +112,12 @@ def parse(model: str) -> tuple[str, str | None]:
     repo = entry.repo if entry is not None else name
     if not _HUB_ID.match(repo) or ".." in repo:
         short = ", ".join(CATALOG_BY_NAME)
-        raise HubError(
-            f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
-            f"@revision), nor a short name ({short}). A local directory must be written as a path: "
-            f"starting with './', '../', '/' or '~'."
-        )
+        raise HubError(f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
+                       f"@revision), nor a short name ({short}). A local directory must be written as a path: "
+                       f"starting with './', '../', '/' or '~'.")
     if revision and not valid_revision(revision):
-        raise HubError(
-            f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
-            f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)"
-        )
+        raise HubError(f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
+                       f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)")
     return repo, revision or None
 
 
@@ -169,7 +140,7 @@ def name_for_path(path: Path) -> str | None:
     """The hub id and revision of a snapshot directory of a hub cache, else None."""
     parts = Path(path).resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        repo = parts[-3][len("models--") :].replace("--", "/", 1)
+        repo = parts[-3][len("models--"):].replace("--", "/", 1)
         return display_name(repo, None, parts[-1])
     return None
 
@@ -244,15 +215,11 @@ def check_sizes(repo: str, config: dict) -> None:
         if value is None:
             continue  # transformers' default for the family (all small) applies
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise HubError(
-                f"refusing {repo}: its config.json has {key} = {value!r}; the engine accepts a whole "
-                f"number from 1 to {limit:,}"
-            )
+            raise HubError(f"refusing {repo}: its config.json has {key} = {value!r}; the engine accepts a whole "
+                           f"number from 1 to {limit:,}")
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
-        raise HubError(
-            f"refusing {repo}: its config.json has num_key_value_heads = {kv} > num_attention_heads = {heads}"
-        )
+        raise HubError(f"refusing {repo}: its config.json has num_key_value_heads = {kv} > num_attention_heads = {heads}")
 
 
 def _ref(folder: Path, revision: str) -> str | None:
@@ -308,8 +275,7 @@ def choose_files(repo: str, files: Iterable[str], trust_remote_code: bool = Fals
             raise HubError(
                 f"refusing to download {repo}: it publishes only pickle weights ({', '.join(pickles[:4])}), which can "
                 "run arbitrary code when loaded. Pick a release with *.safetensors weights, or convert it "
-                "(transformers' save_pretrained(..., safe_serialization=True)) and set the model to that directory."
-            )
+                "(transformers' save_pretrained(..., safe_serialization=True)) and set the model to that directory.")
         raise HubError(f"{repo} has no *.safetensors weights at the top of the repository; it cannot be loaded")
     if INDEX_FILE in top:
         weights = [INDEX_FILE]  # the shards it names are added once the index is read
@@ -332,14 +298,11 @@ def check_config(repo: str, config: dict, trust_remote_code: bool = False) -> No
         raise HubError(
             f"refusing {repo}: its config names its own Python code ({classes}), which would run on this machine. "
             "Allow it only for a repository you trust: trustRemoteCode = true in the settings, or "
-            "`completiond pull --trust-remote-code`."
-        )
+            "`completiond pull --trust-remote-code`.")
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise HubError(
-            f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
-            f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)"
-        )
+        raise HubError(f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
+                       f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)")
     check_sizes(repo, config)
 
 
@@ -353,12 +316,12 @@ def shards(snapshot: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Pulled:
-    path: Path  # the snapshot directory
+    path: Path          # the snapshot directory
     repo: str
     revision: str | None
     commit: str
-    downloaded: int  # bytes fetched now (0: it was in the cache)
-    total: int  # bytes of the files chosen
+    downloaded: int     # bytes fetched now (0: it was in the cache)
+    total: int          # bytes of the files chosen
 
     @property
     def name(self) -> str:
@@ -366,11 +329,9 @@ class Pulled:
 
 
 def _where_to_copy(repo: str) -> str:
-    return (
-        f"Set completiond.model to a local model directory, or run `completiond pull {repo}` on a connected "
-        f"machine and copy its {repo_folder(repo).name} folder into {cache_dir()} here "
-        "(HF_HUB_CACHE or HF_HOME choose that place)"
-    )
+    return (f"Set completiond.model to a local model directory, or run `completiond pull {repo}` on a connected "
+            f"machine and copy its {repo_folder(repo).name} folder into {cache_dir()} here "
+            "(HF_HUB_CACHE or HF_HOME choose that place)")
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -401,22 +362,15 @@ def _hub_errors():
 def _describe(repo: str, exc: BaseException) -> HubError:
     errors = _hub_errors()
     if isinstance(exc, errors.GatedRepoError):
-        return HubError(
-            f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
-            "here (`hf auth login`, or set HF_TOKEN) and pull again"
-        )
+        return HubError(f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
+                        "here (`hf auth login`, or set HF_TOKEN) and pull again")
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{repo} has no such revision on the hub: {exc}")
     if isinstance(exc, errors.RepositoryNotFoundError):
-        return HubError(
-            f"{repo} is not on the hub {endpoint()} (or it is private: log in with `hf auth login` or "
-            "set HF_TOKEN). Check the id, or see `completiond pull --list`"
-        )
-    return HubError(
-        f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {type(exc).__name__}: {exc}. "
-        + _where_to_copy(repo)
-        + "."
-    )
+        return HubError(f"{repo} is not on the hub {endpoint()} (or it is private: log in with `hf auth login` or "
+                        "set HF_TOKEN). Check the id, or see `completiond pull --list`")
+    return HubError(f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {type(exc).__name__}: {exc}. "
+                    + _where_to_copy(repo) + ".")
 
 
 def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | None = None) -> Pulled:
@@ -427,12 +381,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
         _check_local(repo, cached, trust_remote_code)
         return Pulled(cached, repo, revision, cached.name, 0, _size(cached))
     if offline():
-        raise HubError(
-            f"{repo}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
-            f"({cache_dir()}), and HF_HUB_OFFLINE is set, so it cannot be downloaded. "
-            + _where_to_copy(repo)
-            + "; or unset HF_HUB_OFFLINE on a connected machine."
-        )
+        raise HubError(f"{repo}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+                       f"({cache_dir()}), and HF_HUB_OFFLINE is set, so it cannot be downloaded. "
+                       + _where_to_copy(repo) + "; or unset HF_HUB_OFFLINE on a connected machine.")
     from huggingface_hub import HfApi, hf_hub_download
 
     errors = _hub_errors()
@@ -465,17 +416,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
 
     def fetch(filename: str) -> Path:
         try:
-            path = Path(
-                hf_hub_download(
-                    repo,
-                    filename,
-                    revision=commit,
-                    cache_dir=str(cache_dir()),
-                    endpoint=endpoint(),
-                    etag_timeout=HUB_TIMEOUT,
-                    **progress_hook,
-                )
-            )
+            path = Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
+                                        endpoint=endpoint(), etag_timeout=HUB_TIMEOUT,
+                                        **progress_hook))
             if not per_byte:
                 add(sizes.get(filename, 0))
             check_digest(repo, filename, path, digests.get(filename))
@@ -504,9 +447,7 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
             raise HubError(f"{repo}: {INDEX_FILE} is unreadable: {exc}") from None
         bad = [w for w in weights if "/" in w or not w.endswith(".safetensors")]
         if bad:
-            raise HubError(
-                f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}"
-            )
+            raise HubError(f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}")
         total = sum(sizes.get(f, 0) for f in small) + sum(sizes.get(w, 0) for w in weights)
     for w in weights:
         fetch(w)
@@ -558,10 +499,8 @@ def check_digest(repo: str, filename: str, path: Path, digest: tuple[str, str] |
             os.unlink(path)
         except OSError:
             pass
-        raise HubError(
-            f"{repo}: {filename} does not match the hub's {kind} ({h.hexdigest()[:12]}... instead of "
-            f"{want[:12]}...); it was removed, pull again"
-        )
+        raise HubError(f"{repo}: {filename} does not match the hub's {kind} ({h.hexdigest()[:12]}... instead of "
+                       f"{want[:12]}...); it was removed, pull again")
 
 
 def check_free_space(folder: Path, needed: int) -> None:
@@ -571,20 +510,16 @@ def check_free_space(folder: Path, needed: int) -> None:
     where = folder
     while not where.exists() and where != where.parent:
         where = where.parent
-    have = (
-        sum(p.stat().st_size for p in (folder / "blobs").iterdir() if p.is_file()) if (folder / "blobs").is_dir() else 0
-    )
+    have = sum(p.stat().st_size for p in (folder / "blobs").iterdir() if p.is_file()) if (folder / "blobs").is_dir() else 0
     missing = max(0, needed - have)
     try:
         free = shutil.disk_usage(where).free
     except OSError:
         return
     if missing and free < missing * 1.05 + (64 << 20):
-        raise HubError(
-            f"not enough free disk space for this model: {missing / 1e9:.2f} GB to download, "
-            f"{free / 1e9:.2f} GB free in {where}; free some space (or set HF_HUB_CACHE to a larger disk) "
-            "and pull again"
-        )
+        raise HubError(f"not enough free disk space for this model: {missing / 1e9:.2f} GB to download, "
+                       f"{free / 1e9:.2f} GB free in {where}; free some space (or set HF_HUB_CACHE to a larger disk) "
+                       "and pull again")
 
 
 def _size(path: Path) -> int:

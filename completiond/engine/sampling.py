@@ -84,9 +84,8 @@ def accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torc
     return len(draft), sample(p[len(draft)], gen)
 
 
-def accept_sampled_resident(
-    draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator
-) -> torch.Tensor:
+def accept_sampled_resident(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                            gen: torch.Generator) -> torch.Tensor:
     """accept_sampled without reading anything back: the same test and the same distributions,
     computed on the device, for accelerators where each read stalls the host.
 
@@ -100,9 +99,7 @@ def accept_sampled_resident(
     rows = torch.arange(k, device=p.device)
     u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype)
     rejected = u >= torch.clamp(p[rows, draft] / q[rows, draft], max=1.0)  # [k]: not min(1, p(x)/q(x))
-    m = torch.where(
-        rejected.any(), rejected.to(torch.long).argmax(), torch.tensor(k, device=p.device)
-    )  # first one, else k
+    m = torch.where(rejected.any(), rejected.to(torch.long).argmax(), torch.tensor(k, device=p.device))  # first one, else k
     # Row k of q is zero: with every draft accepted, the "residual" of p[k] is p[k] itself, the bonus.
     q_ext = torch.cat([q.to(p.dtype), p.new_zeros(1, vocab)])  # [k+1, V]
     at = m.view(1)

@@ -24,8 +24,8 @@ from completiond.serving.wire import Code, RemoteError
 log = logging.getLogger(__name__)
 
 LOG_ROTATE_BYTES = 4 * 1024 * 1024
-CRASH_WINDOW = 10.0  # a daemon dying this soon after we connected counts as a failed start
-CRASH_LOOP_FAILURES = 3  # after this many failures in a row, back off before trying again
+CRASH_WINDOW = 10.0          # a daemon dying this soon after we connected counts as a failed start
+CRASH_LOOP_FAILURES = 3      # after this many failures in a row, back off before trying again
 CRASH_LOOP_MAX_WAIT = 60.0
 
 
@@ -40,13 +40,9 @@ class ConnectionLost(ConnectionError):
 class DaemonClient:
     """One connection to the daemon. Use from a single event loop."""
 
-    def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        on_notification: Callable[[str, dict], None] | None = None,
-        on_close: Callable[["DaemonClient"], None] | None = None,
-    ):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_notification: Callable[[str, dict], None] | None = None,
+                 on_close: Callable[["DaemonClient"], None] | None = None):
         self.reader = reader
         self.writer = writer
         self.on_notification = on_notification
@@ -58,33 +54,17 @@ class DaemonClient:
         self.closed = False
         self.close_reason = ""
         self.directory: Path | None = None  # the runtime directory (connect_or_spawn sets it)
-        self.notice = ""  # why that directory is a fallback, if it is one
+        self.notice = ""                    # why that directory is a fallback, if it is one
 
     @classmethod
-    async def connect(
-        cls,
-        socket: Path,
-        client_name: str = "completiond",
-        settings: dict[str, Any] | None = None,
-        timeout: float = 10.0,
-        **kwargs: Any,
-    ) -> "DaemonClient":
+    async def connect(cls, socket: Path, client_name: str = "completiond", settings: dict[str, Any] | None = None,
+                      timeout: float = 10.0, **kwargs: Any) -> "DaemonClient":
         reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout
-        )
+            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout)
         self = cls(reader, writer, **kwargs)
         try:
-            writer.write(
-                wire.encode(
-                    {
-                        "t": "hello",
-                        "v": wire.VERSION,
-                        "client": client_name,
-                        "pid": os.getpid(),
-                        "settings": settings or {},
-                    }
-                )
-            )
+            writer.write(wire.encode({"t": "hello", "v": wire.VERSION, "client": client_name, "pid": os.getpid(),
+                                      "settings": settings or {}}))
             welcome = await asyncio.wait_for(wire.read_message(reader), timeout)
         except (wire.FrameError, asyncio.TimeoutError, OSError) as exc:
             writer.close()
@@ -186,16 +166,10 @@ class DaemonClient:
 # --- finding or starting the daemon ---------------------------------------------------
 
 
-REMOTE_FLAGS = (
-    ("backend", "--backend"),
-    ("endpoint", "--endpoint"),
-    ("endpointModel", "--endpoint-model"),
-    ("apiKeyEnv", "--api-key-env"),
-    ("apiKeyFile", "--api-key-file"),
-    ("endpointCaFile", "--endpoint-ca-file"),
-    ("endpointTimeout", "--endpoint-timeout"),
-    ("apiKeyOverHttp", "--api-key-over-http"),
-)
+REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpointModel", "--endpoint-model"),
+                ("apiKeyEnv", "--api-key-env"), ("apiKeyFile", "--api-key-file"),
+                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"),
+                ("apiKeyOverHttp", "--api-key-over-http"))
 
 
 def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
@@ -209,13 +183,8 @@ def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) 
             # a name, whatever a same-named folder in the editor's working directory (a cloned repository)
             # holds. The daemon runs in /, so a path goes absolute.
             cmd += [flag, config_mod.resolve_local_model(str(model))]
-    for key, flag in (
-        ("device", "--device"),
-        ("dtype", "--dtype"),
-        ("weights", "--weights"),
-        ("cacheMegabytes", "--cache-mb"),
-        ("logLevel", "--log-level"),
-    ):
+    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("weights", "--weights"),
+                      ("cacheMegabytes", "--cache-mb"), ("logLevel", "--log-level")):
         if settings.get(key) not in (None, ""):
             cmd += [flag, str(settings[key])]
     if settings.get("trustRemoteCode"):
@@ -244,9 +213,8 @@ def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float 
     log_fd = os.open(directory / paths.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         log.info("starting daemon: %s", " ".join(cmd))
-        return subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True, start_new_session=True, cwd="/"
-        )
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True,
+                                start_new_session=True, cwd="/")
     finally:
         os.close(log_fd)
 
@@ -280,15 +248,9 @@ def _placed(client: DaemonClient, directory: Path, notice: str) -> DaemonClient:
     return client
 
 
-async def connect_or_spawn(
-    settings: dict[str, Any] | None = None,
-    directory: Path | None = None,
-    spawn: bool = True,
-    timeout: float = 60.0,
-    client_name: str = "completiond",
-    idle_timeout: float | None = None,
-    **client_kwargs: Any,
-) -> DaemonClient:
+async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Path | None = None, spawn: bool = True,
+                           timeout: float = 60.0, client_name: str = "completiond",
+                           idle_timeout: float | None = None, **client_kwargs: Any) -> DaemonClient:
     """Connect to the user's daemon, starting it first if there is none (one starter at a time)."""
     settings = settings or {}
     # The default directory, if squatted or unsafe, is replaced by a private one (the notice says so).
@@ -304,9 +266,8 @@ async def connect_or_spawn(
     try:
         while True:
             try:
-                return _placed(
-                    await DaemonClient.connect(socket, client_name, settings, **client_kwargs), directory, notice
-                )
+                return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
+                               directory, notice)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 last_error = exc
             except DaemonUnavailable as exc:  # e.g. the daemon is exiting: try again
@@ -318,11 +279,8 @@ async def connect_or_spawn(
                 lock_fd = _try_lock(directory / paths.SPAWN_LOCK_NAME)
                 if lock_fd is not None:
                     try:
-                        return _placed(
-                            await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
-                            directory,
-                            notice,
-                        )
+                        return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
+                                       directory, notice)
                     except (FileNotFoundError, ConnectionRefusedError, DaemonUnavailable):
                         pass
                     proc = spawn_daemon(directory, settings, idle_timeout)
@@ -330,8 +288,7 @@ async def connect_or_spawn(
                 # 3 = another daemon won the race: keep polling for its socket.
                 raise DaemonUnavailable(
                     f"the daemon exited with status {proc.returncode} during start-up: "
-                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})"
-                )
+                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})")
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"could not reach the daemon at {socket} within {timeout:g} s: {last_error}")
             await asyncio.sleep(delay)
@@ -361,18 +318,11 @@ class DaemonSession:
     apart from the model reload.
     """
 
-    def __init__(
-        self,
-        settings: Callable[[], dict[str, Any]],
-        documents: Callable[[], dict[str, tuple[int, str, str]]],
-        directory: Path | None = None,
-        on_notification: Callable[[str, dict], None] | None = None,
-        on_connect: Callable[[dict[str, Any]], None] | None = None,
-        client_name: str = wire.EDITOR_CLIENT,
-        connect_timeout: float = 60.0,
-        on_lost: Callable[[str], None] | None = None,
-        on_notice: Callable[[str], None] | None = None,
-    ):
+    def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
+                 directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
+                 on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = wire.EDITOR_CLIENT,
+                 connect_timeout: float = 60.0, on_lost: Callable[[str], None] | None = None,
+                 on_notice: Callable[[str], None] | None = None):
         self._settings = settings
         # Told once what the user should know but need not act on: the daemon's directory was unsafe and a
         # private one is used instead.
@@ -406,10 +356,8 @@ class DaemonSession:
             return self.client  # type: ignore[return-value]
         wait = self._retry_at - time.monotonic()
         if wait > 0 and (self._connecting is None or self._connecting.done()):
-            raise DaemonUnavailable(
-                f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
-                f"(log: {(self.directory or paths.current_runtime_dir()) / paths.LOG_NAME})"
-            )
+            raise DaemonUnavailable(f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
+                                    f"(log: {(self.directory or paths.current_runtime_dir()) / paths.LOG_NAME})")
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
         # Shield: one caller giving up (a cancelled completion) must not abort the connect for the others.
@@ -418,15 +366,9 @@ class DaemonSession:
     async def _connect(self) -> DaemonClient:
         settings = self._settings()
         try:
-            client = await connect_or_spawn(
-                settings,
-                self.directory,
-                timeout=self.connect_timeout,
-                client_name=self.client_name,
-                on_notification=self.on_notification,
-                idle_timeout=settings.get("idleTimeout"),
-                on_close=self._client_closed,
-            )
+            client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
+                                            client_name=self.client_name, on_notification=self.on_notification,
+                                            idle_timeout=settings.get("idleTimeout"), on_close=self._client_closed)
         except paths.InsecureDirectoryError as exc:
             self._failed()
             raise DaemonUnavailable(str(exc)) from None
@@ -504,9 +446,8 @@ class DaemonSession:
                     raise
                 version, text, language_id = docs[params["uri"]]
                 if not _send_open(client, params["uri"], version, text, language_id):
-                    raise RemoteError(
-                        Code.BAD_REQUEST, f"{params['uri']} is too large to complete in ({len(text)} characters)"
-                    ) from None
+                    raise RemoteError(Code.BAD_REQUEST, f"{params['uri']} is too large to complete in "
+                                                        f"({len(text)} characters)") from None
             else:
                 if self.failures and time.monotonic() - self._connected_at >= CRASH_WINDOW:
                     self.failures = 0

@@ -46,26 +46,14 @@ class ServiceError(CompletionError):
 class Service:
     """Lifecycle + documents + metrics behind one dispatch. All public methods run on the event loop thread."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        loader: Loader = load_completer,
-        max_pending_per_client: int = 16,
-        queue_deadline: float = QUEUE_DEADLINE,
-        calibrate_min_params: int | None = None,
-    ):
+    def __init__(self, cfg: Config, loader: Loader = load_completer, max_pending_per_client: int = 16,
+                 queue_deadline: float = QUEUE_DEADLINE, calibrate_min_params: int | None = None):
         self.cfg = cfg
         self.scheduler = Scheduler(max_pending_per_client=max_pending_per_client, queue_deadline=queue_deadline)
         self.metrics = Metrics()
         self.docs = Documents()
-        self.lifecycle = Lifecycle(
-            lambda: self.cfg,
-            loader,
-            self.scheduler,
-            changed=self._broadcast,
-            loaded=lambda: self.metrics.add("loads"),
-            calibrate_min_params=calibrate_min_params,
-        )
+        self.lifecycle = Lifecycle(lambda: self.cfg, loader, self.scheduler, changed=self._broadcast,
+                                   loaded=lambda: self.metrics.add("loads"), calibrate_min_params=calibrate_min_params)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = time.time()
 
@@ -234,9 +222,8 @@ class Service:
             refusal = config_mod.route_refusal(settings if isinstance(settings, dict) else None, self.cfg)
             if refusal:
                 raise ServiceError(Code.NOT_READY, refusal)
-            return await self.complete(
-                client, request_id, uri, version, offset, settings if isinstance(settings, dict) else None
-            )
+            return await self.complete(client, request_id, uri, version, offset,
+                                       settings if isinstance(settings, dict) else None)
         if method == "ping":
             return "pong"
         if method == "status":
@@ -253,15 +240,8 @@ class Service:
     def cancel(self, client: Hashable, request_id: Hashable) -> None:
         self.scheduler.cancel((client, request_id))
 
-    async def complete(
-        self,
-        client: Hashable,
-        request_id: Hashable,
-        uri: str,
-        version: int,
-        offset: int,
-        settings: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    async def complete(self, client: Hashable, request_id: Hashable, uri: str, version: int, offset: int,
+                       settings: dict[str, Any] | None = None) -> dict[str, Any]:
         loop = self.lifecycle.loop = self.lifecycle.loop or asyncio.get_running_loop()
         self.metrics.add("requests")
         doc = self.docs.get(client, uri)
@@ -272,12 +252,10 @@ class Service:
             raise ServiceError(Code.BAD_REQUEST, f"offset {offset} outside {uri} ({len(doc.text)} characters)")
         if self.state == "error" and not self.lifecycle.remote_down:
             raise ServiceError(Code.NOT_READY, self.error)
-        cfg, _errors = config_mod.merge(
-            self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS}
-        )
+        cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
         text, path, language = doc.text, uri_path(uri), doc.language_id or None
         gated = gate_path(uri)
-        tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None  # parsed on the worker, incrementally
+        tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None   # parsed on the worker, incrementally
         future: asyncio.Future = loop.create_future()
 
         def deliver(outcome: Outcome) -> None:
@@ -290,13 +268,10 @@ class Service:
             if not future.done():
                 future.set_result(outcome)
 
-        job = Job(
-            key=(client, uri),
-            client=client,
-            request_id=(client, request_id),
-            run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gated, tree=tree),
-            done=deliver,
-        )
+        job = Job(key=(client, uri), client=client, request_id=(client, request_id),
+                  run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gated,
+                                              tree=tree),
+                  done=deliver)
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -314,16 +289,11 @@ class Service:
         finally:
             expiry.cancel()
         if outcome.status == CANCELLED and outcome.reason == "expired":
-            raise ServiceError(
-                Code.OVERLOADED,
-                f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
-                "behind other requests and was dropped; the daemon is busy, try again",
-            )
+            raise ServiceError(Code.OVERLOADED, f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
+                                                "behind other requests and was dropped; the daemon is busy, try again")
         if outcome.status == CANCELLED:
-            reason = {
-                "superseded": "superseded by a newer request for this document",
-                "shutdown": "the daemon is shutting down",
-            }.get(outcome.reason, "cancelled")
+            reason = {"superseded": "superseded by a newer request for this document",
+                      "shutdown": "the daemon is shutting down"}.get(outcome.reason, "cancelled")
             raise ServiceError(Code.CANCELLED, reason)
         if outcome.status == ERROR:
             failure = outcome.value
@@ -336,18 +306,9 @@ class Service:
         result["version"] = version
         return result
 
-    def _run(
-        self,
-        text: str,
-        offset: int,
-        cfg: Config,
-        token: Any,
-        path: str | None = None,
-        language: str | None = None,
-        client: Hashable = None,
-        gate_path: str | None = None,
-        tree: Any = None,
-    ) -> dict[str, Any]:
+    def _run(self, text: str, offset: int, cfg: Config, token: Any, path: str | None = None,
+             language: str | None = None, client: Hashable = None, gate_path: str | None = None,
+             tree: Any = None) -> dict[str, Any]:
         """On the worker thread: one completion from whatever completes (the one pipeline, completion/completer.py)."""
         from completiond.completion.completer import suggest
 
@@ -363,25 +324,21 @@ class Service:
             return _withheld(unserved, reason="language")
         if completer.backend is not Backend.LOCAL and not verdict.remote_ok:
             # Said as it is: this daemon has no local model, so the file gets no completion at all here.
-            return _withheld(
-                f"no completions for this file: {verdict.reason}, and such files are never sent to the "
-                f"completion server ({cfg.backend}); this daemon has no local model for them "
-                "(with backend = local they are completed on this machine)"
-            )
+            return _withheld(f"no completions for this file: {verdict.reason}, and such files are never sent to the "
+                             f"completion server ({cfg.backend}); this daemon has no local model for them "
+                             "(with backend = local they are completed on this machine)")
         start = time.perf_counter()
         remote = completer.backend is not Backend.LOCAL
         self.lifecycle.call_soon(self.lifecycle.mark_busy)
-        context = self.docs.context(
-            client, cfg, path, language, text, offset, completer.budgets(cfg), completer.token_counter()
-        )
+        context = self.docs.context(client, cfg, path, language, text, offset, completer.budgets(cfg),
+                                    completer.token_counter())
         # tree: the document's DocumentTree. A request uses it as the edits left it (shifted by tree-sitter's
         # edit API, not reparsed: enough to find the construct around the cursor); it is reparsed, incrementally,
         # once edits pile up (DocumentTree.shifted).
         shifted = (tree.shifted(text) or tree.tree(text)) if tree is not None else None
         try:
-            done = suggest(
-                completer, text, offset, cfg, cancel=token, path=path, language=language, context=context, tree=shifted
-            )
+            done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
+                           tree=shifted)
         except TeamServerError as exc:
             if remote and exc.kind != "config":
                 self.lifecycle.call_soon(self.lifecycle.remote_failed, str(exc))
@@ -390,17 +347,10 @@ class Service:
             self.lifecycle.call_soon(self.lifecycle.remote_answered)
         latency = round((time.perf_counter() - start) * 1000, 2)
         if done.skipped:  # nothing to complete here (e.g. a minified line): no engine work
-            return {
-                "suggestion": None,
-                "suggestions": [],
-                "finish_reason": "skipped",
-                "stats": {},
-                "latency_ms": latency,
-                "warnings": done.warnings,
-            }
-        suggestions = [
-            {"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in done.suggestions
-        ]
+            return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
+                    "latency_ms": latency, "warnings": done.warnings}
+        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline}
+                       for s in done.suggestions]
         result = {
             "warnings": done.warnings,
             "suggestion": suggestions[0] if suggestions else None,  # the best; older clients read only this
@@ -410,52 +360,25 @@ class Service:
             "latency_ms": latency,
         }
         if done.withheld and not suggestions:
-            result["withheld"] = done.withheld  # the model made one; the syntax check kept it back, and why
+            result["withheld"] = done.withheld   # the model made one; the syntax check kept it back, and why
         return result
 
 
 def _withheld(message: str, reason: str = "excluded") -> dict[str, Any]:
     """The answer for a document the privacy gate keeps from the model in use (or one in a language the model
     does not serve): no suggestion, and why (the editor tells the user once per message)."""
-    return {
-        "suggestion": None,
-        "suggestions": [],
-        "finish_reason": reason,
-        "stats": {},
-        "latency_ms": 0.0,
-        "warnings": [message],
-    }
+    return {"suggestion": None, "suggestions": [], "finish_reason": reason, "stats": {}, "latency_ms": 0.0,
+            "warnings": [message]}
 
 
 # A catalog model that serves every common language, offered when the model in use does not serve a document's.
 RECOMMENDED_FOR_LANGUAGES = "qwen2.5-coder-0.5b"
 # Editors' language ids that name the same language (VS Code, Neovim filetypes, other clients).
-LANGUAGE_ALIASES = {
-    "python3": "python",
-    "py": "python",
-    "pyi": "python",
-    "javascriptreact": "javascript",
-    "typescriptreact": "typescript",
-    "sh": "shellscript",
-    "bash": "shellscript",
-    "zsh": "shellscript",
-    "c++": "cpp",
-    "cs": "csharp",
-    "golang": "go",
-    "rs": "rust",
-}
-LANGUAGE_NAMES = {
-    "python": "Python",
-    "javascript": "JavaScript",
-    "typescript": "TypeScript",
-    "go": "Go",
-    "rust": "Rust",
-    "cpp": "C++",
-    "csharp": "C#",
-    "shellscript": "shell",
-    "java": "Java",
-    "c": "C",
-}
+LANGUAGE_ALIASES = {"python3": "python", "py": "python", "pyi": "python", "javascriptreact": "javascript",
+                    "typescriptreact": "typescript", "sh": "shellscript", "bash": "shellscript", "zsh": "shellscript",
+                    "c++": "cpp", "cs": "csharp", "golang": "go", "rs": "rust"}
+LANGUAGE_NAMES = {"python": "Python", "javascript": "JavaScript", "typescript": "TypeScript", "go": "Go",
+                  "rust": "Rust", "cpp": "C++", "csharp": "C#", "shellscript": "shell", "java": "Java", "c": "C"}
 
 
 def language_unserved(completer: Any, language: str | None, path: str | None) -> str:
@@ -472,11 +395,9 @@ def language_unserved(completer: Any, language: str | None, path: str | None) ->
         return ""
     names = ", ".join(LANGUAGE_NAMES.get(x, x) for x in served)
     model = getattr(completer, "name", "") or getattr(engine, "name", "") or "the model"
-    return (
-        f"{model} serves {names} only: no suggestions in {LANGUAGE_NAMES.get(wanted, wanted)} documents. "
-        f"For those, use a model that serves them: `completiond pull {RECOMMENDED_FOR_LANGUAGES}`, then set "
-        f'model = "{RECOMMENDED_FOR_LANGUAGES}" (`completiond pull --list` shows the others)'
-    )
+    return (f"{model} serves {names} only: no suggestions in {LANGUAGE_NAMES.get(wanted, wanted)} documents. "
+            f"For those, use a model that serves them: `completiond pull {RECOMMENDED_FOR_LANGUAGES}`, then set "
+            f"model = \"{RECOMMENDED_FOR_LANGUAGES}\" (`completiond pull --list` shows the others)")
 
 
 def document_language(language: str | None, path: str | None) -> str | None:
