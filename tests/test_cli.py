@@ -110,7 +110,9 @@ def test_a_relative_model_path_is_reported_as_given_and_resolved(tmp_path):
     out = subprocess.run([sys.executable, "-m", "completiond.cli", "complete", "a.py:1:1"], capture_output=True,
                          text=True, timeout=120, cwd=tmp_path, env=dict(os.environ, XDG_CONFIG_HOME=str(tmp_path)))
     assert out.returncode == 2, out
-    assert f"model directory ./nope does not exist ({tmp_path.resolve() / 'nope'})" in out.stderr, out.stderr
+    # Issue 43: a relative directory in config.toml is resolved against that file's folder, not the cwd.
+    where = tmp_path.resolve() / "completiond" / "nope"
+    assert f"model directory {where} does not exist" in out.stderr, out.stderr
 
 
 # Windows, as far as completiond can tell: no fcntl, no os.getuid, no AF_UNIX.

@@ -72,6 +72,10 @@ class FakeEngine:
     started: threading.Event = field(default_factory=threading.Event)
     last_prompt: list = field(default_factory=list)
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
     def draft_in_use(self):
         return None
 

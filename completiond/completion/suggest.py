@@ -193,6 +193,7 @@ class LocalEngine(Protocol):
     name: str
     device: Any
     max_context: int
+    vocab_size: int  # the LM head's rows (alternatives ban first tokens over it)
     eos_token_ids: Any
     calibration: Any      # its speculation record (None: none to calibrate)
     model: Any            # the torch module (None: nothing to calibrate)
