@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from completiond.commands.bench_typing import _percentile, _stop_daemon
+from completiond.commands.bench_typing import _percentile, _stop_daemon, start_bench_client
 from completiond.errors import CompletionError
 
 EVENTS = ("open", "keystroke", "jump", "jump_rest", "switch")
@@ -142,7 +142,6 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
                    lsp_command: list[str] | None) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
-    from pygls.lsp.client import LanguageClient
 
     rng = random.Random(seed)
     folder = runtime_dir / "workspace"
@@ -155,23 +154,7 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
         copy.write_text(texts[f], encoding="utf-8")
         uris[f] = copy.as_uri()
     init = {"model": model, "maxTokens": 1, "multiline": "never", "idleTimeout": 60, **settings}
-    client = LanguageClient("completiond-editing-bench", "1")
-    messages: list[str] = []
-
-    @client.feature(types.WINDOW_SHOW_MESSAGE)
-    def _show(params: types.ShowMessageParams) -> None:
-        messages.append(params.message)
-
-    @client.feature(types.WINDOW_LOG_MESSAGE)
-    def _log(params: types.LogMessageParams) -> None:
-        pass
-
-    @client.feature("completiond/status")
-    def _status(params: Any) -> None:
-        pass
-
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir))
-    await client.start_io(*(lsp_command or [sys.executable, "-m", "completiond.cli", "lsp"]), env=env)
+    client, messages = await start_bench_client("completiond-editing-bench", runtime_dir, lsp_command)
     requests: list[_Req] = []
     ids = iter(range(1, 1 << 30))
     versions: dict[Path, int] = {}

@@ -143,7 +143,6 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
                  workspace: Path | None = None) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
-    from pygls.lsp.client import LanguageClient
 
     text = file.read_bytes().decode("utf-8")
     lines = text.split("\n")
@@ -160,24 +159,7 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
     init = {"model": model or "", "device": device, "maxTokens": max_tokens, "multiline": "never",
             "idleTimeout": 30, **(settings or {})}
 
-    client = LanguageClient("completiond-typing-bench", "1")
-    messages: list[str] = []
-
-    @client.feature(types.WINDOW_SHOW_MESSAGE)
-    def _show(params: types.ShowMessageParams) -> None:
-        messages.append(params.message)
-
-    @client.feature(types.WINDOW_LOG_MESSAGE)
-    def _log(params: types.LogMessageParams) -> None:
-        pass
-
-    @client.feature("completiond/status")
-    def _status(params: Any) -> None:
-        pass
-
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir))
-    cmd = lsp_command or [sys.executable, "-m", "completiond.cli", "lsp"]
-    await client.start_io(*cmd, env=env)
+    client, messages = await start_bench_client("completiond-typing-bench", runtime_dir, lsp_command)
     requests: list[_Request] = []
     ids = iter(range(1, 1 << 30))
 
@@ -411,3 +393,29 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+async def start_bench_client(name: str, runtime_dir: Path, lsp_command: list[str] | None) -> tuple[Any, list[str]]:
+    """A pygls client running `completiond lsp` (or lsp_command) in its own runtime dir; the list collects the
+    messages the server shows. The editing bench starts its client through this too."""
+    from lsprotocol import types
+    from pygls.lsp.client import LanguageClient
+
+    client = LanguageClient(name, "1")
+    messages: list[str] = []
+
+    @client.feature(types.WINDOW_SHOW_MESSAGE)
+    def _show(params: types.ShowMessageParams) -> None:
+        messages.append(params.message)
+
+    @client.feature(types.WINDOW_LOG_MESSAGE)
+    def _log(params: types.LogMessageParams) -> None:
+        pass
+
+    @client.feature("completiond/status")
+    def _status(params: Any) -> None:
+        pass
+
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir))
+    await client.start_io(*(lsp_command or [sys.executable, "-m", "completiond.cli", "lsp"]), env=env)
+    return client, messages
