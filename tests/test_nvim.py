@@ -934,6 +934,89 @@ def test_help_file_tags(nvim, tmp_path):
     assert n.lua("return vim.bo.filetype") == "help"
 
 
+# ---------------------------------------------------------------- the menu: snooze, languages, the server's questions
+
+
+def _scripted_buffer(n: Nvim, tmp_path: Path, name: str, text: str) -> None:
+    opts = {"cmd": scripted_cmd(tmp_path), "debounce_ms": 10}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / name
+    source.write_text(text)
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+
+
+def test_the_first_run_offer_waits_for_the_menu_and_its_answer_reaches_the_server(nvim, tmp_path):
+    """The server's model offer (window/showMessageRequest) never opens Neovim's blocking prompt while the
+    user types: it is announced, waits in :CompletiondMenu, and the answer chosen there is the server's."""
+    n = nvim()
+    _scripted_buffer(n, tmp_path, "offer.py", "x = f(\n")
+    n.wait_for("return #require('completiond.menu').questions > 0", SERVER_TIMEOUT, "the first-run offer")
+    question = n.lua("return require('completiond.menu').questions[1].message")
+    assert "GB" in question, question
+    assert "question waits" in n.lua("return require('completiond').statusline()")
+    n.input("A")  # typing goes on, and suggestions show, while the question waits
+    n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode (not a prompt)")
+    n.wait_for("return require('completiond').visible(0)", SERVER_TIMEOUT, "a suggestion while the question waits")
+    labels = n.lua("return vim.tbl_map(function(e) return e.label end, require('completiond.menu').entries(0))")
+    assert labels[0].startswith("Answer: ") and any(label.startswith("Snooze") for label in labels), labels
+    assert n.lua("return require('completiond.menu').answer('Not now')")
+    state_file = tmp_path / "config" / "completiond" / "first-run.json"
+    deadline = time.monotonic() + 30
+    while not state_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(state_file.read_text())["answer"] == "Not now"
+    assert n.lua("return #require('completiond.menu').questions") == 0
+
+
+def test_snooze_pauses_suggestions_and_resumes(nvim, tmp_path):
+    n = nvim()
+    _scripted_buffer(n, tmp_path, "snooze.py", "x = f(\n")
+    n.lua("require('completiond.menu').snooze(15)")
+    assert n.lua("return require('completiond').statusline()").startswith("completiond snoozed until ")
+    n.input("A")
+    n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode")
+    asked = scripted_stats(n)["requests"]
+    n.lua("require('completiond').trigger(0)")  # not even the trigger asks while snoozed
+    time.sleep(0.5)
+    assert not n.lua("return require('completiond').visible(0)")
+    assert scripted_stats(n)["requests"] == asked
+    n.lua("require('completiond.menu').resume()")
+    n.input("<M-\\>")
+    assert n.wait_for("return require('completiond').suggestion_text(0)", SERVER_TIMEOUT, "the suggestion") == "a, b)"
+    # A snooze ends by itself.
+    n.lua("require('completiond.menu').snooze(0.01)")
+    n.wait_for("return not require('completiond.menu').snoozed()", 10, "the snooze to run out")
+
+
+def test_a_language_turned_off_from_the_menu_stays_off(nvim, tmp_path):
+    n = nvim()
+    _scripted_buffer(n, tmp_path, "lang.py", "x = f(\n")
+    n.lua("require('completiond.menu').set_language('python', false)")
+    n.input("A")
+    n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode")
+    n.lua("require('completiond').trigger(0)")
+    time.sleep(0.5)
+    assert not n.lua("return require('completiond').visible(0)")
+    labels = n.lua("return vim.tbl_map(function(e) return e.label end, require('completiond.menu').entries(0))")
+    assert "Turn suggestions on for python" in labels, labels
+    saved = json.loads((tmp_path / "state" / "nvim" / "completiond" / "languages.json").read_text())
+    assert saved == {"python": False}
+    n.close()
+    # The next session remembers it; turning it on again works at once.
+    n = nvim()
+    n.lua(f"require('completiond').setup({lua_literal({'cmd': scripted_cmd(tmp_path), 'debounce_ms': 10})})")
+    n.request("nvim_command", f"edit {tmp_path / 'lang.py'}")
+    assert not n.lua("return require('completiond').filetype_enabled(0)")
+    assert n.lua("return #require('completiond').clients(0)") == 0  # not even started for it
+    n.lua("require('completiond.menu').set_language('python', true)")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.input("A")
+    n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode")
+    n.input("<M-\\>")
+    assert n.wait_for("return require('completiond').suggestion_text(0)", SERVER_TIMEOUT, "the suggestion") == "a, b)"
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--scripted-server"]:
     # `python tests/test_nvim.py --scripted-server TABLE.json`: the real `completiond lsp` over stdio with
     # ScriptedBackend answering from TABLE (see scripted_cmd).

@@ -20,3 +20,7 @@ end, { desc = "completiond: turn inline completions on or off" })
 vim.api.nvim_create_user_command("CompletiondRestart", function()
   require("completiond").restart()
 end, { desc = "completiond: restart the completion daemon" })
+
+vim.api.nvim_create_user_command("CompletiondMenu", function()
+  require("completiond.menu").open()
+end, { desc = "completiond: snooze, turn this language off, answer the server's questions, restart, status" })

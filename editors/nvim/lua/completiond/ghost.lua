@@ -207,7 +207,7 @@ end
 function M.request(bufnr, invoked)
   bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
-  if not s or not core().enabled() then
+  if not s or not core().active() or not core().filetype_enabled(bufnr) then
     return
   end
   if vim.api.nvim_get_current_buf() ~= bufnr or not vim.api.nvim_get_mode().mode:match("^i") then
@@ -235,7 +235,7 @@ end
 --- Ask after `debounce_ms` without typing.
 function M.schedule(bufnr)
   local s = states[bufnr]
-  if not s or not core().enabled() then
+  if not s or not core().active() or not core().filetype_enabled(bufnr) then
     return
   end
   stop_timer(s)

@@ -136,6 +136,11 @@ function M.enabled()
   return v
 end
 
+--- Whether suggestions are asked for now: completions on and not snoozed (:CompletiondMenu).
+function M.active()
+  return M.enabled() and not require("completiond.menu").snoozed()
+end
+
 ---@return vim.lsp.Client[]
 function M.clients(bufnr)
   return vim.lsp.get_clients({ name = M.NAME, bufnr = bufnr })
@@ -189,7 +194,7 @@ end
 
 local function on_attach(client, bufnr)
   if M.renderer == "builtin" then
-    vim.lsp.inline_completion.enable(M.enabled(), { bufnr = bufnr })
+    vim.lsp.inline_completion.enable(M.active() and M.filetype_enabled(bufnr), { bufnr = bufnr })
   else
     require("completiond.ghost").attach(bufnr, client.id)
   end
@@ -220,7 +225,11 @@ function M.attach(bufnr)
     root_dir = root,
     init_options = { completiond = section },
     settings = { completiond = section },
-    handlers = { [M.STATUS_METHOD] = M.on_status },
+    handlers = {
+      [M.STATUS_METHOD] = M.on_status,
+      -- The first-run model offer: asked from :CompletiondMenu, never as a prompt in the middle of typing.
+      ["window/showMessageRequest"] = require("completiond.menu").on_message_request,
+    },
     on_init = function(client)
       -- The server also answers textDocument/completion (for editors without inline
       -- completions). Completion plugins would then ask it on every keystroke, and
@@ -252,6 +261,7 @@ function M.setup(opts)
     vim.notify("completiond: " .. table.concat(errors, "\n"), vim.log.levels.WARN)
   end
   local first = M.config == nil
+  require("completiond.menu").apply_languages(cfg)
   M.config = cfg
   M.errors = errors
   M.user_settings = user_settings
@@ -285,9 +295,10 @@ end
 function M.refresh_buffers()
   for _, client in ipairs(M.clients()) do
     for bufnr in pairs(client.attached_buffers or {}) do
+      local on = M.active() and M.filetype_enabled(bufnr)
       if M.renderer == "builtin" then
-        vim.lsp.inline_completion.enable(M.enabled(), { bufnr = bufnr })
-      elseif not M.enabled() then
+        vim.lsp.inline_completion.enable(on, { bufnr = bufnr })
+      elseif not on then
         require("completiond.ghost").clear(bufnr)
       end
       require("completiond.keymaps").attach(bufnr)
@@ -419,7 +430,7 @@ end
 --- (Neovim's own asks by itself as you type) or completions are off here.
 function M.trigger(bufnr)
   bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
-  if M.renderer ~= "fallback" or not M.enabled() or not M.filetype_enabled(bufnr) then
+  if M.renderer ~= "fallback" or not M.active() or not M.filetype_enabled(bufnr) then
     return false
   end
   local ghost = require("completiond.ghost")
@@ -457,6 +468,13 @@ function M.statusline()
   if not M.enabled() then
     return "completiond off"
   end
+  local menu = require("completiond.menu")
+  if menu.snoozed() then
+    return "completiond snoozed " .. menu.snooze_text()
+  end
+  if #menu.questions > 0 then
+    return "completiond: a question waits (:CompletiondMenu)"
+  end
   local s = util.strip_nil(M.status[clients[1].id])
   if not s then
     return "completiond starting"
@@ -474,7 +492,12 @@ function M.status_lines()
   if not M.config then
     return { "completiond: not set up (call require('completiond').setup())" }
   end
-  table.insert(lines, ("completiond: renderer %s, completions %s"):format(M.renderer, M.enabled() and "on" or "off"))
+  local menu = require("completiond.menu")
+  local state = not M.enabled() and "off" or menu.snoozed() and ("snoozed " .. menu.snooze_text()) or "on"
+  table.insert(lines, ("completiond: renderer %s, completions %s"):format(M.renderer, state))
+  for _, q in ipairs(menu.questions) do
+    table.insert(lines, "question waiting (answer with :CompletiondMenu): " .. q.message)
+  end
   local clients = M.clients()
   if #clients == 0 then
     local cmd, err = M.server_cmd(M.config)

@@ -88,7 +88,7 @@ function M.attach(bufnr)
       vim.keymap.set("i", lhs, function()
         local active
         if action.always then
-          active = core.renderer == "fallback" and core.enabled() and core.filetype_enabled(bufnr)
+          active = core.renderer == "fallback" and core.active() and core.filetype_enabled(bufnr)
         else
           active = core.visible(bufnr)
         end
