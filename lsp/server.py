@@ -57,6 +57,10 @@ MIDLINE_MAX = 256  # longer (stripped) text after the cursor is never only close
 # Suggestions generated when the user asks for alternatives (an invoked request, e.g. cycling).
 ON_DEMAND_ALTERNATIVES = 3
 STATUS_MIN_INTERVAL = 0.5  # seconds between completiond/status notifications of the same state
+# Our plugins say where the cursor rests ({textDocument: {uri}, position}, after a short debounce, and when a
+# file becomes active): the daemon prefills the prompts around it (serving/prefetch.py). Other clients lose
+# nothing: didOpen, didChange and requests prefetch too.
+CURSOR_REST_METHOD = "completiond/cursorRest"
 
 
 def _version() -> str:
@@ -724,6 +728,19 @@ def _rest_of_line(doc: Document, offset: int) -> tuple[str, int]:
     return rest, offset + len(rest)
 
 
+def _rest_params(params: Any) -> tuple[str | None, tuple[int, int] | None]:
+    """(uri, (line, character)) of a cursorRest notification, as pygls hands over a method of ours (an object
+    of attributes, or a dict); (None, None) parts for what is missing or malformed."""
+    def field(obj: Any, name: str) -> Any:
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    uri = field(field(params, "textDocument"), "uri")
+    position = field(params, "position")
+    line, character = field(position, "line"), field(position, "character")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (line, character))
+    return (uri if isinstance(uri, str) else None), ((line, character) if ok else None)
+
+
 def _section(options: Any) -> Any:
     """The `completiond` settings object, whether sent wrapped in its section or bare."""
     if isinstance(options, dict) and isinstance(options.get(SECTION), dict):
@@ -810,6 +827,16 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         ls._last.pop(params.text_document.uri, None)
         if ls.docs.pop(params.text_document.uri, None) is not None:
             ls.service.notify("close", {"uri": params.text_document.uri})
+
+    @server.feature(CURSOR_REST_METHOD)
+    def cursor_rest(ls: CompletionServer, params: Any) -> None:
+        uri, position = _rest_params(params)
+        doc = ls.docs.get(uri) if uri is not None else None
+        if (doc is None or position is None or not ls.cfg.enable or len(doc.text) > MAX_FRAME
+                or doc.language_id.lower() in config_mod.disabled_languages(ls.cfg)):
+            return  # a hint: nothing to warm (or not ours to warm), and nothing to answer
+        offset = doc.offset(position[0], position[1], ls.encoding)
+        ls.service.notify("rest", {"uri": uri, "version": doc.version, "offset": offset})
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:

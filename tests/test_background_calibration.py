@@ -86,7 +86,7 @@ def test_idle_work_yields_to_a_request_and_resumes_after_it():
         tokens[-1].cancel()
         assert _wait(lambda: len(tokens) == 3)
         tokens[-1].cancel()
-        assert _wait(lambda: sched._idle is None)
+        assert _wait(lambda: not sched.idle_slots())
         assert len(tokens) == 3
     finally:
         sched.stop()
@@ -224,6 +224,6 @@ async def test_small_models_are_not_calibrated_in_the_background(peaked_dir, pri
                 break
             await asyncio.sleep(0.02)
         assert service.state == "ready", service.error
-        assert service.status()["calibration"] is None and service.scheduler._idle is None
+        assert service.status()["calibration"] is None and not service.scheduler.idle_slots()
     finally:
         service.shutdown()

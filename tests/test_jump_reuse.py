@@ -92,7 +92,9 @@ def test_walk_lines_go_down_from_the_cursor_then_up():
     starts = walk_lines(text, None, 16)
     assert starts[0] == text.index("line 16") and starts[-1] == 0
     at = walk_lines(text, text.index("line 50"), 16)
-    assert at[0] == text.index("line 64") and text.index("line 32") in at and at[-1] == 0
+    assert at[0] == text.index("line 50") and at[1] == text.index("line 64")   # the cursor's line, then down
+    assert text.index("line 32") in at and at[-1] == 0 and len(set(at)) == len(at)
+    assert walk_lines(text, text.index("line 48") + 3, 16)[:2] == [text.index("line 48"), text.index("line 64")]
 
 
 def test_prefix_lru_stays_within_its_budget_and_keeps_recent_files(engines):

@@ -4,10 +4,10 @@ the engine's prefix cache while the engine has nothing else to do (serving/prefe
 With a prefix-first FIM layout (every family but the bundled model's suffix-first one) a prompt is the
 context block, the FIM prefix token, then the text above the cursor from the window's anchor
 (completion/plan.py), then the cursor line and the suffix. What comes before the cursor line does not
-depend on where on its line, or on which line of a region, the cursor is. A `Warmup` prefills those heads
-for cursors at line starts one chunk apart, walking down from the cursor (from the top for a file just
-opened) and then up, a few windows' worth at most, in small engine chunks (`Engine.warm`), one piece per
-`step`. A request there later finds its prompt's head cached and prefills only the cursor line and the
+depend on where on its line, or on which line of a region, the cursor is. A `Warmup` prefills those heads:
+the cursor line's first, then for cursors at line starts one chunk apart, walking down from the cursor
+(from the top for a file just opened) and then up, a few windows' worth at most, in small engine chunks
+(`Engine.warm`), one piece per `step`. A request there later finds its prompt's head cached and prefills only the cursor line and the
 suffix. The KV is the one a cold prefill computes (a token's KV depends only on the tokens before it), so
 suggestions are those of a cold prefill of the same prompt.
 
@@ -70,8 +70,9 @@ def head_ids(prompt: Any) -> list[int]:
 
 
 def walk_lines(text: str, offset: int | None, chunk_lines: int) -> list[int]:
-    """Document offsets of line starts one chunk apart to warm at: from the cursor's chunk down to the end,
-    then up from it (a file just opened, offset None: from the top down)."""
+    """Document offsets of line starts to warm at: the cursor's own line first (the head of any request on
+    it: the window's anchor below may differ), then line starts one chunk apart from the cursor's chunk down
+    to the end, then up from it (a file just opened, offset None: from the top down)."""
     starts = [0]
     n = max(1, chunk_lines)
     pos, line = 0, 0
@@ -86,4 +87,6 @@ def walk_lines(text: str, offset: int | None, chunk_lines: int) -> list[int]:
     if offset is None:
         return starts[1:] + starts[:1]
     here = sum(1 for s in starts if s <= offset) - 1
-    return starts[here + 1:] + starts[here::-1][1:]
+    own = text.rfind("\n", 0, max(0, offset)) + 1
+    rest = starts[here + 1:] + starts[here::-1][1:]
+    return [own] + [s for s in rest if s != own]

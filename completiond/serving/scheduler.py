@@ -20,10 +20,11 @@ newest request for a document matters. So:
 
 Every job's `done` callback is called exactly once, outside the lock.
 
-Background work (the daemon's calibration of a new model) runs on the same thread only when
-nothing else waits: `set_idle(step)` registers a function that does one bounded piece per call.
-A job or control call that arrives meanwhile cancels the running piece's token, so it waits at
-most one engine round, and the next piece runs only once the queue is empty again.
+Background work runs on the same thread only when nothing else waits: `set_idle(step, slot)` registers
+a function that does one bounded piece per call. Each kind has a slot, and the slots run in IDLE_SLOTS
+order: prefetches (serving/prefetch.py: the prompt the user waits for next) before the calibration of a
+new model. A job or control call that arrives meanwhile cancels the running piece's token, so it waits at
+most one engine round or prefill chunk, and the next piece runs only once the queue is empty again.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 OK = "ok"
 CANCELLED = "cancelled"
 ERROR = "error"
+
+IDLE_SLOTS = ("prefetch", "calibration")  # background work, the first slot with work first
 
 
 class Overloaded(RuntimeError):
@@ -89,8 +92,9 @@ class Scheduler:
         self._control: collections.deque = collections.deque()           # (fn, done) run before any job
         self._running: Job | None = None
         self._in_call = False                                            # a control call (model load) runs
-        self._idle: Callable[[Any], bool] | None = None                  # background step(token) -> more to do
+        self._idle: dict[str, Callable[[Any], bool]] = {}                # slot -> background step(token) -> more
         self._idle_token: Any = None                                     # the running background step's token
+        self._idle_slot = ""                                             # and its slot
         self._stopping = False
         self.counts: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -186,15 +190,25 @@ class Scheduler:
             self._preempt_idle()
             self._lock.notify()
 
-    def set_idle(self, step: Callable[[Any], bool] | None) -> None:
-        """Background work for moments with nothing queued: step(token) does one bounded piece and returns
-        whether more remains; it must stop soon once token is cancelled. None withdraws it (and cancels a
-        running piece)."""
+    def set_idle(self, step: Callable[[Any], bool] | None, slot: str = "calibration") -> None:
+        """Background work for moments with nothing queued, in `slot` (one of IDLE_SLOTS): step(token) does one
+        bounded piece and returns whether more remains; it must stop soon once token is cancelled. None
+        withdraws the slot's work (and cancels its running piece)."""
+        if slot not in IDLE_SLOTS:
+            raise ValueError(f"unknown background slot {slot!r}; expected one of {', '.join(IDLE_SLOTS)}")
         with self._lock:
-            self._idle = step
             if step is None:
-                self._preempt_idle()
+                self._idle.pop(slot, None)
+                if self._idle_slot == slot:
+                    self._preempt_idle()
+            else:
+                self._idle[slot] = step
             self._lock.notify()
+
+    def idle_slots(self) -> list[str]:
+        """The slots that have background work registered."""
+        with self._lock:
+            return [slot for slot in IDLE_SLOTS if slot in self._idle]
 
     def _preempt_idle(self) -> None:
         """Under the lock: a request arrived, so a running background piece stops at its next round."""
@@ -228,7 +242,7 @@ class Scheduler:
             if self._running is not None and not self._running.cancel_reason:
                 self._running.cancel_reason = "shutdown"
                 self._running.token.cancel()
-            self._idle = None
+            self._idle.clear()
             self._preempt_idle()
             self._lock.notify_all()
         self._finish_all(finished)
@@ -274,9 +288,11 @@ class Scheduler:
                 return "job", job
             if self._stopping:
                 return None
-            if self._idle is not None:
+            slot = next((s for s in IDLE_SLOTS if s in self._idle), None)
+            if slot is not None:
                 self._idle_token = self._token_factory()
-                return "idle", (self._idle, self._idle_token)
+                self._idle_slot = slot
+                return "idle", (slot, self._idle[slot], self._idle_token)
             self._lock.wait()
 
     def _loop(self) -> None:
@@ -288,16 +304,17 @@ class Scheduler:
                 return
             kind, payload = item
             if kind == "idle":
-                step, token = payload
+                slot, step, token = payload
                 try:
                     more = bool(step(token))
                 except Exception:  # background work must never take the worker down
-                    log.exception("background work failed")
+                    log.exception("background work (%s) failed", slot)
                     more = False
                 with self._lock:
                     self._idle_token = None
-                    if not more and self._idle is step:
-                        self._idle = None
+                    self._idle_slot = ""
+                    if not more and self._idle.get(slot) is step:
+                        del self._idle[slot]
                 continue
             if kind == "call":
                 fn, done = payload

@@ -26,6 +26,7 @@ from completiond.errors import CompletionError
 from completiond.serving.documents import Documents, OutOfSync, gate_path, uri_path
 from completiond.serving.lifecycle import Lifecycle, Loader, load_completer
 from completiond.serving.metrics import Metrics
+from completiond.serving.prefetch import Key, Prefetcher
 from completiond.serving.scheduler import CANCELLED, ERROR, Job, Outcome, Overloaded, Scheduler, ShuttingDown
 from completiond.serving.wire import Code
 
@@ -56,6 +57,10 @@ class Service:
                                    loaded=lambda: self.metrics.add("loads"), calibrate_min_params=calibrate_min_params)
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = time.time()
+        # Background prefills of what documents' next requests start with (prefetch.py), with the settings of
+        # each editor's last request, so that they warm what its next one reads.
+        self.prefetch = Prefetcher(self.scheduler, self._warmup, lambda: self.lifecycle.loop)
+        self._last_cfg: dict[Hashable, Config] = {}
 
     # --- what the parts hold, as front ends and tools read it -------------------------
 
@@ -94,6 +99,7 @@ class Service:
         self.lifecycle.start_loading()
 
     def shutdown(self) -> None:
+        self.prefetch.stop()
         self.lifecycle.shutdown()
         self.scheduler.stop()
         self.docs.stop()
@@ -148,6 +154,8 @@ class Service:
         return {
             **self.metrics.summary(),
             "scheduler": self.scheduler.snapshot(),
+            "kv_cache": self._cache_stats(),
+            "prefetch": self.prefetch.stats(),
             "status": self.status(),
             "documents": len(self.docs.documents),
             "workspace_files": len(workspace.paths()) if workspace is not None else 0,
@@ -155,23 +163,62 @@ class Service:
             "index": workspace.index_status() if workspace is not None else None,
         }
 
+    def _cache_stats(self) -> dict[str, Any] | None:
+        try:
+            return self.completer.cache_stats() if self.completer is not None else None
+        except RuntimeError:  # the worker changed the cache while it was read
+            return None
+
     # --- documents ---------------------------------------------------------------------
 
     def open(self, client: Hashable, uri: str, version: int, text: str, language_id: str = "") -> None:
         self.docs.open(client, uri, version, text, language_id)
+        self.prefetch.note((client, uri), None)
 
     def change(self, client: Hashable, uri: str, version: int, edits: list) -> None:
         try:
             self.docs.change(client, uri, version, edits)
         except OutOfSync as exc:
+            self.prefetch.forget((client, uri))
             raise ServiceError(Code.UNKNOWN_DOCUMENT, str(exc)) from None
+        last = edits[-1] if edits else None   # [start, end, text]: the cursor is after the last edit's text
+        if isinstance(last, (list, tuple)) and len(last) == 3 and isinstance(last[0], int) and isinstance(last[2], str):
+            self.prefetch.touch((client, uri), last[0] + len(last[2]))
+
+    def rest(self, client: Hashable, uri: str, version: int, offset: int) -> None:
+        """The editor's cursor rests at `offset` (our plugins say so): warm the prompts around it now. A hint:
+        a document at another version or not open is left alone."""
+        doc = self.docs.get(client, uri)
+        if doc is not None and doc.version == version and 0 <= offset <= len(doc.text):
+            self.prefetch.note((client, uri), offset)
 
     def close(self, client: Hashable, uri: str) -> None:
+        self.prefetch.forget((client, uri))
         self.docs.close(client, uri)
 
     def drop_client(self, client: Hashable) -> None:
         self.scheduler.cancel_client(client)
+        self.prefetch.forget_client(client)
+        self._last_cfg.pop(client, None)
         self.docs.drop_client(client)
+
+    def _warmup(self, key: Key, offset: int | None) -> Any:
+        """Worker thread: the prefetch of `key` (completion/warmup.py) with the settings of its editor's last
+        request; None where it may not (the privacy gate, a language the model does not serve) or cannot run."""
+        client, uri = key
+        doc, completer = self.docs.get(client, uri), self.completer
+        if doc is None or completer is None or completer.backend is not Backend.LOCAL:
+            return None
+        cfg = self._last_cfg.get(client, self.cfg)
+        text, path, language = doc.text, uri_path(uri), doc.language_id or None
+        if not self.docs.admission(client, cfg, gate_path(uri) or path).local_ok:
+            return None
+        if language_unserved(completer, language, path):
+            return None
+        at = None if offset is None else min(offset, len(text))
+        context = self.docs.context(client, cfg, path, language, text, at or 0, completer.budgets(cfg),
+                                    completer.token_counter())
+        return completer.warmup(text, at, cfg, path=path, language=language, context=context)
 
     def count_suggestion(self, event: str, kind: Any = None) -> None:
         """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion."""
@@ -197,6 +244,8 @@ class Service:
                 self.change(client, _str(params, "uri"), _int(params, "version"), edits)
             elif method == "close":
                 self.close(client, _str(params, "uri"))
+            elif method == "rest":
+                self.rest(client, _str(params, "uri"), _int(params, "version"), _int(params, "offset"))
             elif method == "suggestion":
                 self.count_suggestion(_str(params, "event"), params.get("kind"))
             elif method == "workspace":
@@ -230,7 +279,7 @@ class Service:
             return self.status()
         if method == "stats":
             return self.stats()
-        if method in ("open", "change", "close", "cancel", "workspace", "suggestion"):
+        if method in ("open", "change", "close", "rest", "cancel", "workspace", "suggestion"):
             self.notify(client, method, params)
             return None
         raise ServiceError(Code.UNKNOWN_METHOD, f"unknown method {method!r}")
@@ -272,6 +321,8 @@ class Service:
                   run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gated,
                                               tree=tree),
                   done=deliver)
+        self._last_cfg[client] = cfg
+        self.prefetch.touch((client, uri), offset)   # stale now; warmed around here once the user rests
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -288,6 +339,7 @@ class Service:
             raise
         finally:
             expiry.cancel()
+            self.prefetch.touch((client, uri), offset)   # the timer runs from the answer: not while typing on
         if outcome.status == CANCELLED and outcome.reason == "expired":
             raise ServiceError(Code.OVERLOADED, f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
                                                 "behind other requests and was dropped; the daemon is busy, try again")

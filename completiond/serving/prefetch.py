@@ -1,0 +1,188 @@
+"""Prefetch: the daemon prefills the prompts a document's next requests start with while the engine has
+nothing else to do (completion/warmup.py does the warming, through the Completer's `warmup`).
+
+When a document is noted, and where:
+* opened (didOpen): at once, from its top;
+* the cursor rests (`rest`, the plugins' `completiond/cursorRest` through the LSP server): at once, there;
+* edited or asked about: REST_S after the last edit or request in it, where that was. A plain LSP client
+  thus gets prefetches too, and while the user types nothing is warmed between keystrokes.
+The newest note goes first; a document's older note is replaced, and its running walk dropped when it
+is edited or noted elsewhere.
+
+The scheduler runs `step` in its "prefetch" slot, before a new model's calibration, only when no request
+waits (serving/scheduler.py). A request that arrives cancels the running piece's token; the warm-up checks
+it between its small prefill chunks (Engine.warm), so the request waits at most one chunk, and it then
+reuses whatever the warm-up finished: the same KV a cold prefill computes, so the same suggestion.
+A failing warm-up is logged and dropped; it never fails a request or the worker.
+
+COMPLETIOND_PREFETCH=0 turns it off (to measure what it brings: `completiond bench --editing --prefetch off`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from completiond.serving.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+MAX_DOCUMENTS = 8   # documents waiting for a warm-up; the oldest note is dropped first
+REST_S = 0.3        # quiet time after an edit or a request in a document before it is warmed there
+
+Key = tuple[Hashable, str]   # (client, uri)
+# make(key, offset) on the worker: the document's warm-up (an object with step(cancel) -> more to do and a
+# `warmed` token count), or None where it may not or cannot be warmed. offset None: from the top.
+MakeWarmup = Callable[[Key, "int | None"], Any]
+
+
+def enabled() -> bool:
+    return os.environ.get("COMPLETIOND_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class Prefetcher:
+    """Notes documents and warms the newest. `note`, `touch`, `forget` run on the event loop thread (`note`
+    and `forget` from any thread); `step` runs on the engine's worker thread."""
+
+    def __init__(self, scheduler: Scheduler, make: MakeWarmup, loop: Callable[[], asyncio.AbstractEventLoop | None],
+                 on: bool | None = None):
+        self.scheduler = scheduler
+        self._make = make
+        self._loop = loop
+        self.on = enabled() if on is None else on
+        self._lock = threading.Lock()
+        self._queue: OrderedDict[Key, int | None] = OrderedDict()
+        self._current: tuple[Key, int | None, Any] | None = None
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self.counts = {"notes": 0, "started": 0, "finished": 0, "preempted": 0, "failed": 0, "dropped": 0,
+                       "warmed_tokens": 0}
+
+    # --- what is noted (event loop) ------------------------------------------------
+
+    def note(self, key: Key, offset: int | None = None) -> None:
+        """Warm `key` next: from its top (offset None: just opened) or around `offset` (the cursor rests)."""
+        if not self.on:
+            return
+        with self._lock:
+            current = self._current
+            if current is not None and current[0] == key and current[1] == offset and key not in self._queue:
+                return  # that very walk is under way
+            self.counts["notes"] += 1
+            self._drop(key)
+            self._queue[key] = offset
+            while len(self._queue) > MAX_DOCUMENTS:
+                self._queue.popitem(last=False)
+                self.counts["dropped"] += 1
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        # A fresh bound method each time: the worker drops the slot only if it still holds the step that
+        # found nothing left, never one registered after it.
+        self.scheduler.set_idle(self.step, "prefetch")
+
+    def touch(self, key: Key, offset: int) -> None:
+        """The document was edited or asked about at `offset`: warm there once it has been quiet for REST_S
+        (what was queued or running for it is stale now). Without an event loop: at once."""
+        if not self.on:
+            return
+        with self._lock:
+            self._drop(key)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            self.note(key, offset)
+            return
+        self._timers[key] = loop.call_later(REST_S, self._rested, key, offset)
+
+    def _rested(self, key: Key, offset: int) -> None:
+        self._timers.pop(key, None)
+        self.note(key, offset)
+
+    def forget(self, key: Key) -> None:
+        """The document closed (or its editor left): nothing more for it."""
+        with self._lock:
+            self._drop(key)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def forget_client(self, client: Hashable) -> None:
+        with self._lock:
+            keys = {k for k in self._queue if k[0] == client} | set(k for k in self._timers if k[0] == client)
+            if self._current is not None and self._current[0][0] == client:
+                keys.add(self._current[0])
+        for key in keys:
+            self.forget(key)
+
+    def stop(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+
+    def _drop(self, key: Key) -> None:
+        """Under the lock: `key`'s queued note and running walk go (the worker finishes its piece)."""
+        self._queue.pop(key, None)
+        if self._current is not None and self._current[0] == key:
+            self._current = None
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return self._current is not None or bool(self._queue)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self.counts, on=self.on, queued=len(self._queue), running=self._current is not None,
+                        resting=len(self._timers))
+
+    # --- the warming (worker thread) ------------------------------------------------
+
+    def step(self, token: Any) -> bool:
+        """One bounded piece of warming (a few of the engine's small prefill chunks); whether more remains."""
+        with self._lock:
+            current = self._current
+            if current is None:
+                if not self._queue:
+                    return False
+                key, offset = self._queue.popitem(last=True)   # the newest note first
+        if current is None:
+            try:
+                warmup = self._make(key, offset)
+            except Exception:  # a warm-up is a nicety: it never takes the worker down
+                log.exception("prefetch of %s failed", key[1])
+                warmup = None
+                with self._lock:
+                    self.counts["failed"] += 1
+            if warmup is None:
+                return self.pending
+            current = (key, offset, warmup)
+            with self._lock:
+                self.counts["started"] += 1
+                if key in self._queue:   # noted again meanwhile: that note's walk replaces this one
+                    return True
+                self._current = current
+        warmup = current[2]
+        before = int(warmup.warmed)
+        failed = False
+        try:
+            more = bool(warmup.step(token))
+        except Exception:
+            log.exception("prefetch of %s failed", current[0][1])
+            more, failed = False, True
+        with self._lock:
+            self.counts["failed"] += failed
+            self.counts["warmed_tokens"] += int(warmup.warmed) - before
+            if token is not None and token.cancelled:
+                self.counts["preempted"] += 1
+            if not more:
+                self.counts["finished"] += 1
+                if self._current is current:
+                    self._current = None
+            return self._current is not None or bool(self._queue)

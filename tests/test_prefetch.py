@@ -1,0 +1,312 @@
+"""The daemon's prefetch (serving/prefetch.py): documents opened, edited, asked about or rested in are warmed
+between requests, never in their way.
+
+* a request after a prefetch answers exactly as one after a cold prefill (the same suggestion; logits within
+  rounding) and reuses what the prefetch finished;
+* a request that arrives during a prefetch waits for the chunk in progress and no more (order, not time);
+* a prefetch that fails is logged and dropped: the daemon keeps answering;
+* what is noted when: open and rest at once, edits and requests after a quiet spell, the newest first,
+  a rest at another version ignored, COMPLETIOND_PREFETCH=0 off;
+* background slots: prefetch runs before a calibration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from completiond import config
+from completiond.serving import prefetch as prefetch_mod
+from completiond.serving.prefetch import Prefetcher
+from completiond.serving.scheduler import Scheduler
+
+URI = "file:///work/handlers.py"
+TEXT = "".join(f"def handler_{i}(request, value):\n    '''Handle {i}.'''\n    result = value * {i} + 3\n"
+               f"    if result > {i * 3}:\n        return request.send(result)\n    return None\n\n" for i in range(70))
+# A prefix-first layout (the bundled model was trained on both): its prompt heads can be warmed ahead.
+SETTINGS = {"fimTemplate": "qwen2.5-coder", "device": "cpu", "maxTokens": 6, "multiline": "always"}
+
+
+def _line_end(text: str, line: int) -> int:
+    lines = text.split("\n")
+    return sum(len(x) + 1 for x in lines[:line]) + len(lines[line])
+
+
+async def _until(predicate, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _service(prefetch: bool = True):
+    from completiond.serving.service import Service
+
+    cfg = config.merge(config.Config(), SETTINGS)[0]
+    service = Service(cfg)
+    service.prefetch.on = prefetch
+    service.start_loading()
+    await _until(lambda: service.state not in ("idle", "loading"))
+    assert service.state == "ready", service.error
+    return service
+
+
+def _idle(service) -> bool:
+    return (not service.prefetch.pending and "prefetch" not in service.scheduler.idle_slots()
+            and not service.prefetch.stats()["resting"])
+
+
+async def test_a_request_after_a_prefetch_equals_a_cold_one_and_reuses_it():
+    import torch
+
+    from completiond.completion.suggest import builder_for
+
+    warm, cold = await _service(), await _service(prefetch=False)
+    try:
+        offsets = [_line_end(TEXT, 60), _line_end(TEXT, 200), _line_end(TEXT, 120)]
+        warm.open("c", URI, 1, TEXT, "python")
+        cold.open("c", URI, 1, TEXT, "python")
+        await _until(lambda: _idle(warm) and warm.prefetch.counts["finished"] >= 1)
+        assert warm.prefetch.counts["warmed_tokens"] > 0
+        for n, offset in enumerate(offsets):
+            if n == 2:   # the cursor rests there first: warmed around it
+                warm.rest("c", URI, 1, offset)
+                await _until(lambda: _idle(warm) and warm.prefetch.counts["finished"] >= 2)
+            got = await warm.complete("c", n, URI, 1, offset)
+            want = await cold.complete("c", n, URI, 1, offset)
+            assert got["suggestion"] == want["suggestion"], n
+            assert got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"]
+            if n != 1:   # the opened file's top, then the rested region: mostly served from the cache
+                assert got["stats"]["reused_tokens"] > 0.5 * got["stats"]["prompt_tokens"], (n, got["stats"])
+            assert cold.completer is not None and warm.completer is not None
+        # The logits of the rested request's prompt: from the warmed cache as from a cold prefill (within the
+        # kernels' rounding, which depends on how rows are batched into chunks even between two cold runs).
+        engine, reference = warm.completer.engine, cold.completer.engine  # type: ignore[union-attr]
+        prompt = builder_for(engine, warm.cfg).build(TEXT, offsets[2])
+        a, b = engine.logits_for(prompt.ids), reference.logits_for(prompt.ids, use_cache=False)
+        assert int(a.argmax()) == int(b.argmax()) and torch.allclose(a, b, atol=0.05), (a - b).abs().max()
+        assert warm.stats()["prefetch"]["failed"] == 0 and cold.stats()["prefetch"]["notes"] == 0
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
+async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
+    service = await _service()
+    loop = asyncio.get_running_loop()
+    try:
+        completer = service.completer
+        engine = completer.engine  # type: ignore[union-attr]
+        events: list[str] = []
+        submitted = threading.Event()
+        answer: list[Any] = []
+        run_layers, warm_fn, complete = engine.run_layers, engine.warm, completer.complete  # type: ignore[union-attr]
+        in_warm = threading.local()
+
+        def counting_warm(*args, **kw):
+            in_warm.on = True
+            try:
+                return warm_fn(*args, **kw)
+            finally:
+                in_warm.on = False
+
+        def counting_layers(h, first, last, *args, **kw):
+            if getattr(in_warm, "on", False) and first == 0:
+                events.append("warm chunk")
+                if events.count("warm chunk") == 3 and not submitted.is_set():
+                    # A request arrives in the middle of the third chunk: queued before this chunk goes on.
+                    loop.call_soon_threadsafe(lambda: answer.append(
+                        asyncio.ensure_future(service.complete("c", 1, URI, 1, _line_end(TEXT, 300)))))
+                    deadline = time.monotonic() + 60
+                    while service.scheduler.queued() == 0 and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    events.append("request queued")
+                    submitted.set()
+            return run_layers(h, first, last, *args, **kw)
+
+        def counting_complete(*args, **kw):
+            events.append("request runs")
+            return complete(*args, **kw)
+
+        engine.warm, engine.run_layers = counting_warm, counting_layers
+        completer.complete = counting_complete  # type: ignore[union-attr,method-assign]
+        service.open("c", URI, 1, TEXT, "python")
+        await _until(lambda: bool(answer))
+        result = await answer[0]
+        assert result["suggestion"] is not None or result["finish_reason"]
+        at = events.index("request queued")
+        # The chunk in progress finishes; no other warm-up chunk starts before the request runs.
+        assert events[at + 1] == "request runs", events[at:at + 4]
+        assert service.prefetch.counts["preempted"] >= 1
+        await _until(lambda: _idle(service))   # and warming went on after it (around the request), to its end
+        assert events.count("warm chunk") > 3 and service.prefetch.counts["finished"] >= 1
+    finally:
+        service.shutdown()
+
+
+async def test_a_failing_prefetch_never_takes_the_daemon_down(caplog):
+    service = await _service()
+    try:
+        completer = service.completer
+
+        class Broken:
+            warmed = 0
+
+            def step(self, cancel: Any) -> bool:
+                raise RuntimeError("a bug in a warm-up")
+
+        calls: list[str] = []
+
+        def broken_warmup(*args, **kw):
+            calls.append("warmup")
+            if len(calls) == 1:
+                raise ValueError("cannot build it")
+            return Broken()
+
+        completer.warmup = broken_warmup  # type: ignore[union-attr,method-assign]
+        service.open("c", URI, 1, TEXT, "python")
+        await _until(lambda: _idle(service))
+        service.rest("c", URI, 1, _line_end(TEXT, 30))
+        await _until(lambda: _idle(service) and len(calls) == 2)
+        assert service.prefetch.counts["failed"] == 2
+        result = await service.complete("c", 1, URI, 1, _line_end(TEXT, 30))
+        assert result["finish_reason"] and "suggestions" in result
+        assert service.state in ("ready", "busy")
+        assert "prefetch of file:///work/handlers.py failed" in caplog.text
+    finally:
+        service.shutdown()
+
+
+# --- what is noted when (no engine) --------------------------------------------------------------------------
+
+
+class FakeWarmup:
+    def __init__(self, log: list, key: Any, offset: int | None, pieces: int = 2):
+        self.log, self.key, self.offset, self.left, self.warmed = log, key, offset, pieces, 0
+
+    def step(self, cancel: Any) -> bool:
+        self.log.append((self.key[1], self.offset))
+        self.left -= 1
+        self.warmed += 10
+        return self.left > 0
+
+
+async def test_open_and_rest_warm_at_once_edits_and_requests_after_a_quiet_spell(monkeypatch):
+    monkeypatch.setattr(prefetch_mod, "REST_S", 0.2)
+    sched = Scheduler()
+    loop = asyncio.get_running_loop()
+    made: list = []
+    steps: list = []
+
+    def make(key, offset):
+        made.append((key[1], offset))
+        return FakeWarmup(steps, key, offset)
+
+    pre = Prefetcher(sched, make, lambda: loop, on=True)
+    try:
+        pre.note(("c", "a"), None)
+        await _until(lambda: not pre.pending and len(steps) == 2)
+        assert made == [("a", None)]
+        for offset in (10, 11, 12):    # typing: each keystroke restarts the quiet spell
+            pre.touch(("c", "a"), offset)
+            await asyncio.sleep(0.05)
+        assert made == [("a", None)] and pre.stats()["resting"] == 1
+        await _until(lambda: len(made) == 2)
+        assert made[-1] == ("a", 12)
+        await _until(lambda: not pre.pending)
+        pre.touch(("c", "b"), 5)
+        pre.note(("c", "a"), 40)        # a rest is at once, and a touch of another file does not stop it
+        await _until(lambda: len(made) == 4)
+        assert made[2:] == [("a", 40), ("b", 5)]
+        pre.touch(("c", "a"), 7)
+        pre.forget(("c", "a"))          # closed before it rested
+        await asyncio.sleep(0.3)
+        assert len(made) == 4 and pre.stats()["resting"] == 0
+    finally:
+        pre.stop()
+        sched.stop()
+
+
+async def test_the_newest_note_goes_first_and_an_edit_drops_a_running_walk():
+    sched = Scheduler()
+    gate = threading.Event()
+    made: list = []
+
+    class Held(FakeWarmup):
+        def step(self, cancel: Any) -> bool:
+            gate.wait(30)
+            return super().step(cancel)
+
+    pre = Prefetcher(sched, lambda key, offset: made.append(key[1]) or Held([], key, offset, pieces=50),
+                     lambda: None, on=True)
+    try:
+        pre.note(("c", "a"))
+        await _until(lambda: made == ["a"])
+        pre.note(("c", "b"))
+        pre.note(("c", "c"))
+        pre.touch(("c", "a"), 3)        # no loop: noted at once, the running walk of "a" dropped
+        gate.set()
+        await _until(lambda: len(made) == 4)
+        assert made == ["a", "a", "c", "b"]
+    finally:
+        gate.set()
+        pre.stop()
+        sched.stop()
+
+
+def test_prefetch_off_by_environment(monkeypatch):
+    monkeypatch.setenv("COMPLETIOND_PREFETCH", "0")
+    sched = Scheduler()
+    try:
+        pre = Prefetcher(sched, lambda key, offset: pytest.fail("warmed while off"), lambda: None)
+        pre.note(("c", "a"))
+        pre.touch(("c", "a"), 1)
+        assert not pre.on and not pre.pending and not sched.idle_slots()
+    finally:
+        sched.stop()
+
+
+async def test_a_rest_at_another_version_or_outside_the_text_is_ignored(monkeypatch):
+    from completiond.serving.service import Service, ServiceError
+
+    noted: list = []
+    service = Service(config.merge(config.Config(), SETTINGS)[0], loader=lambda *a, **k: pytest.fail("no load"))
+    monkeypatch.setattr(service.prefetch, "note", lambda key, offset=None: noted.append((key, offset)))
+    try:
+        service.notify("c", "open", {"uri": URI, "version": 3, "text": "x = 1\n", "languageId": "python"})
+        service.notify("c", "rest", {"uri": URI, "version": 2, "offset": 2})
+        service.notify("c", "rest", {"uri": URI, "version": 3, "offset": 99})
+        service.notify("c", "rest", {"uri": "file:///other.py", "version": 3, "offset": 0})
+        service.notify("c", "rest", {"uri": URI, "version": 3, "offset": 4})
+        assert noted == [(("c", URI), None), (("c", URI), 4)]
+        with pytest.raises(ServiceError):
+            service.notify("c", "rest", {"uri": URI, "version": 3})
+    finally:
+        service.shutdown()
+
+
+def test_prefetch_runs_before_calibration_and_slots_are_named():
+    sched = Scheduler()
+    order: list[str] = []
+    hold = threading.Event()
+
+    def control() -> None:
+        hold.wait(30)   # the worker is busy while both slots are registered
+
+    try:
+        sched.call(control, lambda outcome: None)
+        sched.set_idle(lambda token: order.append("calibration") or len(order) < 4)
+        sched.set_idle(lambda token: order.append("prefetch") or order.count("prefetch") < 2, "prefetch")
+        hold.set()
+        deadline = time.monotonic() + 30
+        while sched.idle_slots() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert order[:2] == ["prefetch", "prefetch"] and order[2:] == ["calibration", "calibration"]
+        with pytest.raises(ValueError):
+            sched.set_idle(lambda token: False, "elsewhere")
+    finally:
+        sched.stop()
