@@ -549,6 +549,9 @@ class ScriptedService:
         key = doc.text[start:offset] + "|" + doc.text[offset:len(doc.text) if end < 0 else end]
         self.asked.append(key)
         texts = self.table.get(key) or []
+        if isinstance(texts, dict):  # one while typing, more when asked for alternatives (cycling)
+            many = int(params["settings"].get("alternatives") or 1) > 1
+            texts = [texts["first"], *texts["more"]] if many else [texts["first"]]
         return {"suggestions": [{"text": t, "start": offset, "end": offset, "multiline": "\n" in t}
                                 for t in ([texts] if isinstance(texts, str) else texts)]}
 
@@ -577,6 +580,7 @@ SCRIPT = {
     "seq = |self._entries[best_key]": "self.get(best_key) or ",  # mid-line before code: not shown
     "wrap(|)": "\n    a,\n",                  # multi-line whose first line is empty: not shown mid-line
     "pick(|": ["1)", "2)", "3)"],              # alternatives (setting `alternatives` = 3)
+    "choose(|": {"first": "a)", "more": ["b)", "c)"]},  # one while typing; cycling asks for the others
 }
 
 
@@ -749,6 +753,29 @@ def test_next_prev_cycle_through_the_servers_alternatives(nvim, tmp_path, render
     n.wait_for(text, 10, "back to the last", "3)")
     n.input("<Tab>")
     n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, 1, false)[1] == 'pick(3)'", 10, "the third alternative accepted")
+
+
+def test_cycling_a_single_suggestion_fetches_alternatives(nvim, tmp_path):
+    """Typing asks for one suggestion; the next/previous keys then ask the server for alternatives (an
+    invoked request) and move to one that differs, as Copilot does."""
+    n = nvim()
+    opts = {"cmd": scripted_cmd(tmp_path), "renderer": "fallback", "debounce_ms": 10}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "choose.py"
+    source.write_text("choose(\n")
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond').clients(0) > 0", 60, "the completiond client to attach")
+    n.input("A")
+    text = "return require('completiond').suggestion_text(0) == ..."
+    n.wait_for(text, SERVER_TIMEOUT, "the typed suggestion", "a)")
+    assert n.lua("return #require('completiond.ghost').state(0).ghost.items") == 1
+    n.input("<M-]>")
+    n.wait_for(text, 10, "the fetched alternative", "b)")
+    n.input("<M-]>")
+    n.wait_for(text, 10, "the next one", "c)")
+    n.input("<M-[>")
+    n.input("<M-[>")
+    n.wait_for(text, 10, "back to the first", "a)")
 
 
 @pytest.mark.parametrize("renderer", ["builtin", "fallback"])
@@ -987,6 +1014,22 @@ def test_snooze_pauses_suggestions_and_resumes(nvim, tmp_path):
     # A snooze ends by itself.
     n.lua("require('completiond.menu').snooze(0.01)")
     n.wait_for("return not require('completiond.menu').snoozed()", 10, "the snooze to run out")
+
+
+def test_the_menu_offers_the_actions_and_knows_where_things_are(nvim, tmp_path):
+    n = nvim()
+    _scripted_buffer(n, tmp_path, "menu.py", "x = f(\n")
+    labels = n.lua("return vim.tbl_map(function(e) return e.label end, require('completiond.menu').entries(0))")
+    for wanted in ("Snooze for 5 minutes", "Snooze for 15 minutes", "Snooze for 60 minutes", "Turn suggestions off for python",
+                   "Turn completions off", "Restart the daemon (reloads the model)", "Pull a model…",
+                   "Open the daemon's log"):
+        assert wanted in labels, labels
+    assert n.lua("return require('completiond.menu').daemon_log()") == str(tmp_path / "run" / "completiond" / "daemon.log")
+    assert n.lua("return require('completiond.menu').config_toml()") == str(tmp_path / "config" / "completiond" / "config.toml")
+    # `pull` runs the same completiond as the server: derived from `python`, refused for a custom cmd.
+    assert n.lua("return require('completiond').cli_cmd()") is None
+    n.lua(f"require('completiond').setup({{ python = {json.dumps(sys.executable)} }})")
+    assert n.lua("return require('completiond').cli_cmd()") == [sys.executable, "-m", "completiond.cli"]
 
 
 def test_a_language_turned_off_from_the_menu_stays_off(nvim, tmp_path):

@@ -140,7 +140,7 @@ function M.show(bufnr, text, suffix_len, extra)
   local row, col = unpack(vim.api.nvim_win_get_cursor(0))
   local line = vim.api.nvim_buf_get_lines(bufnr, row - 1, row, false)[1] or ""
   s.ghost = { text = text, row = row - 1, col = col, line_before = line:sub(1, col), suffix_len = suffix_len or 0,
-              items = extra.items, index = extra.index or 1, command = extra.command }
+              items = extra.items, index = extra.index or 1, command = extra.command, fetched = extra.fetched }
   render(bufnr, s.ghost)
 end
 
@@ -149,12 +149,22 @@ function M.cycle(bufnr, step)
   bufnr = resolve_buf(bufnr)
   local s = states[bufnr]
   local g = s and s.ghost
-  if not g or not g.items or #g.items < 2 then
+  if not g then
     return false
+  end
+  if not g.items or #g.items < 2 then
+    -- One suggestion so far (typing asks for one): fetch alternatives now, as Copilot does; the server
+    -- generates several for an invoked request, and the step lands on the first one that differs.
+    if g.fetched then
+      return false
+    end
+    M.request(bufnr, true)
+    s.cycle_step, s.cycle_seq = step, s.seq
+    return true
   end
   local index = (g.index - 1 + step) % #g.items + 1
   local item = g.items[index]
-  M.show(bufnr, item.text, item.suffix_len, { items = g.items, index = index, command = item.command })
+  M.show(bufnr, item.text, item.suffix_len, { items = g.items, index = index, command = item.command, fetched = g.fetched })
   return true
 end
 
@@ -196,11 +206,25 @@ local function handle(bufnr, s, seq, tick, cursor, client, err, result)
       end
     end
   end
+  local step = s.cycle_seq == seq and s.cycle_step or nil
+  s.cycle_step, s.cycle_seq = nil, nil
   if #shown == 0 then
-    M.clear(bufnr)
+    if not step then
+      M.clear(bufnr)
+    end
     return
   end
-  M.show(bufnr, shown[1].text, shown[1].suffix_len, { items = shown, index = 1, command = shown[1].command })
+  local index = 1
+  if step then
+    -- Asked for by next/previous: move off the suggestion already shown.
+    local before = s.ghost and s.ghost.text
+    index = step > 0 and 2 or #shown
+    if #shown == 1 or shown[1].text ~= before then
+      index = 1
+    end
+  end
+  local item = shown[index] or shown[1]
+  M.show(bufnr, item.text, item.suffix_len, { items = shown, index = index, command = item.command, fetched = step ~= nil })
 end
 
 --- Ask the server now for a suggestion at the cursor (`invoked`: the user asked, by the trigger key).

@@ -98,6 +98,20 @@ function M.server_cmd(cfg)
   return nil, "the `completiond` executable was not found on $PATH"
 end
 
+--- The `completiond` command line itself (for `pull`), or nil when only a custom `cmd` is known.
+function M.cli_cmd(cfg)
+  cfg = cfg or M.config or config.defaults
+  local cmd = M.server_cmd(vim.tbl_extend("force", cfg, { args = {} }))
+  if not cmd then
+    return nil
+  end
+  if cmd[#cmd] == "lsp" then
+    table.remove(cmd)
+    return cmd
+  end
+  return nil
+end
+
 -- One plain sentence each: :checkhealth turns ":help tag" into a link up to the next blank, so the
 -- tag must end its line.
 -- No sentence ends in a period of its own (`pip install -e .` would read "..." once joined).

@@ -219,7 +219,7 @@ function M.entries(bufnr)
       M.resume()
     end)
   else
-    for _, minutes in ipairs({ 15, 60 }) do
+    for _, minutes in ipairs({ 5, 15, 60 }) do
       add(("Snooze for %d minutes"):format(minutes), function()
         M.snooze(minutes)
       end)
@@ -241,10 +241,64 @@ function M.entries(bufnr)
   add("Restart the daemon (reloads the model)", function()
     c.restart()
   end)
+  add("Pull a model…", function()
+    M.pull()
+  end)
   add("Show status and stats", function()
     c.show_status()
   end)
+  add("Open the daemon's log", function()
+    vim.cmd.split(vim.fn.fnameescape(M.daemon_log()))
+  end)
+  add("Settings (config.toml; the plugin's own: :help completiond-config)", function()
+    local path = M.config_toml()
+    vim.fn.mkdir(vim.fs.dirname(path), "p")
+    vim.cmd.split(vim.fn.fnameescape(path))
+  end)
   return items
+end
+
+--- Where the shared daemon writes its log (completiond/serving/paths.py: runtime_dir).
+function M.daemon_log()
+  local run = vim.env.XDG_RUNTIME_DIR
+  local dir = (run and run ~= "") and vim.fs.joinpath(run, "completiond")
+    or vim.fs.joinpath(vim.uv.os_tmpdir(), "completiond-" .. vim.uv.getuid())
+  return vim.fs.joinpath(dir, "daemon.log")
+end
+
+--- The user's config.toml (completiond/config.py: config_file_path).
+function M.config_toml()
+  local home = vim.env.XDG_CONFIG_HOME
+  local root = (home and home ~= "") and home or vim.fs.joinpath(vim.uv.os_homedir(), ".config")
+  return vim.fs.joinpath(root, "completiond", "config.toml")
+end
+
+--- Ask which model to pull, then run `completiond pull NAME` in a terminal split (its progress shows there;
+--- an interrupted pull resumes when run again).
+function M.pull(name)
+  local cli = core().cli_cmd()
+  if not cli then
+    vim.notify("completiond: run `completiond pull NAME` in a terminal (no completiond command found for a custom cmd)",
+      vim.log.levels.WARN)
+    return
+  end
+  local function run(model)
+    if not model or vim.trim(model) == "" then
+      return
+    end
+    local cmd = vim.list_extend(vim.deepcopy(cli), { "pull", vim.trim(model) })
+    vim.cmd("botright split")
+    vim.cmd.enew()
+    if vim.fn.has("nvim-0.11") == 1 then
+      vim.fn.jobstart(cmd, { term = true })
+    else
+      vim.fn.termopen(cmd)
+    end
+  end
+  if name then
+    return run(name)
+  end
+  vim.ui.input({ prompt = "Model to pull (`completiond pull --list` shows them): ", default = "qwen2.5-coder-0.5b" }, run)
 end
 
 --- :CompletiondMenu: the model and its state as the prompt, then the actions.
@@ -256,6 +310,10 @@ function M.open(bufnr)
     local s = c.status[client.id]
     if s and s.model then
       head = ("%s — %s on %s"):format(head ~= "" and head or "completiond", s.model, s.device or "?")
+      local counts = c.suggestion_line(s.suggestions)
+      if counts then
+        head = head .. "; " .. counts
+      end
       break
     end
   end
