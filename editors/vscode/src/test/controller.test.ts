@@ -254,9 +254,13 @@ test('package.json: packaging builds and bundles first; Restricted Mode keeps wo
   assert.match(packageJson.scripts.bundle, /^esbuild .*--bundle.*--external:vscode/);
   const trust = packageJson.capabilities.untrustedWorkspaces;
   assert.equal(trust.supported, 'limited');
+  // A machine-scoped setting cannot come from a workspace at all, so it needs no Restricted Mode entry
+  // (trustRemoteCode is machine-scoped since issue 43).
   for (const key of ['server.path', 'server.python', 'server.args', 'model', 'draftModel', 'trustRemoteCode']) {
-    assert.ok(trust.restrictedConfigurations.includes(`completiond.${key}`), key);
+    const machine = schema[`completiond.${key}`].scope === 'machine';
+    assert.ok(machine || trust.restrictedConfigurations.includes(`completiond.${key}`), key);
   }
+  assert.equal(schema['completiond.trustRemoteCode'].scope, 'machine');
   for (const [key, prop] of Object.entries(schema)) {
     assert.ok((prop as any).description || (prop as any).markdownDescription, `${key} has no description`);
   }
