@@ -2,7 +2,9 @@
  * The extension's logic, written against `Host` and `LspClient` so that it runs
  * (and is tested) without VS Code.
  */
-import { ClientFactory, Disposable, Host, LspClient } from './host';
+import { ClientFactory, Clock, Disposable, Host, LspClient, systemClock } from './host';
+import { MenuAction, menuItems } from './menu';
+import { languageIsOff, languageSwitch, snoozeEnd, SNOOZE_CHOICES, snoozeMinutes } from './pause';
 import { resolveServer, ResolveOptions } from './resolve';
 import { ClientState, formatStats, StatusParams, statusView, suggestionCounts, suggestionSummary } from './status';
 
@@ -22,7 +24,16 @@ export const COMMANDS = {
   showLog: 'completiond.showLog',
   acceptWord: 'completiond.acceptWord',
   acceptLine: 'completiond.acceptLine',
+  /** the status item's click: a QuickPick of the state and the actions below */
+  showMenu: 'completiond.showMenu',
+  /** argument: minutes, or "restart" (until VS Code restarts); none: the menu asks */
+  snooze: 'completiond.snooze',
+  resume: 'completiond.resume',
+  /** argument: a language id; none: the active editor's language */
+  toggleLanguage: 'completiond.toggleLanguage',
 };
+/** VS Code's command that hides the ghost text on screen (a snooze or a switched-off language hides it at once). */
+export const BUILTIN_HIDE = 'editor.action.inlineSuggest.hide';
 export const BUILTIN_ACCEPT_WORD = 'editor.action.inlineSuggest.acceptNextWord';
 export const BUILTIN_ACCEPT_LINE = 'editor.action.inlineSuggest.acceptNextLine';
 export const HOW_TO_INSTALL = 'How to install';
@@ -61,10 +72,18 @@ export class Controller implements Disposable {
   private readonly clientDisposables: Disposable[] = [];
   private readonly statusBar;
   private readonly keys: string[];
+  /** ms since the epoch, or Infinity until VS Code restarts; undefined when not snoozed (this window only) */
+  private snoozedUntilMs: number | undefined;
+  private snoozeTimer: Disposable | undefined;
 
-  constructor(private readonly host: Host, private readonly createClient: ClientFactory, private readonly environment: Environment) {
+  constructor(
+    private readonly host: Host,
+    private readonly createClient: ClientFactory,
+    private readonly environment: Environment,
+    private readonly clock: Clock = systemClock,
+  ) {
     this.keys = serverSettingKeys(host.settingsSchema());
-    this.statusBar = host.createStatusBar(COMMANDS.showStats);
+    this.statusBar = host.createStatusBar(COMMANDS.showMenu);
     this.disposables.push(
       this.statusBar,
       host.registerCommand(COMMANDS.toggle, () => this.toggle()),
@@ -75,7 +94,12 @@ export class Controller implements Disposable {
       // full accepts only (through the item's command, which the server sets).
       host.registerCommand(COMMANDS.acceptWord, () => this.acceptPart(BUILTIN_ACCEPT_WORD, 'word')),
       host.registerCommand(COMMANDS.acceptLine, () => this.acceptPart(BUILTIN_ACCEPT_LINE, 'line')),
+      host.registerCommand(COMMANDS.showMenu, () => this.showMenu()),
+      host.registerCommand(COMMANDS.snooze, (minutes) => this.snooze(minutes)),
+      host.registerCommand(COMMANDS.resume, () => this.resume()),
+      host.registerCommand(COMMANDS.toggleLanguage, (languageId) => this.toggleLanguage(languageId)),
       host.onDidChangeSettings((affects) => void this.settingsChanged(affects)),
+      host.onDidChangeActiveEditor(() => this.render()),
     );
     this.render();
   }
@@ -100,10 +124,128 @@ export class Controller implements Disposable {
     return this.host.getSetting('enable') !== false;
   }
 
-  shouldComplete(languageId: string): boolean {
-    if (!this.enabled) return false;
-    const disabled = this.host.getSetting('editor.disabledLanguages');
-    return !(Array.isArray(disabled) && disabled.includes(languageId));
+  /**
+   * Whether to ask the server for this document. A snooze holds back only the suggestions that come
+   * while typing: one the user asks for (invoked, Alt+\) still comes.
+   */
+  shouldComplete(languageId: string, invoked = false): boolean {
+    if (!this.enabled || this.languageOff(languageId)) return false;
+    return invoked || this.snoozedUntil === undefined;
+  }
+
+  /** Off in the server's `disabledLanguages` (what every client gets) or this editor's own list. */
+  languageOff(languageId: string): boolean {
+    return languageIsOff(languageId, this.host.getSetting('disabledLanguages'), this.host.getSetting('editor.disabledLanguages'));
+  }
+
+  /** When the snooze ends (Infinity: at restart), or undefined when not snoozed. */
+  get snoozedUntil(): number | undefined {
+    // The clock decides, not only the timer: a machine that slept past the end resumes at once.
+    if (this.snoozedUntilMs !== undefined && this.clock.now() >= this.snoozedUntilMs) this.endSnooze();
+    return this.snoozedUntilMs;
+  }
+
+  /** Hold back suggestions for `minutes` (Infinity: until VS Code restarts); without a valid argument, ask. */
+  async snooze(arg?: unknown): Promise<void> {
+    let minutes = snoozeMinutes(arg);
+    if (minutes === undefined) {
+      const picked = await this.host.showQuickPick(
+        SNOOZE_CHOICES.map((c) => ({ label: c.label, description: Number.isFinite(c.minutes) ? snoozeEnd(this.clock.now() + c.minutes * 60_000) : undefined, action: String(c.minutes) })),
+        { title: 'completiond: snooze inline suggestions', placeHolder: 'For how long? (they come back by themselves)' },
+      );
+      if (!picked) return;
+      minutes = Number(picked.action);
+    }
+    this.snoozeTimer?.dispose();
+    this.snoozeTimer = undefined;
+    this.snoozedUntilMs = Number.isFinite(minutes) ? this.clock.now() + minutes * 60_000 : Infinity;
+    if (Number.isFinite(minutes)) this.snoozeTimer = this.clock.setTimer(() => this.endSnooze(), minutes * 60_000);
+    this.host.log.appendLine(`suggestions snoozed ${snoozeEnd(this.snoozedUntilMs)}`);
+    await this.hideSuggestion();
+    this.render();
+  }
+
+  /** End a snooze now. */
+  resume(): void {
+    const was = this.snoozedUntilMs !== undefined;
+    this.endSnooze();
+    if (was) this.host.log.appendLine('suggestions resumed');
+  }
+
+  private endSnooze(): void {
+    this.snoozeTimer?.dispose();
+    this.snoozeTimer = undefined;
+    if (this.snoozedUntilMs === undefined) return;
+    this.snoozedUntilMs = undefined;
+    this.render();
+  }
+
+  /**
+   * Turn suggestions off (or back on) for a language: the argument, else the active editor's. Saved in
+   * the settings (where the value comes from now), so it lasts and reaches the server at once.
+   */
+  async toggleLanguage(arg?: unknown): Promise<void> {
+    const languageId = typeof arg === 'string' && arg ? arg : this.host.activeLanguageId();
+    if (!languageId) {
+      void this.host.showInfo('completiond: open a file first; its language is the one turned on or off.');
+      return;
+    }
+    const on = this.languageOff(languageId);
+    const writes = languageSwitch(languageId, on, this.host.getSetting('disabledLanguages'), this.host.getSetting('editor.disabledLanguages'));
+    for (const w of writes) await this.host.updateSetting(w.key, w.value);
+    this.host.log.appendLine(`suggestions turned ${on ? 'on' : 'off'} for ${languageId}`);
+    if (!on) await this.hideSuggestion();
+    this.render();
+  }
+
+  private async hideSuggestion(): Promise<void> {
+    try {
+      await this.host.executeCommand(BUILTIN_HIDE);
+    } catch {
+      // nothing on screen to hide, or an editor without inline suggestions
+    }
+  }
+
+  /** The status item's menu: the state at a glance, then the actions. */
+  async showMenu(): Promise<void> {
+    const languageId = this.host.activeLanguageId();
+    const items = menuItems({
+      status: this.lastStatus,
+      clientState: this.clientState,
+      enabled: this.enabled,
+      snoozedUntil: this.snoozedUntil,
+      languageId,
+      languageOff: languageId ? this.languageOff(languageId) : undefined,
+    });
+    const picked = await this.host.showQuickPick(items, { title: 'completiond', placeHolder: 'completiond: state and actions' });
+    if (picked?.action) await this.runMenuAction(picked.action as MenuAction, languageId);
+  }
+
+  async runMenuAction(action: MenuAction, languageId: string | undefined): Promise<void> {
+    switch (action) {
+      case 'stats':
+        return this.showStats();
+      case 'snooze':
+        return this.snooze();
+      case 'resume':
+        return this.resume();
+      case 'languageOff':
+      case 'languageOn':
+        return this.toggleLanguage(languageId);
+      case 'enable':
+      case 'disable':
+        return this.toggle();
+      case 'restart':
+        return this.restart();
+      case 'model':
+        await this.host.openSettings('completiond.model');
+        return;
+      case 'log':
+        return this.host.log.show();
+      case 'settings':
+        await this.host.openSettings('@ext:completiond.completiond');
+        return;
+    }
   }
 
   get running(): boolean {
@@ -140,7 +282,7 @@ export class Controller implements Disposable {
     const client = this.createClient(resolution.server, {
       initializationOptions: { [SECTION]: this.serverSettings() },
       configuration: (section) => this.configuration(section),
-      shouldComplete: (languageId) => this.shouldComplete(languageId),
+      shouldComplete: (languageId, invoked) => this.shouldComplete(languageId, invoked),
     });
     this.client = client;
     this.clientDisposables.push(client.onNotification(STATUS_NOTIFICATION, (params: StatusParams) => this.onStatus(params)));
@@ -264,10 +406,17 @@ export class Controller implements Disposable {
   }
 
   render(): void {
-    this.statusBar.update(statusView(this.lastStatus, this.clientState, this.enabled));
+    const languageId = this.host.activeLanguageId();
+    this.statusBar.update(
+      statusView(this.lastStatus, this.clientState, this.enabled, {
+        snoozedUntil: this.snoozedUntil,
+        languageOff: languageId && this.languageOff(languageId) ? languageId : undefined,
+      }),
+    );
   }
 
   dispose(): void {
+    this.snoozeTimer?.dispose();
     void this.stop();
     this.disposables.splice(0).forEach((d) => d.dispose());
   }

@@ -95,6 +95,20 @@ function vscodeHost(context: vscode.ExtensionContext, log: vscode.LogOutputChann
         dispose: () => item.dispose(),
       };
     },
+    showQuickPick: async (items, options) => {
+      // Rows without an action are separators (kind Separator), the rest keep their item to hand back.
+      const rows = items.map((item) => ({
+        label: item.label,
+        description: item.description,
+        detail: item.detail,
+        kind: item.action === undefined ? vscode.QuickPickItemKind.Separator : vscode.QuickPickItemKind.Default,
+        item,
+      }));
+      const picked = await vscode.window.showQuickPick(rows, { title: options.title, placeHolder: options.placeHolder, matchOnDescription: true });
+      return picked?.item;
+    },
+    activeLanguageId: () => vscode.window.activeTextEditor?.document.languageId,
+    onDidChangeActiveEditor: (listener) => vscode.window.onDidChangeActiveTextEditor(() => listener()),
     log: { appendLine: (line) => log.appendLine(line), show: () => log.show(true) },
   };
 }
@@ -122,7 +136,9 @@ function clientFactory(log: vscode.LogOutputChannel): ClientFactory {
         // daemon keeps the latest request per document: ask for inline ones only.
         provideCompletionItem: () => undefined,
         provideInlineCompletionItems: (document, position, context, token, next) =>
-          options.shouldComplete(document.languageId) ? next(document, position, context, token) : undefined,
+          options.shouldComplete(document.languageId, context.triggerKind === vscode.InlineCompletionTriggerKind.Invoke)
+            ? next(document, position, context, token)
+            : undefined,
       },
     };
     const client = new LanguageClient(SECTION, 'completiond', serverOptions, clientOptions);

@@ -39,8 +39,39 @@ export interface Host {
   /** Open the Settings UI filtered by the query. */
   openSettings(query: string): Thenable<unknown>;
   createStatusBar(command: string): StatusBar;
+  /** A QuickPick of the items (an item without `action` is a separator); the one picked, if any. */
+  showQuickPick<T extends PickItem>(items: T[], options: { title: string; placeHolder?: string }): Thenable<T | undefined>;
+  /** The language id of the active text editor's document (undefined: none, or not a text editor). */
+  activeLanguageId(): string | undefined;
+  /** Called when the active text editor (and so maybe its language) changes. */
+  onDidChangeActiveEditor(listener: () => void): Disposable;
   log: Log;
 }
+
+/** A QuickPick row; one without an action is drawn as a separator labelled `label`. */
+export interface PickItem {
+  label: string;
+  description?: string;
+  detail?: string;
+  action?: string;
+}
+
+/** Time, for the snooze (tests pass a fake one). */
+export interface Clock {
+  now(): number;
+  /** Run once after `ms`; dispose cancels it. */
+  setTimer(run: () => void, ms: number): Disposable;
+}
+
+export const systemClock: Clock = {
+  now: () => Date.now(),
+  setTimer: (run, ms) => {
+    // Timers past ~24.8 days overflow to 1 ms in Node; snoozes are far shorter, but clamp anyway.
+    const t = setTimeout(run, Math.min(ms, 2 ** 31 - 1));
+    t.unref?.();
+    return { dispose: () => clearTimeout(t) };
+  },
+};
 
 /** The subset of vscode-languageclient's LanguageClient the controller drives. */
 export interface LspClient {
@@ -57,8 +88,8 @@ export interface ClientOptions {
   initializationOptions: unknown;
   /** answer to a `workspace/configuration` item, or undefined to let the client answer */
   configuration(section: string | undefined): unknown;
-  /** false: do not ask the server for inline completions in this document */
-  shouldComplete(languageId: string): boolean;
+  /** false: do not ask the server for inline completions in this document (invoked: the user asked for one, e.g. with Alt+\) */
+  shouldComplete(languageId: string, invoked?: boolean): boolean;
 }
 
 export type ClientFactory = (server: { command: string; args: string[] }, options: ClientOptions) => LspClient;

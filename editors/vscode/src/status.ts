@@ -1,4 +1,5 @@
 /** What the status bar item shows, computed from `completiond/status` notifications. Pure. */
+import { snoozeEnd } from './pause';
 
 /** `stopped`: the shared daemon went away (killed, crashed); the next completion starts it again. */
 export type ServerState = 'loading' | 'ready' | 'busy' | 'error' | 'stopped';
@@ -108,8 +109,16 @@ export function details(p: Partial<StatusParams>): string {
   return lines.map((l) => `\n${l}`).join('');
 }
 
-export function statusView(last: StatusParams | undefined, client: ClientState | undefined, enabled: boolean): StatusView {
-  const click = 'Click for stats.';
+/** What stops this editor's suggestions other than `enable`: a snooze, or the active document's language. */
+export interface Pause {
+  /** ms since the epoch, or Infinity (until VS Code restarts) */
+  snoozedUntil?: number;
+  /** the active document's language id when it is turned off */
+  languageOff?: string;
+}
+
+export function statusView(last: StatusParams | undefined, client: ClientState | undefined, enabled: boolean, pause: Pause = {}): StatusView {
+  const click = 'Click for the menu.';
   if (client === 'notFound') {
     return { text: '$(error) completiond', tooltip: 'completiond: the server executable was not found. Run "completiond: Show Log" for details.', error: true };
   }
@@ -118,6 +127,22 @@ export function statusView(last: StatusParams | undefined, client: ClientState |
   }
   if (!enabled) {
     return { text: '$(circle-slash) completiond', tooltip: 'completiond: inline completions are off ("completiond: Toggle Inline Completions" turns them on).', error: false };
+  }
+  // An error outranks a pause: the user must see it, and resuming would not help.
+  if (last?.state !== 'error' && pause.snoozedUntil !== undefined) {
+    const end = snoozeEnd(pause.snoozedUntil);
+    return {
+      text: `$(bell-slash) completiond${Number.isFinite(pause.snoozedUntil) ? ' ' + end.replace('until ', '') : ''}`,
+      tooltip: `completiond: suggestions snoozed ${end}; they come back by themselves (Alt+\\ still asks for one).\nClick for the menu to resume now.`,
+      error: false,
+    };
+  }
+  if (last?.state !== 'error' && pause.languageOff) {
+    return {
+      text: '$(circle-slash) completiond',
+      tooltip: `completiond: off for ${pause.languageOff} files (completiond.disabledLanguages).\nClick for the menu to turn it on.`,
+      error: false,
+    };
   }
   if (client === 'starting' && !last) {
     return { text: '$(loading~spin) completiond', tooltip: 'completiond: starting the language server…', error: false };

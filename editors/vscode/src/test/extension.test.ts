@@ -35,6 +35,11 @@ function makeVscode() {
     statusItems: [] as any[],
     logLines: [] as string[],
     commands,
+    /** QuickPicks shown, and the label of the row the next one picks */
+    quickPicks: [] as { rows: any[]; options: any }[],
+    pickLabel: undefined as string | undefined,
+    activeTextEditor: { document: { languageId: 'python' } } as { document: { languageId: string } } | undefined,
+    editorListeners: [] as ((e: unknown) => void)[],
   };
   const fire = (keys: string[]) => {
     const e = { affectsConfiguration: (s: string) => keys.some((k) => `completiond.${k}` === s || `completiond.${k}`.startsWith(s + '.')) };
@@ -43,6 +48,8 @@ function makeVscode() {
   const vscode = {
     ConfigurationTarget,
     ThemeColor,
+    QuickPickItemKind: { Separator: -1, Default: 0 },
+    InlineCompletionTriggerKind: { Invoke: 0, Automatic: 1 },
     StatusBarAlignment: { Left: 1, Right: 2 },
     Uri: {
       joinPath: (base: { path: string }, ...parts: string[]) => ({ path: path.posix.join(base.path, ...parts) }),
@@ -80,6 +87,17 @@ function makeVscode() {
         return state.errorChoice;
       },
       showInformationMessage: async () => undefined,
+      showQuickPick: async (rows: any[], options: any) => {
+        state.quickPicks.push({ rows, options });
+        return rows.find((r) => r.kind !== -1 && state.pickLabel !== undefined && r.label.includes(state.pickLabel));
+      },
+      get activeTextEditor() {
+        return state.activeTextEditor;
+      },
+      onDidChangeActiveTextEditor: (l: (e: unknown) => void) => {
+        state.editorListeners.push(l);
+        return { dispose: () => undefined };
+      },
     },
     commands: {
       registerCommand: (id: string, run: (...a: unknown[]) => unknown) => {
@@ -221,7 +239,9 @@ test('only inline completions are requested, and none while disabled or for a di
   };
   await mw.provideInlineCompletionItems({ languageId: 'python' }, {}, {}, {}, next);
   assert.equal(asked, 1);
-  mock.state.user.set('editor.disabledLanguages', ['markdown']);
+  mock.state.user.set('editor.disabledLanguages', ['rust']);
+  assert.equal(await mw.provideInlineCompletionItems({ languageId: 'rust' }, {}, {}, {}, next), undefined);
+  // The server's own list (prose by default) holds back the request too: no round trip for nothing.
   assert.equal(await mw.provideInlineCompletionItems({ languageId: 'markdown' }, {}, {}, {}, next), undefined);
   await mock.state.commands.get('completiond.toggle')!();
   await flush();
@@ -242,11 +262,11 @@ test('toggle writes where the value comes from', async () => {
   await ext.deactivate();
 });
 
-test('status notifications reach the status bar item; errors turn it red; click shows stats', async () => {
+test('status notifications reach the status bar item; errors turn it red; click opens the menu', async () => {
   await ext.activate(context() as any);
   const item = mock.state.statusItems[0];
   assert.equal(item.shown, true);
-  assert.equal(item.command, 'completiond.showStats');
+  assert.equal(item.command, 'completiond.showMenu');
   lc.clients[0].handlers.get('completiond/status')({ state: 'ready', latencyMs: 42, alpha: 0.9 });
   assert.equal(item.text, '$(sparkle) completiond 42 ms');
   assert.match(item.tooltip, /draft tokens kept \(speculative decoding\): 90%/);
@@ -257,6 +277,68 @@ test('status notifications reach the status bar item; errors turn it red; click 
   await mock.state.commands.get('completiond.showStats')!();
   assert.deepEqual(lc.clients[0].requests.at(-1), { method: 'workspace/executeCommand', params: { command: 'completiond.stats', arguments: [] } });
   assert.ok(mock.state.logLines.some((l) => l === 'requests: 1'));
+  await ext.deactivate();
+});
+
+const AUTOMATIC = { triggerKind: 1 };
+const INVOKED = { triggerKind: 0 };
+
+test('the status menu: a QuickPick with separators; Snooze… then 15 minutes holds back typing suggestions, not Alt+\\', async () => {
+  await ext.activate(context() as any);
+  const item = mock.state.statusItems[0];
+  lc.clients[0].handlers.get('completiond/status')({ state: 'ready', model: 'bundled', device: 'cpu', latencyMs: 42 });
+  mock.state.pickLabel = 'Snooze';
+  await mock.state.commands.get(item.command)!();
+  await flush();
+  const menu = mock.state.quickPicks[0];
+  assert.equal(menu.options.title, 'completiond');
+  assert.match(menu.rows[0].label, /ready/);
+  assert.match(menu.rows[0].description, /bundled on cpu/);
+  assert.match(menu.rows[0].detail, /last completion 42 ms/);
+  assert.ok(menu.rows.some((r) => r.kind === -1 && r.label === 'Suggestions'), 'separators are QuickPickItemKind.Separator');
+  assert.ok(menu.rows.filter((r) => r.kind !== -1).every((r) => r.kind === 0));
+  // The second QuickPick (how long) was shown and nothing picked in it yet: pick 15 minutes now.
+  assert.equal(mock.state.quickPicks.length, 2);
+  mock.state.pickLabel = '15 minutes';
+  await mock.state.commands.get('completiond.snooze')!();
+  assert.match(item.text, /^\$\(bell-slash\) completiond \d\d:\d\d$/);
+  assert.ok(mock.state.executed.some((e) => e.id === 'editor.action.inlineSuggest.hide'));
+  const mw = lc.clients[0].clientOptions.middleware;
+  let asked = 0;
+  const next = async () => {
+    asked++;
+    return [];
+  };
+  assert.equal(await mw.provideInlineCompletionItems({ languageId: 'python' }, {}, AUTOMATIC, {}, next), undefined);
+  await mw.provideInlineCompletionItems({ languageId: 'python' }, {}, INVOKED, {}, next);
+  assert.equal(asked, 1);
+  await mock.state.commands.get('completiond.resume')!();
+  assert.match(item.text, /sparkle/);
+  await mw.provideInlineCompletionItems({ languageId: 'python' }, {}, AUTOMATIC, {}, next);
+  assert.equal(asked, 2);
+  await ext.deactivate();
+});
+
+test('the menu turns the active editor\'s language off in user settings, at once, and back on', async () => {
+  await ext.activate(context() as any);
+  mock.state.activeTextEditor = { document: { languageId: 'go' } };
+  mock.state.pickLabel = 'Turn off for go';
+  await mock.state.commands.get('completiond.showMenu')!();
+  await flush();
+  const update = mock.state.updates.at(-1)!;
+  assert.equal(update.key, 'disabledLanguages');
+  assert.equal(update.target, ConfigurationTarget.Global);
+  assert.deepEqual(String(update.value).split(','), ['markdown', 'plaintext', 'text', 'scminput', 'gitcommit', 'gitrebase', 'help', 'go']);
+  const pushed = lc.clients[0].notifications.filter((n: any) => n.method === 'workspace/didChangeConfiguration').at(-1);
+  assert.match(pushed.params.settings.completiond.disabledLanguages, /,go$/);
+  const mw = lc.clients[0].clientOptions.middleware;
+  assert.equal(await mw.provideInlineCompletionItems({ languageId: 'go' }, {}, INVOKED, {}, async () => []), undefined);
+  assert.match(mock.state.statusItems[0].text, /circle-slash/);
+  mock.state.pickLabel = 'Turn on for go';
+  await mock.state.commands.get('completiond.showMenu')!();
+  await flush();
+  assert.doesNotMatch(String(mock.state.updates.at(-1)!.value), /go/);
+  assert.deepEqual(await mw.provideInlineCompletionItems({ languageId: 'go' }, {}, INVOKED, {}, async () => ['asked']), ['asked']);
   await ext.deactivate();
 });
 

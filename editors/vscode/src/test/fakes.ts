@@ -2,7 +2,7 @@
 import * as fs from 'fs';
 import * as path from 'path';
 import { contributedSettings } from '../controller';
-import { ClientFactory, ClientOptions, Disposable, Host, LspClient } from '../host';
+import { ClientFactory, ClientOptions, Clock, Disposable, Host, LspClient, PickItem } from '../host';
 
 export const PACKAGE_JSON = path.resolve(__dirname, '..', '..', 'package.json');
 export const packageJson = JSON.parse(fs.readFileSync(PACKAGE_JSON, 'utf8'));
@@ -97,7 +97,68 @@ export class FakeHost implements Host {
   get status() {
     return this.statusViews[this.statusViews.length - 1];
   }
+  /** every QuickPick shown: its items and title */
+  picks: { items: PickItem[]; title: string }[] = [];
+  /** picks the row the next QuickPicks "click" (in order; undefined: Escape) */
+  pickChoices: ((items: PickItem[]) => PickItem | undefined)[] = [];
+  async showQuickPick<T extends PickItem>(items: T[], options: { title: string }): Promise<T | undefined> {
+    this.picks.push({ items, title: options.title });
+    const choose = this.pickChoices.shift();
+    return choose ? (choose(items) as T | undefined) : undefined;
+  }
+  /** the active editor's language */
+  language: string | undefined = 'python';
+  private editorListeners: (() => void)[] = [];
+  activeLanguageId(): string | undefined {
+    return this.language;
+  }
+  onDidChangeActiveEditor(listener: () => void): Disposable {
+    this.editorListeners.push(listener);
+    return { dispose: () => (this.editorListeners = this.editorListeners.filter((l) => l !== listener)) };
+  }
+  /** The user switches to a document of another language. */
+  switchTo(language: string | undefined): void {
+    this.language = language;
+    this.editorListeners.forEach((l) => l());
+  }
   log = { appendLine: (line: string) => void this.lines.push(line), show: () => void this.logShown++ };
+}
+
+/** The QuickPick choice whose label contains `text`. */
+export function pickLabel(text: string): (items: PickItem[]) => PickItem | undefined {
+  return (items) => {
+    const found = items.find((i) => i.action !== undefined && i.label.includes(text));
+    if (!found) throw new Error(`no menu row with ${JSON.stringify(text)} in ${JSON.stringify(items.map((i) => i.label))}`);
+    return found;
+  };
+}
+
+/** A clock the test moves by hand; timers fire when it passes them. */
+export class FakeClock implements Clock {
+  constructor(public ms = Date.UTC(2026, 11, 6, 12, 0, 0)) {}
+  private timers: { at: number; run: () => void; live: boolean }[] = [];
+  now(): number {
+    return this.ms;
+  }
+  setTimer(run: () => void, ms: number): Disposable {
+    const t = { at: this.ms + ms, run, live: true };
+    this.timers.push(t);
+    return { dispose: () => void (t.live = false) };
+  }
+  /** Move time on, without firing timers (a machine asleep). */
+  jump(ms: number): void {
+    this.ms += ms;
+  }
+  advance(ms: number): void {
+    this.ms += ms;
+    for (const t of this.timers.filter((t) => t.live && t.at <= this.ms)) {
+      t.live = false;
+      t.run();
+    }
+  }
+  get pending(): number {
+    return this.timers.filter((t) => t.live).length;
+  }
 }
 
 export class FakeClient implements LspClient {

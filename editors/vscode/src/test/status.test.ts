@@ -9,7 +9,7 @@ test('ready shows the last latency and speed; the tooltip calls draft acceptance
   assert.doesNotMatch(v.tooltip, /α|acceptance/);
   assert.equal(v.error, false);
   assert.match(v.tooltip, /ready/);
-  assert.match(v.tooltip, /Click for stats/);
+  assert.match(v.tooltip, /Click for the menu/);
 });
 
 test('the tooltip names the draft in use and what the last completion drafted with', () => {
