@@ -148,7 +148,8 @@ def test_engines_and_types_pinned_together():
 
 @pytest.mark.slow
 def test_npm_test_unit_and_protocol(built, protocol_model_dir):
-    """Unit tests of the extension logic, and LSP through vscode-jsonrpc to the real server."""
+    """Unit tests of the extension logic, LSP through vscode-jsonrpc to the real server, and the first-run offer
+    through extension.ts with the real vscode-languageclient (only the `vscode` module a stand-in)."""
     env = {
         "COMPLETIOND_LSP_CMD": os.environ.get("COMPLETIOND_LSP_CMD")
         or json.dumps([sys.executable, "-m", "completiond.cli", "lsp", "--no-daemon"]),
@@ -160,6 +161,9 @@ def test_npm_test_unit_and_protocol(built, protocol_model_dir):
     assert "# fail 0" in out or "ℹ fail 0" in out, out[-4000:]
     assert "# skipped 0" in out or "ℹ skipped 0" in out, out[-4000:]
     assert "textDocument/inlineCompletion returns a suggestion" in out
+    # Issue 47: the first-run offer through extension.ts and the real vscode-languageclient, both answers.
+    assert "shows the first-run offer natively" in out and '"Download" reaches the server' in out
+    assert "snooze" in out.lower() and "turns the active editor" in out
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ export const COMMANDS = {
 };
 /** VS Code's command that hides the ghost text on screen (a snooze or a switched-off language hides it at once). */
 export const BUILTIN_HIDE = 'editor.action.inlineSuggest.hide';
+/** A `when` context key: true while snoozed (the Command Palette offers Resume only then). */
+export const SNOOZED_CONTEXT = 'completiond.snoozed';
 export const BUILTIN_ACCEPT_WORD = 'editor.action.inlineSuggest.acceptNextWord';
 export const BUILTIN_ACCEPT_LINE = 'editor.action.inlineSuggest.acceptNextLine';
 export const HOW_TO_INSTALL = 'How to install';
@@ -161,6 +163,7 @@ export class Controller implements Disposable {
     this.snoozedUntilMs = Number.isFinite(minutes) ? this.clock.now() + minutes * 60_000 : Infinity;
     if (Number.isFinite(minutes)) this.snoozeTimer = this.clock.setTimer(() => this.endSnooze(), minutes * 60_000);
     this.host.log.appendLine(`suggestions snoozed ${snoozeEnd(this.snoozedUntilMs)}`);
+    void this.host.executeCommand('setContext', SNOOZED_CONTEXT, true);
     await this.hideSuggestion();
     this.render();
   }
@@ -177,6 +180,7 @@ export class Controller implements Disposable {
     this.snoozeTimer = undefined;
     if (this.snoozedUntilMs === undefined) return;
     this.snoozedUntilMs = undefined;
+    void this.host.executeCommand('setContext', SNOOZED_CONTEXT, false);
     this.render();
   }
 

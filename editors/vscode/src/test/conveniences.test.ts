@@ -4,11 +4,11 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { BUILTIN_HIDE, COMMANDS, Controller, SERVER_COMMANDS } from '../controller';
+import { BUILTIN_HIDE, COMMANDS, Controller, SERVER_COMMANDS, SNOOZED_CONTEXT } from '../controller';
 import { menuItems } from '../menu';
 import { clockTime, languageIsOff, languageSwitch, snoozeEnd, snoozeMinutes } from '../pause';
 import { statusView } from '../status';
-import { clientRecorder, FakeClock, FakeHost, fakeEnvironment, flush, pickLabel } from './fakes';
+import { clientRecorder, FakeClock, FakeHost, fakeEnvironment, flush, packageJson, pickLabel } from './fakes';
 
 const MINUTE = 60_000;
 
@@ -40,6 +40,10 @@ test('snooze for 5 minutes: typing suggestions stop, the status says until when,
   assert.equal(c.shouldComplete('python'), true);
   assert.match(host.status.text, /^\$\(sparkle\) completiond/, 'the status redraws when the snooze ends');
   assert.equal(clock.pending, 0);
+  // The `when` key that shows Resume in the Command Palette followed it.
+  const context = host.executed.filter((e) => e.id === 'setContext').map((e) => e.args);
+  assert.deepEqual(context, [[SNOOZED_CONTEXT, true], [SNOOZED_CONTEXT, false]]);
+  assert.ok(packageJson.contributes.menus.commandPalette.some((m: any) => m.command === COMMANDS.resume && m.when === SNOOZED_CONTEXT));
 });
 
 test('a machine that slept past the end of a snooze resumes at once (the clock decides, not only the timer)', async () => {
