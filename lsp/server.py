@@ -836,7 +836,8 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
                 or doc.language_id.lower() in config_mod.disabled_languages(ls.cfg)):
             return  # a hint: nothing to warm (or not ours to warm), and nothing to answer
         offset = doc.offset(position[0], position[1], ls.encoding)
-        ls.service.notify("rest", {"uri": uri, "version": doc.version, "offset": offset})
+        ls.service.notify("rest", {"uri": uri, "version": doc.version, "offset": offset,
+                                   "settings": ls.request_settings()})
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
     async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:

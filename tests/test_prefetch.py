@@ -310,3 +310,42 @@ def test_prefetch_runs_before_calibration_and_slots_are_named():
             sched.set_idle(lambda token: False, "elsewhere")
     finally:
         sched.stop()
+
+
+# --- through the LSP server: our plugins' cursorRest reaches the daemon -----------------------------------------
+
+from tests.test_lsp import model_dir, runtime, settings_for, start  # noqa: E402,F401  (fixtures)
+
+
+async def test_cursor_rest_through_the_lsp_server_warms_in_the_daemon(start, model_dir):  # noqa: F811
+    from lsprotocol import types
+
+    session = await start(settings_for(model_dir, fimTemplate="qwen2.5-coder"))
+    await session.open(TEXT, uri=URI)
+    await session.wait_ready()
+
+    async def prefetch(until=lambda p: True, limit_s: float = 60) -> dict:
+        for _ in range(int(limit_s / 0.05)):
+            found = (await session.stats()).get("prefetch") or {}
+            if until(found):
+                return found
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"prefetch stats never got there: {found}")
+
+    before = await prefetch(lambda p: p.get("notes", 0) >= 1)
+    assert before["on"]        # didOpen alone notes it: plain clients lose nothing
+    # Malformed ones are dropped quietly; the one at a position is forwarded as the daemon's `rest`, with the
+    # editor's settings (here a prefix-first layout, which the daemon's own defaults do not give the bundled model).
+    session.client.protocol.notify("completiond/cursorRest", {"textDocument": {"uri": URI}})
+    session.client.protocol.notify("completiond/cursorRest", {"textDocument": {"uri": "file:///nowhere.py"},
+                                                              "position": {"line": 3, "character": 0}})
+    session.client.protocol.notify("completiond/cursorRest", {"textDocument": {"uri": URI},
+                                                              "position": {"line": 200, "character": 4}})
+    after = await prefetch(lambda p: p["notes"] > before["notes"] and not p["running"] and not p["queued"])
+    assert after["notes"] == before["notes"] + 1, (before, after)
+    assert after["warmed_tokens"] > before["warmed_tokens"] and after["failed"] == 0
+    assert (await session.stats())["kv_cache"]["tokens"] > 0
+    params = session.inline_params(uri=URI)
+    params.position = types.Position(line=200, character=4)
+    result = await asyncio.wait_for(session.client.text_document_inline_completion_async(params), 120)
+    assert isinstance(result, types.InlineCompletionList)   # and completions go on as before

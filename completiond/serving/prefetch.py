@@ -28,6 +28,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from completiond.completion.completer import Backend, Completer
+from completiond.config import Config
+from completiond.serving.documents import Documents, gate_path, uri_path
 from completiond.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,23 @@ Key = tuple[Hashable, str]   # (client, uri)
 # make(key, offset) on the worker: the document's warm-up (an object with step(cancel) -> more to do and a
 # `warmed` token count), or None where it may not or cannot be warmed. offset None: from the top.
 MakeWarmup = Callable[[Key, "int | None"], Any]
+
+
+def make_warmup(docs: Documents, completer: Completer | None, cfg: Config, key: Key, offset: int | None,
+                unserved: Callable[[Completer, str | None, str | None], str]) -> Any:
+    """Worker thread: the warm-up of `key` (completion/warmup.py) for the settings `cfg`, with the context block a
+    request there would get; None where it may not (the privacy gate; a language the model does not serve:
+    `unserved` says why) or cannot run (a team server keeps its own cache)."""
+    client, uri = key
+    doc = docs.get(client, uri)
+    if doc is None or completer is None or completer.backend is not Backend.LOCAL:
+        return None
+    text, path, language = doc.text, uri_path(uri), doc.language_id or None
+    if not docs.admission(client, cfg, gate_path(uri) or path).local_ok or unserved(completer, language, path):
+        return None
+    at = None if offset is None else min(offset, len(text))
+    context = docs.context(client, cfg, path, language, text, at or 0, completer.budgets(cfg), completer.token_counter())
+    return completer.warmup(text, at, cfg, path=path, language=language, context=context)
 
 
 def enabled() -> bool:

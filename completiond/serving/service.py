@@ -26,7 +26,7 @@ from completiond.errors import CompletionError
 from completiond.serving.documents import Documents, OutOfSync, gate_path, uri_path
 from completiond.serving.lifecycle import Lifecycle, Loader, load_completer
 from completiond.serving.metrics import Metrics
-from completiond.serving.prefetch import Key, Prefetcher
+from completiond.serving.prefetch import Key, Prefetcher, make_warmup
 from completiond.serving.scheduler import CANCELLED, ERROR, Job, Outcome, Overloaded, Scheduler, ShuttingDown
 from completiond.serving.wire import Code
 
@@ -185,12 +185,18 @@ class Service:
         if isinstance(last, (list, tuple)) and len(last) == 3 and isinstance(last[0], int) and isinstance(last[2], str):
             self.prefetch.touch((client, uri), last[0] + len(last[2]))
 
-    def rest(self, client: Hashable, uri: str, version: int, offset: int) -> None:
-        """The editor's cursor rests at `offset` (our plugins say so): warm the prompts around it now. A hint:
-        a document at another version or not open is left alone."""
+    def rest(self, client: Hashable, uri: str, version: int, offset: int, settings: Any = None) -> None:
+        """The editor's cursor rests at `offset` (our plugins say so): warm the prompts around it now, with the
+        editor's settings when sent. A hint: a document at another version or not open is left alone."""
         doc = self.docs.get(client, uri)
-        if doc is not None and doc.version == version and 0 <= offset <= len(doc.text):
-            self.prefetch.note((client, uri), offset)
+        if doc is None or doc.version != version or not 0 <= offset <= len(doc.text):
+            return
+        if isinstance(settings, dict):
+            if config_mod.route_refusal(settings, self.cfg):
+                return
+            self._last_cfg[client] = config_mod.merge(
+                self.cfg, {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS})[0]
+        self.prefetch.note((client, uri), offset)
 
     def close(self, client: Hashable, uri: str) -> None:
         self.prefetch.forget((client, uri))
@@ -203,22 +209,9 @@ class Service:
         self.docs.drop_client(client)
 
     def _warmup(self, key: Key, offset: int | None) -> Any:
-        """Worker thread: the prefetch of `key` (completion/warmup.py) with the settings of its editor's last
-        request; None where it may not (the privacy gate, a language the model does not serve) or cannot run."""
-        client, uri = key
-        doc, completer = self.docs.get(client, uri), self.completer
-        if doc is None or completer is None or completer.backend is not Backend.LOCAL:
-            return None
-        cfg = self._last_cfg.get(client, self.cfg)
-        text, path, language = doc.text, uri_path(uri), doc.language_id or None
-        if not self.docs.admission(client, cfg, gate_path(uri) or path).local_ok:
-            return None
-        if language_unserved(completer, language, path):
-            return None
-        at = None if offset is None else min(offset, len(text))
-        context = self.docs.context(client, cfg, path, language, text, at or 0, completer.budgets(cfg),
-                                    completer.token_counter())
-        return completer.warmup(text, at, cfg, path=path, language=language, context=context)
+        """Worker thread: the prefetch of `key` with the settings of its editor's last request (or rest)."""
+        return make_warmup(self.docs, self.completer, self._last_cfg.get(key[0], self.cfg), key, offset,
+                           language_unserved)
 
     def count_suggestion(self, event: str, kind: Any = None) -> None:
         """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion."""
@@ -245,7 +238,8 @@ class Service:
             elif method == "close":
                 self.close(client, _str(params, "uri"))
             elif method == "rest":
-                self.rest(client, _str(params, "uri"), _int(params, "version"), _int(params, "offset"))
+                self.rest(client, _str(params, "uri"), _int(params, "version"), _int(params, "offset"),
+                          params.get("settings"))
             elif method == "suggestion":
                 self.count_suggestion(_str(params, "event"), params.get("kind"))
             elif method == "workspace":
