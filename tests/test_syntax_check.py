@@ -233,9 +233,14 @@ def tok(tmp_path_factory):
     return AutoTokenizer.from_pretrained(d)
 
 
-# Python's text in a JavaScript document: the line `y = x +` there is not finishable JavaScript either.
-@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", None)])
-def test_local_path_checks_suggestions(tok, language, expected):
+JS_FUNC = "function f(x) {\n    "
+JS_AFTER = "\n    return y;\n}\n"
+# Python's text in a JavaScript function (the bundled model writes Python everywhere): no part of it is valid.
+CASES = [("python", FUNC, AFTER, "y = x +\n", "y = x"), ("javascript", JS_FUNC, JS_AFTER, "def g(self):\n", None)]
+
+
+@pytest.mark.parametrize("language,before,after,raw,expected", CASES)
+def test_local_path_checks_suggestions(tok, language, before, after, raw, expected):
     from completiond import config as config_mod
     from completiond.completion.completer import suggest
     from completiond.completion.suggest import LocalCompleter
@@ -245,8 +250,7 @@ def test_local_path_checks_suggestions(tok, language, expected):
     # Healing off: the scripted engine does not re-type the indentation healing would back up over.
     cfg, errors = config_mod.merge(Config(), {"tokenHealing": False})
     assert not errors
-    text = FUNC + AFTER
-    found = suggest(LocalCompleter(ScriptedEngine(tok, "y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
+    found = suggest(LocalCompleter(ScriptedEngine(tok, raw)), before + after, len(before), cfg, cancel=CancelToken(),
                     language=language).suggestion
     assert (found.text if found is not None else None) == expected
     if language == "python":
@@ -267,8 +271,8 @@ class _Server:
         return TeamGeneration(self.text, "stop", {})
 
 
-@pytest.mark.parametrize("language,expected", [("python", "y = x"), ("javascript", None)])
-def test_remote_path_checks_suggestions(language, expected):
+@pytest.mark.parametrize("language,before,after,raw,expected", CASES)
+def test_remote_path_checks_suggestions(language, before, after, raw, expected):
     from completiond import config as config_mod
     from completiond.completion.completer import suggest
     from completiond.completion.team import TeamCompleter
@@ -276,8 +280,7 @@ def test_remote_path_checks_suggestions(language, expected):
 
     cfg, errors = config_mod.merge(config_mod.Config(), {"backend": "openai", "endpoint": "http://127.0.0.1:9"})
     assert not errors
-    text = FUNC + AFTER
-    done = suggest(TeamCompleter(_Server("y = x +\n")), text, len(FUNC), cfg, cancel=CancelToken(),
+    done = suggest(TeamCompleter(_Server(raw)), before + after, len(before), cfg, cancel=CancelToken(),
                    path="/w/a.py" if language == "python" else "/w/a.js", language=language)
     assert [s.text for s in done.suggestions] == ([expected] if expected else [])
 

@@ -1,0 +1,107 @@
+"""Python's own rules beside its grammar, and the whole-file checks the eval judges by.
+
+* `layout_errors(tree, data)`: what tree-sitter's Python grammar lets through and Python does not, the
+  layout of statements: a statement indented deeper or shallower than the one before it in its block (the
+  grammar reads `x = 1` / `    y = 2` as two statements), a body no deeper than its header, and a header
+  with no body (reported as a zero-width "body" error at the header's end: the judge allows one where the
+  suggestion ends, the header the user goes on to fill).
+* `parses(source, spec)`: whether a whole file is valid, Python by `ast` (only the parser runs, no code),
+  other languages by their grammar; `error_at(source)`: where `ast` finds the first error.
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+
+from tree_sitter import Node, Parser, Tree
+
+from completiond.completion.languages import LanguageSpec
+from completiond.completion.syntax_tree import Error, encode
+
+MAX_LAYOUT_STATEMENTS = 2000   # statements visited per tree (a region holds far fewer)
+
+
+def _line_indent(data: bytes, b: int) -> tuple[int, bool]:
+    """(indentation width of the line holding byte b, whether only whitespace precedes b on it)."""
+    ls = data.rfind(b"\n", 0, b) + 1
+    head = data[ls:b]
+    body = data[ls:]
+    width = len(body) - len(body.lstrip(b" \t"))
+    return width, not head.strip(b" \t")
+
+
+def _blocks(stmt: Node) -> list[Node]:
+    """The bodies of a compound statement, its clauses' included (elif / else / except / finally / case)."""
+    out: list[Node] = []
+    stack = list(stmt.children)
+    while stack:
+        n = stack.pop()
+        if n.type == "block":
+            out.append(n)
+        elif n.type.endswith(("_clause", "_definition")) or n.type in ("case_clause", "block_clause"):
+            stack.extend(n.children)
+    return out
+
+
+def layout_errors(tree: Tree, data: bytes) -> list[Error]:
+    """Layout errors of a Python tree (see the module doc), (start, end, False, kind), in document order."""
+    out: list[Error] = []
+    todo: list[tuple[Node, int]] = [(tree.root_node, -1)]
+    seen = 0
+    while todo and seen < MAX_LAYOUT_STATEMENTS:
+        body, header_indent = todo.pop()
+        col = None
+        for stmt in body.named_children:
+            seen += 1
+            if stmt.type == "comment" or stmt.is_error:
+                continue
+            width, first = _line_indent(data, stmt.start_byte)
+            if first:
+                if col is None:
+                    col = width
+                    if width <= header_indent:
+                        out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
+                elif width != col:
+                    out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
+            for block in _blocks(stmt):
+                if block.start_byte == block.end_byte or not block.named_child_count:
+                    out.append((block.start_byte, block.start_byte, False, "body"))
+                else:
+                    todo.append((block, _line_indent(data, block.parent.start_byte if block.parent else 0)[0]))
+    return sorted(out)
+
+
+def parses(source: str, spec: LanguageSpec | None = None) -> bool:
+    """Whether `source` is valid: Python by its own parser (`ast`: only the parser runs, no code), other
+    languages by their tree-sitter grammar (no ERROR or MISSING node)."""
+    if spec is None or spec.name == "python":
+        return error_at(source) is None
+    lang = spec.language()
+    if lang is None:
+        return True
+    return not Parser(lang).parse(encode(source)).root_node.has_error
+
+
+def error_at(source: str) -> int | None:
+    """None when `source` is valid Python syntax, else the offset in it where the parser reports its
+    first error (len(source) when it names no place). Only the parser runs (no compile, no code)."""
+    with warnings.catch_warnings():
+        # Invalid escape sequences and the like are warnings of the parser, not errors.
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            ast.parse(source)
+        except SyntaxError as exc:   # IndentationError included
+            if not exc.lineno:
+                return len(source)
+            pos = 0
+            for _ in range(exc.lineno - 1):
+                nl = source.find("\n", pos)
+                if nl < 0:
+                    return len(source)
+                pos = nl + 1
+            return min(len(source), pos + max(0, (exc.offset or 1) - 1))
+        except (ValueError, MemoryError, RecursionError):
+            return len(source)
+    return None
