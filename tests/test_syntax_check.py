@@ -362,3 +362,27 @@ def test_the_oracle_eval_reports_every_language(tmp_path):
     for lang, r in result["by_language"].items():
         assert r["positions"] > 0 and r["parse_checked"] > 0, lang
         assert 0 <= r["exact"] <= 1 and r["parses_after_insertion"] >= 0.5, (lang, r, result["not_exact"])
+
+
+def test_the_lines_below_must_read_as_written():
+    # The cursor line opened the function whose body and `}` follow: finishing it passes, a line that leaves
+    # the body and its `}` stray does not (the old judge excused it: the error was already there).
+    js = {"language": "javascript"}
+    assert at_cursor(" f(x) {", before="function", after="\n  return x;\n}\n", **js) == " f(x) {"
+    assert at_cursor("al = 1;", before="function", after="\n  return x;\n}\n", **js) == ""
+    # Python: an indented body below needs a header on the cursor line.
+    assert at_cursor("th open(p) as f:", before="def g(p):\n    wi", after="\n        return f.read()\n") \
+        == "th open(p) as f:"
+    assert at_cursor("dth = 3", before="def g(p):\n    wi", after="\n        return f.read()\n") == ""
+
+
+def test_python_layout_the_grammar_lets_through():
+    # Tree-sitter reads `s =` / `assert x` as one chained assignment, and ignores an unexpected indent.
+    assert at_cursor("tyles =", before="def g(cr):\n    cr.s", after="\n    assert cr\n") == "tyles"
+    assert at_cursor("x = 1\n        y = 2", before="def g():\n    ", after="\n") == "x = 1"
+
+
+def test_an_open_bracket_passes_only_as_a_body():
+    js = {"language": "javascript"}
+    assert at_cursor("if (x) {", before="function f(x) {\n  ", after="\n}\n", **js) == "if (x) {"
+    assert at_cursor("const a = [", before="function f(x) {\n  ", after="\n}\n", **js) == "const a"

@@ -4,7 +4,8 @@
   layout of statements: a statement indented deeper or shallower than the one before it in its block (the
   grammar reads `x = 1` / `    y = 2` as two statements), a body no deeper than its header, and a header
   with no body (reported as a zero-width "body" error at the header's end: the judge allows one where the
-  suggestion ends, the header the user goes on to fill).
+  suggestion ends, the header the user goes on to fill), and a simple statement running on past a line end
+  outside brackets (`x =` / `y = 1` is one assignment to the grammar).
 * `parses(source, spec)`: whether a whole file is valid, Python by `ast` (only the parser runs, no code),
   other languages by their grammar; `error_at(source)`: where `ast` finds the first error.
 """
@@ -44,6 +45,35 @@ def _blocks(stmt: Node) -> list[Node]:
     return out
 
 
+_OPEN = frozenset("([{")
+_CLOSE = frozenset(")]}")
+
+
+def _loose_newline(stmt: Node, data: bytes) -> bool:
+    """A simple statement runs on past a line end that is outside brackets and strings and not escaped
+    (the grammar reads `x =` / `y = 1` as one chained assignment)."""
+    depth = 0
+    prev: Node | None = None
+    stack = [stmt]
+    seen = 0
+    while stack and seen < MAX_LAYOUT_STATEMENTS:
+        n = stack.pop()
+        seen += 1
+        if n.child_count and n.type not in ("string", "concatenated_string"):
+            stack.extend(reversed(n.children))
+            continue
+        if prev is not None and n.start_point.row > prev.end_point.row and depth == 0 \
+                and n.type != "comment" and not data[prev.end_byte:n.start_byte].rstrip(b" \t\n").endswith(b"\\"):
+            return True
+        if n.type in _OPEN:
+            depth += 1
+        elif n.type in _CLOSE:
+            depth = max(0, depth - 1)
+        if n.type != "comment":
+            prev = n
+    return False
+
+
 def layout_errors(tree: Tree, data: bytes) -> list[Error]:
     """Layout errors of a Python tree (see the module doc), (start, end, False, kind), in document order."""
     out: list[Error] = []
@@ -64,7 +94,10 @@ def layout_errors(tree: Tree, data: bytes) -> list[Error]:
                         out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
                 elif width != col:
                     out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
-            for block in _blocks(stmt):
+            blocks = _blocks(stmt)
+            if not blocks and stmt.start_point.row != stmt.end_point.row and _loose_newline(stmt, data):
+                out.append((stmt.start_byte, stmt.end_byte, False, "newline"))
+            for block in blocks:
                 if block.start_byte == block.end_byte or not block.named_child_count:
                     out.append((block.start_byte, block.start_byte, False, "body"))
                 else:
