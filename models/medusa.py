@@ -140,13 +140,13 @@ def train_heads(model, num_heads: int, batches: Iterator, steps: int, lr: float 
             g["lr"] = lr * scale
         ids = next(batches)
         hn, logp = _teacher(model, ids)
-        loss = 0.0
+        kls = []
         for i in range(num_heads):
             s = i + 1
             q = torch.log_softmax(head_logits(model, hn[:, :-s], weights[i], biases[i]).float(), -1)
             p = logp[:, s:]
-            loss = loss + (p.exp() * (p - q)).sum(-1).mean()
-        loss = loss / num_heads
+            kls.append((p.exp() * (p - q)).sum(-1).mean())
+        loss = sum(kls[1:], kls[0]) / num_heads  # summed left to right, head 0 first
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(weights + biases, 1.0)

@@ -8,6 +8,7 @@ like real models do. Nothing here touches the network.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 _CORPUS = '''def add(a, b):
     return a + b
@@ -94,33 +95,31 @@ def make_tiny_model(directory: Path, family: str = "llama", layers: int = 4, hid
     vocab = len(tok)
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     bos = tok.bos_token_id if tok.bos_token_id is not None else eos
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+    # Any: each family's config takes these as keywords of several declared types.
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
                   eos_token_id=eos, bos_token_id=bos, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model: transformers.PreTrainedModel
     if family == "llama":
-        cfg = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif family == "mistral":
-        cfg = transformers.MistralConfig(**common, sliding_window=None)
-        cls = transformers.MistralForCausalLM
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=hidden // heads)
-        cls = transformers.Qwen3ForCausalLM
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=hidden // heads))
     elif family == "starcoder2":  # not a layout the engine runs: its refusal is tested
-        cfg = transformers.Starcoder2Config(**common)
-        cls = transformers.Starcoder2ForCausalLM
+        model = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**common))
     else:
         raise ValueError(family)
-    torch.manual_seed(seed)
-    model = cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.2 if peaked else 0.05)
         if peaked:
-            model.get_input_embeddings().weight.mul_(3.0)
+            weight = model.get_input_embeddings().weight
+            assert isinstance(weight, torch.Tensor)  # typed Tensor | Module through Module.__getattr__
+            weight.mul_(3.0)
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
     return directory

@@ -72,9 +72,10 @@ DTYPES = ("auto", "f32", "bf16")
 
 def architecture(config: dict) -> str:
     """The GGUF architecture a model's config.json is written as (GgufError for others)."""
-    arch = ARCHITECTURES.get(config.get("model_type"))
+    model_type = config.get("model_type")
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise GgufError(f"model_type {config.get('model_type')!r}; this writer handles {', '.join(ARCHITECTURES)}")
+        raise GgufError(f"model_type {model_type!r}; this writer handles {', '.join(ARCHITECTURES)}")
     return arch
 
 

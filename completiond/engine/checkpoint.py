@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from completiond.engine.hub import read_json
 from completiond.engine.tokenizer import quiet_transformers
 from completiond.errors import EngineError
 from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 
 def eligible(config: dict, directory: Path, trust_remote_code: bool) -> str | None:
@@ -71,6 +74,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """cos, sin of positions as transformers' rotary modules compute them (Forward.rope reads it)."""
 
+    inv_freq: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: Any):
         super().__init__()
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -102,7 +107,10 @@ def _linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
     lin.in_features, lin.out_features = w.shape[1], w.shape[0]
     # a tied head shares the embedding's Parameter itself, so parameters() counts it once
     lin.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
-    lin.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+    if b is None:
+        lin.register_parameter("bias", None)  # as nn.Linear(bias=False) records it
+    else:
+        lin.bias = nn.Parameter(b, requires_grad=False)
     return lin
 
 
@@ -174,6 +182,7 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
     if raw is None:
         raw = read_json(directory / "config.json")
     config = light_config(raw, directory)
+    generation: SimpleNamespace | GenerationConfig | None
     if config is not None:
         generation = _generation_config(directory)
     else:

@@ -55,9 +55,12 @@ class Request:
 
 class Round(Protocol):
     """What speculators.py builds for a request: one round after `pending` at a time."""
-    draft: Draft | None  # shown the prefill's states at its tap layer (None: no draft, or none that taps)
     room: int            # the most tokens a round writes ahead of the committed ones
     merges_prefill: bool  # whether a keystroke's few new prompt tokens may ride on the first step
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft shown the prefill's states at its tap layer (None: no draft, or none that taps)."""
 
     def step(self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int,
              req: Request) -> list[int] | None:
@@ -176,11 +179,12 @@ def speculative_round(engine: Host, seq: KVSequence, pending: int, gen_tokens: l
 def verify_and_accept(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft,
                       proposal: Proposal, req: Request) -> tuple[int, int]:
     """The target's verdict on a proposal: (m drafts accepted, the next token), pending and the m committed."""
-    if native_verifies(engine, seq, proposal, draft, req):
+    native = native_verifier(engine, seq, proposal, draft, req)
+    if native is not None:
         # A lookup proposal, greedy: embed, every layer, head and argmax in one native call (the plain
         # step's own arithmetic per row), without the Python and tensors between them.
-        target = engine.fwd.native.verify_greedy([pending] + proposal.tokens, engine.num_layers, seq.length, seq,
-                                                 engine.fwd.head_w, engine.fwd.head_b)
+        target = native.verify_greedy([pending] + proposal.tokens, engine.num_layers, seq.length, seq,
+                                      engine.fwd.head_w, engine.fwd.head_b)
         m, nxt = sampling.accept_greedy(proposal.tokens, target)
         seq.commit([pending] + proposal.tokens[:m])
         return m, nxt
@@ -193,11 +197,15 @@ def verify_and_accept(engine: Host, seq: KVSequence, pending: int, gen_tokens: l
     return m, nxt
 
 
-def native_verifies(engine: Host, seq: KVSequence, proposal: Proposal, draft: Draft, req: Request) -> bool:
+def native_verifier(engine: Host, seq: KVSequence, proposal: Proposal, draft: Draft,
+                    req: Request) -> native_mod.NativeStep | None:
+    """The native step where it verifies this proposal in one call (greedy, from the embeddings), else None."""
     native = engine.fwd.native
-    return (proposal.exit_states is None and native is not None and req.warp.greedy and req.constraint is None
+    if (proposal.exit_states is None and native is not None and req.warp.greedy and req.constraint is None
             and draft.tap_layer is None and len(proposal.tokens) + 1 <= native_mod.MAX_ROWS
-            and seq.k.is_contiguous() and not engine.resident_ids)
+            and seq.k.is_contiguous() and not engine.resident_ids):
+        return native
+    return None
 
 
 def verify(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, proposal: Proposal,

@@ -60,13 +60,14 @@ class Proposal:
 
 
 class Draft(Protocol):
-    exit_layer: int
+    # (where verification resumes is the proposal's exit_layer: a lookup's differs from its fallback's)
     # A layer whose hidden states the draft wants to see for every committed position (the exit
     # adapter's), or None; the engine then splits its passes there and calls observe().
     tap_layer: int | None
 
     def propose(self, seq: "KVSequence", pending: int, generated: list[int], k_max: int, threshold: float,
-                warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None, limit: int) -> Proposal: ...
+                warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None,
+                limit: int | None = None) -> Proposal: ...
 
     def observe(self, seq: "KVSequence", pos: int, states: torch.Tensor, eager: bool = False) -> None:
         """Positions [pos, pos + n) were committed; states [1, n, d] are theirs at tap_layer."""
@@ -96,12 +97,13 @@ class EarlyExitDraft:
                 and seq.k.is_contiguous()):
             # The whole greedy draft in one native call: the same steps (K/V of layers < E, states at E),
             # without Python between them, which on a lean step cost more than the draft's own layers.
-            full = eng.draft_head_weight is None
-            tokens, states = native.draft_greedy(
+            sub = eng.draft_head_weight  # None: the draft scores the whole vocabulary
+            drafted, exit_states = native.draft_greedy(
                 pending, self.exit_layer, seq.length, k_max, threshold, seq,
-                eng.fwd.head_w if full else eng.draft_head_weight, eng.fwd.head_b if full else None,
-                None if full else eng.draft_ids, eng.eos_ids_tensor)
-            return Proposal(tokens, None, [None] * len(tokens), states, exit_layer=self.exit_layer, kind=self.kind)
+                eng.fwd.head_w if sub is None else sub, eng.fwd.head_b if sub is None else None,
+                None if sub is None else eng.draft_ids, eng.eos_ids_tensor)
+            return Proposal(drafted, None, [None] * len(drafted), exit_states, exit_layer=self.exit_layer,
+                            kind=self.kind)
         if eng.resident_ids and constraint is None and type(self) is EarlyExitDraft:
             return self._propose_resident(seq, pending, k_max, threshold, warp, rng)
         tokens: list[int] = []
@@ -148,14 +150,18 @@ class EarlyExitDraft:
         eng = self.engine
         ids = eng.draft_ids  # [Vd] or None
         x = eng.pending_on_device(pending)  # [1]
-        toks, confs, states, qs = [], [], [], []
+        toks: list[torch.Tensor] = []
+        confs: list[torch.Tensor] = []  # each step's confidence, where the loop above checks one
+        states: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
         for i in range(k_max):
             h = eng.run_layers(eng.fwd.embed(x.view(1, 1)), 0, self.exit_layer, seq.length + i, seq)  # [1, 1, d]
             states.append(h)
             logits = self.draft_logits(seq, h, seq.length + i)  # [Vd]
             if warp.greedy:
                 j = torch.argmax(logits)  # []
-                confs.append(torch.exp(logits[j] - torch.logsumexp(logits, dim=-1)) if threshold > 0 else None)
+                if threshold > 0:
+                    confs.append(torch.exp(logits[j] - torch.logsumexp(logits, dim=-1)))
             else:
                 q_sub = sampling.probs(logits[None], warp)[0]  # [Vd]
                 j = torch.multinomial(q_sub, 1, generator=rng)[0]
@@ -164,9 +170,10 @@ class EarlyExitDraft:
             x = (j if ids is None else ids[j]).view(1)
             toks.append(x)
         drafted = torch.cat(toks)  # [K]
-        checked = confs[0] is not None
-        read = torch.cat([drafted.double(), torch.stack(confs).double()] if checked else [drafted.double()])
-        read = read.tolist()  # the draft's one read: K ids (exact in float64), then K confidences
+        checked = bool(confs)
+        # the draft's one read: K ids (exact in float64), then K confidences
+        read: list[float] = torch.cat([drafted.double(), torch.stack(confs).double()] if checked
+                                      else [drafted.double()]).tolist()
         got, n, stopped_unsure = [int(v) for v in read[:k_max]], 0, False
         while n < k_max:
             if checked and read[k_max + n] < threshold:

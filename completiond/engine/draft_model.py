@@ -51,7 +51,7 @@ def tokenizer_mismatch(target, draft) -> str | None:
 class DraftModelDraft:
     kind = DraftKind.DRAFT_MODEL
     exit_layer = 0
-    tap_layer = None
+    tap_layer: int | None = None
 
     def __init__(self, engine: "Runner", drafter: "Runner"):
         self.engine = engine

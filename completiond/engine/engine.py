@@ -262,13 +262,13 @@ class Engine:
 
         A draft with a tap layer is shown each chunk's states there (the layer range split in two
         calls: the same arithmetic)."""
-        tap = getattr(draft, "tap_layer", None)
+        tap = None if draft is None else draft.tap_layer
         for i in range(0, len(tokens), chunk_size):
             if cancel is not None and cancel.cancelled:
                 return False
             chunk = list(tokens[i : i + chunk_size])
             pos = seq.length
-            if tap is None:
+            if draft is None or tap is None:
                 self.run_layers(self.embed(chunk), 0, self.num_layers, pos, seq)
                 seq.commit(chunk)
             else:

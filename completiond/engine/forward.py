@@ -25,7 +25,7 @@ being computed differently from transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from completiond.models.adapters import Adapter, UnsupportedModel
 
 if TYPE_CHECKING:
     from completiond.engine.kvcache import KVSequence
+    from completiond.engine.native import NativeStep
 
 # rope_type values whose cos/sin change with the sequence length.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -43,17 +44,18 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 @dataclass
 class FusedLayer:
-    ln1: torch.Tensor          # [d]
-    qkv: torch.Tensor          # [(H + 2*KV) * hd, d]
+    # The four matrices are None once released (Forward.release_layer): the native step's panels hold them.
+    ln1: torch.Tensor                # [d]
+    qkv: torch.Tensor | None         # [(H + 2*KV) * hd, d]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor            # [d, H * hd]
+    o: torch.Tensor | None           # [d, H * hd]
     o_bias: torch.Tensor | None
-    ln2: torch.Tensor          # [d]
-    gate_up: torch.Tensor      # [2 * I, d]
+    ln2: torch.Tensor                # [d]
+    gate_up: torch.Tensor | None     # [2 * I, d]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor         # [d, I]
+    down: torch.Tensor | None        # [d, I]
     down_bias: torch.Tensor | None
-    act: object                # the MLP's activation function (silu for every supported family)
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation function (silu for every supported family)
     eps: float
     q_norm: torch.Tensor | None = None   # [hd] Qwen3's per-head norms
     k_norm: torch.Tensor | None = None
@@ -62,6 +64,12 @@ class FusedLayer:
     o_t: torch.Tensor | None = None
     gate_up_t: torch.Tensor | None = None
     down_t: torch.Tensor | None = None
+
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv, o, gate_up, down: the layer's own matrices (EngineError once released)."""
+        if self.qkv is None or self.o is None or self.gate_up is None or self.down is None:
+            raise EngineError("the layer's weights live in the native step's panels only")
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -78,7 +86,7 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     for m in modules:
         n = m.weight.shape[0]
         m.weight.data = weight[start:start + n]
-        if m.bias is not None:
+        if m.bias is not None and bias is not None:  # bias is set whenever any module has one
             m.bias.data = bias[start:start + n]
         start += n
     return weight, bias
@@ -102,8 +110,9 @@ def fuse_layer(layer, qk_norm: bool) -> FusedLayer:
 
 
 def _transpose(L: FusedLayer) -> None:
-    L.qkv_t, L.o_t = L.qkv.t().contiguous(), L.o.t().contiguous()
-    L.gate_up_t, L.down_t = L.gate_up.t().contiguous(), L.down.t().contiguous()
+    qkv, o, gate_up, down = L.matrices()
+    L.qkv_t, L.o_t = qkv.t().contiguous(), o.t().contiguous()
+    L.gate_up_t, L.down_t = gate_up.t().contiguous(), down.t().contiguous()
 
 
 def check_rope(config) -> None:
@@ -142,22 +151,26 @@ class Forward:
         for i, layer in enumerate(adapter.layers):
             L = self._widen_small(fuse_layer(layer, adapter.qk_norm))
             self.layers.append(L)
-            self.layer_numel.append(sum(w.numel() for w in (L.qkv, L.o, L.gate_up, L.down)))
+            self.layer_numel.append(sum(w.numel() for w in L.matrices()))
             if early is not None:
                 early.pack_layer(i, L)
         self.norm_w = adapter.norm.weight.detach().to(dtype)
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
         self.head_w = adapter.lm_head.weight.detach()
-        self.head_b = None if _bias(adapter.lm_head) is None else _bias(adapter.lm_head).to(dtype)
-        self._cos = self._sin = None      # [P, hd] each; sin with rotate_half's sign folded in
-        self._mask = None                 # [T, W] bool: see mask()
+        head_b = _bias(adapter.lm_head)
+        self.head_b = None if head_b is None else head_b.to(dtype)
+        self._cos: torch.Tensor | None = None   # [P, 1, hd] each; sin with rotate_half's sign folded in
+        self._sin: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None  # [T, W] bool: see mask()
         # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
         # weights the panels become the only copy (each layer's own tensors are dropped once packed), and
         # for a weight format that changes the values (bf16 rounding, int8) every pass must read the
         # panels: then every pass runs natively (native_all), prefill included. Otherwise passes of up to
         # native.MAX_ROWS positions do, and prefill chunks keep PyTorch's GEMM on the model's own weights.
         self.released = False
+        self.native: NativeStep | None
+        self.native_reason: str | None
         if early is not None:
             early.bind()
             self.native, self.native_reason = early, None
@@ -226,7 +239,7 @@ class Forward:
         """Append an extra decoder layer of the model's shape (a draft's exit adapter) and return its
         index: layers_range(h, i, i + 1, ...) runs it on the KV slot of that index."""
         fused = self._widen_small(fuse_layer(layer, self.adapter.qk_norm))
-        self.layer_numel.append(sum(w.numel() for w in (fused.qkv, fused.o, fused.gate_up, fused.down)))
+        self.layer_numel.append(sum(w.numel() for w in fused.matrices()))
         if self.transposed:
             _transpose(fused)
         self.layers.append(fused)
@@ -238,7 +251,8 @@ class Forward:
     def rope(self, pos: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for positions [pos, pos+t), each [t, 1, hd] (broadcast over heads)."""
         end = pos + t
-        if self._cos is None or self._cos.shape[0] < end:
+        cos, sin = self._cos, self._sin
+        if cos is None or sin is None or cos.shape[0] < end:
             size = min(max(1024, 1 << (end - 1).bit_length()), max(self.max_positions, end))
             positions = torch.arange(size, device=self.device)[None]  # [1, size]
             dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
@@ -247,20 +261,21 @@ class Forward:
             half = self.hd // 2
             sign = torch.ones(self.hd, dtype=self.dtype, device=self.device)
             sign[:half] = -1  # rotate_half(x) = cat(-x2, x1) = swap(x) * [-1.., +1..]
-            self._cos, self._sin = cos[:, None], (sin * sign)[:, None]  # [size, 1, hd]
-        return self._cos[pos:end], self._sin[pos:end]
+            cos, sin = self._cos, self._sin = cos[:, None], (sin * sign)[:, None]  # [size, 1, hd]
+        return cos[pos:end], sin[pos:end]
 
     def mask(self, pos: int, t: int) -> torch.Tensor:
         """Causal mask [t, pos+t] of t queries at absolute positions pos.. over keys 0..pos+t-1,
         as a view of one buffer B[i, j] = j <= W - T + i: rows T-t.., the last pos+t columns."""
         need_t, need_w = t, pos + t
-        if self._mask is None or self._mask.shape[0] < need_t or self._mask.shape[1] < need_w:
-            T = max(need_t, 256, 0 if self._mask is None else self._mask.shape[0])
-            W = max(need_w, 1024, 0 if self._mask is None else self._mask.shape[1])
+        buffer = self._mask
+        if buffer is None or buffer.shape[0] < need_t or buffer.shape[1] < need_w:
+            T = max(need_t, 256, 0 if buffer is None else buffer.shape[0])
+            W = max(need_w, 1024, 0 if buffer is None else buffer.shape[1])
             W = max(W, 1 << (W - 1).bit_length())
-            self._mask = torch.ones(T, W, dtype=torch.bool, device=self.device).tril(diagonal=W - T)
-        T, W = self._mask.shape
-        return self._mask[T - t:, W - need_w:]
+            buffer = self._mask = torch.ones(T, W, dtype=torch.bool, device=self.device).tril(diagonal=W - T)
+        T, W = buffer.shape
+        return buffer[T - t:, W - need_w:]
 
     # ---------------------------------------------------------------- the pass
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -301,14 +316,15 @@ class Forward:
             causal = t > 1 and pos == 0
         else:
             positions, mask = tree
-            self.rope(0, int(positions.max()) + 1)  # the tables cover the deepest node
-            cos, sin = self._cos[positions], self._sin[positions]  # [t, 1, hd] each
+            cos, sin = self.rope(0, int(positions.max()) + 1)  # the tables cover the deepest node
+            cos, sin = cos[positions], sin[positions]  # [t, 1, hd] each
             causal = False
         for li in range(first, last):
             L = self.layers[li]
+            w_qkv, w_o, w_gate_up, w_down = L.matrices()
             x = _rms(h, L.ln1, L.eps)
-            qkv = _proj(x, L.qkv, L.qkv_t, L.qkv_bias).view(1, t, H + 2 * KV, hd)  # [1, t, H+2KV, hd]
-            if L.q_norm is not None:
+            qkv = _proj(x, w_qkv, L.qkv_t, L.qkv_bias).view(1, t, H + 2 * KV, hd)  # [1, t, H+2KV, hd]
+            if L.q_norm is not None and L.k_norm is not None:
                 qk = torch.cat([_rms(qkv[:, :, :H], L.q_norm, L.eps), _rms(qkv[:, :, H:H + KV], L.k_norm, L.eps)], 2)
             else:
                 qk = qkv[:, :, :H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
@@ -320,9 +336,9 @@ class Forward:
             o = F.scaled_dot_product_attention(q, seq.k[li:li + 1, :, :pos + t], seq.v[li:li + 1, :, :pos + t],
                                                attn_mask=mask, is_causal=causal, scale=self.scaling,
                                                enable_gqa=self.gqa)  # [1, H, t, hd]
-            h = h + _proj(o.transpose(1, 2).reshape(1, t, H * hd), L.o, L.o_t, L.o_bias)  # [1, t, d]
-            gate, up = _proj(_rms(h, L.ln2, L.eps), L.gate_up, L.gate_up_t, L.gate_up_bias).chunk(2, dim=-1)
-            h = h + _proj(L.act(gate) * up, L.down, L.down_t, L.down_bias)
+            h = h + _proj(o.transpose(1, 2).reshape(1, t, H * hd), w_o, L.o_t, L.o_bias)  # [1, t, d]
+            gate, up = _proj(_rms(h, L.ln2, L.eps), w_gate_up, L.gate_up_t, L.gate_up_bias).chunk(2, dim=-1)
+            h = h + _proj(L.act(gate) * up, w_down, L.down_t, L.down_bias)
         return h
 
     def norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -330,18 +346,23 @@ class Forward:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [1, t, d] -> logits [t, V] float32."""
-        if self._native_rows(h):
-            return self.native.head(h, self.norm_w, self.norm_eps, self.head_w, self.head_b)
+        step = self._native_for(h)
+        if step is not None:
+            return step.head(h, self.norm_w, self.norm_eps, self.head_w, self.head_b)
         return _proj(self.norm(h), self.head_w, self.head_t, self.head_b)[0].float()
 
     def head_rows(self, h: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
         """Final norm + a subset of the LM head's rows (a draft's vocabulary): [1, t, d] -> [t, Vd] float32."""
-        if self._native_rows(h):
-            return self.native.head(h, self.norm_w, self.norm_eps, weight, None)
+        step = self._native_for(h)
+        if step is not None:
+            return step.head(h, self.norm_w, self.norm_eps, weight, None)
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
 
-    def _native_rows(self, h: torch.Tensor) -> bool:
-        return self.native is not None and (self.native_all or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32
+    def _native_for(self, h: torch.Tensor) -> NativeStep | None:
+        """The native step where it runs this pass on h (float32; up to MAX_ROWS rows unless native_all)."""
+        if self.native is not None and (self.native_all or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32:
+            return self.native
+        return None
 
 
 # Transposed copies (and packed panels beside the model's own weights) cost one more copy of the layer

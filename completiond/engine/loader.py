@@ -63,6 +63,7 @@ def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str],
         # the tokenizer without transformers only where the model loads without it: else nothing is saved
         tok = tokenizer_mod.load_tokenizer(plan.path, plan.config, trust_remote_code, light=plan.why_transformers is None)
         say("weights")
+        hf: torch.nn.Module  # checkpoint's light CausalLM, or transformers' model
         if plan.why_transformers is None:
             hf = checkpoint.read(plan.path, read_dtype, plan.config)
         else:
@@ -76,8 +77,13 @@ def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str],
     except checkpoint.config_errors() as exc:
         raise EngineError(f"cannot load model {plan.name}: {exc}") from exc
     say("device")
-    hf.to(plan.device).eval()
-    return hf, tok
+    return _placed(hf, plan.device), tok
+
+
+def _placed(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """model moved to device (in place), in eval mode. Typed as a plain Module: transformers wraps its own
+    `to` in a way type checkers read as needing the model twice."""
+    return model.to(device).eval()
 
 
 def compute_dtype(plan: load_plan.LoadPlan) -> torch.dtype | None:

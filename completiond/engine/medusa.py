@@ -173,7 +173,10 @@ class TreeDecoder:
 
     def candidates(self, seq, pending: int, depth: int) -> list[list[int]]:
         """Per depth 1..depth, the ids to try there, best first (from the heads)."""
-        return candidates(self.engine, self.medusa, self.h_prev, depth, self.width)
+        h = self.h_prev
+        if h is None:  # step() makes the first round a plain step, which keeps it
+            raise RuntimeError("the heads need the final state of the token before pending")
+        return candidates(self.engine, self.medusa, h, depth, self.width)
 
     def step(self, seq, pending: int, limit: int, stats) -> list[int]:
         eng = self.engine

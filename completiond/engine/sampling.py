@@ -67,15 +67,19 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
-def accept_sampled(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
+def accept_sampled(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
+                   gen: torch.Generator) -> tuple[int, int]:
     """Speculative sampling over one round.
 
-    draft: k drafted ids; q: [k, V] draft probs; p: [k+1, V] target probs.
+    draft: k drafted ids; q: [k, V] draft probs (None when k == 0); p: [k+1, V] target probs.
     Returns (number accepted m, next token). Per position:
       accept x ~ q with probability min(1, p(x)/q(x)); otherwise draw from
       normalize(max(0, p - q)). Together: P(out = y) = q(y)·min(1, p/q) + P(reject)·res(y) = p(y).
     If all k pass, the bonus token is drawn from p[k].
     """
+    if not draft:
+        return 0, sample(p[0], gen)
+    assert q is not None  # drafted tokens come with their distributions
     for i, x in enumerate(draft):
         u = float(torch.rand((), generator=gen, device=gen.device))
         if u < acceptance_probability(p[i], q[i], x):

@@ -178,7 +178,7 @@ class ChainRound:
     merges_prefill = True
 
     def __init__(self, draft: Draft, plan: Plan, room: int):
-        self.draft: Draft | None = draft
+        self.draft = draft
         self.plan = plan
         self.room = room
 
@@ -186,7 +186,6 @@ class ChainRound:
              req: Request) -> list[int] | None:
         if remaining <= 0:
             return [_plain(engine, seq, pending, out, req)]
-        assert self.draft is not None
         return speculative_round(engine, seq, pending, out, self.draft, min(self.k(req), remaining),
                                  self.plan.threshold, req, limit=remaining)
 

@@ -230,6 +230,7 @@ def load_package(archive: Path, expected: str) -> Package:
         rel = name.split("/", 1)[1] if strip_top and "/" in name else name
         text, why = filter_file(rel, data)
         if text is None:
+            assert why is not None  # filter_file gives a reason with every refusal
             if why != "not .py":
                 pkg.dropped[why] = pkg.dropped.get(why, 0) + 1
             continue

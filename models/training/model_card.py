@@ -53,6 +53,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 EOT, FILE_SEP = "<|endoftext|>", "<|file_sep|>"
 FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE = "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"
@@ -125,6 +126,8 @@ def heldout_loss(model, tok, files, seq_len: int, count: int):
         lg = exit_logits_all(model, x[i:i + 1])
         v = [F.cross_entropy(l.float(), y[i]).item() for l in lg]
         sums = v if sums is None else [a + b for a, b in zip(sums, v)]
+    if sums is None:
+        raise ValueError("no held-out windows")
     return [s / x.shape[0] for s in sums]
 
 
@@ -135,7 +138,7 @@ def acceptance(model, tok, files, n_prompts: int, prompt_len: int, gen_len: int,
     sep = tok.convert_tokens_to_ids(FILE_SEP)
     streams = [tok(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
     streams = [s for s in streams if len(s) > prompt_len + 8]
-    matches = None
+    matches: list[list[bool]] | None = None
     n_layers = model.config.num_hidden_layers
     rounds = [[0, 0] for _ in range(n_layers)]  # per layer: (rounds, accepted)
     for _ in range(n_prompts):
@@ -163,6 +166,8 @@ def acceptance(model, tok, files, n_prompts: int, prompt_len: int, gen_len: int,
                 rounds[layer][0] += 1
                 rounds[layer][1] += acc
                 i += acc + 1
+    if matches is None:
+        raise ValueError(f"none of {n_prompts} prompts continued for two tokens")
     alpha = [sum(r) / len(r) for r in matches]
     per_round = [a / max(1, r) for r, a in rounds]
     return alpha, per_round, len(matches[0])
@@ -211,7 +216,7 @@ def next_line(model, tok, files, n: int, seed: int = 11, max_prefix: int = 320, 
                 cands.append((ti, li))
     picks = sorted(rng.sample(cands, min(n, len(cands))))
     res = {"left_to_right": [0, 0.0], "fim_spm": [0, 0.0], "baseline": [0, 0.0]}
-    examples = []
+    examples: list[dict[str, Any]] = []
     eot = tok.convert_tokens_to_ids(EOT)
     for ti, li in picks:
         lines = texts[ti].split("\n")
@@ -254,10 +259,12 @@ def small_functions(files, max_body_lines: int = 8, limit: int = 60, seed: int =
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
                 continue
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
                     and isinstance(first.value.value, str) and len(node.body) > 1:
                 first = node.body[1]  # keep the docstring in the prefix
             start, end = first.lineno - 1, node.end_lineno
+            if end is None:  # ast.parse sets it on every node; only synthesised nodes lack it
+                continue
             if first.lineno <= node.lineno or end - start > max_body_lines or end - start < 1:
                 continue
             if not lines[start - 1].endswith("\n") or not lines[end - 1].endswith("\n"):
@@ -641,6 +648,8 @@ def heldout_packages_loss(model, data_dir: Path, model_dir: Path, seq_len: int, 
         lg = exit_logits_all(model, x[i:i + 1])
         v = [F.cross_entropy(l.float(), y[i]).item() for l in lg]
         sums = v if sums is None else [a + b for a, b in zip(sums, v)]
+    if sums is None:
+        raise ValueError("no held-out windows")
     return [v / x.shape[0] for v in sums], manifest or data.manifest
 
 

@@ -60,6 +60,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Under CPU contention (other jobs on the same cores) libgomp's spinning
 # barriers make multi-threaded torch several times slower; passive waiting
@@ -279,7 +280,7 @@ class Sampler:
             raise ValueError(f"training stream of {len(stream)} tokens is shorter than one sample of {seq_len + 1}")
         self.epoch, self.index = 0, 0
         self.rng = np.random.default_rng([seed, 1])
-        self._perm = None
+        self._perm: np.ndarray | None = None
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "rng": self.rng.bit_generator.state}
@@ -424,12 +425,15 @@ def exit_losses(model, input_ids, labels):
 def model_config(arch: dict, ids: dict, vocab: int):
     from transformers import LlamaConfig
 
+    # Declared keywords in transformers 4.x, taken through **kwargs in 5.x: passed as a dict so that the
+    # call type-checks against either.
+    legacy: dict[str, Any] = {"rope_theta": 10000.0, "attn_implementation": "sdpa"}
     return LlamaConfig(
         vocab_size=vocab, hidden_size=arch["hidden"], intermediate_size=arch["intermediate"],
         num_hidden_layers=arch["layers"], num_attention_heads=arch["heads"], num_key_value_heads=arch["kv_heads"],
-        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|fim_pad|>"],
-        attention_dropout=0.0, initializer_range=0.02, attn_implementation="sdpa",
+        attention_dropout=0.0, initializer_range=0.02, **legacy,
     )
 
 
@@ -620,6 +624,8 @@ class Trainer:
                     v = exit_losses(self.model, x[i:i + 4].to(self.device), y[i:i + 4].to(self.device))
                     n = x[i:i + 4].shape[0]
                     sums = [a * n for a in v] if sums is None else [s + a * n for s, a in zip(sums, v)]
+                if sums is None:
+                    raise ValueError(f"no held-out windows for {name}")
                 out[name] = [round(s / x.shape[0], 4) for s in sums]
         self.model.train()
         return out
@@ -930,6 +936,8 @@ def heldout_loss_of(model, data, seq_len: int, count: int = 48) -> list[float]:
         for i in range(x.shape[0]):
             v = exit_losses(model, x[i:i + 1], y[i:i + 1])
             sums = v if sums is None else [s + b for s, b in zip(sums, v)]
+    if sums is None:
+        raise ValueError("no held-out stdlib windows")
     return [s / x.shape[0] for s in sums]
 
 
