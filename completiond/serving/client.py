@@ -1,304 +1,35 @@
-"""Talking to the daemon: one connection (DaemonClient), finding or starting
-the daemon (connect_or_spawn), and the self-healing session the LSP server
-uses (DaemonSession), which reconnects and replays its open documents when the
-daemon dies or restarts.
+"""The LSP server's view of the daemon: DaemonSession, a self-healing session that reconnects (starting
+the daemon again where it must) and replays the editor's open documents when the daemon dies or restarts,
+with crash-loop protection.
+
+The layers below it live apart: one connection in connection.py (DaemonClient), finding or starting the
+daemon in launcher.py (connect_or_spawn, daemon_command). Their public names are re-exported here, the
+daemon client's one import point for the LSP server and the CLI commands.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from completiond import config as config_mod
 from completiond.serving import paths
 from completiond.serving import wire
+from completiond.serving.connection import ConnectionLost, DaemonClient, DaemonUnavailable
+from completiond.serving.launcher import REMOTE_FLAGS, connect_or_spawn, daemon_command, spawn_daemon
 from completiond.serving.wire import Code, RemoteError
+
+__all__ = ["CRASH_LOOP_FAILURES", "CRASH_LOOP_MAX_WAIT", "CRASH_WINDOW", "REMOTE_FLAGS", "ConnectionLost",
+           "DaemonClient", "DaemonSession", "DaemonUnavailable", "connect_or_spawn", "daemon_command",
+           "spawn_daemon"]
 
 log = logging.getLogger(__name__)
 
-LOG_ROTATE_BYTES = 4 * 1024 * 1024
 CRASH_WINDOW = 10.0          # a daemon dying this soon after we connected counts as a failed start
 CRASH_LOOP_FAILURES = 3      # after this many failures in a row, back off before trying again
 CRASH_LOOP_MAX_WAIT = 60.0
-
-
-class DaemonUnavailable(ConnectionError):
-    """No daemon could be reached (or started)."""
-
-
-class ConnectionLost(ConnectionError):
-    """The daemon went away while a request was in flight."""
-
-
-class DaemonClient:
-    """One connection to the daemon. Use from a single event loop."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 on_notification: Callable[[str, dict], None] | None = None,
-                 on_close: Callable[["DaemonClient"], None] | None = None):
-        self.reader = reader
-        self.writer = writer
-        self.on_notification = on_notification
-        self.on_close = on_close
-        self.welcome: dict[str, Any] = {}
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
-        self._reader_task: asyncio.Task | None = None
-        self.closed = False
-        self.close_reason = ""
-        self.directory: Path | None = None  # the runtime directory (connect_or_spawn sets it)
-        self.notice = ""                    # why that directory is a fallback, if it is one
-
-    @classmethod
-    async def connect(cls, socket: Path, client_name: str = "completiond", settings: dict[str, Any] | None = None,
-                      timeout: float = 10.0, **kwargs: Any) -> "DaemonClient":
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout)
-        self = cls(reader, writer, **kwargs)
-        try:
-            writer.write(wire.encode({"t": "hello", "v": wire.VERSION, "client": client_name, "pid": os.getpid(),
-                                      "settings": settings or {}}))
-            welcome = await asyncio.wait_for(wire.read_message(reader), timeout)
-        except (wire.FrameError, asyncio.TimeoutError, OSError) as exc:
-            writer.close()
-            raise DaemonUnavailable(f"handshake with the daemon at {socket} failed: {exc}") from None
-        if welcome is None:
-            writer.close()
-            raise DaemonUnavailable(f"the daemon at {socket} closed the connection during the handshake")
-        if welcome.get("t") != "welcome":
-            writer.close()
-            raise wire.parse_error(welcome.get("e"))
-        self.welcome = welcome
-        self._reader_task = asyncio.create_task(self._read_loop())
-        return self
-
-    async def _read_loop(self) -> None:
-        reason = "the daemon closed the connection"
-        try:
-            while True:
-                message = await wire.read_message(self.reader)
-                if message is None:
-                    break
-                self._dispatch(message)
-        except wire.FrameError as exc:
-            reason = f"bad frame from the daemon: {exc}"
-            log.warning("%s", reason)
-        except (ConnectionError, OSError) as exc:
-            reason = f"connection to the daemon lost: {exc}"
-        except asyncio.CancelledError:
-            reason = "closed"
-        finally:
-            self._closed(reason)
-
-    def _dispatch(self, message: dict[str, Any]) -> None:
-        if "id" in message and message["id"] is not None:
-            future = self._pending.pop(message["id"], None)
-            if future is None or future.done():
-                return  # answered after we gave up on it
-            if "e" in message:
-                future.set_exception(wire.parse_error(message["e"]))
-            else:
-                future.set_result(message.get("r"))
-        elif isinstance(message.get("m"), str) and self.on_notification is not None:
-            try:
-                self.on_notification(message["m"], message.get("p") or {})
-            except Exception:
-                log.exception("daemon notification handler failed")
-
-    def _closed(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.close_reason = reason
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(ConnectionLost(reason))
-        self._pending.clear()
-        self.writer.close()
-        if self.on_close is not None:
-            self.on_close(self)
-
-    def _send(self, message: dict[str, Any]) -> None:
-        if self.closed:
-            raise ConnectionLost(self.close_reason)
-        self.writer.write(wire.encode(message))
-
-    def notify(self, method: str, params: dict[str, Any]) -> None:
-        self._send({"m": method, "p": params})
-
-    async def request(self, method: str, params: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
-        """Send a request and wait for its reply; cancelling the awaiting task cancels it on the daemon too."""
-        rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
-        try:
-            self._send({"id": rid, "m": method, "p": params or {}})
-            await self.writer.drain()
-            return await asyncio.wait_for(asyncio.shield(future), timeout) if timeout else await future
-        except (asyncio.CancelledError, asyncio.TimeoutError):
-            if self._pending.pop(rid, None) is not None and not self.closed:
-                try:
-                    self.notify("cancel", {"id": rid})
-                except (ConnectionError, OSError):
-                    pass
-            raise
-        except OSError as exc:
-            self._pending.pop(rid, None)
-            raise ConnectionLost(f"connection to the daemon lost: {exc}") from None
-
-    async def close(self) -> None:
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            try:
-                await self._reader_task
-            except asyncio.CancelledError:
-                pass
-        self._closed("closed")
-
-
-# --- finding or starting the daemon ---------------------------------------------------
-
-
-REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpointModel", "--endpoint-model"),
-                ("apiKeyEnv", "--api-key-env"), ("apiKeyFile", "--api-key-file"),
-                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"),
-                ("apiKeyOverHttp", "--api-key-over-http"))
-
-
-def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "completiond.cli", "serve"]
-    # Every engine setting (config.ENGINE_KEYS) goes on the command line: one left out would load the
-    # daemon's default instead, and the editor would warn about "different settings" for good.
-    for key, flag in (("model", "--model"), ("draftModel", "--draft-model")):
-        model = settings.get(key) or ""
-        if model:
-            # Only a path written as one is a directory (config.is_local_model): a hub id or short name stays
-            # a name, whatever a same-named folder in the editor's working directory (a cloned repository)
-            # holds. The daemon runs in /, so a path goes absolute.
-            cmd += [flag, config_mod.resolve_local_model(str(model))]
-    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("weights", "--weights"),
-                      ("cacheMegabytes", "--cache-mb"), ("logLevel", "--log-level")):
-        if settings.get(key) not in (None, ""):
-            cmd += [flag, str(settings[key])]
-    if settings.get("trustRemoteCode"):
-        cmd.append("--trust-remote-code")
-    for key, flag in REMOTE_FLAGS:  # a team backend; the API key itself never goes on a command line
-        value = settings.get(key)
-        if value not in (None, ""):
-            if key in ("apiKeyFile", "endpointCaFile"):
-                value = os.path.abspath(os.path.expanduser(str(value)))  # the daemon runs in /
-            cmd += [flag, str(value)]
-    idle = idle_timeout if idle_timeout is not None else settings.get("idleTimeout")
-    if idle is not None:
-        cmd += ["--idle-timeout", str(idle)]
-    return cmd
-
-
-def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float | None = None) -> subprocess.Popen:
-    """Start a detached daemon whose output goes to daemon.log in the runtime directory."""
-    cmd = daemon_command(settings, idle_timeout) + ["--runtime-dir", str(directory)]
-    log_path = directory / paths.LOG_NAME
-    try:
-        if log_path.stat().st_size > LOG_ROTATE_BYTES:
-            os.replace(log_path, log_path.with_name(paths.LOG_NAME + ".1"))
-    except FileNotFoundError:
-        pass
-    log_fd = os.open(directory / paths.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    try:
-        log.info("starting daemon: %s", " ".join(cmd))
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True,
-                                start_new_session=True, cwd="/")
-    finally:
-        os.close(log_fd)
-
-
-def _log_tail(path: Path, lines: int = 2) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            tail = f.read().decode("utf-8", "replace").strip().splitlines()
-    except OSError:
-        return "(no log)"
-    return " | ".join(tail[-lines:]) or "(empty log)"
-
-
-def _try_lock(path: Path) -> int | None:
-    import fcntl  # POSIX only, like the daemon: importing this module (the LSP does) must work everywhere
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _placed(client: DaemonClient, directory: Path, notice: str) -> DaemonClient:
-    """The client, with the runtime directory it was found in and the fallback notice (if any)."""
-    client.directory = directory
-    client.notice = notice
-    return client
-
-
-async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Path | None = None, spawn: bool = True,
-                           timeout: float = 60.0, client_name: str = "completiond",
-                           idle_timeout: float | None = None, **client_kwargs: Any) -> DaemonClient:
-    """Connect to the user's daemon, starting it first if there is none (one starter at a time)."""
-    settings = settings or {}
-    # The default directory, if squatted or unsafe, is replaced by a private one (the notice says so).
-    directory, notice = paths.usable_runtime_dir(directory)
-    if notice:
-        log.warning("%s", notice)
-    socket = paths.socket_path(directory)
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    proc: subprocess.Popen | None = None
-    lock_fd: int | None = None
-    last_error: Exception | None = None
-    try:
-        while True:
-            try:
-                return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
-                               directory, notice)
-            except (FileNotFoundError, ConnectionRefusedError) as exc:
-                last_error = exc
-            except DaemonUnavailable as exc:  # e.g. the daemon is exiting: try again
-                last_error = exc
-            if not spawn:
-                raise DaemonUnavailable(f"no completiond daemon is running (no socket at {socket})")
-            if proc is None and lock_fd is None:
-                # Whoever holds the spawn lock starts the daemon; the others keep polling the socket.
-                lock_fd = _try_lock(directory / paths.SPAWN_LOCK_NAME)
-                if lock_fd is not None:
-                    try:
-                        return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
-                                       directory, notice)
-                    except (FileNotFoundError, ConnectionRefusedError, DaemonUnavailable):
-                        pass
-                    proc = spawn_daemon(directory, settings, idle_timeout)
-            if proc is not None and proc.poll() is not None and proc.returncode != 3:
-                # 3 = another daemon won the race: keep polling for its socket.
-                raise DaemonUnavailable(
-                    f"the daemon exited with status {proc.returncode} during start-up: "
-                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})")
-            if time.monotonic() > deadline:
-                raise DaemonUnavailable(f"could not reach the daemon at {socket} within {timeout:g} s: {last_error}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
-
-
-# --- the LSP server's view: a daemon that comes back ----------------------------------
 
 
 def _send_open(client: DaemonClient, uri: str, version: int, text: str, language_id: str) -> bool:
@@ -349,11 +80,17 @@ class DaemonSession:
 
     @property
     def connected(self) -> bool:
-        return self.client is not None and not self.client.closed
+        return self._live() is not None
+
+    def _live(self) -> DaemonClient | None:
+        """The current connection while it is open."""
+        client = self.client
+        return client if client is not None and not client.closed else None
 
     async def ensure(self) -> DaemonClient:
-        if self.connected:
-            return self.client  # type: ignore[return-value]
+        live = self._live()
+        if live is not None:
+            return live
         wait = self._retry_at - time.monotonic()
         if wait > 0 and (self._connecting is None or self._connecting.done()):
             raise DaemonUnavailable(f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
@@ -418,9 +155,10 @@ class DaemonSession:
 
     def notify(self, method: str, params: dict[str, Any]) -> None:
         """Document notifications: dropped while disconnected (the replay on reconnect covers them)."""
-        if self.connected:
+        client = self._live()
+        if client is not None:
             try:
-                self.client.notify(method, params)  # type: ignore[union-attr]
+                client.notify(method, params)
             except (ConnectionError, OSError):
                 pass
             except wire.ProtocolError as exc:
@@ -464,12 +202,13 @@ class DaemonSession:
         await self.ensure()
 
     async def _stop_and_wait(self) -> None:
-        if self.connected:
+        client = self._live()
+        if client is not None:
             try:
-                await self.client.request("stop", {}, timeout=5)  # type: ignore[union-attr]
+                await client.request("stop", {}, timeout=5)
             except (ConnectionError, RemoteError, asyncio.TimeoutError):
                 pass
-            await self.client.close()  # type: ignore[union-attr]
+            await client.close()
         # Wait for the old daemon to release its socket, so we do not reconnect to it.
         directory = self.directory or paths.current_runtime_dir()
         deadline = time.monotonic() + 10
