@@ -6,6 +6,7 @@ import * as vscode from 'vscode';
 import { LanguageClient, LanguageClientOptions, ServerOptions, TransportKind } from 'vscode-languageclient/node';
 import { contributedSettings, Controller, SECTION } from './controller';
 import { ClientFactory, Host, LspClient, StatusBar } from './host';
+import { CURSOR_REST_METHOD, CursorPlace, CursorRest } from './rest';
 
 let controller: Controller | undefined;
 
@@ -153,10 +154,34 @@ function clientFactory(log: vscode.LogOutputChannel): ClientFactory {
   };
 }
 
+/** Cursor-rest hints (rest.ts) from the active editor's cursor to the running client: the daemon prefills there. */
+function watchCursorRest(client: () => LspClient | undefined, allowed: (languageId: string) => boolean): vscode.Disposable[] {
+  const rest = new CursorRest((params) => {
+    const running = client();
+    if (running?.isRunning()) running.sendNotification(CURSOR_REST_METHOD, params).catch(() => undefined);
+  }, allowed);
+  const place = (editor: vscode.TextEditor | undefined): CursorPlace | undefined =>
+    editor && {
+      uri: editor.document.uri.toString(),
+      languageId: editor.document.languageId,
+      version: editor.document.version,
+      line: editor.selection.active.line,
+      character: editor.selection.active.character,
+    };
+  return [
+    rest,
+    vscode.window.onDidChangeTextEditorSelection((e) => rest.moved(place(e.textEditor))),
+    vscode.window.onDidChangeActiveTextEditor((editor) => rest.moved(place(editor))),
+  ];
+}
+
 export async function activate(context: vscode.ExtensionContext): Promise<void> {
   const log = vscode.window.createOutputChannel('completiond', { log: true });
   context.subscriptions.push(log);
-  controller = new Controller(vscodeHost(context, log), clientFactory(log), {
+  const factory = clientFactory(log);
+  let lsp: LspClient | undefined; // the client the controller runs now, for the cursor-rest hints
+  context.subscriptions.push(...watchCursorRest(() => lsp, (languageId) => controller?.shouldComplete(languageId) ?? false));
+  controller = new Controller(vscodeHost(context, log), (server, options) => (lsp = factory(server, options)), {
     env: process.env,
     platform: process.platform,
     home: os.homedir(),

@@ -213,6 +213,7 @@ local function on_attach(client, bufnr)
     require("completiond.ghost").attach(bufnr, client.id)
   end
   require("completiond.keymaps").attach(bufnr)
+  require("completiond.rest").attach(bufnr) -- where the cursor rests: the daemon prefills there
 end
 
 --- Start (or reuse) the client for a buffer.

@@ -40,6 +40,7 @@ function makeVscode() {
     pickLabel: undefined as string | undefined,
     activeTextEditor: { document: { languageId: 'python' } } as { document: { languageId: string } } | undefined,
     editorListeners: [] as ((e: unknown) => void)[],
+    selectionListeners: [] as ((e: unknown) => void)[],
   };
   const fire = (keys: string[]) => {
     const e = { affectsConfiguration: (s: string) => keys.some((k) => `completiond.${k}` === s || `completiond.${k}`.startsWith(s + '.')) };
@@ -96,6 +97,10 @@ function makeVscode() {
       },
       onDidChangeActiveTextEditor: (l: (e: unknown) => void) => {
         state.editorListeners.push(l);
+        return { dispose: () => undefined };
+      },
+      onDidChangeTextEditorSelection: (l: (e: unknown) => void) => {
+        state.selectionListeners.push(l);
         return { dispose: () => undefined };
       },
     },
@@ -277,6 +282,17 @@ test('status notifications reach the status bar item; errors turn it red; click 
   await mock.state.commands.get('completiond.showStats')!();
   assert.deepEqual(lc.clients[0].requests.at(-1), { method: 'workspace/executeCommand', params: { command: 'completiond.stats', arguments: [] } });
   assert.ok(mock.state.logLines.some((l) => l === 'requests: 1'));
+  await ext.deactivate();
+});
+
+test('the cursor at rest in an editor reaches the server as completiond/cursorRest (rest.ts)', async () => {
+  await ext.activate(context() as any);
+  const client = lc.clients[0];
+  const editor = { document: { uri: { toString: () => 'file:///w/a.py' }, languageId: 'python', version: 3 }, selection: { active: { line: 12, character: 4 } } };
+  mock.state.selectionListeners.forEach((l) => l({ textEditor: editor }));
+  const rests = () => client.notifications.filter((n: { method: string }) => n.method === 'completiond/cursorRest');
+  for (let i = 0; i < 250 && rests().length === 0; i++) await new Promise((r) => setTimeout(r, 20));
+  assert.deepEqual(rests(), [{ method: 'completiond/cursorRest', params: { textDocument: { uri: 'file:///w/a.py' }, position: { line: 12, character: 4 } } }]);
   await ext.deactivate();
 });
 
