@@ -386,3 +386,22 @@ def test_an_open_bracket_passes_only_as_a_body():
     js = {"language": "javascript"}
     assert at_cursor("if (x) {", before="function f(x) {\n  ", after="\n}\n", **js) == "if (x) {"
     assert at_cursor("const a = [", before="function f(x) {\n  ", after="\n}\n", **js) == "const a"
+
+
+def test_a_body_inside_a_call_below_is_owed_by_the_cursor_line():
+    # The lines below are the body of a function literal passed to a call the cursor line opens.
+    ts = {"language": "typescript", "before": "function f(source) {\n  ret",
+          "after": "\n    let x = 1;\n    source.go(x);\n  });\n}\n"}
+    assert at_cursor("urn operate((source, subscriber) => {", **ts) == "urn operate((source, subscriber) => {"
+    assert at_cursor("ty: 0", **ts) == ""
+
+
+def test_a_construct_cut_short_in_a_long_file_is_judged_with_the_rest_of_it():
+    # A long Go file: without the `if` header the function ends at the if's `}`, and the rest of its body
+    # reads as top-level statements up to a stray `}` the region must take in.
+    filler = "".join(f"func f{i}() int {{\n\treturn {i}\n}}\n\n" for i in range(400))
+    body = "\t\tpanic(err)\n\t}\n\tx := 1\n\tif x > 0 {\n\t\tx = 2\n\t}\n}\n\n"
+    go = {"language": "go", "before": "package p\n\n" + filler + "func g(err error) {\n\ti", "after": "\n" + body + filler}
+    assert len(go["before"]) > 8000
+    assert at_cursor("f err != nil {", **go) == "f err != nil {"
+    assert at_cursor("on = 1", **go) == ""

@@ -47,6 +47,10 @@ class LanguageSpec:
     brackets: tuple[tuple[str, str], ...] = _BRACKETS
     body_opener: str = "{"           # what a header supplies before its body (":" in Python)
     indented_blocks: bool = False    # blocks end where the indentation does (Python), not at a closer
+    # Stand-ins for a cursor line the lines below need brackets from (syntax_site.stand_ins): a definition's
+    # head before a `(` (its parameters follow), and a function literal's head for a body inside a call.
+    definition_head: str = ""
+    lambda_head: str = ""
     notes: tuple[str, ...] = field(default=())   # what a rule should know that the types do not say
 
     def language(self) -> Language | None:
@@ -92,6 +96,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="python", lsp_ids=("python", "python3"), extensions=(".py", ".pyi", ".pyw"),
         grammar=("tree_sitter_python", "language"), line_comment="#",
+        definition_head="def x", lambda_head="",
         blocks=_f("module", "block"),
         statements=_f("expression_statement", "if_statement", "for_statement", "while_statement", "try_statement",
                       "with_statement", "match_statement", "return_statement", "raise_statement", "assert_statement",
@@ -112,6 +117,7 @@ SPECS: tuple[LanguageSpec, ...] = (
         name="javascript", lsp_ids=("javascript", "javascriptreact", "js", "jsx"),
         extensions=(".js", ".mjs", ".cjs", ".jsx"),
         grammar=("tree_sitter_javascript", "language"), line_comment="//",
+        definition_head="function x", lambda_head="() => ",
         blocks=_JS_BLOCKS, statements=_JS_STATEMENTS, definitions=_JS_DEFINITIONS,
         comments=_f("comment", "html_comment"), strings=_f("string", "template_string", "regex"),
         imports=_f("import_statement"),
@@ -122,6 +128,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="typescript", lsp_ids=("typescript", "ts"), extensions=(".ts", ".mts", ".cts"),
         grammar=("tree_sitter_typescript", "language_typescript"), line_comment="//",
+        definition_head="function x", lambda_head="() => ",
         blocks=_JS_BLOCKS | _f("interface_body", "enum_body", "object_type"),
         statements=_TS_STATEMENTS, definitions=_TS_DEFINITIONS,
         comments=_f("comment", "html_comment"), strings=_f("string", "template_string", "regex"),
@@ -132,6 +139,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="tsx", lsp_ids=("typescriptreact", "tsx"), extensions=(".tsx",),
         grammar=("tree_sitter_typescript", "language_tsx"), line_comment="//",
+        definition_head="function x", lambda_head="() => ",
         blocks=_JS_BLOCKS | _f("interface_body", "enum_body", "object_type"),
         statements=_TS_STATEMENTS, definitions=_TS_DEFINITIONS,
         comments=_f("comment", "html_comment"), strings=_f("string", "template_string", "regex"),
@@ -142,6 +150,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="go", lsp_ids=("go", "golang"), extensions=(".go",),
         grammar=("tree_sitter_go", "language"), line_comment="//",
+        definition_head="func x", lambda_head="func() ",
         blocks=_f("source_file", "block", "statement_list", "field_declaration_list", "interface_type",
                   "expression_case", "default_case", "type_case", "communication_case"),
         statements=_f("expression_statement", "assignment_statement", "short_var_declaration", "inc_statement",
@@ -162,6 +171,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="rust", lsp_ids=("rust", "rs"), extensions=(".rs",),
         grammar=("tree_sitter_rust", "language"), line_comment="//",
+        definition_head="fn x", lambda_head="|| ",
         blocks=_f("source_file", "block", "declaration_list", "match_block", "field_declaration_list",
                   "enum_variant_list"),
         statements=_f("expression_statement", "let_declaration", "function_item", "struct_item", "enum_item",
@@ -183,6 +193,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="java", lsp_ids=("java",), extensions=(".java",),
         grammar=("tree_sitter_java", "language"), line_comment="//",
+        definition_head="void x", lambda_head="() -> ",
         blocks=_f("program", "block", "class_body", "interface_body", "enum_body", "enum_body_declarations",
                   "constructor_body", "switch_block", "switch_block_statement_group", "annotation_type_body",
                   "record_declaration"),
@@ -205,6 +216,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="c", lsp_ids=("c",), extensions=(".c", ".h"),
         grammar=("tree_sitter_c", "language"), line_comment="//",
+        definition_head="void x", lambda_head="",
         blocks=_f("translation_unit", "compound_statement", "field_declaration_list", "enumerator_list",
                   "declaration_list", "case_statement"),
         statements=_C_STATEMENTS | _C_DEFINITIONS | _f("preproc_include", "preproc_if", "preproc_ifdef",
@@ -220,6 +232,7 @@ SPECS: tuple[LanguageSpec, ...] = (
         name="cpp", lsp_ids=("cpp", "c++", "cuda-cpp"), extensions=(".cc", ".cpp", ".cxx", ".c++", ".hpp", ".hh",
                                                                    ".hxx", ".h++", ".ipp", ".cu"),
         grammar=("tree_sitter_cpp", "language"), line_comment="//",
+        definition_head="void x", lambda_head="[]() ",
         blocks=_f("translation_unit", "compound_statement", "field_declaration_list", "enumerator_list",
                   "declaration_list", "case_statement"),
         statements=_C_STATEMENTS | _C_DEFINITIONS | _f(
@@ -238,6 +251,7 @@ SPECS: tuple[LanguageSpec, ...] = (
     LanguageSpec(
         name="csharp", lsp_ids=("csharp", "c#", "cs"), extensions=(".cs", ".csx"),
         grammar=("tree_sitter_c_sharp", "language"), line_comment="//",
+        definition_head="void x", lambda_head="() => ",
         blocks=_f("compilation_unit", "block", "declaration_list", "switch_body", "switch_section",
                   "accessor_list", "enum_member_declaration_list"),
         statements=_f("expression_statement", "local_declaration_statement", "if_statement", "for_statement",

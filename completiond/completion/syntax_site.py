@@ -76,7 +76,18 @@ def _region(spec: LanguageSpec, doc_tree: Tree, data: bytes, cursor: int) -> tup
         return _window(data, cursor)
     top = path[0]
     if top.end_byte - top.start_byte <= MAX_REGION_BYTES:
-        return ((_line_start(data, top.start_byte), max(top.end_byte, cursor)),)
+        # With the broken constructs beside it: an unfinished cursor line can end its construct early (the
+        # rest of a body then reads as errors at the top level) or merge the one above into an error.
+        a, b = top.start_byte, max(top.end_byte, cursor)
+        nxt = top.next_sibling
+        while nxt is not None and nxt.end_byte - a <= MAX_REGION_BYTES and nxt.type not in spec.definitions:
+            if nxt.is_error or nxt.has_error:
+                b = nxt.end_byte   # the lines below up to the stray closer or error the cut-short construct left
+            nxt = nxt.next_sibling
+        prv = top.prev_sibling
+        while prv is not None and (prv.is_error or prv.has_error) and b - prv.start_byte <= MAX_REGION_BYTES:
+            a, prv = prv.start_byte, prv.prev_sibling
+        return ((_line_start(data, a), b),)
     units = spec.statements | spec.definitions
     # The outermost statement / definition on the path that fits; its enclosing constructs contribute
     # their headers (what precedes their first member) and their closing brackets.
@@ -282,6 +293,11 @@ def replaced_line(site: Site, line: bytes) -> Tree:
     return edited(site, ls, le, line)
 
 
+def indent_of(site: Site, ls: int, le: int) -> str:
+    line = site.data[ls:le].decode("utf-8", "replace")
+    return line[:len(line) - len(line.lstrip(" \t"))]
+
+
 def stand_ins(site: Site) -> list[str]:
     """Lines that could stand where the cursor line is so that the region reads as it was written, most
     likely first: the closers of the brackets the lines above left open and the lines below do not close,
@@ -322,13 +338,20 @@ def stand_ins(site: Site) -> list[str]:
     still_open = above[:len(above) - (len(debt) - m)]
     closers = "".join(pairs[o] for o in reversed(still_open))
     openers = "".join(opener_of[c] for c in reversed(debt[:m]))
-    line = site.data[ls:le].decode("utf-8", "replace")
-    indent = line[:len(line) - len(line.lstrip(" \t"))]
+    indent = indent_of(site, ls, le)
     heads = [""]
     if openers[:1] in ("(", "["):
         heads = ["x"]
+        if openers[:1] == "(" and spec.definition_head:
+            heads.append(spec.definition_head)   # the lines below are parameters and the body
     elif openers[:1] == "{":
         heads = ["x = "] if spec.indented_blocks else ["", "x = "]
+    if "({" in openers and spec.lambda_head:
+        # A body inside a call (`operate((source) => {`): the `{` of a function literal, not an object.
+        lam = openers.replace("({", "(" + spec.lambda_head + "{", 1)
+        extra = [indent_of(site, ls, le) + closers + "x" + lam]
+    else:
+        extra = []
     tails = [""]
     if spec.indented_blocks:
         nxt = next((ln for ln in site.data[le + 1:le + 4001].decode("utf-8", "replace").split("\n")
@@ -341,7 +364,7 @@ def stand_ins(site: Site) -> list[str]:
                 tails.append(":")
             else:
                 heads.append("if 1:")
-    out = [indent + closers + h + openers + t for h in heads for t in tails]
+    out = [indent + closers + h + openers + t for h in heads for t in tails] + extra
     return list(dict.fromkeys([*out, indent]))
 
 
