@@ -41,6 +41,9 @@ SECTION = "completiond"
 STATUS_METHOD = "completiond/status"
 CMD_STATS = "completiond.stats"
 CMD_RESTART = "completiond.restartDaemon"
+# The catalog for an editor's model picker (VS Code's status menu): each loadable model with its download
+# size, speed estimates and languages, the one recommended for this machine, and the model set now.
+CMD_MODELS = "completiond.models"
 # Editors report what became of a suggestion: accepted (full / word / line) or dismissed. Items carry it
 # as their `command` (run by the editor after a full accept); partial accepts and dismissals are sent
 # by the plugins themselves. Counted here only: nothing leaves the machine.
@@ -901,6 +904,17 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
             raise ValueError(f"{CMD_SUGGESTION_EVENT}: unknown event {event!r}")
         ls.count_suggestion(*key)
         return dict(ls.suggestion_counts)
+
+    @server.command(CMD_MODELS)
+    async def models(ls: CompletionServer, *args: Any) -> dict[str, Any]:
+        from completiond.engine import catalog
+
+        offer = await asyncio.to_thread(first_run.machine_offer)
+        return {"current": ls.cfg.model, "recommended": offer.repo, "models": [
+            {"name": e.name, "repo": e.repo, "downloadGb": round(e.params_b * 2, 1), "cpu": catalog.cpu_speed(e),
+             "gpuMsPerToken": round(1000 * e.params_b * 2e9 / catalog.GPU_BANDWIDTH, 1),
+             "languages": list(e.languages), "gated": e.gated}
+            for e in catalog.CATALOG if e.supported]}
 
     @server.command(CMD_RESTART)
     async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:

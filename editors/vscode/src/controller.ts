@@ -3,7 +3,7 @@
  * (and is tested) without VS Code.
  */
 import { ClientFactory, Clock, Disposable, Host, LspClient, systemClock } from './host';
-import { MenuAction, menuItems } from './menu';
+import { BUNDLED_MODEL, Catalog, MenuAction, menuItems, modelItems, OTHER_MODEL, USE_MODEL } from './menu';
 import { languageIsOff, languageSwitch, snoozeEnd, SNOOZE_CHOICES, snoozeMinutes } from './pause';
 import { resolveServer, ResolveOptions } from './resolve';
 import { ClientState, formatStats, StatusParams, statusView, suggestionCounts, suggestionSummary } from './status';
@@ -13,6 +13,8 @@ export const STATUS_NOTIFICATION = 'completiond/status';
 export const SERVER_COMMANDS = {
   stats: 'completiond.stats',
   restartDaemon: 'completiond.restartDaemon',
+  /** the catalog for the model picker */
+  models: 'completiond.models',
   /** what became of a suggestion (the server counts them; nothing leaves the machine) */
   suggestionEvent: 'completiond.suggestionEvent',
 };
@@ -210,6 +212,45 @@ export class Controller implements Disposable {
     }
   }
 
+  /**
+   * The model picker: the server's catalog (size, speed, languages, the one recommended here), the bundled
+   * model, or another one in the settings. Picking one sets `completiond.model`; the server then downloads
+   * it (progress in the status item) and switches to it.
+   */
+  async chooseModel(): Promise<void> {
+    let catalog: Catalog | undefined;
+    if (this.client?.isRunning()) {
+      try {
+        catalog = (await this.client.sendRequest('workspace/executeCommand', { command: SERVER_COMMANDS.models, arguments: [] })) as Catalog;
+      } catch (err) {
+        // An older server: the settings still take any model.
+        this.host.log.appendLine(`${SERVER_COMMANDS.models} failed: ${errorText(err)}`);
+      }
+    }
+    if (!catalog || !Array.isArray(catalog.models) || catalog.models.length === 0) {
+      await this.host.openSettings('completiond.model');
+      return;
+    }
+    const picked = await this.host.showQuickPick(modelItems(catalog), {
+      title: 'completiond: choose a model',
+      placeHolder: 'Downloaded once, then it loads from the cache',
+    });
+    if (!picked?.action) return;
+    if (picked.action === OTHER_MODEL) {
+      await this.host.openSettings('completiond.model');
+      return;
+    }
+    const model = picked.action === BUNDLED_MODEL ? '' : picked.action.slice(USE_MODEL.length);
+    if (model === String(this.host.getSetting('model') ?? '')) return;
+    await this.host.updateSetting('model', model);
+    this.host.log.appendLine(`model set to ${model || 'the bundled model'}`);
+    void this.host.showInfo(
+      model
+        ? `completiond: switching to ${model}; it downloads first if it is not in the cache (progress in the status bar).`
+        : 'completiond: switching to the bundled model.',
+    );
+  }
+
   /** The status item's menu: the state at a glance, then the actions. */
   async showMenu(): Promise<void> {
     const languageId = this.host.activeLanguageId();
@@ -242,8 +283,7 @@ export class Controller implements Disposable {
       case 'restart':
         return this.restart();
       case 'model':
-        await this.host.openSettings('completiond.model');
-        return;
+        return this.chooseModel();
       case 'log':
         return this.host.log.show();
       case 'settings':

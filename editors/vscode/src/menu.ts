@@ -80,10 +80,69 @@ export function menuItems(s: MenuState): MenuItem[] {
       : { label: '$(check) Turn inline completions on', description: 'off everywhere now', action: 'enable' },
     { label: 'completiond' },
     { label: '$(debug-restart) Restart the daemon', description: 'reloads the model', action: 'restart' },
-    { label: '$(cloud-download) Choose a model…', description: 'a hub model downloads on first use', action: 'model' },
+    { label: '$(cloud-download) Choose a model…', description: 'downloads it, with progress', action: 'model' },
     { label: '$(graph) Show stats', action: 'stats' },
     { label: '$(output) Show log', action: 'log' },
     { label: '$(gear) Open settings', action: 'settings' },
   );
   return items;
+}
+
+/** A QuickPick row with any action id (none: a separator). */
+export interface PickRow {
+  label: string;
+  description?: string;
+  detail?: string;
+  action?: string;
+}
+
+/** One model of the server's catalog (`completiond.models`). */
+export interface CatalogModel {
+  name: string;
+  repo: string;
+  downloadGb?: number;
+  cpu?: string;
+  gpuMsPerToken?: number;
+  languages?: string[];
+  gated?: boolean;
+}
+
+/** The answer of `completiond.models`. */
+export interface Catalog {
+  current?: string;
+  recommended?: string;
+  models?: CatalogModel[];
+}
+
+/** Action ids of the model picker: `use:<hub id>`, the bundled model, or any other (the setting). */
+export const USE_MODEL = 'use:';
+export const BUNDLED_MODEL = 'bundled';
+export const OTHER_MODEL = 'other';
+
+/** The model picker's rows: the catalog (recommended first), the bundled model, and "another…". */
+export function modelItems(catalog: Catalog | undefined): PickRow[] {
+  const current = (catalog?.current ?? '').toLowerCase();
+  const models = [...(catalog?.models ?? [])].filter((m) => m && typeof m.repo === 'string' && typeof m.name === 'string');
+  models.sort((a, b) => Number(b.repo === catalog?.recommended) - Number(a.repo === catalog?.recommended));
+  const rows: PickRow[] = models.map((m) => {
+    const inUse = current === m.repo.toLowerCase() || current === m.name.toLowerCase();
+    const recommended = m.repo === catalog?.recommended;
+    const size = typeof m.downloadGb === 'number' ? `${m.downloadGb.toFixed(1)} GB download` : '';
+    const langs = m.languages && !(m.languages.length === 1 && m.languages[0] === '*') ? m.languages.join(', ') : 'every language';
+    const speed = [m.cpu ? `CPU ${m.cpu}` : '', typeof m.gpuMsPerToken === 'number' ? `GPU ~${Math.max(1, Math.round(m.gpuMsPerToken))} ms/token` : '']
+      .filter((x) => x)
+      .join(' · ');
+    return {
+      label: `${inUse ? '$(check)' : recommended ? '$(star-full)' : '$(cloud-download)'} ${m.name}`,
+      description: [m.repo, size, recommended ? 'recommended for this machine' : '', inUse ? 'in use' : ''].filter((x) => x).join(' · '),
+      detail: [speed, langs, m.gated ? 'gated: accept its licence on the hub, then log in' : ''].filter((x) => x).join(' · '),
+      action: USE_MODEL + m.repo,
+    };
+  });
+  rows.push(
+    { label: 'Other' },
+    { label: `${current === '' ? '$(check)' : '$(package)'} The bundled model`, description: 'Python only, a small demo', action: BUNDLED_MODEL },
+    { label: '$(gear) Another model…', description: 'a hub id or a local directory, in completiond.model', action: OTHER_MODEL },
+  );
+  return rows;
 }

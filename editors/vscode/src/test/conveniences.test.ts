@@ -5,7 +5,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { BUILTIN_HIDE, COMMANDS, Controller, SERVER_COMMANDS, SNOOZED_CONTEXT } from '../controller';
-import { menuItems } from '../menu';
+import { menuItems, modelItems } from '../menu';
 import { clockTime, languageIsOff, languageSwitch, snoozeEnd, snoozeMinutes } from '../pause';
 import { statusView } from '../status';
 import { clientRecorder, FakeClock, FakeHost, fakeEnvironment, flush, packageJson, pickLabel } from './fakes';
@@ -221,4 +221,62 @@ test('pure parts: snooze arguments, times, language lists', () => {
   assert.deepEqual(statusView({ state: 'ready' }, undefined, true, { languageOff: 'go' }).text, '$(circle-slash) completiond');
   assert.match(statusView({ state: 'ready' }, undefined, false, { snoozedUntil: Infinity }).tooltip, /inline completions are off/,
     'completions off everywhere outranks a snooze');
+});
+
+const CATALOG = {
+  current: '',
+  recommended: 'Qwen/Qwen2.5-Coder-0.5B',
+  models: [
+    { name: 'qwen2.5-coder-1.5b', repo: 'Qwen/Qwen2.5-Coder-1.5B', downloadGb: 3.08, cpu: 'usable (~103 / ~51 ms/token)', gpuMsPerToken: 3.1, languages: ['*'], gated: false },
+    { name: 'qwen2.5-coder-0.5b', repo: 'Qwen/Qwen2.5-Coder-0.5B', downloadGb: 0.98, cpu: 'fast (~33 / ~16 ms/token)', gpuMsPerToken: 1, languages: ['*'], gated: false },
+    { name: 'layerskip-codellama-7b', repo: 'facebook/layerskip-codellama-7B', downloadGb: 13.5, cpu: 'slow', gpuMsPerToken: 13.5, languages: ['python', 'cpp'], gated: true },
+  ],
+};
+
+test('Choose a model…: the server\'s catalog, recommended first; picking one sets completiond.model, which the server loads', async () => {
+  const { host, client } = await started();
+  client.answer = (_m, p) => (p.command === SERVER_COMMANDS.models ? CATALOG : null);
+  host.pickChoices.push(pickLabel('Choose a model'), pickLabel('qwen2.5-coder-1.5b'));
+  await host.commands.get(COMMANDS.showMenu)!();
+  await flush();
+  const picker = host.picks[1];
+  assert.equal(picker.title, 'completiond: choose a model');
+  const rows = picker.items.filter((r) => r.action);
+  assert.equal(rows[0].label, '$(star-full) qwen2.5-coder-0.5b');
+  assert.equal(rows[0].description, 'Qwen/Qwen2.5-Coder-0.5B · 1.0 GB download · recommended for this machine');
+  assert.equal(rows[0].detail, 'CPU fast (~33 / ~16 ms/token) · GPU ~1 ms/token · every language');
+  assert.match(rows[2].detail!, /python, cpp · gated: accept its licence/);
+  assert.deepEqual(rows.slice(-2).map((r) => r.label), ['$(check) The bundled model', '$(gear) Another model…']);
+  assert.equal(host.settings.get('model'), 'Qwen/Qwen2.5-Coder-1.5B');
+  const pushed = client.notifications.filter((n) => n.method === 'workspace/didChangeConfiguration').at(-1)!;
+  assert.equal(pushed.params.settings.completiond.model, 'Qwen/Qwen2.5-Coder-1.5B');
+  assert.match(host.infos.at(-1)!, /switching to Qwen\/Qwen2.5-Coder-1.5B; it downloads first/);
+  // In use now: marked, and the bundled model one pick away.
+  const inUse = modelItems({ ...CATALOG, current: 'Qwen/Qwen2.5-Coder-1.5B' });
+  assert.match(inUse.find((r) => r.label.includes('1.5b'))!.label, /^\$\(check\)/);
+  assert.match(inUse.find((r) => r.label.includes('1.5b'))!.description!, /in use$/);
+  host.pickChoices.push(pickLabel('The bundled model'));
+  await c_choose(host);
+  assert.equal(host.settings.get('model'), '');
+});
+
+async function c_choose(host: FakeHost): Promise<void> {
+  host.pickChoices.unshift(pickLabel('Choose a model'));
+  await host.commands.get(COMMANDS.showMenu)!();
+  await flush();
+}
+
+test('Choose a model… falls back to the setting when the server has no catalog (older server, not running) or for another model', async () => {
+  const { host, client } = await started();
+  client.answer = () => {
+    throw new Error('unknown command');
+  };
+  await c_choose(host);
+  assert.deepEqual(host.settingsOpened, ['completiond.model']);
+  assert.match(host.lines.join('\n'), /completiond.models failed: unknown command/);
+  client.answer = (_m, p) => (p.command === SERVER_COMMANDS.models ? CATALOG : null);
+  host.pickChoices.push(pickLabel('Another model'));
+  await c_choose(host);
+  assert.deepEqual(host.settingsOpened, ['completiond.model', 'completiond.model']);
+  assert.ok(!host.explicit.has('model'));
 });

@@ -152,6 +152,7 @@ test('initialize: inline completions, the stats and restart commands, the comple
   const commands: string[] = result.capabilities.executeCommandProvider?.commands ?? [];
   assert.ok(commands.includes('completiond.stats'), `commands: ${commands}`);
   assert.ok(commands.includes('completiond.restartDaemon'), `commands: ${commands}`);
+  assert.ok(commands.includes('completiond.models'), `commands: ${commands}`);
   // Registered as a VS Code command by vscode-languageclient, so items can carry it (see below).
   assert.ok(commands.includes('completiond.suggestionEvent'), `commands: ${commands}`);
   await conn.sendNotification('initialized', {});
@@ -209,4 +210,17 @@ test('workspace/executeCommand completiond.stats answers an object', { skip, tim
   assert.equal(typeof stats, 'object');
   assert.ok(stats !== null);
   assert.ok(!('error' in (stats as object)), `stats error: ${JSON.stringify(stats)}`);
+});
+
+test('workspace/executeCommand completiond.models answers the catalog for the model picker', { skip, timeout: 60_000 }, async () => {
+  const catalog: any = await withTimeout(conn.sendRequest('workspace/executeCommand', { command: 'completiond.models', arguments: [] }), 30_000, 'models');
+  const names = catalog.models.map((m: any) => m.name);
+  assert.ok(names.includes('qwen2.5-coder-0.5b'), `models: ${names}`);
+  assert.ok(catalog.models.some((m: any) => m.repo === catalog.recommended), `recommended ${catalog.recommended} not among ${names}`);
+  const small = catalog.models.find((m: any) => m.name === 'qwen2.5-coder-0.5b');
+  assert.equal(small.repo, 'Qwen/Qwen2.5-Coder-0.5B');
+  assert.ok(small.downloadGb > 0.5 && small.downloadGb < 2, `downloadGb ${small.downloadGb}`);
+  assert.match(small.cpu, /ms\/token/);
+  assert.ok(Array.isArray(small.languages) && small.languages.length > 0);
+  assert.equal(catalog.current, settings.model);
 });
