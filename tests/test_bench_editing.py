@@ -66,3 +66,12 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
         assert 0 < e["p50_ms"] <= e["p95_ms"] <= e["max_ms"]
     assert 0.0 <= result["cache_served_fraction"] <= 1.0
     assert result["events"]["switch"]["cache_served_fraction"] > 0.5   # the file's prompt is still cached
+    # The daemon's prefetch noted the opens (and the rests after requests) ...
+    assert result["prefetch"]["on"] and result["prefetch"]["notes"] >= 2 and result["prefetch"]["failed"] == 0
+    assert result["prefetch"] is not None and result["kv_cache"]["budget_bytes"] > 0
+    # ... and `--prefetch off` runs the same session without it (what it brings: compare the two).
+    off = run_editing_bench(str(tiny_model_dir), files[:1], rounds=1, jumps=1, keystrokes=2, timeout_s=180,
+                            settings={"device": "cpu"}, prefetch=False)
+    assert off["prefetch_setting"] == "off" and off["prefetch"]["on"] is False and off["prefetch"]["notes"] == 0 and off["prefetch"] == dict(
+        off["prefetch"], warmed_tokens=0)
+    assert off["responses"] == off["requests"] and not off["errors"] and off["prefetch"] != result["prefetch"]

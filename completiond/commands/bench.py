@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
     p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
     p.add_argument("--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)")
+    p.add_argument("--prefetch", choices=("on", "off"), default=None,
+                   help="with --editing: the daemon's background warm-ups on opens, rests and pauses (default on; off: "
+                        "COMPLETIOND_PREFETCH=0, to measure what they bring)")
     p.add_argument("--quality", action="store_true",
                    help="what each weight format costs: held-out loss and next-line exact match of the model with "
                         "its weights in float32 (the reference), bf16 and int8, side by side (bench_quality.py)")
@@ -627,6 +630,7 @@ def run(args: argparse.Namespace) -> int:
             result = run_editing_bench(args.model, [Path(f) for f in args.files] if args.files else None,
                                        rounds=args.rounds, jumps=args.jumps,
                                        weights=args.weights if args.weights != "auto" else None, threads=args.threads,
+                                       prefetch=None if args.prefetch is None else args.prefetch == "on",
                                        settings={"contextRetrieval": args.retrieval} if args.retrieval else None,
                                        progress=log)
         except (CompletionError, FileNotFoundError) as exc:

@@ -376,18 +376,21 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
                       keystrokes: int = 8, weights: str | None = None, threads: int | None = None,
                       settings: dict[str, Any] | None = None, timeout_s: float = 1800.0, seed: int = 0,
                       progress: Callable[[str], None] | None = None,
-                      lsp_command: list[str] | None = None) -> dict[str, Any]:
+                      lsp_command: list[str] | None = None, prefetch: bool | None = None) -> dict[str, Any]:
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
     model: None / "bundled", a model directory, a hub id, or `shape:` and a bench-device shape (random weights,
     e.g. shape:qwen2.5-coder-0.5b). weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
-    daemon. settings: more editor settings (camelCase, as in initializationOptions)."""
+    daemon. settings: more editor settings (camelCase, as in initializationOptions). prefetch: False runs the daemon
+    without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default."""
     files = [Path(f) for f in files] if files else default_files()
     base = Path(tempfile.mkdtemp(prefix="completiond-editing-"))
-    saved = os.environ.get("COMPLETIOND_THREADS")
+    # The daemon inherits these through the LSP.
+    env = {"COMPLETIOND_THREADS": str(threads) if threads else None,
+           "COMPLETIOND_PREFETCH": None if prefetch is None else str(int(prefetch))}
+    saved = {name: os.environ.get(name) for name, value in env.items() if value is not None}
     try:
-        if threads:
-            os.environ["COMPLETIOND_THREADS"] = str(threads)  # the daemon inherits it through the LSP
+        os.environ.update({name: value for name, value in env.items() if value is not None})
         model_setting, label = model_for(model, base)
         extra = dict(settings or {})
         if weights:
@@ -395,13 +398,14 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
         result = asyncio.run(_session(model_setting, files, rounds, jumps, keystrokes, extra, base, timeout_s, seed,
                                       progress, lsp_command))
         result["daemon_rss_mb"] = _daemon_rss_mb(base)
-        result.update(model_label=label, weights=weights or "auto", threads=threads, settings=extra)
+        result.update(model_label=label, weights=weights or "auto", threads=threads, settings=extra,
+                      prefetch_setting="default" if prefetch is None else ("on" if prefetch else "off"))
         return result
     finally:
-        if threads:
-            if saved is None:
-                os.environ.pop("COMPLETIOND_THREADS", None)
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["COMPLETIOND_THREADS"] = saved
+                os.environ[name] = old
         _stop_daemon(base)
         shutil.rmtree(base, ignore_errors=True)
