@@ -69,7 +69,8 @@ function anything(): any {
     return { dispose: () => undefined };
   };
   return new Proxy(f, {
-    get: (target, prop) => (prop === 'prototype' ? target.prototype : prop === Symbol.iterator ? undefined : anything()),
+    // Not a thenable (an await on it would never settle) nor iterable.
+    get: (target, prop) => (prop === 'prototype' ? target.prototype : prop === 'then' || typeof prop === 'symbol' ? undefined : anything()),
     apply: () => ({ dispose: () => undefined }),
     construct: () => ({ dispose: () => undefined }),
   });
@@ -175,7 +176,12 @@ function makeVscode(settings: Record<string, unknown>, click: string | undefined
   };
   // Everything else (providers, diagnostics, other classes): no-ops.
   const deep = (obj: any): any =>
-    new Proxy(obj, { get: (t, p) => (p in t ? (t[p] && typeof t[p] === 'object' && !Array.isArray(t[p]) && p !== 'prototype' ? deep(t[p]) : t[p]) : typeof p === 'symbol' ? undefined : anything()) });
+    new Proxy(obj, {
+      get: (t, p) =>
+        p in t
+          ? t[p] && typeof t[p] === 'object' && !Array.isArray(t[p]) && p !== 'prototype' ? deep(t[p]) : t[p]
+          : typeof p === 'symbol' || p === 'then' ? undefined : anything(),
+    });
   return { vscode: deep(base), shown };
 }
 
