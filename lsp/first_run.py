@@ -4,7 +4,7 @@ recommended for this machine, with its download size and expected speed.
 
 - Accepted: the model becomes this user's default (kept in `first-run.json` beside config.toml, applied
   only while no `model` is set anywhere); the daemon restarts with it and downloads it, with progress in
-  the editor, resuming a download that was interrupted (the hub library keeps the partial files).
+  the editor, resuming a download that was interrupted (engine/resumable.py keeps the partial weights and continues them with a Range request).
 - Declined, or the download fails (offline, hub unreachable, disk full): the bundled model stays, with
   one notice saying how to get the model later (`completiond pull`).
 - Asked once: the answer is recorded and the question never comes again; setting `model` or running

@@ -17,13 +17,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 import pytest
 
-from completiond.engine import hub, memory
+from completiond.engine import hub, memory, resumable
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "models" / "completiond-py-mini"
@@ -81,6 +82,10 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.gated: set[str] = set()  # repos whose files need an accepted licence (403, as the hub answers)
         self.wrong: set[str] = set()  # files whose metadata gives another hash than their contents have
+        # file -> bytes sent before the connection stalls, on its first whole-file GET (an interrupted download)
+        self.stall: dict[str, int] = {}
+        self.release = threading.Event()  # ends the stalled responses
+        self.ranges: list[tuple[str, str | None]] = []  # (file, Range header) of each GET of a file
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -114,8 +119,28 @@ class FakeHub:
                     if data is None:
                         return self._send(404, b"", {"X-Error-Code": "EntryNotFound"})
                     etag = hashlib.sha256(data).hexdigest()
-                    return self._send(200, data if body else b"", {"X-Repo-Commit": commit, "ETag": f'"{etag}"'},
-                                      length=len(data))
+                    name = "/".join(parts[4:])
+                    wanted = self.headers.get("Range")
+                    if body:
+                        hub.ranges.append((name, wanted))
+                    start = int(m.group(1)) if wanted and (m := re.fullmatch(r"bytes=(\d+)-", wanted)) else 0
+                    headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"'}
+                    if start:
+                        headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                        return self._send(206, data[start:] if body else b"", headers, length=len(data) - start)
+                    cut = hub.stall.pop(name, None) if body else None
+                    if cut is not None:  # send the first `cut` bytes, then hang until released: a dead download
+                        self.send_response(200)
+                        for key, value in headers.items():
+                            self.send_header(key, value)
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        self.wfile.write(data[:cut])
+                        self.wfile.flush()
+                        hub.release.wait(120)
+                        self.close_connection = True
+                        return None
+                    return self._send(200, data if body else b"", headers, length=len(data))
                 self._send(404, b"")
 
             def _send(self, code: int, data: bytes, headers: dict | None = None, length: int | None = None) -> None:
@@ -156,6 +181,7 @@ class FakeHub:
         return [p.split("/resolve/", 1)[1].split("/", 1)[1] for m, p in self.requests if m == "GET" and "/resolve/" in p]
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -442,6 +468,37 @@ def test_pull_downloads_safetensors_config_and_tokenizer_with_a_progress_bar(fak
     out = pull_cli("org/mini", env=env)
     assert out.returncode == 0 and "already in the cache" in out.stdout
     assert len(fake_hub.requests) == before
+
+
+def test_an_interrupted_pull_resumes_where_it_stopped(fake_hub, tmp_path):
+    """A pull killed half-way through the weights (the editor closed, the network dropped) leaves what it
+    had; the next pull asks the hub only for the rest (an HTTP Range request), and the file it assembles
+    passes the hub's sha256."""
+    fake_hub.add("org/mini", BUNDLED)
+    weights = (BUNDLED / "model.safetensors").read_bytes()
+    fake_hub.stall["model.safetensors"] = len(weights) - 1000
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url}
+    first = subprocess.Popen([sys.executable, "-m", "completiond.cli", "pull", "org/mini"], env=env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    blobs = tmp_path / "hub" / "models--org--mini" / "blobs"
+    deadline = time.monotonic() + 120
+
+    def partial() -> int:
+        return max([f.stat().st_size for f in blobs.glob("*" + resumable.PARTIAL_SUFFIX)] or [0]) if blobs.is_dir() else 0
+
+    while time.monotonic() < deadline and first.poll() is None and partial() < len(weights) // 2:
+        time.sleep(0.1)
+    first.kill()
+    first.wait()
+    fake_hub.release.set()
+    partial = partial()
+    assert partial > 0, "the first pull wrote nothing before it was interrupted"
+    out = pull_cli("org/mini", env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": fake_hub.url})
+    assert out.returncode == 0, out.stderr
+    asked = [r for f, r in fake_hub.ranges if f == "model.safetensors"]
+    assert asked[0] is None and asked[-1] == f"bytes={partial}-", asked  # only the rest, the second time
+    snapshot = tmp_path / "hub" / "models--org--mini" / "snapshots" / COMMIT
+    assert (snapshot / "model.safetensors").read_bytes() == weights
 
 
 @pytest.mark.torch_free

@@ -52,6 +52,7 @@ from completiond.models.adapters import FAMILIES
 # One metadata request decides whether the hub is reachable: an editor waiting for its first
 # suggestion must not sit through the hub library's retry loop.
 HUB_TIMEOUT = 5.0
+RESUME_READ_TIMEOUT = 30.0  # a weights download that stalls this long fails, and the next pull continues it
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -450,7 +451,11 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
             raise HubError(f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}")
         total = sum(sizes.get(f, 0) for f in small) + sum(sizes.get(w, 0) for w in weights)
     for w in weights:
-        fetch(w)
+        digest = digests.get(w)
+        if digest is not None and digest[0] == "sha256":
+            _fetch_resumable(repo, commit, w, digest[1], sizes.get(w, 0), add)
+        else:
+            fetch(w)
     # The hub writes refs only when it resolves a branch itself; downloads by commit leave that to us,
     # and the next load finds the model through refs/<revision> without asking the hub.
     if not (revision and _COMMIT.match(revision)):
@@ -465,6 +470,31 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
     if missing:
         raise HubError(f"{repo}: the download left {snapshot} incomplete (missing {', '.join(missing)}); pull again")
     return Pulled(snapshot, repo, revision, commit, done[0], total)
+
+
+def _fetch_resumable(repo: str, commit: str, filename: str, sha256: str, size: int, add: Callable[[int], None]) -> None:
+    """The weights, resuming an interrupted download (engine/resumable.py)."""
+    from urllib.parse import quote
+
+    from huggingface_hub import get_token
+
+    from completiond.engine import resumable
+
+    url = f"{endpoint()}/{repo}/resolve/{commit}/{quote(filename)}"
+    try:
+        resumable.fetch_blob(url, repo_folder(repo), commit, filename, sha256, size, token=get_token(),
+                             timeout=RESUME_READ_TIMEOUT, progress=add)
+    except ValueError:
+        raise HubError(f"{repo}: {filename} does not match the hub's sha256; it was removed, pull again") from None
+    except resumable.DownloadError as exc:
+        if exc.status in (401, 403):
+            raise HubError(f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log "
+                           "in here (`hf auth login`, or set HF_TOKEN) and pull again") from None
+        raise HubError(f"{repo}: downloading {filename} failed ({exc}); pull again: it continues where it "
+                       "stopped") from None
+    except OSError as exc:
+        raise HubError(f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {exc}. The part already "
+                       f"downloaded is kept: pull again to continue. " + _where_to_copy(repo) + ".") from None
 
 
 def _digest(sibling) -> tuple[str, str] | None:
