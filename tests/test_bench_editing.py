@@ -75,3 +75,20 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
     assert off["prefetch_setting"] == "off" and off["prefetch"]["on"] is False and off["prefetch"]["notes"] == 0 and off["prefetch"] == dict(
         off["prefetch"], warmed_tokens=0)
     assert off["responses"] == off["requests"] and not off["errors"] and off["prefetch"] != result["prefetch"]
+
+
+def test_editing_settings_from_the_command_line():
+    import argparse
+
+    from completiond.commands import bench
+    from completiond.errors import CompletionError
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--editing", "--setting", "fimTemplate=qwen2.5-coder", "--setting", "prefixTokens=512",
+                              "--retrieval", "off", "--prefetch", "off"])
+    assert bench._editing_settings(args) == {"contextRetrieval": "off", "fimTemplate": "qwen2.5-coder",
+                                             "prefixTokens": 512}
+    assert args.prefetch == "off" and bench._editing_settings(parser.parse_args(["--editing"])) is None
+    with pytest.raises(CompletionError, match="KEY=VALUE"):
+        bench._editing_settings(parser.parse_args(["--setting", "fimTemplate"]))

@@ -20,12 +20,27 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from completiond.config import SETTINGS_BY_KEY
 from completiond.engine.draft_kind import DraftKind
 from completiond.errors import CompletionError
 
 WEIGHTS = SETTINGS_BY_KEY["weights"].enum  # the formats Engine.load(weights=...) accepts
+
+
+def _editing_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """--retrieval and each --setting KEY=VALUE (VALUE as JSON where it parses, else the string)."""
+    settings: dict[str, Any] = {"contextRetrieval": args.retrieval} if args.retrieval else {}
+    for item in args.setting:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CompletionError(f"--setting {item!r}: expected KEY=VALUE")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except ValueError:
+            settings[key.strip()] = value
+    return settings or None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
     p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
     p.add_argument("--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)")
+    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --editing: an editor setting for the session (camelCase, a JSON value or a string; "
+                        "repeatable), e.g. fimTemplate=qwen2.5-coder for the bundled model's prefix-first layout")
     p.add_argument("--prefetch", choices=("on", "off"), default=None,
                    help="with --editing: the daemon's background warm-ups on opens, rests and pauses (default on; off: "
                         "COMPLETIOND_PREFETCH=0, to measure what they bring)")
@@ -631,8 +649,7 @@ def run(args: argparse.Namespace) -> int:
                                        rounds=args.rounds, jumps=args.jumps,
                                        weights=args.weights if args.weights != "auto" else None, threads=args.threads,
                                        prefetch=None if args.prefetch is None else args.prefetch == "on",
-                                       settings={"contextRetrieval": args.retrieval} if args.retrieval else None,
-                                       progress=log)
+                                       settings=_editing_settings(args), progress=log)
         except (CompletionError, FileNotFoundError) as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
