@@ -37,6 +37,7 @@ from completiond.completion.syntax_tree import (  # noqa: F401  (re-exported)
     MAX_ERRORS, MAX_SHIFTED_EDITS, DocumentTree, Error, encode, errors_in)
 
 MAX_PARSES = 10
+LAYOUT_REACH = 600    # bytes past the cursor line whose Python layout is judged (the next statements)
 
 _TOKEN = re.compile(r"\w+|\S")
 _BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")        # Bash: a header waiting for fi / done / esac
@@ -135,10 +136,13 @@ class _Judge:
         self._baseline: list[Error] | None = None
         self.reasons: list[str] = []
 
-    def _errors(self, tree, data: bytes) -> list[Error]:
+    def _errors(self, tree, data: bytes, hi: int | None = None) -> list[Error]:
+        """The parse's errors; in Python also its layout errors from the cursor line to `hi` and a little
+        past it (the lines the text put in can disturb)."""
         errors = errors_in(tree)
         if self.site.spec.indented_blocks:
-            errors = sorted(errors + layout_errors(tree, data))
+            end = len(data) if hi is None else hi + LAYOUT_REACH
+            errors = sorted(errors + layout_errors(tree, data, self.ls, end))
         return errors
 
     def baseline(self) -> list[Error]:
@@ -149,7 +153,7 @@ class _Judge:
         site = self.site
         best: list[Error] | None = None
         if site.errors or site.spec.indented_blocks:
-            before = self._errors(site.tree, site.data)
+            before = self._errors(site.tree, site.data, self.le)
             if not before:
                 best = []
             else:
@@ -161,7 +165,7 @@ class _Judge:
                     self.count += 1
                     data = site.data[:self.ls] + raw + site.data[self.le:]
                     found = [self._back(e, self.ls, self.ls + len(raw), len(raw) - (self.le - self.ls))
-                             for e in self._errors(replaced_line(site, raw), data)]
+                             for e in self._errors(replaced_line(site, raw), data, self.ls + len(raw))]
                     if best is None or len(found) < len(best):
                         best = found
                     if not best:
@@ -191,7 +195,7 @@ class _Judge:
         self.count += 1
         data = site.data[:a0] + raw + site.data[a0 + len(suffix):]
         tree = self._trees[key] = edited(site, a0, a0 + len(suffix), raw)
-        after = self._errors(tree, data)
+        after = self._errors(tree, data, self.le + grow)
         # A header left without its body where the cursor line ends (the suggestion ends with it): the user
         # goes on to fill it.
         line_end = self.le + grow

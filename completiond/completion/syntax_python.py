@@ -26,10 +26,10 @@ MAX_LAYOUT_STATEMENTS = 2000   # statements visited per tree (a region holds far
 def _line_indent(data: bytes, b: int) -> tuple[int, bool]:
     """(indentation width of the line holding byte b, whether only whitespace precedes b on it)."""
     ls = data.rfind(b"\n", 0, b) + 1
-    head = data[ls:b]
-    body = data[ls:]
-    width = len(body) - len(body.lstrip(b" \t"))
-    return width, not head.strip(b" \t")
+    i = ls
+    while i < len(data) and data[i] in (32, 9):   # spaces and tabs
+        i += 1
+    return i - ls, i >= b
 
 
 def _blocks(stmt: Node) -> list[Node]:
@@ -74,8 +74,11 @@ def _loose_newline(stmt: Node, data: bytes) -> bool:
     return False
 
 
-def layout_errors(tree: Tree, data: bytes) -> list[Error]:
-    """Layout errors of a Python tree (see the module doc), (start, end, False, kind), in document order."""
+def layout_errors(tree: Tree, data: bytes, lo: int = 0, hi: int | None = None) -> list[Error]:
+    """Layout errors of a Python tree (see the module doc), (start, end, False, kind), in document order;
+    only of the statements that reach into bytes [lo, hi] (the judge looks near the cursor line: errors
+    elsewhere are in every parse alike)."""
+    hi = len(data) if hi is None else hi
     out: list[Error] = []
     todo: list[tuple[Node, int]] = [(tree.root_node, -1)]
     seen = 0
@@ -86,14 +89,21 @@ def layout_errors(tree: Tree, data: bytes) -> list[Error]:
             seen += 1
             if stmt.type == "comment" or stmt.is_error:
                 continue
+            near = stmt.end_byte >= lo and stmt.start_byte <= hi
+            if not near and col is not None:
+                if stmt.start_byte > hi:
+                    break
+                continue
             width, first = _line_indent(data, stmt.start_byte)
             if first:
                 if col is None:
-                    col = width
-                    if width <= header_indent:
+                    col = width   # the block's first statement sets its indentation
+                    if width <= header_indent and near:
                         out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
                 elif width != col:
                     out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
+            if not near:
+                continue
             blocks = _blocks(stmt)
             if not blocks and stmt.start_point.row != stmt.end_point.row and _loose_newline(stmt, data):
                 out.append((stmt.start_byte, stmt.end_byte, False, "newline"))
