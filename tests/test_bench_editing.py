@@ -92,3 +92,11 @@ def test_editing_settings_from_the_command_line():
     assert args.prefetch == "off" and bench._editing_settings(parser.parse_args(["--editing"])) is None
     with pytest.raises(CompletionError, match="KEY=VALUE"):
         bench._editing_settings(parser.parse_args(["--setting", "fimTemplate"]))
+
+
+def test_a_qwen_shape_prompts_in_the_real_models_layout():
+    from completiond.commands.bench_editing import shape_settings
+
+    # random weights carry the bundled tokenizer (suffix-first); a real Qwen2.5-Coder prompts prefix-first
+    assert shape_settings("shape:qwen2.5-coder-0.5b") == {"fimTemplate": "qwen2.5-coder"}
+    assert shape_settings(None) == shape_settings("bundled") == shape_settings("/models/x") == {}

@@ -118,6 +118,15 @@ def model_for(name: str | None, tmp: Path) -> tuple[str, str]:
     return (str(path.resolve()) if path.is_dir() else name), name
 
 
+def shape_settings(name: str | None) -> dict[str, Any]:
+    """Settings a `shape:` model needs to prompt as the real model does: its random weights come with the bundled
+    tokenizer (whose own FIM layout is suffix-first), while a real Qwen2.5-Coder's tokenizer gives its prefix-first
+    layout, which decides what a jump and a prefetch can reuse."""
+    if name and name.startswith(SHAPE_PREFIX + "qwen2.5-coder"):
+        return {"fimTemplate": "qwen2.5-coder"}
+    return {}
+
+
 class _Req:
     __slots__ = ("answered", "cancelled", "engine_ms", "error", "event", "items", "prompt", "reused", "sent")
 
@@ -380,7 +389,7 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
     model: None / "bundled", a model directory, a hub id, or `shape:` and a bench-device shape (random weights,
-    e.g. shape:qwen2.5-coder-0.5b). weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
+    e.g. shape:qwen2.5-coder-0.5b, prompted in the real model's layout: shape_settings). weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
     daemon. settings: more editor settings (camelCase, as in initializationOptions). prefetch: False runs the daemon
     without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default."""
     files = [Path(f) for f in files] if files else default_files()
@@ -392,7 +401,7 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
     try:
         os.environ.update({name: value for name, value in env.items() if value is not None})
         model_setting, label = model_for(model, base)
-        extra = dict(settings or {})
+        extra = {**shape_settings(model), **(settings or {})}
         if weights:
             extra["weights"] = weights
         result = asyncio.run(_session(model_setting, files, rounds, jumps, keystrokes, extra, base, timeout_s, seed,
