@@ -160,14 +160,15 @@ function watchCursorRest(client: () => LspClient | undefined, allowed: (language
     const running = client();
     if (running?.isRunning()) running.sendNotification(CURSOR_REST_METHOD, params).catch(() => undefined);
   }, allowed);
+  const synced = new Set(DOCUMENT_SELECTOR.map((d) => d.scheme)); // the documents the server has (not output panes)
   const place = (editor: vscode.TextEditor | undefined): CursorPlace | undefined =>
-    editor && {
+    editor && synced.has(editor.document.uri.scheme) ? {
       uri: editor.document.uri.toString(),
       languageId: editor.document.languageId,
       version: editor.document.version,
       line: editor.selection.active.line,
       character: editor.selection.active.character,
-    };
+    } : undefined;
   return [
     rest,
     vscode.window.onDidChangeTextEditorSelection((e) => rest.moved(place(e.textEditor))),

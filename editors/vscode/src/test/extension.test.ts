@@ -9,6 +9,7 @@ import Module from 'node:module';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { afterEach, beforeEach, test } from 'node:test';
+import { REST_MS } from '../rest';
 import { flush, packageJson, schema } from './fakes';
 
 const ConfigurationTarget = { Global: 1, Workspace: 2, WorkspaceFolder: 3 };
@@ -288,9 +289,16 @@ test('status notifications reach the status bar item; errors turn it red; click 
 test('the cursor at rest in an editor reaches the server as completiond/cursorRest (rest.ts)', async () => {
   await ext.activate(context() as any);
   const client = lc.clients[0];
-  const editor = { document: { uri: { toString: () => 'file:///w/a.py' }, languageId: 'python', version: 3 }, selection: { active: { line: 12, character: 4 } } };
-  mock.state.selectionListeners.forEach((l) => l({ textEditor: editor }));
+  const editor = (scheme: string, line: number) => ({
+    document: { uri: { scheme, toString: () => `${scheme}:///w/a.py` }, languageId: 'python', version: 3 },
+    selection: { active: { line, character: 4 } },
+  });
   const rests = () => client.notifications.filter((n: { method: string }) => n.method === 'completiond/cursorRest');
+  mock.state.selectionListeners.forEach((l) => l({ textEditor: editor('file', 3) }));
+  mock.state.selectionListeners.forEach((l) => l({ textEditor: editor('output', 30) })); // not a document the server has
+  await new Promise((r) => setTimeout(r, 2 * REST_MS));
+  assert.deepEqual(rests(), [], 'moved on to an output pane before resting: nothing');
+  mock.state.selectionListeners.forEach((l) => l({ textEditor: editor('file', 12) }));
   for (let i = 0; i < 250 && rests().length === 0; i++) await new Promise((r) => setTimeout(r, 20));
   assert.deepEqual(rests(), [{ method: 'completiond/cursorRest', params: { textDocument: { uri: 'file:///w/a.py' }, position: { line: 12, character: 4 } } }]);
   await ext.deactivate();
