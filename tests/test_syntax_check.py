@@ -405,3 +405,7 @@ def test_a_construct_cut_short_in_a_long_file_is_judged_with_the_rest_of_it():
     assert len(go["before"]) > 8000
     assert at_cursor("f err != nil {", **go) == "f err != nil {"
     assert at_cursor("on = 1", **go) == ""
+
+
+def test_python_del_takes_names_not_calls():
+    assert at_cursor("est_doctests(test_doctests)", before="def g():\n    del t", after="\n") == "est_doctests"

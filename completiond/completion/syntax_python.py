@@ -5,7 +5,7 @@
   grammar reads `x = 1` / `    y = 2` as two statements), a body no deeper than its header, and a header
   with no body (reported as a zero-width "body" error at the header's end: the judge allows one where the
   suggestion ends, the header the user goes on to fill), and a simple statement running on past a line end
-  outside brackets (`x =` / `y = 1` is one assignment to the grammar).
+  outside brackets (`x =` / `y = 1` is one assignment to the grammar), and `del` of what cannot be deleted.
 * `parses(source, spec)`: whether a whole file is valid, Python by `ast` (only the parser runs, no code),
   other languages by their grammar; `error_at(source)`: where `ast` finds the first error.
 """
@@ -43,6 +43,18 @@ def _blocks(stmt: Node) -> list[Node]:
         elif n.type.endswith(("_clause", "_definition")) or n.type in ("case_clause", "block_clause"):
             stack.extend(n.children)
     return out
+
+
+_TARGETS = frozenset({"identifier", "attribute", "subscript"})
+_TARGET_LISTS = frozenset({"expression_list", "tuple", "list", "parenthesized_expression", "pattern_list",
+                           "tuple_pattern", "list_pattern"})
+
+
+def _deletable(n: Node) -> bool:
+    """`del` takes names, attributes and subscripts, in tuples and lists (`del f(x)` is Python's error)."""
+    if n.type in _TARGETS or n.type == "comment":
+        return True
+    return n.type in _TARGET_LISTS and all(_deletable(c) for c in n.named_children)
 
 
 _OPEN = frozenset("([{")
@@ -104,6 +116,8 @@ def layout_errors(tree: Tree, data: bytes, lo: int = 0, hi: int | None = None) -
                     out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
             if not near:
                 continue
+            if stmt.type == "delete_statement" and not all(_deletable(t) for t in stmt.named_children):
+                out.append((stmt.start_byte, stmt.end_byte, False, "target"))
             blocks = _blocks(stmt)
             if not blocks and stmt.start_point.row != stmt.end_point.row and _loose_newline(stmt, data):
                 out.append((stmt.start_byte, stmt.end_byte, False, "newline"))
