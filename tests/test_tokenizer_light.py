@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from completiond.engine import tokenizer as light_mod
+from completiond.engine import tokenizer_check
 from completiond.engine.hub import read_json
 from completiond.models import default_model_dir
 from completiond.models.tiny import make_tiny_model
@@ -31,7 +32,7 @@ def cache(tmp_path, monkeypatch):
 
     def in_process(directory, key):
         runs.append(directory)
-        light_mod.check(directory)
+        tokenizer_check.check(directory)
         return light_mod.read_verdict(key)
 
     monkeypatch.setattr(light_mod, "_run_check", in_process)

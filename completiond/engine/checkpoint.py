@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from completiond.engine.hub import read_json
+from completiond.engine.hub_cache import read_json
 from completiond.engine.tokenizer import quiet_transformers
 from completiond.errors import EngineError
 from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head

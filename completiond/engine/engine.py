@@ -43,6 +43,7 @@ from completiond.engine.load_plan import (
 )
 from completiond.engine.loader import pick_device, pick_dtype
 from completiond.engine.lookup import OutputHistory
+from completiond.engine.model_facts import PREFILL_CHUNK, cpu_prefill, eos_ids
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.params import (
     ConstraintFn,
@@ -60,13 +61,6 @@ from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 # The engine's API is importable from here (docs/ENGINE_API.md), whichever module defines it.
 __all__ = ["DRAFT_FILES", "CancelToken", "ConstraintFn", "Engine", "EngineError", "Generation", "SamplingParams",
            "Stats", "StopFn", "check_weights", "default_cache_bytes", "model_identity", "pick_device", "pick_dtype"]
-
-PREFILL_CHUNK = 256
-# A cancelled request, and a background warm-up that a request preempts, let go between prefill chunks: on
-# a CPU a chunk is sized to take about PREFILL_CHUNK_S at the rate estimated from the model's size (the
-# bundled model keeps PREFILL_CHUNK; the 0.5B shape gets 112). Warm-ups take a quarter of that.
-PREFILL_CHUNK_S = 0.5
-CPU_PREFILL_FLOPS = 2.4e11  # measured: the 0.5B shape in bf16 prefilled 245 tokens/s on 2 AVX-512 cores (2026-12-05/06)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +87,7 @@ class Engine:
         cfg = model.config
         window = self.adapter.sliding_window or 1 << 30
         self.max_context = int(min(getattr(cfg, "max_position_embeddings", 4096), window))
-        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.eos_token_ids = eos_ids(model, tokenizer)
         self.eos_ids_tensor = torch.tensor(sorted(self.eos_token_ids), dtype=torch.int64)  # [n] for native drafts
         # Longest context the model was trained on, when it says (the bundled model's
         # completiond.json does); prompt builders budget against this, not max_context.
@@ -109,8 +103,7 @@ class Engine:
         self.prefill_tokens_per_s: float | None = None
         self.prefill_chunk = PREFILL_CHUNK
         if torch.device(device).type == "cpu":
-            self.prefill_tokens_per_s = CPU_PREFILL_FLOPS / (2 * max(1, _matmul_params(self.adapter, model.config)))
-            self.prefill_chunk = max(32, min(PREFILL_CHUNK, int(self.prefill_tokens_per_s * PREFILL_CHUNK_S) // 16 * 16))
+            self.prefill_tokens_per_s, self.prefill_chunk = cpu_prefill(self.adapter, model.config)
         self.weights = weights  # the weights setting: auto, bf16 or int8 (native.WEIGHT_FORMATS)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context, weights=weights)
         # On an accelerator every read of a device value stalls the host until the queue drains, and a
@@ -401,30 +394,3 @@ class Engine:
         if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
             raise EngineError(f"invalid sampling parameters: temperature={params.temperature}, "
                               f"top_p={params.top_p}, top_k={params.top_k}")
-
-def _matmul_params(adapter: Adapter, cfg) -> int:
-    """Weights a token's pass multiplies by: the layers' projections and the LM head (what prefill costs)."""
-    d = int(getattr(cfg, "hidden_size", 0) or 0)
-    inter = int(getattr(cfg, "intermediate_size", 0) or 4 * d)
-    heads = int(getattr(cfg, "num_attention_heads", 0) or 1)
-    q = heads * adapter.head_dim
-    kv = 2 * adapter.num_kv_heads * adapter.head_dim
-    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
-    return adapter.num_layers * (d * (q + kv) + q * d + 3 * d * inter) + vocab * d
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is None:
-            continue
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    # FIM-trained models end the middle with one of these.
-    for name in ("<|endoftext|>", "<|fim_pad|>", "<EOT>", "▁<EOT>", "<｜end▁of▁sentence｜>", "<|file_sep|>", "<file_sep>"):
-        tid = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-            ids.add(tid)
-    return ids

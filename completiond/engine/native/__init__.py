@@ -32,8 +32,9 @@ soname, which resolves to the copy torch has already loaded: one OpenMP thread p
 This module never imports forward.py (forward.py imports it): it reads a Forward's attributes only.
 
 The parts: build.py (the build cache: which kernel, compiled and checked once per machine), packing.py
-(panels and int8 quantisation), abi.py (step.c's structs and signatures) and binding.py (NativeStep, a
-Forward's weights bound to a loaded build). This package re-exports their public names.
+(panels and int8 quantisation), abi.py (step.c's structs and signatures), binding.py (NativeStep, a
+Forward's weights bound to a loaded build) and support.py (whether the step can run a model). This package
+re-exports their public names.
 """
 
 from __future__ import annotations
@@ -46,8 +47,6 @@ from completiond.engine.native.binding import (
                                                NativeStep,
                                                bind,
                                                early_step,
-                                               trim_heap,
-                                               unsupported,
 )
 from completiond.engine.native.build import (
                                                COMPILE_TIMEOUT_S,
@@ -73,6 +72,7 @@ from completiond.engine.native.packing import (
                                                pack_as,
                                                quantize_int8,
 )
+from completiond.engine.native.support import trim_heap, unsupported
 
 __all__ = [
                                                "ABI",

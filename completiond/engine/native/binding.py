@@ -32,6 +32,7 @@ from completiond.engine.native.packing import (
     _format_for,
     pack_as,
 )
+from completiond.engine.native.support import _activation_unsupported, unsupported
 from completiond.errors import EngineError
 
 # Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
@@ -40,38 +41,6 @@ from completiond.errors import EngineError
 # are its only weights (native_all) runs every pass natively.
 MAX_ROWS = 33
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
-
-
-def trim_heap() -> None:
-    """Give freed heap pages back to the system (glibc's malloc_trim): the unpacked weights dropped after
-    packing were many mid-sized blocks, which glibc keeps mapped otherwise, so resident memory would
-    still count them."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim(ctypes.c_size_t(0))
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim with
-
-
-def unsupported(fwd: Any) -> str | None:
-    """Why this Forward cannot use the native step (None: it can)."""
-    if str(fwd.device) != "cpu":
-        return f"the model runs on {fwd.device}"
-    if fwd.dtype != torch.float32:
-        return f"the model runs in {fwd.dtype}, the native step in float32 only"
-    if fwd.hd % 8 or fwd.H % fwd.KV:
-        return f"head size {fwd.hd} (needs a multiple of 8) or {fwd.H} heads over {fwd.KV} KV heads"
-    for L in fwd.layers:
-        why = _activation_unsupported(L.act)
-        if why is not None:
-            return why
-    return None
-
-
-def _activation_unsupported(act: Any) -> str | None:
-    if type(act).__name__ not in ("SiLUActivation", "SiLU"):
-        return f"the MLP activation is {type(act).__name__}, the native step has SiLU only"
-    return None
 
 
 def early_step(fwd: Any, adapter: Any, weights: str) -> NativeStep | None:
