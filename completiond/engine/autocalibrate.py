@@ -105,18 +105,11 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
             secs_runs.append(secs)
             speedups.append(plain_s / secs)
             yield "measured"
-        speedup = statistics.median(speedups)
         row = {"draft": draft, "exit_layer": e, "draft_k": k, "draft_vocab": len(vocab), "prompt_lookup": lookup,
-               # per-token acceptance, as in Stats.alpha
-               "alpha": accepted / max(1, accepted + rejected),
-               "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
-               "spread": (max(speedups) - min(speedups)) / speedup,
-               "tokens_per_s": n_tokens / statistics.median(secs_runs),
-               # one draft step relative to one verify pass: what choose_k weighs K against
-               "draft_cost": (dms / max(drafted, 1)) / (vms / max(rounds, 1))}
+               **_figures(speedups, secs_runs, n_tokens, (drafted, accepted, rejected, rounds), dms, vms)}
         log(REGISTRY[draft].tag + f"E={e:2d} K={k}"
             + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
-            + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {speedup:.2f} "
+            + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f} "
               f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
         return row
 
@@ -126,21 +119,7 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
         timed(SamplingParams(max_tokens=8, speculative=False))  # warm-up
     except Preempted:
         yield "preempted"
-    rows = []
-    for e in exit_layers:
-        for k in draft_ks:
-            rows.append((yield from candidate(e, k, [])))
-    # The other model drafts, where the engine has them: the exit adapter (at its own exit layer) and a
-    # separate draft model, over the same K.
-    if REGISTRY[DraftKind.ADAPTER].available(engine):
-        for k in draft_ks:
-            rows.append((yield from candidate(engine.exit_adapter.exit_layer, k, [], draft=DraftKind.ADAPTER)))
-    if REGISTRY[DraftKind.DRAFT_MODEL].available(engine):
-        for k in draft_ks:
-            rows.append((yield from candidate(exit_layers[0], k, [], draft=DraftKind.DRAFT_MODEL)))
-    if REGISTRY[DraftKind.MEDUSA].available(engine):
-        # one tree (its depth is the number of heads); greedy requests only, which is what is timed here
-        rows.append((yield from candidate(exit_layers[0], engine.medusa.num_heads, [], draft=DraftKind.MEDUSA)))
+    rows = yield from _model_draft_rows(engine, candidate, exit_layers, draft_ks)
     best = max(rows, key=lambda r: r["speedup"])
     # Then a draft head over only the most frequent ids, at the best E and K.
     vocab: list[int] = []
@@ -167,19 +146,59 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     if alone:
         best, vocab = best_alone, []
     engine.set_draft_vocab(loaded_vocab)
-    plain_s = statistics.median(plain_runs)
+    plain_tokens_per_s = n_tokens / statistics.median(plain_runs)
+    return _record(best, vocab, lookup, alone, plain_tokens_per_s, repeats), rows
+
+
+def _model_draft_rows(engine, candidate: Callable[..., Generator[str, None, dict]], exit_layers: list[int],
+                      draft_ks: list[int]) -> Generator[str, None, list[dict]]:
+    """The sweep's first phase: early exit at each E and K, then the other model drafts the engine has."""
+    rows = []
+    for e in exit_layers:
+        for k in draft_ks:
+            rows.append((yield from candidate(e, k, [])))
+    # The other model drafts, where the engine has them: the exit adapter (at its own exit layer) and a
+    # separate draft model, over the same K.
+    if REGISTRY[DraftKind.ADAPTER].available(engine):
+        for k in draft_ks:
+            rows.append((yield from candidate(engine.exit_adapter.exit_layer, k, [], draft=DraftKind.ADAPTER)))
+    if REGISTRY[DraftKind.DRAFT_MODEL].available(engine):
+        for k in draft_ks:
+            rows.append((yield from candidate(exit_layers[0], k, [], draft=DraftKind.DRAFT_MODEL)))
+    if REGISTRY[DraftKind.MEDUSA].available(engine):
+        # one tree (its depth is the number of heads); greedy requests only, which is what is timed here
+        rows.append((yield from candidate(exit_layers[0], engine.medusa.num_heads, [], draft=DraftKind.MEDUSA)))
+    return rows
+
+
+def _figures(speedups: list[float], secs_runs: list[float], n_tokens: int, counts: tuple[int, int, int, int],
+             draft_ms: float, verify_ms: float) -> dict[str, float]:
+    """A candidate's figures from its timed repeats; counts: (drafted, accepted, rejected, rounds) of its last."""
+    drafted, accepted, rejected, rounds = counts
+    speedup = statistics.median(speedups)
+    return {"alpha": accepted / max(1, accepted + rejected),  # per-token acceptance, as in Stats.alpha
+            "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
+            "spread": (max(speedups) - min(speedups)) / speedup,
+            "tokens_per_s": n_tokens / statistics.median(secs_runs),
+            # one draft step relative to one verify pass: what choose_k weighs K against
+            "draft_cost": (draft_ms / max(drafted, 1)) / (verify_ms / max(rounds, 1))}
+
+
+def _record(best: dict, vocab: list[int], lookup: bool, alone: bool, plain_tokens_per_s: float,
+            repeats: int) -> Calibration:
+    """The calibration the sweep's best candidate makes (lookup: in front of the best model draft; alone:
+    prompt lookup without a model draft won)."""
     measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
                 "speedup_max": best["speedup_max"], "spread": best["spread"], "draft_cost": best["draft_cost"],
-                "plain_tokens_per_s": n_tokens / plain_s, "repeats": repeats, "date": time.strftime("%Y-%m-%d")}
+                "plain_tokens_per_s": plain_tokens_per_s, "repeats": repeats, "date": time.strftime("%Y-%m-%d")}
     # On only where the gain clears the noise: the median beats the margin and even the worst
     # repeat was faster than plain decoding.
     on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
     # Lookup alone is a record without a model draft (speculative off) that keeps prompt lookup on; a
     # record that is off keeps lookup off too, as it was measured.
-    cal = Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                      source="calibrate", measured=measured, draft_vocab=list(vocab),
-                      prompt_lookup=on and (lookup or alone), draft=DraftKind.EARLY_EXIT if alone else best["draft"])
-    return cal, rows
+    return Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
+                       source="calibrate", measured=measured, draft_vocab=list(vocab),
+                       prompt_lookup=on and (lookup or alone), draft=DraftKind.EARLY_EXIT if alone else best["draft"])
 
 
 def run_to_end(steps: Steps) -> tuple[Calibration, list[dict]]:
