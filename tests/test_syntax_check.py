@@ -409,3 +409,12 @@ def test_a_construct_cut_short_in_a_long_file_is_judged_with_the_rest_of_it():
 
 def test_python_del_takes_names_not_calls():
     assert at_cursor("est_doctests(test_doctests)", before="def g():\n    del t", after="\n") == "est_doctests"
+
+
+def test_a_header_without_its_body_before_a_decorated_method():
+    # In a long class the grammar takes the decorated method below for the body of the header left without
+    # one (a body no deeper than its header): still a header the user goes on to fill.
+    filler = "".join(f"    def m{i}(self, x):\n        return x + {i}\n\n" for i in range(150))
+    before = "class A:\n" + filler + "    @property\n    def columns(self) -> list[Co"
+    after = "\n    @columns.setter\n    def columns(self, value):\n        self._columns = value\n\n" + filler
+    assert at_cursor("lumnElement]:", before=before, after=after) == "lumnElement]:"

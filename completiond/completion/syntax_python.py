@@ -111,7 +111,11 @@ def layout_errors(tree: Tree, data: bytes, lo: int = 0, hi: int | None = None) -
                 if col is None:
                     col = width   # the block's first statement sets its indentation
                     if width <= header_indent and near:
-                        out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
+                        # No deeper than its header: the header has no body, and the grammar took the
+                        # statements after it for one. Reported where the body should begin.
+                        colon = body.prev_sibling
+                        at = colon.end_byte if colon is not None else body.start_byte
+                        out.append((at, at, False, "body"))
                 elif width != col:
                     out.append((stmt.start_byte, stmt.end_byte, False, "indent"))
             if not near:
