@@ -53,7 +53,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert m["context"] == 64  # every prompt exactly --context tokens
         assert m["weight_bytes"] > 0 and m["plain_ms_per_token"] > 0 and m["bandwidth_bound_ms_per_token"] > 0
         assert m["plain_vs_bound"] == pytest.approx(m["plain_ms_per_token"] / m["bandwidth_bound_ms_per_token"],
-                                                    rel=0.01)  # each figure is rounded
+                                                    rel=0.01, abs=0.006)  # each figure is rounded
         assert m["rss_after_load_bytes"] > 0 and m["rss_load_delta_bytes"] is not None
         assert m["rss_after_warmup_bytes"] > 0 and m["rss_vs_weight_bytes"] > 0
         assert m["weights_in_use"] and m["kernel"] and m["load_s"] >= 0

@@ -123,20 +123,22 @@ def test_line_end_corner_cases(text, a, b, new, want):
         assert doc.starts == line_starts(want)
 
 
-def test_typing_in_a_huge_document_is_cheap():
-    """50 MB, 8 million lines: each keystroke patches the line table instead of rescanning the file."""
-    import time
+def test_typing_in_a_huge_document_is_cheap(monkeypatch):
+    """50 MB, 8 million lines: each keystroke patches the line table instead of rescanning the file (the
+    scan takes over a second at this size; the time per keystroke is `completiond bench`'s business)."""
+    from completiond.completion import documents
 
     text = "x = 1\n" * (50_000_000 // 6)
     doc = Document("u", text, 1)
     doc.offset(0, 0)                      # the one full scan, at open
-    t0 = time.perf_counter()
+    scans = []
+    real = documents.line_starts
+    monkeypatch.setattr(documents, "line_starts", lambda t: scans.append(len(t)) or real(t))
     for i, (line, col) in enumerate([(8_333_333, 0), (4_000_000, 3), (8_333_332, 5)] * 10):
         doc.apply_lsp_changes([lsp_change_at(line, col, "y")], i + 2)
-    per_key = (time.perf_counter() - t0) / 30
-    assert per_key < 0.5, f"{per_key:.3f} s per keystroke"
-    assert doc.text.count("y") == 30 and doc.starts[-1] == doc.text.rfind("\n") + 1
-    print(f"50 MB document: {per_key * 1000:.1f} ms per keystroke")
+        assert doc.offset(line, col) == doc.starts[line] + col
+    assert scans == []
+    assert doc.text.count("y") == 30 and doc.starts == real(doc.text)
 
 
 def lsp_change_at(line: int, character: int, new: str):

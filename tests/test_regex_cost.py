@@ -150,7 +150,8 @@ def test_functions_that_match_document_text_are_linear(name):
 
 def test_the_issue_inputs_take_milliseconds():
     """The two reported documents: a line of 5,000 spaces and a letter (the LSP's midline check), and
-    `from` with 20,000 dots (the retrieval index's import parser); each far under the issue's 200 ms."""
+    `from` with 20,000 dots (the retrieval index's import parser). They took 13 s and 4 s; linear matching
+    takes milliseconds (the issue asks for 200 ms; the bound leaves room for a loaded machine)."""
     result = run_child("""
         import json, time
         from completiond.lsp.server import midline_rest_ok
@@ -168,7 +169,7 @@ def test_the_issue_inputs_take_milliseconds():
     """)
     assert result["allowed"] is False          # a letter after the cursor: no midline suggestion
     assert "sibling" in result["imports"]      # the file's real import is still read
-    assert result["spaces"] <= 0.2 and result["dots"] <= 0.2, result
+    assert result["spaces"] <= BOUND_S and result["dots"] <= BOUND_S, result
 
 
 # --- end to end: the LSP answers, and other documents are not held up ------------------------------------
