@@ -157,8 +157,10 @@ class _Judge:
             if not before:
                 best = []
             else:
-                # The line set aside first: a stand-in must do strictly better to be the baseline.
-                for line in sorted(stand_ins(site), key=lambda x: bool(x.strip())):
+                # The stand-ins the lines below ask for first (one that leaves no error ends the search);
+                # on a tie the line set aside wins: a stand-in must do strictly better to be the baseline.
+                ranked: list[tuple[int, bool, list[Error]]] = []
+                for line in sorted(stand_ins(site), key=lambda x: not x.strip()):
                     if self.count >= MAX_PARSES - 1:
                         break
                     raw = encode(line)
@@ -166,10 +168,11 @@ class _Judge:
                     data = site.data[:self.ls] + raw + site.data[self.le:]
                     found = [self._back(e, self.ls, self.ls + len(raw), len(raw) - (self.le - self.ls))
                              for e in self._errors(replaced_line(site, raw), data, self.ls + len(raw))]
-                    if best is None or len(found) < len(best):
-                        best = found
-                    if not best:
+                    ranked.append((len(found), bool(line.strip()), found))
+                    if not found:
                         break
+                if ranked:
+                    best = min(ranked, key=lambda r: (r[0], r[1]))[2]
                 if best is None:
                     best = before
         self._baseline = best or []
