@@ -75,12 +75,7 @@ class Forward:
         # A large model on the CPU with the native step: each layer is fused, packed and released in turn,
         # so at most one layer's unpacked copy exists beside the checkpoint while loading.
         early = native.early_step(self, adapter, weights) if large and str(device) == "cpu" else None
-        for i, layer in enumerate(adapter.layers):
-            L = self._widen_small(fuse_layer(layer, adapter.qk_norm))
-            self.layers.append(L)
-            self.layer_numel.append(sum(w.numel() for w in L.matrices()))
-            if early is not None:
-                early.pack_layer(i, L)
+        self._fuse_layers(early)
         self.norm_w = adapter.norm.weight.detach().to(dtype)
         self.norm_eps = float(adapter.norm.variance_epsilon)
         self.embed_w = adapter.embed.weight.detach()
@@ -104,27 +99,44 @@ class Forward:
         else:
             self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
         self.native_all = self.native is not None and (large or weights != "auto")
-        if self.native is None:  # the PyTorch path computes in dtype: a bf16-loaded checkpoint widens here
-            for L in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    if getattr(L, name).dtype != dtype:
-                        setattr(L, name, getattr(L, name).to(dtype))
-            self.embed_w, self.head_w = self.embed_w.to(dtype), self.head_w.to(dtype)
-        if self.native is not None and large:
-            self.released = True
-            self._compact_embeddings()
-            # the small tensors left in the modules (norms, biases) get their own storage: a checkpoint read
-            # in its own dtype may be views of the mapped file, which they would keep resident
-            for module in (*adapter.layers, adapter.norm):
-                for p in module.parameters():
-                    if p.numel():
-                        p.data = p.data.clone()
-            native.trim_heap()
+        if self.native is None:
+            self._widen_matrices()
+        elif large:
+            self._keep_panels_only()
         self.transposed = str(device) == "cpu" and not large and not self.native_all
         if self.transposed:
             for L in self.layers:
                 transpose(L)
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
+
+    def _fuse_layers(self, early: NativeStep | None) -> None:
+        """Every model layer on fused weights; an early native step packs (and releases) each as it comes."""
+        for i, layer in enumerate(self.adapter.layers):
+            L = self._widen_small(fuse_layer(layer, self.adapter.qk_norm))
+            self.layers.append(L)
+            self.layer_numel.append(sum(w.numel() for w in L.matrices()))
+            if early is not None:
+                early.pack_layer(i, L)
+
+    def _widen_matrices(self) -> None:
+        """The PyTorch path computes in dtype: a bf16-loaded checkpoint widens here."""
+        for L in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                if getattr(L, name).dtype != self.dtype:
+                    setattr(L, name, getattr(L, name).to(self.dtype))
+        self.embed_w, self.head_w = self.embed_w.to(self.dtype), self.head_w.to(self.dtype)
+
+    def _keep_panels_only(self) -> None:
+        """A large model's native panels are its only layer weights: the rest keeps no view of the checkpoint."""
+        self.released = True
+        self._compact_embeddings()
+        # the small tensors left in the modules (norms, biases) get their own storage: a checkpoint read
+        # in its own dtype may be views of the mapped file, which they would keep resident
+        for module in (*self.adapter.layers, self.adapter.norm):
+            for p in module.parameters():
+                if p.numel():
+                    p.data = p.data.clone()
+        native.trim_heap()
 
     def _widen_small(self, L: FusedLayer) -> FusedLayer:
         """Norms and biases in the compute dtype: a bf16 checkpoint loaded as bf16 for packing (see
