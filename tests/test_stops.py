@@ -290,3 +290,11 @@ def test_aligned_whitespace_inside_a_line_is_kept_when_healing_regenerated_it(to
 def test_a_phrase_repeated_three_times_is_a_loop():
     got = final("        # ", "The name of the name of the name of the name of the name")
     assert got.startswith("The name of t") and len(got) <= len("The name of the")   # one copy of the phrase
+
+
+def test_a_closer_right_of_the_cursor_of_another_kind_is_not_owed_here():
+    # `assert list(unzip(z|]`: the `]` closes a `[` the suggestion opens later, so its `)`s stay.
+    rules = TextRules("    assert list(unzip(z", "]")
+    assert postprocess("ip([]))) == [", rules) == "ip([]))) == ["
+    # The same kind is owed: `foo(|)` + "a, b)" keeps the `)` right of the cursor.
+    assert postprocess("a, b)", TextRules("    foo(", ")")) == "a, b"

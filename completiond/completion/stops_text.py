@@ -126,6 +126,7 @@ class TextRules:
         self.open_depth = bracket_scan(line_prefix)[0]
         self.open_brackets = open_stack(line_prefix)
         self.suffix_closers = _suffix_closers(line_suffix)
+        self.suffix_closer_types = bracket_scan(line_suffix)[1]   # those closers, in order
         if site is not None:
             if site.open_before:
                 # A continuation line: brackets opened on earlier lines of the statement are open here too
@@ -233,7 +234,11 @@ class TextRules:
                 if stack[-1] != CLOSERS[c]:
                     return Cut(i, "mismatched closing bracket")
                 stack.pop()
-                if len(stack) < owed:
+                # The closer right of the cursor that would close this bracket is of another kind (`]` after
+                # `unzip(z|`): it closes one the suggestion has yet to open, not this one.
+                other_kind = len(self.suffix_closer_types) == self.suffix_closers and \
+                    self.suffix_closer_types[:1] != [c]
+                if len(stack) < owed and not other_kind:
                     return Cut(i, "closing bracket already right of the cursor")
             prev = c if prev != "\\" else ""
         return None
