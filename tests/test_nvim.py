@@ -981,7 +981,8 @@ def test_the_first_run_offer_waits_for_the_menu_and_its_answer_reaches_the_serve
     n.wait_for("return #require('completiond.menu').questions > 0", SERVER_TIMEOUT, "the first-run offer")
     question = n.lua("return require('completiond.menu').questions[1].message")
     assert "GB" in question, question
-    assert "question waits" in n.lua("return require('completiond').statusline()")
+    assert any(line.startswith("question waiting (answer with :CompletiondMenu)")
+               for line in n.lua("return require('completiond').status_lines()"))
     n.input("A")  # typing goes on, and suggestions show, while the question waits
     n.wait_for("return vim.api.nvim_get_mode().mode == 'i'", 10, "insert mode (not a prompt)")
     n.wait_for("return require('completiond').visible(0)", SERVER_TIMEOUT, "a suggestion while the question waits")
@@ -1021,11 +1022,22 @@ def test_the_menu_offers_the_actions_and_knows_where_things_are(nvim, tmp_path):
     _scripted_buffer(n, tmp_path, "menu.py", "x = f(\n")
     labels = n.lua("return vim.tbl_map(function(e) return e.label end, require('completiond.menu').entries(0))")
     for wanted in ("Snooze for 5 minutes", "Snooze for 15 minutes", "Snooze for 60 minutes", "Turn suggestions off for python",
-                   "Turn completions off", "Restart the daemon (reloads the model)", "Pull a model…",
+                   "Turn completions off", "Restart the daemon (reloads the model)", "Choose a model…", "Pull a model…",
                    "Open the daemon's log"):
         assert wanted in labels, labels
     assert n.lua("return require('completiond.menu').daemon_log()") == str(tmp_path / "run" / "completiond" / "daemon.log")
     assert n.lua("return require('completiond.menu').config_toml()") == str(tmp_path / "config" / "completiond" / "config.toml")
+    # Choose a model: the server's catalog, the machine's recommendation first; the pick becomes `model`.
+    n.lua("""vim.ui.select = function(items, opts, on_choice)
+               _G.picked = { prompt = opts.prompt, first = opts.format_item(items[1]), last = opts.format_item(items[#items]) }
+               on_choice(items[1])
+             end
+             require('completiond.menu').choose_model()""")
+    n.wait_for("return require('completiond').user_settings.model ~= nil", 30, "the model setting")
+    picked = n.lua("return _G.picked")
+    assert "(recommended here)" in picked["first"] and "GB" in picked["first"], picked
+    assert picked["last"].startswith("the bundled model") and picked["prompt"] == "Model (now: bundled)", picked
+    assert n.lua("return require('completiond').user_settings.model") == picked["first"].split(" ")[0]
     # `pull` runs the same completiond as the server: derived from `python`, refused for a custom cmd.
     assert n.lua("return require('completiond').cli_cmd()") is None
     n.lua(f"require('completiond').setup({{ python = {json.dumps(sys.executable)} }})")

@@ -487,9 +487,6 @@ function M.statusline()
   if menu.snoozed() then
     return "completiond snoozed " .. menu.snooze_text()
   end
-  if #menu.questions > 0 then
-    return "completiond: a question waits (:CompletiondMenu)"
-  end
   local s = util.strip_nil(M.status[clients[1].id])
   if not s then
     return "completiond starting"

@@ -241,6 +241,9 @@ function M.entries(bufnr)
   add("Restart the daemon (reloads the model)", function()
     c.restart()
   end)
+  add("Choose a model…", function()
+    M.choose_model()
+  end)
   add("Pull a model…", function()
     M.pull()
   end)
@@ -256,6 +259,59 @@ function M.entries(bufnr)
     vim.cmd.split(vim.fn.fnameescape(path))
   end)
   return items
+end
+
+--- The server's catalog (`completiond.models`): loadable models, the one recommended for this machine first.
+--- The one picked becomes the `model` setting for this session; the daemon restarts with it and downloads it,
+--- with progress. (To keep it, put it in setup()'s settings or config.toml.)
+function M.choose_model()
+  local c = core()
+  local client = c.clients()[1]
+  if not client then
+    vim.notify("completiond: no server running", vim.log.levels.WARN)
+    return
+  end
+  require("completiond.util").request(client, "workspace/executeCommand", { command = "completiond.models", arguments = {} },
+    function(err, result)
+      if err or type(result) ~= "table" or type(result.models) ~= "table" then
+        vim.notify("completiond: this server has no model list (" .. (err and err.message or "no answer") .. ")",
+          vim.log.levels.WARN)
+        return
+      end
+      local models = {}
+      for _, m in ipairs(result.models) do
+        if m.repo == result.recommended then
+          table.insert(models, 1, m)
+        else
+          table.insert(models, m)
+        end
+      end
+      table.insert(models, { repo = vim.NIL, name = "the bundled model (Python only, no download)" })
+      vim.schedule(function()
+        vim.ui.select(models, {
+          prompt = "Model (now: " .. ((type(result.current) == "string" and result.current ~= "") and result.current or "bundled") .. ")",
+          format_item = function(m)
+            if m.repo == vim.NIL then
+              return m.name
+            end
+            local langs = type(m.languages) == "table" and #m.languages > 0 and table.concat(m.languages, ", ") or "?"
+            if langs == "*" then
+              langs = "every language"
+            end
+            return ("%s%s — %.1f GB, %s; %s"):format(m.repo, m.repo == result.recommended and " (recommended here)" or "",
+              tonumber(m.downloadGb) or 0, tostring(m.cpu or ""), langs)
+          end,
+        }, function(m)
+          if not m then
+            return
+          end
+          c.user_settings.model = m.repo
+          c.push_settings()
+          vim.notify(("completiond: model %s for this session (the daemon loads it%s); to keep it, set it in setup()'s settings or config.toml")
+            :format(m.repo == vim.NIL and "bundled" or m.repo, m.repo == vim.NIL and "" or ", downloading it first"), vim.log.levels.INFO)
+        end)
+      end)
+    end)
 end
 
 --- Where the shared daemon writes its log (completiond/serving/paths.py: runtime_dir).
