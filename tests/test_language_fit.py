@@ -15,7 +15,8 @@ from test_scheduler import FakeEngine, local
 from completiond import config as config_mod
 from completiond.engine import hub
 from completiond.engine.model_info import ModelInfo
-from completiond.serving.service import RECOMMENDED_FOR_LANGUAGES, Service, document_language, language_unserved
+from completiond.serving.language_fit import RECOMMENDED_FOR_LANGUAGES, document_language, language_unserved
+from completiond.serving.service import Service
 
 
 def test_the_records_say_which_languages_a_model_serves(tmp_path):

@@ -25,7 +25,9 @@ from completiond.completion.documents import Document
 from completiond.errors import CompletionError
 from completiond.serving.documents import Documents, OutOfSync, gate_path, uri_path
 from completiond.serving.lifecycle import Lifecycle, Loader, load_completer
+from completiond.serving.language_fit import language_unserved
 from completiond.serving.metrics import Metrics
+from completiond.serving.params import int_param, reason, str_param
 from completiond.serving.prefetch import Key, Prefetcher, make_warmup
 from completiond.serving.scheduler import CANCELLED, ERROR, Job, Outcome, Overloaded, Scheduler, ShuttingDown
 from completiond.serving.wire import Code
@@ -224,24 +226,24 @@ class Service:
         """A notification (nobody to answer). Raises ServiceError for a bad method or bad params."""
         try:
             if method == "cancel":
-                self.cancel(client, _int(params, "id"))
+                self.cancel(client, int_param(params, "id"))
             elif method == "open":
                 language = params.get("languageId") or ""
                 if not isinstance(language, str):
                     raise TypeError("languageId must be a string")
-                self.open(client, _str(params, "uri"), _int(params, "version"), _str(params, "text"), language)
+                self.open(client, str_param(params, "uri"), int_param(params, "version"), str_param(params, "text"), language)
             elif method == "change":
                 edits = params.get("edits")
                 if not isinstance(edits, list):
                     raise TypeError("edits must be a list")
-                self.change(client, _str(params, "uri"), _int(params, "version"), edits)
+                self.change(client, str_param(params, "uri"), int_param(params, "version"), edits)
             elif method == "close":
-                self.close(client, _str(params, "uri"))
+                self.close(client, str_param(params, "uri"))
             elif method == "rest":
-                self.rest(client, _str(params, "uri"), _int(params, "version"), _int(params, "offset"),
+                self.rest(client, str_param(params, "uri"), int_param(params, "version"), int_param(params, "offset"),
                           params.get("settings"))
             elif method == "suggestion":
-                self.count_suggestion(_str(params, "event"), params.get("kind"))
+                self.count_suggestion(str_param(params, "event"), params.get("kind"))
             elif method == "workspace":
                 folders = params.get("folders") or []
                 removed = params.get("removed") or []
@@ -251,15 +253,15 @@ class Service:
             else:
                 raise ServiceError(Code.UNKNOWN_METHOD, f"unknown notification {method!r}")
         except (KeyError, TypeError, ValueError) as exc:
-            raise ServiceError(Code.BAD_REQUEST, f"{method}: bad params: {_reason(exc)}") from None
+            raise ServiceError(Code.BAD_REQUEST, f"{method}: bad params: {reason(exc)}") from None
 
     async def request(self, client: Hashable, request_id: Hashable, method: str, params: dict[str, Any]) -> Any:
         """A request; its answer, or ServiceError (bad params included) with the code the client sees."""
         if method == "complete":
             try:
-                uri, version, offset = _str(params, "uri"), _int(params, "version"), _int(params, "offset")
+                uri, version, offset = str_param(params, "uri"), int_param(params, "version"), int_param(params, "offset")
             except (KeyError, TypeError) as exc:
-                raise ServiceError(Code.BAD_REQUEST, f"complete: bad params: {_reason(exc)}") from None
+                raise ServiceError(Code.BAD_REQUEST, f"complete: bad params: {reason(exc)}") from None
             settings = params.get("settings")
             # Never a remote answer for an editor whose own settings did not choose that server (issue 43).
             refusal = config_mod.route_refusal(settings if isinstance(settings, dict) else None, self.cfg)
@@ -415,64 +417,3 @@ def _withheld(message: str, reason: str = "excluded") -> dict[str, Any]:
     does not serve): no suggestion, and why (the editor tells the user once per message)."""
     return {"suggestion": None, "suggestions": [], "finish_reason": reason, "stats": {}, "latency_ms": 0.0,
             "warnings": [message]}
-
-
-# A catalog model that serves every common language, offered when the model in use does not serve a document's.
-RECOMMENDED_FOR_LANGUAGES = "qwen2.5-coder-0.5b"
-# Editors' language ids that name the same language (VS Code, Neovim filetypes, other clients).
-LANGUAGE_ALIASES = {"python3": "python", "py": "python", "pyi": "python", "javascriptreact": "javascript",
-                    "typescriptreact": "typescript", "sh": "shellscript", "bash": "shellscript", "zsh": "shellscript",
-                    "c++": "cpp", "cs": "csharp", "golang": "go", "rs": "rust"}
-LANGUAGE_NAMES = {"python": "Python", "javascript": "JavaScript", "typescript": "TypeScript", "go": "Go",
-                  "rust": "Rust", "cpp": "C++", "csharp": "C#", "shellscript": "shell", "java": "Java", "c": "C"}
-
-
-def language_unserved(completer: Any, language: str | None, path: str | None) -> str:
-    """Why the completer's model cannot serve this document's language ('' when it can, or when either is not
-    known): a model whose record names its languages (the bundled one: Python) completes nothing else, rather
-    than completing Go with Python. The message is the one notice the editor shows (once per language).
-    completer: a Completer (its engine's record) or an engine."""
-    engine = getattr(completer, "engine", completer)
-    served = getattr(getattr(engine, "info", None), "languages", None)
-    if not served or "*" in served:
-        return ""
-    wanted = document_language(language, path)
-    if wanted is None or wanted in served:
-        return ""
-    names = ", ".join(LANGUAGE_NAMES.get(x, x) for x in served)
-    model = getattr(completer, "name", "") or getattr(engine, "name", "") or "the model"
-    return (f"{model} serves {names} only: no suggestions in {LANGUAGE_NAMES.get(wanted, wanted)} documents. "
-            f"For those, use a model that serves them: `completiond pull {RECOMMENDED_FOR_LANGUAGES}`, then set "
-            f"model = \"{RECOMMENDED_FOR_LANGUAGES}\" (`completiond pull --list` shows the others)")
-
-
-def document_language(language: str | None, path: str | None) -> str | None:
-    """The document's language as model records name it: its editor language id, else its file extension;
-    None when neither says (an untitled buffer in no language)."""
-    if language:
-        lang = language.strip().lower()
-        return LANGUAGE_ALIASES.get(lang, lang)
-    if path:
-        from completiond.completion.workspace import language_of
-
-        found = language_of(path)
-        return LANGUAGE_ALIASES.get(found, found) if found else None
-    return None
-
-
-def _int(params: dict[str, Any], key: str) -> int:
-    value = params[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{key} must be an integer, got {type(value).__name__}")
-    return value
-
-
-def _str(params: dict[str, Any], key: str) -> str:
-    value = params[key]
-    if not isinstance(value, str):
-        raise TypeError(f"{key} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _reason(exc: BaseException) -> str:
-    return f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
