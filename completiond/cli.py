@@ -15,22 +15,46 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "complete": ("completiond.commands.complete", "print the suggestion for FILE:LINE:COL"),
     "generate": ("completiond.commands.generate", "continue a prompt (the external losslessness check)"),
-    "bench": ("completiond.commands.bench", "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path"),
-    "bench-device": ("completiond.commands.bench_device", "accelerator figures: plain ms/token against the bandwidth bound, verify cost K=1..8, sampling (prepared for a lent GPU)"),
-    "bench-syntax": ("completiond.commands.bench_syntax", "what the syntax layer costs per request on a 5,000-line file (no model)"),
+    "bench": (
+        "completiond.commands.bench",
+        "speed benchmarks: speculative vs plain vs transformers; --typing for the editor path",
+    ),
+    "bench-device": (
+        "completiond.commands.bench_device",
+        "accelerator figures: plain ms/token against the bandwidth bound, verify cost K=1..8, sampling (prepared for a lent GPU)",
+    ),
+    "bench-syntax": (
+        "completiond.commands.bench_syntax",
+        "what the syntax layer costs per request on a 5,000-line file (no model)",
+    ),
     "pull": ("completiond.commands.pull", "download a hub model (safetensors and tokenizer only) into the local cache"),
-    "setup": ("completiond.commands.setup", "one-time preparation (compile the native CPU step) before the first completion"),
-    "calibrate": ("completiond.commands.calibrate", "measure acceptance and speed per exit layer and K; store the best"),
+    "setup": (
+        "completiond.commands.setup",
+        "one-time preparation (compile the native CPU step) before the first completion",
+    ),
+    "calibrate": (
+        "completiond.commands.calibrate",
+        "measure acceptance and speed per exit layer and K; store the best",
+    ),
     "eval": ("completiond.commands.eval", "completion quality on deterministic cursor positions in a directory"),
     "serve": ("completiond.commands.serve", "run the shared daemon in the foreground"),
     "lsp": ("completiond.lsp.server", "LSP server over stdio (what editors run)"),
     "status": ("completiond.commands.status", "show the running daemon's status"),
     "stop": ("completiond.commands.stop", "stop the running daemon"),
-    "settings": ("completiond.commands.settings", "print the settings in effect and where each comes from (--schema: as JSON)"),
-    "train-adapter": ("completiond.commands.train_adapter", "train a model's exit adapter (a draft that reads a shallow layer well)"),
+    "settings": (
+        "completiond.commands.settings",
+        "print the settings in effect and where each comes from (--schema: as JSON)",
+    ),
+    "train-adapter": (
+        "completiond.commands.train_adapter",
+        "train a model's exit adapter (a draft that reads a shallow layer well)",
+    ),
     "train-medusa": ("completiond.commands.train_medusa", "train Medusa heads for a model (token-tree drafts, greedy)"),
     "train-default": ("completiond.models.training.train_default", "retrain the bundled default model"),
-    "train-context": ("completiond.commands.train_context", "continue a model's training on prompts with repository context (the bundled model's last stage)"),
+    "train-context": (
+        "completiond.commands.train_context",
+        "continue a model's training on prompts with repository context (the bundled model's last stage)",
+    ),
     "stress": ("completiond.commands.stress", "fuzz and load drivers for the daemon and the LSP server (development)"),
 }
 
@@ -62,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="completiond", description="Local code completion with self-speculative decoding.")
+    parser = argparse.ArgumentParser(
+        prog="completiond", description="Local code completion with self-speculative decoding."
+    )
     parser.add_argument("--version", action="version", version=f"completiond {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}

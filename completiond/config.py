@@ -88,15 +88,19 @@ def _check_exclude(value: str) -> None:
         raise ValueError("at most 64 patterns and 4096 characters")
     negated = [p for p in patterns if p.startswith("!")]
     if negated:
-        raise ValueError(f"{', '.join(negated)}: patterns can only add to the built-in deny-list of secret files, "
-                         "not re-include files ('!' is not accepted)")
+        raise ValueError(
+            f"{', '.join(negated)}: patterns can only add to the built-in deny-list of secret files, "
+            "not re-include files ('!' is not accepted)"
+        )
 
 
 def _check_languages(value: str) -> None:
     ids = [v.strip() for v in value.split(",") if v.strip()]
     bad = [v for v in ids if not re.fullmatch(r"[A-Za-z0-9_.+#-]{1,64}", v)]
     if bad:
-        raise ValueError(f"expected comma-separated language ids (letters, digits, _ . + # -), got {', '.join(bad[:3])!r}")
+        raise ValueError(
+            f"expected comma-separated language ids (letters, digits, _ . + # -), got {', '.join(bad[:3])!r}"
+        )
     if len(ids) > 256:
         raise ValueError("at most 256 language ids")
 
@@ -116,12 +120,31 @@ def _check_urls(value: str) -> None:
 T = TypeVar("T")
 
 
-def setting(default: T, description: str, *, enum: tuple[str, ...] | None = None, minimum: float | None = None,
-            maximum: float | None = None, check: Callable[[Any], object] | None = None, scope: str = "window",
-            group: str = "advanced", enum_descriptions: tuple[str, ...] | None = None, restricted: bool = False) -> T:
+def setting(
+    default: T,
+    description: str,
+    *,
+    enum: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    check: Callable[[Any], object] | None = None,
+    scope: str = "window",
+    group: str = "advanced",
+    enum_descriptions: tuple[str, ...] | None = None,
+    restricted: bool = False,
+) -> T:
     """A Config field: its default, plus the metadata the Setting derived from it carries (see Setting)."""
-    meta = {"description": description, "enum": enum, "minimum": minimum, "maximum": maximum, "check": check,
-            "scope": scope, "group": group, "enum_descriptions": enum_descriptions, "restricted": restricted}
+    meta = {
+        "description": description,
+        "enum": enum,
+        "minimum": minimum,
+        "maximum": maximum,
+        "check": check,
+        "scope": scope,
+        "group": group,
+        "enum_descriptions": enum_descriptions,
+        "restricted": restricted,
+    }
     return field(default=default, metadata={"setting": meta})
 
 
@@ -130,68 +153,130 @@ class Config:
     """All completiond settings, each with its default; editors send them by camelCase key (SETTINGS)."""
 
     enable: bool = setting(True, "Show inline completions.", group="general")
-    model: str = setting("", "Model: a local directory written as a path (./, ../, / or ~; a relative one only in "
+    model: str = setting(
+        "",
+        "Model: a local directory written as a path (./, ../, / or ~; a relative one only in "
         "config.toml, relative to that file), a Hugging Face hub id (org/name, optionally @revision) or a short "
         "name from `completiond pull --list`; a hub model not yet in the cache is downloaded on first use. Empty "
-        "means the bundled default model.", group="general", restricted=True)
-    device: str = setting("auto", "Where the model runs: auto picks cuda, then mps, then cpu.", enum=("auto", "cpu", "cuda", "mps"), group="general",
+        "means the bundled default model.",
+        group="general",
+        restricted=True,
+    )
+    device: str = setting(
+        "auto",
+        "Where the model runs: auto picks cuda, then mps, then cpu.",
+        enum=("auto", "cpu", "cuda", "mps"),
+        group="general",
         enum_descriptions=(
             "CUDA if there is a GPU, else Apple MPS, else the CPU.",
             "The CPU (float32 weights).",
             "An NVIDIA GPU.",
             "The GPU of an Apple Silicon Mac.",
-        ))
-    dtype: str = setting("auto", "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.", enum=("auto", "float32", "bfloat16", "float16"),
+        ),
+    )
+    dtype: str = setting(
+        "auto",
+        "Weight dtype: auto is bfloat16 on GPU and float32 on CPU.",
+        enum=("auto", "float32", "bfloat16", "float16"),
         enum_descriptions=(
             "bfloat16 on a GPU, float32 on the CPU.",
             "Full precision: the CPU default, twice the memory of bfloat16.",
             "Half the memory of float32; needs a GPU or CPU with bfloat16 support to be fast.",
             "Half the memory of float32, for GPUs without bfloat16 (before Ampere).",
-        ))
-    weights: str = setting("auto", "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
+        ),
+    )
+    weights: str = setting(
+        "auto",
+        "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
         "weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
-        "slightly less accurate). Speculative output equals plain output in every format.", enum=("auto", "bf16", "int8"),
+        "slightly less accurate). Speculative output equals plain output in every format.",
+        enum=("auto", "bf16", "int8"),
         enum_descriptions=(
             "The model's own values (bf16 panels for bf16 weights).",
             "Float32 weights rounded to bfloat16: half the bytes per token.",
             "Weights quantised to 8 bits per output channel: smallest and fastest, slightly less accurate.",
-        ))
-    draft_model: str = setting("", "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
-        "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.", restricted=True)
-    trust_remote_code: bool = setting(False, "Allow model repositories to run their own Python code (off: only built-in "
+        ),
+    )
+    draft_model: str = setting(
+        "",
+        "A separate, smaller draft model with the same tokenizer (local directory or hub id) that "
+        "proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers.",
+        restricted=True,
+    )
+    trust_remote_code: bool = setting(
+        False,
+        "Allow model repositories to run their own Python code (off: only built-in "
         "transformers architectures load). A user or machine setting only, and honoured only for a model named "
-        "there too (never for one a workspace picks).", scope="machine", restricted=True)
+        "there too (never for one a workspace picks).",
+        scope="machine",
+        restricted=True,
+    )
     max_tokens: int = setting(64, "Most tokens generated for one suggestion.", minimum=1, maximum=1024, group="general")
-    temperature: float = setting(0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general")
+    temperature: float = setting(
+        0.0, "Sampling temperature; 0 is greedy (deterministic).", minimum=0.0, maximum=2.0, group="general"
+    )
     top_p: float = setting(1.0, "Nucleus sampling mass (1 disables).", minimum=0.01, maximum=1.0)
     top_k: int = setting(0, "Keep only the K most likely tokens (0 disables).", minimum=0, maximum=100000)
-    seed: int = setting(0, "Sampling seed; each request derives its own from it, so results are reproducible.", minimum=0, maximum=2**31 - 1)
-    alternatives: int = setting(1, "Most different suggestions offered at once, to cycle through with the editor's next/previous "
+    seed: int = setting(
+        0,
+        "Sampling seed; each request derives its own from it, so results are reproducible.",
+        minimum=0,
+        maximum=2**31 - 1,
+    )
+    alternatives: int = setting(
+        1,
+        "Most different suggestions offered at once, to cycle through with the editor's next/previous "
         "keys. Each one after the first costs about one more generation: greedy gives the branch of the next-best "
-        "first token, sampling a run with its own seed.", minimum=1, maximum=8, group="general")
+        "first token, sampling a run with its own seed.",
+        minimum=1,
+        maximum=8,
+        group="general",
+    )
     speculation: bool = setting(True, "Self-speculative decoding (lossless: same output distribution, faster).")
-    exit_layer: int = setting(0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024)
+    exit_layer: int = setting(
+        0, "Draft exit layer E; 0 uses the calibrated value for the model.", minimum=0, maximum=1024
+    )
     draft_tokens: int = setting(0, "Most draft tokens K per round; 0 uses the calibrated value.", minimum=0, maximum=32)
-    draft_threshold: float = setting(0.0, "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.", minimum=0.0, maximum=1.0)
-    multiline: str = setting("auto", "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.", enum=("auto", "always", "never"), group="general",
+    draft_threshold: float = setting(
+        0.0,
+        "Stop drafting when the draft's top probability falls below this; 0 uses the calibrated value.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    multiline: str = setting(
+        "auto",
+        "Multi-line suggestions: auto (after a block opener or on an empty line), always, never.",
+        enum=("auto", "always", "never"),
+        group="general",
         enum_descriptions=(
             "Several lines after a block opener (a line ending in : { ( [) or on an empty line; one line elsewhere.",
             "Always allow several lines.",
             "One line at most.",
-        ))
+        ),
+    )
     max_lines: int = setting(8, "Most lines in a multi-line suggestion.", minimum=1, maximum=200, group="general")
-    syntax_check: bool = setting(True, "Every language with a grammar (Python, JavaScript, TypeScript, Go, Rust, Java, C, "
+    syntax_check: bool = setting(
+        True,
+        "Every language with a grammar (Python, JavaScript, TypeScript, Go, Rust, Java, C, "
         "C++, C#, Bash): show only what adds no syntax error around the cursor (the longest part of a suggestion that "
         "does, or nothing). A header without its body yet, a bracket you are still inside and a brace the suggestion "
-        "opens pass.", group="general")
-    disabled_languages: str = setting("markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
+        "opens pass.",
+        group="general",
+    )
+    disabled_languages: str = setting(
+        "markdown,plaintext,text,scminput,gitcommit,gitrebase,help",
         "Comma-separated language ids (as editors name them: markdown, plaintext, text, gitcommit...) whose "
         "documents get no suggestions from the server, whatever the client. Prose and commit messages are off "
         "by default; remove one to turn it on (VS Code and Neovim also keep their own list: "
         "completiond.editor.disabledLanguages, `filetypes`).",
-        check=lambda value: _check_languages(value), group="general")
-    fim_template: str = setting("auto", "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
-        enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"), group="prompt",
+        check=lambda value: _check_languages(value),
+        group="general",
+    )
+    fim_template: str = setting(
+        "auto",
+        "Fill-in-the-middle prompt template; auto detects it from the tokenizer's special tokens.",
+        enum=("auto", "completiond", "qwen2.5-coder", "starcoder", "deepseek-coder", "codellama", "codestral", "none"),
+        group="prompt",
         enum_descriptions=(
             "Detected from the tokenizer's special tokens.",
             "The bundled model's own layout.",
@@ -201,62 +286,144 @@ class Config:
             "Code Llama's <PRE> <SUF> <MID> layout.",
             "Codestral's [SUFFIX] [PREFIX] layout.",
             "No fill-in-the-middle: the text before the cursor only.",
-        ))
-    token_healing: bool = setting(True, "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text.", group="prompt")
-    prefix_tokens: int = setting(1024, "Token budget for text before the cursor (clipped to the model's context).", minimum=16, maximum=32768, group="prompt")
-    suffix_tokens: int = setting(256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt")
-    workspace_context: bool = setting(True, "Prepend snippets of recently edited and open files of the same language.", group="prompt")
-    context_tokens: int = setting(256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt")
-    context_retrieval: str = setting("on", "How the context block is chosen: on retrieves the chunks of workspace files that "
+        ),
+    )
+    token_healing: bool = setting(
+        True,
+        "When the cursor is inside a word, back up its last token and constrain the output to start with the removed text.",
+        group="prompt",
+    )
+    prefix_tokens: int = setting(
+        1024,
+        "Token budget for text before the cursor (clipped to the model's context).",
+        minimum=16,
+        maximum=32768,
+        group="prompt",
+    )
+    suffix_tokens: int = setting(
+        256, "Token budget for text after the cursor.", minimum=0, maximum=32768, group="prompt"
+    )
+    workspace_context: bool = setting(
+        True, "Prepend snippets of recently edited and open files of the same language.", group="prompt"
+    )
+    context_tokens: int = setting(
+        256, "Token budget for the workspace context block.", minimum=0, maximum=32768, group="prompt"
+    )
+    context_retrieval: str = setting(
+        "on",
+        "How the context block is chosen: on retrieves the chunks of workspace files that "
         "the code around the cursor needs (definitions of the names at the cursor, then similar code); off takes "
-        "snippets of recently edited files.", enum=("on", "off"), group="prompt",
+        "snippets of recently edited files.",
+        enum=("on", "off"),
+        group="prompt",
         enum_descriptions=(
             "Chunks retrieved for the cursor from an index of the workspace files that may be context.",
             "Snippets of recently edited and open files of the same language.",
-        ))
-    context_exclude: str = setting("", "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
+        ),
+    )
+    context_exclude: str = setting(
+        "",
+        "Comma-separated glob patterns (e.g. *.sql,fixtures/*) of files never sent as context, "
         "added to the built-in deny-list of secret files (.env*, *.pem, *.key, id_* keys, *credential*, *secret*, .netrc, "
         ".npmrc, .pypirc, cloud CLI folders; see docs/RELIABILITY.md), which no setting can weaken.",
-        check=_check_exclude, group="prompt")
-    cache_megabytes: int = setting(0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20)
-    idle_timeout: int = setting(900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600)
-    log_level: str = setting("info", "Log verbosity of the daemon and the LSP server.", enum=("error", "warning", "info", "debug"),
+        check=_check_exclude,
+        group="prompt",
+    )
+    cache_megabytes: int = setting(
+        0, "Prefix KV cache budget in MiB; 0 picks a default (512 on CPU, 4096 on GPU).", minimum=0, maximum=1 << 20
+    )
+    idle_timeout: int = setting(
+        900, "Seconds the shared daemon stays up with no editor connected.", minimum=5, maximum=7 * 24 * 3600
+    )
+    log_level: str = setting(
+        "info",
+        "Log verbosity of the daemon and the LSP server.",
+        enum=("error", "warning", "info", "debug"),
         enum_descriptions=(
             "Errors only.",
             "Errors and warnings.",
             "Also loads, connections and settings changes.",
             "Also each request and the files its context came from.",
-        ))
+        ),
+    )
     # A team server instead of the local model (completiond/backends/team_server.py). Editors offer these as
     # machine settings (VS Code scope "machine"): a repository's own workspace settings cannot send its
     # reader's code to a server of its choosing.
-    backend: str = setting("local", "Where suggestions are generated: local (the model in the daemon), openai (an "
+    backend: str = setting(
+        "local",
+        "Where suggestions are generated: local (the model in the daemon), openai (an "
         "OpenAI-compatible /v1/completions server: vLLM, SGLang, TGI, llama.cpp's llama-server) or llamacpp-infill "
         "(llama.cpp's native /infill). Remote backends get the prompt as text: no token healing, token budgets "
-        "counted as 4 characters per token.", enum=("local", "openai", "llamacpp-infill"), scope="machine", group="team", restricted=True,
+        "counted as 4 characters per token.",
+        enum=("local", "openai", "llamacpp-infill"),
+        scope="machine",
+        group="team",
+        restricted=True,
         enum_descriptions=(
             "The model in the daemon on this machine: nothing leaves it.",
             "An OpenAI-compatible /v1/completions server (vLLM, SGLang, TGI, llama-server).",
             "llama.cpp's native /infill endpoint.",
-        ))
-    endpoint: str = setting("", "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
-        "TLS certificates are verified.", check=_check_url, scope="machine", group="team", restricted=True)
-    endpoint_model: str = setting("", "The model name the server serves it under (the request's model field; "
-        "with fimTemplate auto it also picks the FIM template).", scope="machine", group="team", restricted=True)
-    api_key_env: str = setting("", "Name of the environment variable that holds the server's API key (the key itself is "
-        "never a setting).", scope="machine", group="team", restricted=True)
-    api_key_file: str = setting("", "File that holds the server's API key on one line; it must be readable by you "
-        "only (chmod 600). Used when apiKeyEnv is empty.", scope="machine", group="team", restricted=True)
-    endpoint_ca_file: str = setting("", "PEM file of the certificate authority that signed the server's certificate, "
-        "for a private CA (verification stays on).", scope="machine", group="team", restricted=True)
-    api_key_over_http: str = setting("", "Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which "
+        ),
+    )
+    endpoint: str = setting(
+        "",
+        "Base URL of the completion server for a remote backend (e.g. https://gpu-box:8000); "
+        "TLS certificates are verified.",
+        check=_check_url,
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    endpoint_model: str = setting(
+        "",
+        "The model name the server serves it under (the request's model field; "
+        "with fimTemplate auto it also picks the FIM template).",
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    api_key_env: str = setting(
+        "",
+        "Name of the environment variable that holds the server's API key (the key itself is never a setting).",
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    api_key_file: str = setting(
+        "",
+        "File that holds the server's API key on one line; it must be readable by you "
+        "only (chmod 600). Used when apiKeyEnv is empty.",
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    endpoint_ca_file: str = setting(
+        "",
+        "PEM file of the certificate authority that signed the server's certificate, "
+        "for a private CA (verification stays on).",
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    api_key_over_http: str = setting(
+        "",
+        "Endpoints (comma-separated base URLs, exactly as in completiond.endpoint) to which "
         "the API key may be sent over plain http://, unencrypted. Without this, a key goes over http:// only to "
         "this machine (localhost, 127.0.0.1, ::1); use https:// for anything else.",
-        check=_check_urls, scope="machine", group="team",
-        restricted=True)
-    endpoint_timeout: float = setting(10.0, "Seconds to wait for the completion server (to connect, or between two "
-        "parts of its answer) before reporting it and retrying with backoff.", minimum=0.5, maximum=300.0,
-        scope="machine", group="team")
+        check=_check_urls,
+        scope="machine",
+        group="team",
+        restricted=True,
+    )
+    endpoint_timeout: float = setting(
+        10.0,
+        "Seconds to wait for the completion server (to connect, or between two "
+        "parts of its answer) before reporting it and retrying with backoff.",
+        minimum=0.5,
+        maximum=300.0,
+        scope="machine",
+        group="team",
+    )
 
 
 def _camel(name: str) -> str:
@@ -270,15 +437,16 @@ def _settings() -> tuple[Setting, ...]:
     for f in dataclasses.fields(Config):
         s = Setting(_camel(f.name), types[f.name], f.default, **f.metadata["setting"])
         if s.attr != f.name or s.type not in (bool, int, float, str) or type(s.default) is not s.type:
-            raise TypeError(f"Config.{f.name}: a setting is a bool, int, float or str field with a default of that "
-                            "type whose name survives camelCase and back")
+            raise TypeError(
+                f"Config.{f.name}: a setting is a bool, int, float or str field with a default of that "
+                "type whose name survives camelCase and back"
+            )
         out.append(s)
     return tuple(out)
 
 
 SETTINGS: tuple[Setting, ...] = _settings()
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
-
 
 
 def _coerce(setting: Setting, value: Any) -> Any:
@@ -289,7 +457,11 @@ def _coerce(setting: Setting, value: Any) -> Any:
             return value
         raise ValueError(f"expected true or false, got {value!r}")
     if t is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not value.is_integer())
+        ):
             raise ValueError(f"expected an integer, got {value!r}")
         value = int(value)
     elif t is float:
@@ -347,8 +519,9 @@ def _relative_path(key: str, value: Any) -> bool:
     return key in FILE_KEYS and not os.path.isabs(value) and not value.startswith("~")
 
 
-def merge(base: Config, overrides: Mapping[str, Any] | None, relative_to: str | os.PathLike | None = None,
-          source: str = "") -> tuple[Config, list[str]]:
+def merge(
+    base: Config, overrides: Mapping[str, Any] | None, relative_to: str | os.PathLike | None = None, source: str = ""
+) -> tuple[Config, list[str]]:
     """Apply camelCase overrides to a Config. Returns (config, errors).
 
     Unknown keys and invalid values are reported in errors and ignored, so the
@@ -376,10 +549,12 @@ def merge(base: Config, overrides: Mapping[str, Any] | None, relative_to: str | 
             if relative_to is not None:
                 value = os.path.abspath(os.path.join(os.fspath(relative_to), os.path.expanduser(value)))
             elif source:
-                errors.append(f"completiond.{key}: {value!r} is a relative path, which {source} cannot use (it "
-                              f"would depend on the editor's working directory); write it absolute or from ~, or "
-                              f"set it in config.toml, where it is relative to that file; using "
-                              f"{getattr(base, setting.attr)!r}")
+                errors.append(
+                    f"completiond.{key}: {value!r} is a relative path, which {source} cannot use (it "
+                    f"would depend on the editor's working directory); write it absolute or from ~, or "
+                    f"set it in config.toml, where it is relative to that file; using "
+                    f"{getattr(base, setting.attr)!r}"
+                )
                 continue
         try:
             changes[setting.attr] = _coerce(setting, value)
@@ -497,14 +672,30 @@ def _default(v: Any) -> str:
 
 
 # Settings that decide which engine is loaded (a change needs a model reload); the rest apply per request.
-ENGINE_KEYS = ("model", "draftModel", "device", "dtype", "weights", "trustRemoteCode", "cacheMegabytes",
-               "backend", "endpoint", "endpointModel", "apiKeyEnv", "apiKeyFile", "endpointCaFile", "endpointTimeout",
-               "apiKeyOverHttp")
+ENGINE_KEYS = (
+    "model",
+    "draftModel",
+    "device",
+    "dtype",
+    "weights",
+    "trustRemoteCode",
+    "cacheMegabytes",
+    "backend",
+    "endpoint",
+    "endpointModel",
+    "apiKeyEnv",
+    "apiKeyFile",
+    "endpointCaFile",
+    "endpointTimeout",
+    "apiKeyOverHttp",
+)
 
 # What a user can actually do when the shared daemon serves other engine settings than theirs (the LSP
 # restarts it by itself only when the user changes them; a daemon another editor started is left alone).
-RESTART_HINT = ('restart the daemon to load yours: "completiond: Restart Daemon" in the VS Code command palette, '
-                "`:CompletiondRestart` in Neovim, or `completiond stop` in a terminal")
+RESTART_HINT = (
+    'restart the daemon to load yours: "completiond: Restart Daemon" in the VS Code command palette, '
+    "`:CompletiondRestart` in Neovim, or `completiond stop` in a terminal"
+)
 
 
 def engine_settings(cfg: Config) -> dict[str, Any]:
@@ -555,15 +746,18 @@ def route_refusal(wanted: Mapping[str, Any] | None, cfg: Config) -> str:
     if backend != "local" and _endpoint_key(endpoint) == _endpoint_key(cfg.endpoint):
         return ""
     asked = "backend = local" if backend == "local" else f"backend {backend} at {endpoint or '(no endpoint)'}"
-    return (f"not sent: your settings say {asked}, but the shared daemon sends documents to {cfg.backend} at "
-            f"{cfg.endpoint or '(no endpoint)'}, which your settings did not choose; no document of yours is sent "
-            f"there. Restart the daemon with your settings: " + RESTART_HINT.split(": ", 1)[-1])
+    return (
+        f"not sent: your settings say {asked}, but the shared daemon sends documents to {cfg.backend} at "
+        f"{cfg.endpoint or '(no endpoint)'}, which your settings did not choose; no document of yours is sent "
+        f"there. Restart the daemon with your settings: " + RESTART_HINT.split(": ", 1)[-1]
+    )
 
 
 def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
     """The ENGINE_KEYS where `have` (what a daemon serves) differs from `want` (what an editor asked for),
     each as `key=wanted (daemon: actual)`. Local model directories compare by absolute path, as the
     daemon stores them."""
+
     def norm(key: str, value: Any) -> Any:
         if key in MODEL_KEYS and isinstance(value, str):
             return resolve_local_model(value)
@@ -572,5 +766,8 @@ def engine_differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list
     def shown(key: str, value: Any) -> str:
         return repr(model_label(value or "", key)) if key in ("model", "draftModel") else repr(value)
 
-    return [f"{k}={shown(k, want.get(k))} (daemon: {shown(k, have.get(k))})" for k in ENGINE_KEYS
-            if norm(k, want.get(k)) != norm(k, have.get(k))]
+    return [
+        f"{k}={shown(k, want.get(k))} (daemon: {shown(k, have.get(k))})"
+        for k in ENGINE_KEYS
+        if norm(k, want.get(k)) != norm(k, have.get(k))
+    ]

@@ -65,8 +65,13 @@ def check_file(path: str | os.PathLike, limit: int) -> None:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+    for test, name in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return name
     return "not a file"

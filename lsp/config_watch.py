@@ -29,7 +29,7 @@ class ConfigWatcher:
         self.path = os.path.abspath(os.fspath(path))
         self.on_change = on_change
         self._observer: BaseObserver | None = None
-        self._watches: dict[str, ObservedWatch] = {}   # directory -> watch
+        self._watches: dict[str, ObservedWatch] = {}  # directory -> watch
         self._lock = threading.RLock()
 
     def start(self) -> "ConfigWatcher":
@@ -52,6 +52,7 @@ class ConfigWatcher:
             self._watches.clear()
         if obs is None:
             return
+
         def halt() -> None:
             obs.stop()
             obs.join(timeout)
@@ -90,8 +91,9 @@ class ConfigWatcher:
                     log.debug("unwatching %s: %s", directory, exc)
             for directory in wanted - set(self._watches):
                 try:
-                    self._watches[directory] = obs.schedule(cast("FileSystemEventHandler", _Handler(self)), directory,
-                                                           recursive=False)  # duck-typed: dispatch()
+                    self._watches[directory] = obs.schedule(
+                        cast("FileSystemEventHandler", _Handler(self)), directory, recursive=False
+                    )  # duck-typed: dispatch()
                 except OSError as exc:  # e.g. no inotify watches left: edits then need an editor restart
                     log.warning("cannot watch %s for changes of %s: %s", directory, self.path, exc)
             return self._wanted() != wanted
@@ -103,8 +105,11 @@ class ConfigWatcher:
                 continue
             p = os.path.abspath(p)
             # The file itself, its target, or a directory on the way to either (created, moved, removed).
-            if p in (self.path, real) or self.path.startswith(p.rstrip(os.sep) + os.sep) \
-                    or real.startswith(p.rstrip(os.sep) + os.sep):
+            if (
+                p in (self.path, real)
+                or self.path.startswith(p.rstrip(os.sep) + os.sep)
+                or real.startswith(p.rstrip(os.sep) + os.sep)
+            ):
                 return True
         return False
 

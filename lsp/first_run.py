@@ -37,18 +37,20 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Offer:
-    name: str            # catalog short name
-    repo: str            # hub id (what `model` is set to)
-    weights: str         # "int8" where the CPU runs it quantised, else "auto"
-    download_gb: float   # bf16 weights
-    speed: str           # what to expect here
-    device: str          # "cpu" or "cuda"
+    name: str  # catalog short name
+    repo: str  # hub id (what `model` is set to)
+    weights: str  # "int8" where the CPU runs it quantised, else "auto"
+    download_gb: float  # bf16 weights
+    speed: str  # what to expect here
+    device: str  # "cpu" or "cuda"
 
     def message(self) -> str:
-        return (f"completiond: the bundled model is a small Python-only demo. Download {self.repo} "
-                f"({self.download_gb:.1f} GB; on this machine's {self.device.upper() if self.device == 'cuda' else 'CPU'}"
-                f"{' in int8' if self.weights == 'int8' else ''}: {self.speed}) for suggestions in every language? "
-                "It loads here once downloaded; `completiond pull --list` shows the others.")
+        return (
+            f"completiond: the bundled model is a small Python-only demo. Download {self.repo} "
+            f"({self.download_gb:.1f} GB; on this machine's {self.device.upper() if self.device == 'cuda' else 'CPU'}"
+            f"{' in int8' if self.weights == 'int8' else ''}: {self.speed}) for suggestions in every language? "
+            "It loads here once downloaded; `completiond pull --list` shows the others."
+        )
 
 
 def state_path() -> Path:
@@ -80,8 +82,13 @@ def _gpu_free_bytes() -> int | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=5, check=False).stdout
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout
         return int(out.split()[0]) * (1 << 20)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -151,5 +158,7 @@ def download_failed(error: str) -> None:
 
 
 def declined_notice(offer: Offer) -> str:
-    return (f"using the bundled model (Python only). For suggestions in every language: `completiond pull "
-            f"{offer.name}`, then set model = \"{offer.repo}\"")
+    return (
+        f"using the bundled model (Python only). For suggestions in every language: `completiond pull "
+        f'{offer.name}`, then set model = "{offer.repo}"'
+    )

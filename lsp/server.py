@@ -218,8 +218,12 @@ class _Protocol(LanguageServerProtocol):
 
 class CompletionServer(LanguageServer):
     def __init__(self, no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None):
-        super().__init__("completiond", _version(), text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
-                         protocol_cls=_Protocol)
+        super().__init__(
+            "completiond",
+            _version(),
+            text_document_sync_kind=types.TextDocumentSyncKind.Incremental,
+            protocol_cls=_Protocol,
+        )
         self.docs: dict[str, Document] = {}
         self.encoding = UTF16
         self.config_file = config_file
@@ -235,7 +239,7 @@ class CompletionServer(LanguageServer):
         no_daemon = no_daemon or bool(self.platform_note)
         self.no_daemon = no_daemon
         self.status: dict[str, Any] = {"state": "starting"}
-        self._progress_wanted = False          # a loading progress is open or being created
+        self._progress_wanted = False  # a loading progress is open or being created
         self._progress_token: str | None = None  # its token, once created
         self._progress_seq = 0
         self._progress_sent: int | None = None  # the last percentage reported on the open progress
@@ -244,8 +248,13 @@ class CompletionServer(LanguageServer):
         self._told: set[str] = set()  # error messages already shown
         self._last: dict[str, tuple[str, int, str]] = {}  # uri -> (text, cursor, suggestion) last shown
         self.typed_through_count = 0
-        self.suggestion_counts = {"shown": 0, "accepted_full": 0, "accepted_word": 0, "accepted_line": 0,
-                                  "dismissed": 0}
+        self.suggestion_counts = {
+            "shown": 0,
+            "accepted_full": 0,
+            "accepted_word": 0,
+            "accepted_line": 0,
+            "dismissed": 0,
+        }
         self.service_started = False
         self._setting_errors: set[str] = set()  # invalid settings reported at the last merge
         self._started: asyncio.Task | None = None
@@ -255,10 +264,15 @@ class CompletionServer(LanguageServer):
         if no_daemon:
             self.service: ServiceLink = InProcessService(self.cfg, self._on_service_notification)
         else:
-            session = DaemonSession(settings=lambda: config_mod.to_settings(self.cfg), documents=self.document_snapshot,
-                                    directory=runtime_dir, on_notification=self._on_service_notification,
-                                    on_connect=self._on_connect, on_lost=self._on_daemon_lost,
-                                    on_notice=lambda message: self.tell_once(message, types.MessageType.Warning))
+            session = DaemonSession(
+                settings=lambda: config_mod.to_settings(self.cfg),
+                documents=self.document_snapshot,
+                directory=runtime_dir,
+                on_notification=self._on_service_notification,
+                on_connect=self._on_connect,
+                on_lost=self._on_daemon_lost,
+                on_notice=lambda message: self.tell_once(message, types.MessageType.Warning),
+            )
             self.service = DaemonConnection(session)
 
     # --- settings ---------------------------------------------------------------
@@ -301,8 +315,9 @@ class CompletionServer(LanguageServer):
         """
         previous = self._restarting
         where = "the engine" if self.no_daemon else "the shared daemon"
-        self.window_show_message(types.ShowMessageParams(type=types.MessageType.Info,
-                                                         message=f"completiond: {reason}; restarting {where}"))
+        self.window_show_message(
+            types.ShowMessageParams(type=types.MessageType.Info, message=f"completiond: {reason}; restarting {where}")
+        )
 
         async def run() -> None:
             if previous is not None and not previous.done():
@@ -365,8 +380,12 @@ class CompletionServer(LanguageServer):
         if caps is None or not caps.configuration:
             return
         try:
-            result = await asyncio.wait_for(self.workspace_configuration_async(
-                types.ConfigurationParams(items=[types.ConfigurationItem(section=SECTION)])), 10)
+            result = await asyncio.wait_for(
+                self.workspace_configuration_async(
+                    types.ConfigurationParams(items=[types.ConfigurationItem(section=SECTION)])
+                ),
+                10,
+            )
         except (asyncio.TimeoutError, Exception) as exc:  # the client may not implement it despite advertising it
             log.warning("workspace/configuration failed: %s", exc)
             return
@@ -405,8 +424,9 @@ class CompletionServer(LanguageServer):
         if folders:
             self.service.notify("workspace", {"folders": folders})
         if welcome.get("warning"):
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Warning,
-                                                             message=f"completiond: {welcome['warning']}"))
+            self.window_show_message(
+                types.ShowMessageParams(type=types.MessageType.Warning, message=f"completiond: {welcome['warning']}")
+            )
         if isinstance(welcome.get("status"), dict):
             self._on_service_notification("status", welcome["status"])
 
@@ -414,14 +434,21 @@ class CompletionServer(LanguageServer):
         """The daemon went away by itself (killed, crashed, `completiond stop`): editors show it now, not
         "ready" until the next keystroke. The next completion starts a daemon again (DaemonSession)."""
         log.warning("the completion daemon stopped: %s", reason)
-        self._on_service_notification("status", {
-            "state": "stopped", "model": self.status.get("model"), "device": self.status.get("device"),
-            "error": f"the completion daemon stopped ({reason}); the next completion starts it again"})
+        self._on_service_notification(
+            "status",
+            {
+                "state": "stopped",
+                "model": self.status.get("model"),
+                "device": self.status.get("device"),
+                "error": f"the completion daemon stopped ({reason}); the next completion starts it again",
+            },
+        )
 
     def service_failed(self, exc: Exception) -> None:
         log.error("cannot reach the completion daemon: %s", exc)
-        self._on_service_notification("status", {"state": "error",
-                                                 "error": f"cannot reach the completion daemon: {exc}"})
+        self._on_service_notification(
+            "status", {"state": "error", "error": f"cannot reach the completion daemon: {exc}"}
+        )
 
     def _on_service_notification(self, method: str, params: dict[str, Any]) -> None:
         if method != "status":
@@ -435,8 +462,9 @@ class CompletionServer(LanguageServer):
             # Once per failure, not once per keystroke while it lasts; and not again as the warning of the
             # requests that fail for the same reason (tell_once knows it was said).
             self._told.add(str(params["error"]))
-            self.window_show_message(types.ShowMessageParams(type=types.MessageType.Error,
-                                                             message=f"completiond: {params['error']}"))
+            self.window_show_message(
+                types.ShowMessageParams(type=types.MessageType.Error, message=f"completiond: {params['error']}")
+            )
         # Told while the model loads (a model that will not fit the device's memory): once each.
         warnings = params.get("warnings")
         for warning in warnings if isinstance(warnings, list) else []:
@@ -445,7 +473,9 @@ class CompletionServer(LanguageServer):
             self._begin_progress(f"loading {params.get('model') or 'model'}")
             self._report_progress()
         elif self._progress_wanted:
-            self._end_progress("ready" if state != "error" else f"failed: {params.get('error')}", loaded=state != "error")
+            self._end_progress(
+                "ready" if state != "error" else f"failed: {params.get('error')}", loaded=state != "error"
+            )
         now = time.monotonic()
         if state == previous and now - self._status_sent < STATUS_MIN_INTERVAL:
             return  # metrics-only updates arrive per keystroke; status bars need far fewer
@@ -465,9 +495,16 @@ class CompletionServer(LanguageServer):
                 break
             await asyncio.sleep(0.1)
         try:
-            answer = await self.window_show_message_request_async(types.ShowMessageRequestParams(
-                type=types.MessageType.Info, message=offer.message(),
-                actions=[types.MessageActionItem(title=first_run.DOWNLOAD), types.MessageActionItem(title=first_run.NOT_NOW)]))
+            answer = await self.window_show_message_request_async(
+                types.ShowMessageRequestParams(
+                    type=types.MessageType.Info,
+                    message=offer.message(),
+                    actions=[
+                        types.MessageActionItem(title=first_run.DOWNLOAD),
+                        types.MessageActionItem(title=first_run.NOT_NOW),
+                    ],
+                )
+            )
         except Exception as exc:  # a client that cannot ask: leave it for one that can, nothing recorded
             log.info("first-run offer not shown: %s", exc)
             return
@@ -493,8 +530,11 @@ class CompletionServer(LanguageServer):
         self.first_run_settings = {}
         offer = self.first_run_offer
         pull = f"`completiond pull {offer.name}`" if offer else f"`completiond pull {model}`"
-        self.tell_once(f"{model} could not be downloaded or loaded ({error}); using the bundled model (Python only) "
-                       f"instead. When it can be, {pull}, then set model = \"{model}\"", types.MessageType.Warning)
+        self.tell_once(
+            f"{model} could not be downloaded or loaded ({error}); using the bundled model (Python only) "
+            f'instead. When it can be, {pull}, then set model = "{model}"',
+            types.MessageType.Warning,
+        )
         self.apply_settings()
         return True
 
@@ -510,36 +550,53 @@ class CompletionServer(LanguageServer):
         if not isinstance(have, dict) or self.status.get("state") in ("starting", "error"):
             return ""
         diff = config_mod.engine_differences(config_mod.engine_settings(self.cfg), have)
-        return ("the daemon serves other settings than yours: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT
-                if diff else "")
+        return (
+            "the daemon serves other settings than yours: " + ", ".join(diff) + "; " + config_mod.RESTART_HINT
+            if diff
+            else ""
+        )
 
     def send_status(self) -> None:
         """The `completiond/status` notification editors show (status bar, :checkhealth, status commands)."""
         params = self.status
         progress = params.get("progress") if params.get("state") == "loading" else None
         counts = self.suggestion_counts
-        self.protocol.notify(STATUS_METHOD, {
-            "state": params.get("state"), "message": params.get("error") or "", "model": params.get("model"),
-            "device": params.get("device"), "latencyMs": params.get("last_latency_ms"),
-            # Of the last completion; null when not measured (nothing drafted / nothing generated), never 0.
-            "draftAcceptance": params.get("draft_acceptance"), "tokensPerSecond": params.get("tokens_per_s"),
-            # The draft in use (calibrated default) and what the last completion's rounds drafted with.
-            "draft": params.get("draft"), "lastDraft": params.get("last_draft"),
-            # While loading: {"phase", "percentage", "message"}.
-            "progress": progress if isinstance(progress, dict) else None,
-            # Non-empty while the daemon serves another model/device/... than this editor's settings ask for:
-            # then the editor is not "ready" for its model, whatever `state` says.
-            "modelMismatch": self.model_mismatch(),
-            # This editor session's suggestions (`completiond status` shows every editor's, since the daemon started).
-            "suggestions": {"shown": counts["shown"], "acceptedFull": counts["accepted_full"],
-                            "acceptedWord": counts["accepted_word"], "acceptedLine": counts["accepted_line"],
-                            "dismissed": counts["dismissed"]}})
+        self.protocol.notify(
+            STATUS_METHOD,
+            {
+                "state": params.get("state"),
+                "message": params.get("error") or "",
+                "model": params.get("model"),
+                "device": params.get("device"),
+                "latencyMs": params.get("last_latency_ms"),
+                # Of the last completion; null when not measured (nothing drafted / nothing generated), never 0.
+                "draftAcceptance": params.get("draft_acceptance"),
+                "tokensPerSecond": params.get("tokens_per_s"),
+                # The draft in use (calibrated default) and what the last completion's rounds drafted with.
+                "draft": params.get("draft"),
+                "lastDraft": params.get("last_draft"),
+                # While loading: {"phase", "percentage", "message"}.
+                "progress": progress if isinstance(progress, dict) else None,
+                # Non-empty while the daemon serves another model/device/... than this editor's settings ask for:
+                # then the editor is not "ready" for its model, whatever `state` says.
+                "modelMismatch": self.model_mismatch(),
+                # This editor session's suggestions (`completiond status` shows every editor's, since the daemon started).
+                "suggestions": {
+                    "shown": counts["shown"],
+                    "acceptedFull": counts["accepted_full"],
+                    "acceptedWord": counts["accepted_word"],
+                    "acceptedLine": counts["accepted_line"],
+                    "dismissed": counts["dismissed"],
+                },
+            },
+        )
 
     def count_suggestion(self, event: str, kind: str | None = None) -> None:
         """One suggestion shown, accepted (kind: full / word / line) or dismissed: counted here for this
         editor, and in the daemon for `completiond status`. Nothing leaves the machine."""
-        self.suggestion_counts["dismissed" if event == "dismissed" else
-                               "shown" if event == "shown" else f"accepted_{kind}"] += 1
+        self.suggestion_counts[
+            "dismissed" if event == "dismissed" else "shown" if event == "shown" else f"accepted_{kind}"
+        ] += 1
         self.service.notify("suggestion", {"event": event, "kind": kind} if kind else {"event": event})
 
     def _report_progress(self) -> None:
@@ -551,8 +608,12 @@ class CompletionServer(LanguageServer):
         if progress["percentage"] == self._progress_sent:
             return
         self._progress_sent = progress["percentage"]
-        self.work_done_progress.report(token, types.WorkDoneProgressReport(
-            message=str(progress.get("message") or progress.get("phase") or ""), percentage=progress["percentage"]))
+        self.work_done_progress.report(
+            token,
+            types.WorkDoneProgressReport(
+                message=str(progress.get("message") or progress.get("phase") or ""), percentage=progress["percentage"]
+            ),
+        )
 
     def _begin_progress(self, message: str) -> None:
         window = self.client_capabilities.window
@@ -570,8 +631,12 @@ class CompletionServer(LanguageServer):
                 self._progress_wanted = False
                 return
             # A percentage in begin tells the client that reports will carry one (else it may show a spinner).
-            self.work_done_progress.begin(token, types.WorkDoneProgressBegin(
-                title="completiond", message=message, cancellable=self._first_run_loading(), percentage=0))
+            self.work_done_progress.begin(
+                token,
+                types.WorkDoneProgressBegin(
+                    title="completiond", message=message, cancellable=self._first_run_loading(), percentage=0
+                ),
+            )
             self._progress_token = token
             self._progress_sent = 0
             if not self._progress_wanted or self.status.get("state") != "loading":
@@ -593,8 +658,9 @@ class CompletionServer(LanguageServer):
 
     # --- completion -------------------------------------------------------------------
 
-    async def suggest(self, uri: str, position: types.Position,
-                      alternatives: int | None = None) -> tuple[Document, list[dict[str, Any]]] | None:
+    async def suggest(
+        self, uri: str, position: types.Position, alternatives: int | None = None
+    ) -> tuple[Document, list[dict[str, Any]]] | None:
         """The document and its suggestions at the position, best first (several with `alternatives` > 1, or
         at least `alternatives` when given: the user asked for them, by cycling)."""
         doc = self.docs.get(uri)
@@ -605,8 +671,9 @@ class CompletionServer(LanguageServer):
         if len(doc.text) > MAX_FRAME:
             # Far past what the prompt builder takes, and too big to send to the daemon: answer at
             # once, instead of scanning the file and trying to encode it again on every keystroke.
-            self.tell_once(f"{uri} is too large for completions (over {MAX_FRAME} characters); skipped",
-                           types.MessageType.Info)
+            self.tell_once(
+                f"{uri} is too large for completions (over {MAX_FRAME} characters); skipped", types.MessageType.Info
+            )
             return None
         version = doc.version
         offset = doc.offset(position.line, position.character, self.encoding)
@@ -616,9 +683,15 @@ class CompletionServer(LanguageServer):
         if self._started is not None and not self._started.done():
             await asyncio.shield(self._started)
         try:
-            result = await self.service.request("complete", {
-                "uri": uri, "version": version, "offset": offset,
-                "settings": _with_alternatives(self.request_settings(), alternatives)})
+            result = await self.service.request(
+                "complete",
+                {
+                    "uri": uri,
+                    "version": version,
+                    "offset": offset,
+                    "settings": _with_alternatives(self.request_settings(), alternatives),
+                },
+            )
         except RemoteError as exc:
             if exc.code == Code.CANCELLED:
                 return None  # superseded by a newer request: that one answers
@@ -689,11 +762,13 @@ class CompletionServer(LanguageServer):
         """
         text, start, end = s["text"], s["start"], s["end"]
         rest, eol = _rest_of_line(doc, end)
-        accepted = types.Command(title="completiond: suggestion accepted", command=CMD_SUGGESTION_EVENT,
-                                 arguments=[{"event": "accepted", "kind": "full"}])
+        accepted = types.Command(
+            title="completiond: suggestion accepted",
+            command=CMD_SUGGESTION_EVENT,
+            arguments=[{"event": "accepted", "kind": "full"}],
+        )
         if not rest:
-            return types.InlineCompletionItem(insert_text=text, range=self.lsp_range(doc, start, end),
-                                              command=accepted)
+            return types.InlineCompletionItem(insert_text=text, range=self.lsp_range(doc, start, end), command=accepted)
         if not midline_rest_ok(rest):
             return None
         first = text.split("\n", 1)[0]
@@ -701,8 +776,9 @@ class CompletionServer(LanguageServer):
             text = first
         if not text.strip():
             return None
-        return types.InlineCompletionItem(insert_text=text + rest, range=self.lsp_range(doc, start, eol),
-                                          command=accepted)
+        return types.InlineCompletionItem(
+            insert_text=text + rest, range=self.lsp_range(doc, start, eol), command=accepted
+        )
 
     def lsp_range(self, doc: Document, start: int, end: int) -> types.Range:
         s = doc.position(start, self.encoding)
@@ -734,6 +810,7 @@ def _rest_of_line(doc: Document, offset: int) -> tuple[str, int]:
 def _rest_params(params: Any) -> tuple[str | None, tuple[int, int] | None]:
     """(uri, (line, character)) of a cursorRest notification, as pygls hands over a method of ours (an object
     of attributes, or a dict); (None, None) parts for what is missing or malformed."""
+
     def field(obj: Any, name: str) -> Any:
         return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
@@ -759,7 +836,9 @@ def _encoding(capabilities: types.ClientCapabilities) -> str:
     return encodings.get(chosen, UTF16)
 
 
-def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None) -> CompletionServer:
+def build_server(
+    no_daemon: bool = False, runtime_dir: Path | None = None, config_file: Path | None = None
+) -> CompletionServer:
     server = CompletionServer(no_daemon=no_daemon, runtime_dir=runtime_dir, config_file=config_file)
 
     @server.feature(types.INITIALIZE)
@@ -771,9 +850,15 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     @server.feature(types.INITIALIZED)
     async def initialized(ls: CompletionServer, params: types.InitializedParams) -> None:
         if ls.platform_note:
-            ls.window_show_message(types.ShowMessageParams(type=types.MessageType.Info, message=(
-                f"completiond: {ls.platform_note}; the model runs inside this editor's language server instead "
-                "(as with `completiond lsp --no-daemon`), one copy per editor window")))
+            ls.window_show_message(
+                types.ShowMessageParams(
+                    type=types.MessageType.Info,
+                    message=(
+                        f"completiond: {ls.platform_note}; the model runs inside this editor's language server instead "
+                        "(as with `completiond lsp --no-daemon`), one copy per editor window"
+                    ),
+                )
+            )
 
         async def start() -> None:
             await ls.pull_configuration()
@@ -835,28 +920,42 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
     def cursor_rest(ls: CompletionServer, params: Any) -> None:
         uri, position = _rest_params(params)
         doc = ls.docs.get(uri) if uri is not None else None
-        if (doc is None or position is None or not ls.cfg.enable or len(doc.text) > MAX_FRAME
-                or doc.language_id.lower() in config_mod.disabled_languages(ls.cfg)):
+        if (
+            doc is None
+            or position is None
+            or not ls.cfg.enable
+            or len(doc.text) > MAX_FRAME
+            or doc.language_id.lower() in config_mod.disabled_languages(ls.cfg)
+        ):
             return  # a hint: nothing to warm (or not ours to warm), and nothing to answer
         offset = doc.offset(position[0], position[1], ls.encoding)
-        ls.service.notify("rest", {"uri": uri, "version": doc.version, "offset": offset,
-                                   "settings": ls.request_settings()})
+        ls.service.notify(
+            "rest", {"uri": uri, "version": doc.version, "offset": offset, "settings": ls.request_settings()}
+        )
 
     @server.feature(types.TEXT_DOCUMENT_INLINE_COMPLETION, types.InlineCompletionOptions())
-    async def inline_completion(ls: CompletionServer, params: types.InlineCompletionParams) -> types.InlineCompletionList:
+    async def inline_completion(
+        ls: CompletionServer, params: types.InlineCompletionParams
+    ) -> types.InlineCompletionList:
         doc = ls.docs.get(params.text_document.uri)
         # Not worth the model's time where nothing would show. (A request still in flight while the user
         # typed on also lands here: its position is inside the newer text, and its answer is stale anyway.)
         # A document too large for completions is left to suggest(), which tells the user once.
-        if doc is not None and len(doc.text) <= MAX_FRAME and not ls.midline_allowed(
-                doc, doc.offset(params.position.line, params.position.character, ls.encoding)):
+        if (
+            doc is not None
+            and len(doc.text) <= MAX_FRAME
+            and not ls.midline_allowed(doc, doc.offset(params.position.line, params.position.character, ls.encoding))
+        ):
             return types.InlineCompletionList(items=[])
         typed_through = ls.typed_through_count
         # Asked for explicitly (VS Code asks so when the user cycles through a single suggestion, Neovim's
         # cycle keys too): alternatives on demand, as Copilot does, whatever `alternatives` says for typing.
-        invoked = params.context is not None and params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
-        found = await ls.suggest(params.text_document.uri, params.position,
-                                 alternatives=ON_DEMAND_ALTERNATIVES if invoked else None)
+        invoked = (
+            params.context is not None and params.context.trigger_kind == types.InlineCompletionTriggerKind.Invoked
+        )
+        found = await ls.suggest(
+            params.text_document.uri, params.position, alternatives=ON_DEMAND_ALTERNATIVES if invoked else None
+        )
         if found is None:
             return types.InlineCompletionList(items=[])
         doc, suggestions = found
@@ -881,9 +980,15 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         first = s["text"].split("\n", 1)[0].strip() or s["text"].strip()
         label = first if len(first) <= 60 else first[:57] + "..."
         item = types.CompletionItem(
-            label=label, kind=types.CompletionItemKind.Text, detail="completiond", preselect=True, sort_text="0",
-            filter_text=s["text"], insert_text_format=types.InsertTextFormat.PlainText,
-            text_edit=types.TextEdit(range=ls.lsp_range(doc, s["start"], s["end"]), new_text=s["text"]))
+            label=label,
+            kind=types.CompletionItemKind.Text,
+            detail="completiond",
+            preselect=True,
+            sort_text="0",
+            filter_text=s["text"],
+            insert_text_format=types.InsertTextFormat.PlainText,
+            text_edit=types.TextEdit(range=ls.lsp_range(doc, s["start"], s["end"]), new_text=s["text"]),
+        )
         return types.CompletionList(is_incomplete=True, items=[item])
 
     @server.command(CMD_STATS)
@@ -910,11 +1015,23 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
         from completiond.engine import catalog
 
         offer = await asyncio.to_thread(first_run.machine_offer)
-        return {"current": ls.cfg.model, "recommended": offer.repo, "models": [
-            {"name": e.name, "repo": e.repo, "downloadGb": round(e.params_b * 2, 1), "cpu": catalog.cpu_speed(e),
-             "gpuMsPerToken": round(1000 * e.params_b * 2e9 / catalog.GPU_BANDWIDTH, 1),
-             "languages": list(e.languages), "gated": e.gated}
-            for e in catalog.CATALOG if e.supported]}
+        return {
+            "current": ls.cfg.model,
+            "recommended": offer.repo,
+            "models": [
+                {
+                    "name": e.name,
+                    "repo": e.repo,
+                    "downloadGb": round(e.params_b * 2, 1),
+                    "cpu": catalog.cpu_speed(e),
+                    "gpuMsPerToken": round(1000 * e.params_b * 2e9 / catalog.GPU_BANDWIDTH, 1),
+                    "languages": list(e.languages),
+                    "gated": e.gated,
+                }
+                for e in catalog.CATALOG
+                if e.supported
+            ],
+        }
 
     @server.command(CMD_RESTART)
     async def restart(ls: CompletionServer, *args: Any) -> dict[str, Any]:
@@ -943,16 +1060,23 @@ def build_server(no_daemon: bool = False, runtime_dir: Path | None = None, confi
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stdio", action="store_true", help="accepted for editor compatibility (stdio is the default)")
-    parser.add_argument("--no-daemon", action="store_true", help="run the engine in this process instead of the shared daemon")
-    parser.add_argument("--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument(
+        "--no-daemon", action="store_true", help="run the engine in this process instead of the shared daemon"
+    )
+    parser.add_argument(
+        "--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)"
+    )
     parser.add_argument("--config", type=Path, help="config.toml (default: ~/.config/completiond/config.toml)")
     parser.add_argument("--log-level", choices=("error", "warning", "info", "debug"), default=None)
 
 
 def run(args: argparse.Namespace) -> int:
     file_cfg, _ = config_mod.load_file(args.config)
-    logging.basicConfig(level=(args.log_level or file_cfg.log_level).upper(), stream=sys.stderr,
-                        format="%(asctime)s completiond-lsp[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=(args.log_level or file_cfg.log_level).upper(),
+        stream=sys.stderr,
+        format="%(asctime)s completiond-lsp[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
     if (args.log_level or file_cfg.log_level) != "debug":
         # pygls logs every message at INFO: that is debug output for us.
         logging.getLogger("pygls").setLevel(logging.WARNING)

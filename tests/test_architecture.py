@@ -386,6 +386,16 @@ def test_no_serving_or_engine_module_over_500_lines():
     assert not long, f"modules over 500 lines: {long}"
 
 
+def test_the_engines_load_and_generate_fit_on_a_screen():
+    """Issue 46: Engine.generate reads like gpt-fast's loop (<= 50 lines) and Engine.load is a short list of
+    steps (<= 60); what they do lives in decode.py, load_plan.py and loader.py."""
+    tree = ast.parse((ROOT / "completiond" / "engine" / "engine.py").read_text(encoding="utf-8"))
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
+    size = {f.name: f.end_lineno - f.lineno + 1 for f in engine.body
+            if isinstance(f, ast.FunctionDef) and f.name in ("load", "generate") and f.end_lineno is not None}
+    assert size.keys() == {"load", "generate"} and size["generate"] <= 50 and size["load"] <= 60, size
+
+
 def _backend_members() -> set[str]:
     tree = ast.parse((ROOT / "completiond" / "completion" / "completer.py").read_text(encoding="utf-8"))
     enum = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend")

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-POLL_S = 0.02            # longest wait on the socket between two looks at the cancel flag
+POLL_S = 0.02  # longest wait on the socket between two looks at the cancel flag
 MAX_HEADER_BYTES = 64 * 1024
 MAX_ERROR_BODY = 16 * 1024
-MAX_INTERIM = 8          # interim (1xx) heads skipped before the final one; a server sending more is broken
+MAX_INTERIM = 8  # interim (1xx) heads skipped before the final one; a server sending more is broken
 
 
 class HttpFailure(Exception):
@@ -48,7 +48,7 @@ class Endpoint:
     scheme: str
     host: str
     port: int
-    base_path: str      # without a trailing slash
+    base_path: str  # without a trailing slash
 
     @classmethod
     def parse(cls, url: str) -> "Endpoint":
@@ -59,8 +59,10 @@ class Endpoint:
         if not parts.hostname:
             raise ValueError(f"no host in {url!r}")
         if parts.username or parts.password:
-            raise ValueError("credentials in the URL are not accepted (they would be stored in settings); "
-                             "use apiKeyEnv or apiKeyFile")
+            raise ValueError(
+                "credentials in the URL are not accepted (they would be stored in settings); "
+                "use apiKeyEnv or apiKeyFile"
+            )
         if parts.query or parts.fragment:
             raise ValueError(f"{url!r}: give the server's base URL, without a query or fragment")
         try:
@@ -128,8 +130,8 @@ class Response:
         while True:
             nl = self._buf.find(b"\n")
             if nl >= 0:
-                line = bytes(self._buf[:nl + 1])
-                del self._buf[:nl + 1]
+                line = bytes(self._buf[: nl + 1])
+                del self._buf[: nl + 1]
                 return line
             if len(self._buf) > limit:
                 raise HttpFailure("protocol", "line too long in the response")
@@ -195,7 +197,7 @@ class Response:
                 if not self._buf and not self._fill():
                     raise HttpFailure("protocol", "the server closed the connection before the end of the body")
                 piece = bytes(self._buf[:left])
-                del self._buf[:len(piece)]
+                del self._buf[: len(piece)]
                 left -= len(piece)
                 yield piece
             return
@@ -237,8 +239,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def post(endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *, cancel: Any,
-         connect_s: float, stall_s: float, total_s: float, tls: ssl.SSLContext | None) -> Response:
+def post(
+    endpoint: Endpoint,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    *,
+    cancel: Any,
+    connect_s: float,
+    stall_s: float,
+    total_s: float,
+    tls: ssl.SSLContext | None,
+) -> Response:
     """Send one POST and read the response head; the caller reads the body and must close() it.
 
     Every wait (connect, TLS handshake, send, response) is polled for the cancel flag: a superseded
@@ -252,8 +264,13 @@ def post(endpoint: Endpoint, path: str, body: bytes, headers: dict[str, str], *,
         if endpoint.scheme == "https":
             sock = _handshake(sock, tls or ssl.create_default_context(), endpoint.host, connect_s, cancel)
         host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
-        head = [f"POST {endpoint.base_path}{path} HTTP/1.1", f"Host: {host}:{endpoint.port}",
-                "Connection: close", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+        head = [
+            f"POST {endpoint.base_path}{path} HTTP/1.1",
+            f"Host: {host}:{endpoint.port}",
+            "Connection: close",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+        ]
         head += [f"{k}: {v}" for k, v in headers.items()]
         _send_all(sock, ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body, connect_s, cancel)
         response = Response(sock, cancel, stall_s, deadline)
@@ -312,8 +329,7 @@ def _connect(endpoint: Endpoint, connect_s: float, cancel: Any) -> socket.socket
     raise failure
 
 
-def _handshake(sock: socket.socket, context: ssl.SSLContext, host: str, connect_s: float,
-               cancel: Any) -> ssl.SSLSocket:
+def _handshake(sock: socket.socket, context: ssl.SSLContext, host: str, connect_s: float, cancel: Any) -> ssl.SSLSocket:
     until = time.monotonic() + connect_s
     try:
         tls = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
@@ -361,7 +377,7 @@ def sse_events(chunks: Iterator[bytes], max_event: int = 1 << 20) -> Iterator[st
                     raise HttpFailure("protocol", "server-sent event too large")
                 break
             line = bytes(buf[:nl]).rstrip(b"\r").decode("utf-8", errors="replace")
-            del buf[:nl + 1]
+            del buf[: nl + 1]
             if not line:
                 if data:
                     yield "\n".join(data)

@@ -41,17 +41,45 @@ def free_port() -> int:
 class LlamaServer:
     """llama-server serving `gguf` with one slot and `threads` threads; stop() kills it."""
 
-    def __init__(self, binary: str, gguf: Path, log: Path, alias: str = ALIAS, port: int | None = None,
-                 threads: int = 2, context: int = 4096, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        binary: str,
+        gguf: Path,
+        log: Path,
+        alias: str = ALIAS,
+        port: int | None = None,
+        threads: int = 2,
+        context: int = 4096,
+        timeout_s: float = 120.0,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.alias = alias
         self.log = Path(log)
         self._log = open(self.log, "wb")
         self.proc = subprocess.Popen(
-            [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "--alias", alias,
-             "-c", str(context), "-np", "1", "-t", str(threads), "--no-webui"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                binary,
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--alias",
+                alias,
+                "-c",
+                str(context),
+                "-np",
+                "1",
+                "-t",
+                str(threads),
+                "--no-webui",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -81,8 +109,9 @@ class LlamaServer:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
@@ -100,7 +129,9 @@ def serve_bundled(folder: Path, **kw) -> LlamaServer:
 
     binary = find_binary()
     if binary is None:
-        raise LlamaServerError("llama-server not found: build it with `bash .ci/llama_server.sh` and set "
-                               "COMPLETIOND_LLAMA_SERVER to the path it prints")
+        raise LlamaServerError(
+            "llama-server not found: build it with `bash .ci/llama_server.sh` and set "
+            "COMPLETIOND_LLAMA_SERVER to the path it prints"
+        )
     gguf = convert(BUNDLED, Path(folder) / f"{ALIAS}.gguf")
     return LlamaServer(binary, gguf, Path(folder) / "llama-server.log", **kw)

@@ -39,7 +39,7 @@ BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 120.0
 MAX_KEY_FILE_BYTES = 4096
-TOTAL_FACTOR = 6        # the longest a whole request may take, in endpointTimeouts
+TOTAL_FACTOR = 6  # the longest a whole request may take, in endpointTimeouts
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -71,14 +71,18 @@ class TeamRequest:
 
     @property
     def chars(self) -> int:
-        return len(self.prompt) + len(self.input_prefix) + len(self.input_suffix) + sum(
-            len(p) + len(t) for p, t in self.input_extra)
+        return (
+            len(self.prompt)
+            + len(self.input_prefix)
+            + len(self.input_suffix)
+            + sum(len(p) + len(t) for p, t in self.input_extra)
+        )
 
 
 @dataclass
 class TeamGeneration:
     text: str
-    finish_reason: str          # stop | length | stop-rule | cancelled
+    finish_reason: str  # stop | length | stop-rule | cancelled
     stats: dict[str, Any]
 
 
@@ -91,8 +95,11 @@ def read_api_key(key_env: str, key_file: str) -> str | None:
             raise TeamServerError("config", f"apiKeyEnv {key_env!r} is not an environment variable name")
         value = os.environ.get(key_env, "").strip()
         if not value:
-            raise TeamServerError("config", f"apiKeyEnv names ${key_env}, which is not set in the daemon's environment "
-                                        "(set it where the editor starts, then restart the daemon)")
+            raise TeamServerError(
+                "config",
+                f"apiKeyEnv names ${key_env}, which is not set in the daemon's environment "
+                "(set it where the editor starts, then restart the daemon)",
+            )
         return _check_key(value, f"${key_env}")
     if not key_file:
         return None
@@ -106,22 +113,29 @@ def read_api_key(key_env: str, key_file: str) -> str | None:
         if not stat.S_ISREG(st.st_mode):
             raise TeamServerError("config", f"apiKeyFile {key_file}: not a regular file")
         if st.st_mode & 0o077:
-            raise TeamServerError("config", f"apiKeyFile {key_file}: readable by other users (mode "
-                                        f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it")
+            raise TeamServerError(
+                "config",
+                f"apiKeyFile {key_file}: readable by other users (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it",
+            )
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise TeamServerError("config", f"apiKeyFile {key_file}: owned by another user")
         data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
     finally:
         os.close(fd)
     if len(data) > MAX_KEY_FILE_BYTES:
-        raise TeamServerError("config", f"apiKeyFile {key_file}: over {MAX_KEY_FILE_BYTES} bytes; an API key is one line")
+        raise TeamServerError(
+            "config", f"apiKeyFile {key_file}: over {MAX_KEY_FILE_BYTES} bytes; an API key is one line"
+        )
     try:
         lines = [ln.strip() for ln in data.decode("ascii").splitlines() if ln.strip()]
     except UnicodeDecodeError:
         raise TeamServerError("config", f"apiKeyFile {key_file}: not ASCII text; an API key is one line") from None
     if len(lines) != 1:
         # A multi-line file is not a key but, say, a private key picked by mistake: never send that.
-        raise TeamServerError("config", f"apiKeyFile {key_file}: expected the key on one line, found {len(lines)} lines")
+        raise TeamServerError(
+            "config", f"apiKeyFile {key_file}: expected the key on one line, found {len(lines)} lines"
+        )
     return _check_key(lines[0], f"apiKeyFile {key_file}")
 
 
@@ -138,11 +152,14 @@ class TeamServer:
     def __init__(self, cfg: Config):
         self.api = cfg.backend
         if self.api not in API_PATHS:
-            raise TeamServerError("config", f"backend {self.api!r} is not a remote API; expected one of "
-                                        f"{', '.join(API_PATHS)}")
+            raise TeamServerError(
+                "config", f"backend {self.api!r} is not a remote API; expected one of {', '.join(API_PATHS)}"
+            )
         if not cfg.endpoint:
-            raise TeamServerError("config", f"backend {self.api} needs completiond.endpoint, the server's base URL "
-                                        "(e.g. http://gpu-box:8000)")
+            raise TeamServerError(
+                "config",
+                f"backend {self.api} needs completiond.endpoint, the server's base URL (e.g. http://gpu-box:8000)",
+            )
         try:
             self.endpoint = http.Endpoint.parse(cfg.endpoint)
         except ValueError as exc:
@@ -155,10 +172,13 @@ class TeamServer:
         if self._key and self.endpoint.scheme == "http" and not http.is_loopback(self.endpoint.host):
             allowed = {_origin(u) for u in str(getattr(cfg, "api_key_over_http", "") or "").split(",") if u.strip()}
             if _origin(cfg.endpoint) not in allowed:
-                raise TeamServerError("config", f"refusing to send the API key unencrypted to {self.endpoint.url()} "
-                                            "(plain http:// to another machine): use an https:// endpoint, or, if "
-                                            "the network is yours, allow this endpoint with completiond.apiKeyOverHttp "
-                                            f"= \"{self.endpoint.url()}\"")
+                raise TeamServerError(
+                    "config",
+                    f"refusing to send the API key unencrypted to {self.endpoint.url()} "
+                    "(plain http:// to another machine): use an https:// endpoint, or, if "
+                    "the network is yours, allow this endpoint with completiond.apiKeyOverHttp "
+                    f'= "{self.endpoint.url()}"',
+                )
         self._tls = None
         if self.endpoint.scheme == "https":
             try:
@@ -188,7 +208,7 @@ class TeamServer:
         for form in {key, json.dumps(key)[1:-1], key.replace("/", "\\/")}:
             text = text.replace(form, "[API key]")
             # And what is left of it where someone clipped the text: any run of 8 or more of its first characters.
-            head = form[:min(8, len(form))]
+            head = form[: min(8, len(form))]
             at = text.find(head)
             while at >= 0:
                 end = at + len(head)
@@ -223,24 +243,40 @@ class TeamServer:
     # -- one request -----------------------------------------------------------------------------
     def body(self, req: TeamRequest) -> dict[str, Any]:
         if self.api == "openai":
-            body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": req.temperature,
-                                    "top_p": req.top_p, "seed": req.seed, "stream": True,
-                                    "stream_options": {"include_usage": True}}
+            body: dict[str, Any] = {
+                "prompt": req.prompt,
+                "max_tokens": req.max_tokens,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "seed": req.seed,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if self.served_model:
                 body["model"] = self.served_model
             if req.top_k > 0:
                 body["top_k"] = req.top_k  # not OpenAI's, but vLLM, SGLang, TGI and llama.cpp take it
         else:
-            body = {"input_prefix": req.input_prefix, "input_suffix": req.input_suffix,
-                    "input_extra": [{"filename": p, "text": t} for p, t in req.input_extra],
-                    "prompt": "", "n_predict": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                    "top_k": req.top_k, "seed": req.seed, "stream": True, "cache_prompt": True}
+            body = {
+                "input_prefix": req.input_prefix,
+                "input_suffix": req.input_suffix,
+                "input_extra": [{"filename": p, "text": t} for p, t in req.input_extra],
+                "prompt": "",
+                "n_predict": req.max_tokens,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "top_k": req.top_k,
+                "seed": req.seed,
+                "stream": True,
+                "cache_prompt": True,
+            }
         if req.stop:
             body["stop"] = list(req.stop)
         return body
 
-    def complete(self, req: TeamRequest, *, cancel: Any,
-                 on_text: Callable[[str], bool] | None = None) -> TeamGeneration:
+    def complete(
+        self, req: TeamRequest, *, cancel: Any, on_text: Callable[[str], bool] | None = None
+    ) -> TeamGeneration:
         """Stream one completion. on_text(text so far) returns True to end it there (the stream is
         closed). Raises TeamServerError; a cancel returns finish_reason "cancelled"."""
         waiting = self.backoff()
@@ -256,9 +292,17 @@ class TeamServer:
         try:
             # A stalled server fails after timeout_s without a byte; TOTAL_FACTOR bounds even one that
             # trickles, so a request can never hold the worker for good.
-            response = http.post(self.endpoint, self.path, payload, headers, cancel=cancel,
-                                 connect_s=min(self.timeout_s, 5.0), stall_s=self.timeout_s,
-                                 total_s=max(self.timeout_s, 5.0) * TOTAL_FACTOR, tls=self._tls)
+            response = http.post(
+                self.endpoint,
+                self.path,
+                payload,
+                headers,
+                cancel=cancel,
+                connect_s=min(self.timeout_s, 5.0),
+                stall_s=self.timeout_s,
+                total_s=max(self.timeout_s, 5.0) * TOTAL_FACTOR,
+                tls=self._tls,
+            )
             if response.status == 101:  # we asked for no upgrade: a server that switches protocols is no server of ours
                 raise http.HttpFailure("protocol", "the server switched protocols (HTTP 101)")
             if response.status != 200:
@@ -276,8 +320,9 @@ class TeamServer:
         self._succeeded()
         return gen
 
-    def _read_stream(self, response: http.Response, on_text: Callable[[str], bool] | None,
-                     stats: dict[str, Any], start: float) -> TeamGeneration:
+    def _read_stream(
+        self, response: http.Response, on_text: Callable[[str], bool] | None, stats: dict[str, Any], start: float
+    ) -> TeamGeneration:
         ctype = response.headers.get("content-type", "")
         if "text/event-stream" not in ctype:
             if "json" in ctype:  # a server that ignored "stream": one JSON answer is still an answer
@@ -304,9 +349,14 @@ class TeamServer:
             if finish is not None and self.api == "llamacpp-infill":
                 break  # the native API's last event says stop; there is no [DONE]
         if finish is None:
-            raise self._failed(TeamServerError("network", f"the completion server at {self.endpoint.url()} ended the "
-                                           "stream before the completion finished (did it stop or restart?); "
-                                           "completiond retries with backoff"))
+            raise self._failed(
+                TeamServerError(
+                    "network",
+                    f"the completion server at {self.endpoint.url()} ended the "
+                    "stream before the completion finished (did it stop or restart?); "
+                    "completiond retries with backoff",
+                )
+            )
         return self._done(text, finish, on_text, stats, start)
 
     def _done(self, text: str, finish: str, on_text, stats, start) -> TeamGeneration:
@@ -334,9 +384,14 @@ class TeamServer:
         if "error" in obj:
             err = obj["error"]
             message = err.get("message") if isinstance(err, dict) else err
-            raise self._failed(TeamServerError("server", f"the completion server at {self.endpoint.url()} failed during "
-                                           f"the completion: {_clip(self.redact(str(message)))}; completiond retries "
-                                           "with backoff"))
+            raise self._failed(
+                TeamServerError(
+                    "server",
+                    f"the completion server at {self.endpoint.url()} failed during "
+                    f"the completion: {_clip(self.redact(str(message)))}; completiond retries "
+                    "with backoff",
+                )
+            )
         usage = obj.get("usage")
         if isinstance(usage, dict):
             for ours, theirs in (("prompt_tokens", "prompt_tokens"), ("generated_tokens", "completion_tokens")):
@@ -374,26 +429,40 @@ class TeamServer:
 
     # -- messages --------------------------------------------------------------------------------
     def _malformed(self, detail: str) -> TeamServerError:
-        return TeamServerError("malformed", f"the completion server at {self.url} sent a malformed stream ({detail}); "
-                                        f"is it an OpenAI-compatible or llama.cpp server (backend {self.api})? "
-                                        "completiond retries with backoff")
+        return TeamServerError(
+            "malformed",
+            f"the completion server at {self.url} sent a malformed stream ({detail}); "
+            f"is it an OpenAI-compatible or llama.cpp server (backend {self.api})? "
+            "completiond retries with backoff",
+        )
 
     def _transport_error(self, exc: http.HttpFailure) -> TeamServerError:
         where = self.endpoint.url()
         if exc.kind == "refused":
-            return TeamServerError("refused", f"cannot reach the completion server at {where} (connection refused): "
-                                          "is it running, and is completiond.endpoint right? completiond retries "
-                                          "with backoff")
+            return TeamServerError(
+                "refused",
+                f"cannot reach the completion server at {where} (connection refused): "
+                "is it running, and is completiond.endpoint right? completiond retries "
+                "with backoff",
+            )
         if exc.kind == "timeout":
-            return TeamServerError("timeout", f"the completion server at {where} did not answer in time ({exc.detail}; "
-                                          f"endpointTimeout is {self.timeout_s:g} s); completiond retries with backoff")
+            return TeamServerError(
+                "timeout",
+                f"the completion server at {where} did not answer in time ({exc.detail}; "
+                f"endpointTimeout is {self.timeout_s:g} s); completiond retries with backoff",
+            )
         if exc.kind == "tls":
-            return TeamServerError("tls", f"TLS with {where} failed: {_clip(exc.detail)}; for a private CA set "
-                                      "completiond.endpointCaFile to its certificate (verification stays on)")
+            return TeamServerError(
+                "tls",
+                f"TLS with {where} failed: {_clip(exc.detail)}; for a private CA set "
+                "completiond.endpointCaFile to its certificate (verification stays on)",
+            )
         if exc.kind == "protocol":
             return self._malformed(exc.detail)
-        return TeamServerError("network", f"the completion server at {where} could not be used: {exc.detail}; "
-                                      "completiond retries with backoff")
+        return TeamServerError(
+            "network",
+            f"the completion server at {where} could not be used: {exc.detail}; completiond retries with backoff",
+        )
 
     def _status_error(self, response: http.Response) -> TeamServerError:
         try:
@@ -404,24 +473,39 @@ class TeamServer:
         status = response.status
         said = f" (the server says: {detail})" if detail else ""
         if status in (401, 403):
-            return TeamServerError("unauthorized", f"the completion server at {self.endpoint.url()} refused the request "
-                                               f"(HTTP {status}){said}: set completiond.apiKeyEnv or apiKeyFile to a "
-                                               "valid API key, then restart the daemon")
+            return TeamServerError(
+                "unauthorized",
+                f"the completion server at {self.endpoint.url()} refused the request "
+                f"(HTTP {status}){said}: set completiond.apiKeyEnv or apiKeyFile to a "
+                "valid API key, then restart the daemon",
+            )
         if status == 404:
-            return TeamServerError("not_found", f"{self.url} does not exist (HTTP 404){said}: completiond.endpoint is the "
-                                            f"server's base URL, and backend {self.api} needs a server with "
-                                            f"{self.path}; check endpointModel ({self.served_model or 'unset'})")
+            return TeamServerError(
+                "not_found",
+                f"{self.url} does not exist (HTTP 404){said}: completiond.endpoint is the "
+                f"server's base URL, and backend {self.api} needs a server with "
+                f"{self.path}; check endpointModel ({self.served_model or 'unset'})",
+            )
         if status == 429:
             retry = _retry_after(response.headers.get("retry-after", ""))
-            return TeamServerError("rate_limited", f"the completion server at {self.endpoint.url()} is rate limiting "
-                                               f"(HTTP 429){said}; completiond waits as it asks, then retries",
-                               retry_after=retry)
+            return TeamServerError(
+                "rate_limited",
+                f"the completion server at {self.endpoint.url()} is rate limiting "
+                f"(HTTP 429){said}; completiond waits as it asks, then retries",
+                retry_after=retry,
+            )
         if status >= 500:
-            return TeamServerError("server", f"the completion server at {self.endpoint.url()} failed (HTTP {status})"
-                                         f"{said}; completiond retries with backoff")
-        return TeamServerError("rejected", f"the completion server at {self.url} rejected the request (HTTP {status})"
-                                       f"{said}; check endpointModel ({self.served_model or 'unset'}) and backend "
-                                       f"({self.api})")
+            return TeamServerError(
+                "server",
+                f"the completion server at {self.endpoint.url()} failed (HTTP {status})"
+                f"{said}; completiond retries with backoff",
+            )
+        return TeamServerError(
+            "rejected",
+            f"the completion server at {self.url} rejected the request (HTTP {status})"
+            f"{said}; check endpointModel ({self.served_model or 'unset'}) and backend "
+            f"({self.api})",
+        )
 
 
 def _origin(url: str) -> str:
@@ -435,7 +519,7 @@ def _origin(url: str) -> str:
 
 def _clip(text: str, limit: int = 200) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _server_message(body: str) -> str:

@@ -47,50 +47,92 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--weights", choices=WEIGHTS, default="auto",
-                   help="weight format of the native CPU step (the weights setting): auto, bf16 or int8")
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="auto",
+        help="weight format of the native CPU step (the weights setting): auto, bf16 or int8",
+    )
     p.add_argument("--prompts", type=int, default=6, help="number of held-out prompts")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--exit-layer", type=int, default=None, help="default: calibrated")
     p.add_argument("--draft-k", type=int, default=None, help="default: calibrated")
-    p.add_argument("--files", nargs="*", default=None, help="source files for prompts (default: held-out stdlib files); with --editing: the files the session edits "
-                   "(default: held-out third-party modules)")
+    p.add_argument(
+        "--files",
+        nargs="*",
+        default=None,
+        help="source files for prompts (default: held-out stdlib files); with --editing: the files the session edits "
+        "(default: held-out third-party modules)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--draft-model", default=None, help="a separate draft model to measure too (completiond.draftModel)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per method, interleaved (medians reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--typing", action="store_true", help="typing-session benchmark through LSP and the daemon")
-    p.add_argument("--editing", action="store_true",
-                   help="editing-session benchmark through LSP and the daemon: opens, jumps (with and without rest), file "
-                        "switches and keystrokes, p50/p95 per event and the share of the prompt served from the KV cache "
-                        "(bench_editing.py; --model shape:qwen2.5-coder-0.5b: random weights in a bench-device shape)")
+    p.add_argument(
+        "--editing",
+        action="store_true",
+        help="editing-session benchmark through LSP and the daemon: opens, jumps (with and without rest), file "
+        "switches and keystrokes, p50/p95 per event and the share of the prompt served from the KV cache "
+        "(bench_editing.py; --model shape:qwen2.5-coder-0.5b: random weights in a bench-device shape)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
     p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
-    p.add_argument("--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)")
-    p.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --editing: an editor setting for the session (camelCase, a JSON value or a string; "
-                        "repeatable), e.g. fimTemplate=qwen2.5-coder for the bundled model's prefix-first layout")
-    p.add_argument("--prefetch", choices=("on", "off"), default=None,
-                   help="with --editing: the daemon's background warm-ups on opens, rests and pauses (default on; off: "
-                        "COMPLETIOND_PREFETCH=0, to measure what they bring)")
-    p.add_argument("--quality", action="store_true",
-                   help="what each weight format costs: held-out loss and next-line exact match of the model with "
-                        "its weights in float32 (the reference), bf16 and int8, side by side (bench_quality.py)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)"
+    )
+    p.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --editing: an editor setting for the session (camelCase, a JSON value or a string; "
+        "repeatable), e.g. fimTemplate=qwen2.5-coder for the bundled model's prefix-first layout",
+    )
+    p.add_argument(
+        "--prefetch",
+        choices=("on", "off"),
+        default=None,
+        help="with --editing: the daemon's background warm-ups on opens, rests and pauses (default on; off: "
+        "COMPLETIOND_PREFETCH=0, to measure what they bring)",
+    )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="what each weight format costs: held-out loss and next-line exact match of the model with "
+        "its weights in float32 (the reference), bf16 and int8, side by side (bench_quality.py)",
+    )
     p.add_argument("--quality-windows", type=int, default=48, help="with --quality: 512-token held-out windows")
     p.add_argument("--quality-positions", type=int, default=200, help="with --quality: next-line positions")
-    p.add_argument("--workload", choices=("prompts", "edit"), default="prompts",
-                   help="prompts: the text before a line a third into each file; edit: FIM prompts at each line "
-                        "start of a region being typed, with the real suffix (see edit_prompts)")
+    p.add_argument(
+        "--workload",
+        choices=("prompts", "edit"),
+        default="prompts",
+        help="prompts: the text before a line a third into each file; edit: FIM prompts at each line "
+        "start of a region being typed, with the real suffix (see edit_prompts)",
+    )
     p.add_argument("--keystrokes", type=int, default=120, help="with --typing")
     p.add_argument("--file", default=None, help="with --typing: the file to type into (default: a held-out file)")
-    p.add_argument("--workspace", default=None, help="with --typing: a project directory holding --file, opened as the "
-                   "workspace folder (the context block draws on it; compare with --retrieval on/off)")
-    p.add_argument("--retrieval", choices=("on", "off"), default=None, help="with --typing: the contextRetrieval setting")
-    p.add_argument("--llama-server", action="store_true",
-                   help="with --typing: also replay it against llama.cpp's llama-server on this machine serving the "
-                        "bundled model (as GGUF; the binary from $COMPLETIOND_LLAMA_SERVER or PATH), p50/p95 side by side")
-    p.add_argument("--endpoint", default=None,
-                   help="with --typing: also replay it against this team server (see README, For teams)")
+    p.add_argument(
+        "--workspace",
+        default=None,
+        help="with --typing: a project directory holding --file, opened as the "
+        "workspace folder (the context block draws on it; compare with --retrieval on/off)",
+    )
+    p.add_argument(
+        "--retrieval", choices=("on", "off"), default=None, help="with --typing: the contextRetrieval setting"
+    )
+    p.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="with --typing: also replay it against llama.cpp's llama-server on this machine serving the "
+        "bundled model (as GGUF; the binary from $COMPLETIOND_LLAMA_SERVER or PATH), p50/p95 side by side",
+    )
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        help="with --typing: also replay it against this team server (see README, For teams)",
+    )
     p.add_argument("--backend", choices=("openai", "llamacpp-infill"), default="openai", help="with --endpoint")
     p.add_argument("--endpoint-model", default="", help="with --endpoint: the served model name")
 
@@ -114,7 +156,7 @@ def prompt_texts(files: list[Path] | None, count: int, chars: int = 1500) -> lis
     """Deterministic prompts: the text before a line a third of the way into each file."""
     out = []
     for lines in source_lines(files):
-        out.append("".join(lines[:len(lines) // 3])[-chars:])
+        out.append("".join(lines[: len(lines) // 3])[-chars:])
         if len(out) == count:
             break
     if not out:
@@ -135,7 +177,7 @@ def edit_prompts(engine, files: list[Path] | None, n_files: int, lines: int = 8)
     out, used = [], 0
     for all_lines in source_lines(files):
         start = int(len(all_lines) * 0.4)
-        suffix = "".join(all_lines[start + lines:])
+        suffix = "".join(all_lines[start + lines :])
         for j in range(start, start + lines):
             before = "".join(all_lines[:j])
             prompt = builder.build(before + suffix, len(before))
@@ -169,7 +211,10 @@ def _patch_hf_early_exit() -> None:
     from transformers.generation import candidate_generator as cg
 
     cls = getattr(cg, "EarlyExitCandidateGenerator", None)
-    if cls is None or "is_first_iteration" not in inspect.signature(cg.AssistedCandidateGenerator.get_candidates).parameters:
+    if (
+        cls is None
+        or "is_first_iteration" not in inspect.signature(cg.AssistedCandidateGenerator.get_candidates).parameters
+    ):
         return
     src = inspect.getsource(cls.get_candidates)
     if "super().get_candidates(input_ids)" not in src:
@@ -191,13 +236,14 @@ def _hf_generate(engine, ids: list[int], max_tokens: int, early_exit: dict | Non
     import torch
 
     x = torch.tensor([ids], device=engine.device)
-    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                  eos_token_id=None)
+    kwargs = dict(
+        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     kwargs.update(early_exit or {})
     t = time.perf_counter()
     with torch.inference_mode():
         out = engine.model.generate(x, **kwargs)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t
+    return out[0, len(ids) :].tolist(), time.perf_counter() - t
 
 
 def _timed(engine, ids, params, cold: bool = True, history=None):
@@ -224,7 +270,12 @@ def synchronize(device) -> None:
 def _spread(values: list[float]) -> dict:
     """Median, min, max and (max - min) / median of repeated measurements."""
     med = statistics.median(values)
-    return {"median": med, "min": min(values), "max": max(values), "spread": (max(values) - min(values)) / med if med else None}
+    return {
+        "median": med,
+        "min": min(values),
+        "max": max(values),
+        "spread": (max(values) - min(values)) / med if med else None,
+    }
 
 
 def pass_flops(engine, positions: int, context: int) -> int:
@@ -233,7 +284,7 @@ def pass_flops(engine, positions: int, context: int) -> int:
     scores and weighted sum over each query's visible keys, and of the head (norms, RoPE and
     activations are left out: O(d) per position)."""
     fwd = engine.fwd
-    weights = sum(fwd.layer_numel[:engine.num_layers])  # counted at load: a large model's matrices are released
+    weights = sum(fwd.layer_numel[: engine.num_layers])  # counted at load: a large model's matrices are released
     visible = sum(context + i + 1 for i in range(positions))  # query i sees keys 0..context+i
     attention = engine.num_layers * 2 * 2 * fwd.H * fwd.hd * visible
     return 2 * weights * positions + attention + 2 * fwd.head_w.numel() * positions
@@ -251,7 +302,7 @@ def matmul_peak_gflops(repeats: int = 7, n: int = 1024) -> float:
         t = time.perf_counter()
         torch.mm(a, b)
         times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e9
+    return 2 * n**3 / statistics.median(times) / 1e9
 
 
 def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) -> dict:
@@ -273,7 +324,7 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) 
         if seq is None:
             seq = engine.new_sequence(len(prompt) + k + 2)
             engine.prefill(seq, prompt, None)
-        x1, xk = engine.embed(prompt[-1:]), engine.embed(prompt[-(k + 1):])
+        x1, xk = engine.embed(prompt[-1:]), engine.embed(prompt[-(k + 1) :])
         for _ in range(3):  # warm-up
             engine.head(engine.run_layers(xk, 0, engine.num_layers, seq.length, seq))
             engine.head(engine.run_layers(x1, 0, engine.num_layers, seq.length, seq))
@@ -296,7 +347,7 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) 
         # What a greedy round really pays on the native step: a plain step and a verify pass each in one
         # call (embed, layers, head, argmax), with no Python between their parts (decode.speculative_round)
         L, head_w, head_b = engine.num_layers, engine.fwd.head_w, engine.fwd.head_b
-        ids = prompt[-(k + 1):]
+        ids = prompt[-(k + 1) :]
         n_one, n_many = [], []
         with torch.inference_mode():
             for i in range(repeats + 3):
@@ -308,12 +359,24 @@ def verify_cost(engine, prompt: list[int], k: int, repeats: int = 30, seq=None) 
                 if i >= 3:  # the first three warm up
                     n_one.append(t1 - t0)
                     n_many.append(t2 - t1)
-        extra = {"native_step_ms": 1000 * statistics.median(n_one), "native_pass_ms": 1000 * statistics.median(n_many),
-                 "native_ratio": statistics.median(n_many) / statistics.median(n_one)}
+        extra = {
+            "native_step_ms": 1000 * statistics.median(n_one),
+            "native_pass_ms": 1000 * statistics.median(n_many),
+            "native_ratio": statistics.median(n_many) / statistics.median(n_one),
+        }
     step_f, pass_f = pass_flops(engine, 1, context), pass_flops(engine, k + 1, context)
-    return {"k": k, "ratio": pass_s / step_s, "step_ms": 1000 * step_s, "pass_ms": 1000 * pass_s, **extra,
-            "context": context, "step_mflops": step_f / 1e6, "pass_mflops": pass_f / 1e6,
-            "step_gflops": step_f / step_s / 1e9, "pass_gflops": pass_f / pass_s / 1e9}
+    return {
+        "k": k,
+        "ratio": pass_s / step_s,
+        "step_ms": 1000 * step_s,
+        "pass_ms": 1000 * pass_s,
+        **extra,
+        "context": context,
+        "step_mflops": step_f / 1e6,
+        "pass_mflops": pass_f / 1e6,
+        "step_gflops": step_f / step_s / 1e9,
+        "pass_gflops": pass_f / pass_s / 1e9,
+    }
 
 
 def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20) -> list[dict]:
@@ -355,14 +418,31 @@ def draft_cost_by_exit(engine, prompt: list[int], k: int = 4, repeats: int = 20)
             for _ in range(repeats):
                 steps.append(plain())
                 drafts.append(drafted())
-            out.append({"exit_layer": e, "cost": statistics.median(drafts) / statistics.median(steps),
-                        "draft_vocab": 0 if engine.draft_ids is None else int(engine.draft_ids.numel()), "repeats": repeats,
-                        "draft_ms": 1000 * statistics.median(drafts), "step_ms": 1000 * statistics.median(steps)})
+            out.append(
+                {
+                    "exit_layer": e,
+                    "cost": statistics.median(drafts) / statistics.median(steps),
+                    "draft_vocab": 0 if engine.draft_ids is None else int(engine.draft_ids.numel()),
+                    "repeats": repeats,
+                    "draft_ms": 1000 * statistics.median(drafts),
+                    "step_ms": 1000 * statistics.median(steps),
+                }
+            )
     return out
 
 
-def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | None, draft_k: int | None,
-            skip_hf: bool, log=print, repeats: int = 5, workload: str = "prompts") -> dict:
+def measure(
+    engine,
+    files,
+    n_prompts: int,
+    max_tokens: int,
+    exit_layer: int | None,
+    draft_k: int | None,
+    skip_hf: bool,
+    log=print,
+    repeats: int = 5,
+    workload: str = "prompts",
+) -> dict:
     """Every method warmed up, then timed `repeats` times in rotating order over the same prompts.
 
     Per repeat and method: decode milliseconds per token over all prompts (ours: the engine's own
@@ -393,13 +473,19 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     threshold = cal.threshold
     plain_p = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     # the early-exit rows are early exit whatever draft the calibration chose (the other drafts get rows below)
-    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False,
-                            draft=DraftKind.EARLY_EXIT)
-    lookup_p = SamplingParams(max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True,
-                              draft=DraftKind.EARLY_EXIT)
+    spec_p = SamplingParams(
+        max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=False, draft=DraftKind.EARLY_EXIT
+    )
+    lookup_p = SamplingParams(
+        max_tokens=max_tokens, exit_layer=E, draft_k=K, ignore_eos=True, prompt_lookup=True, draft=DraftKind.EARLY_EXIT
+    )
     # transformers' own self-speculation with our E, K and threshold (a constant K, as ours at most drafts K)
-    hf_ee = {"assistant_early_exit": E, "num_assistant_tokens": K, "num_assistant_tokens_schedule": "constant",
-             "assistant_confidence_threshold": threshold}
+    hf_ee = {
+        "assistant_early_exit": E,
+        "num_assistant_tokens": K,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": threshold,
+    }
     if not skip_hf:
         _patch_hf_early_exit()
 
@@ -414,6 +500,7 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         def go(ids):
             gen, total = _timed(engine, ids, params, history=history)
             return gen.tokens, gen.stats.decode_ms / 1000, total, gen.stats
+
         return go
 
     def hf(early_exit):
@@ -422,16 +509,19 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
             _, first = _hf_generate(engine, ids, 1, early_exit)
             # decode time of the N-1 tokens after the first, scaled to N so per-token figures compare
             return tokens, max(total - first, 1e-9) * max_tokens / max(max_tokens - 1, 1), total, None
+
         return go
 
     def torch_path(go):
         """The same method with the native step switched off: what it gains, side by side."""
+
         def run_(ids):
             saved, engine.fwd.native = engine.fwd.native, None
             try:
                 return go(ids)
             finally:
                 engine.fwd.native = saved
+
         return run_
 
     methods = {"plain": ours(plain_p), "spec": ours(spec_p), "spec_lookup": ours(lookup_p)}
@@ -440,35 +530,45 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     # The trained drafts the engine has (exit adapter, Medusa heads, a draft model), each alone and after
     # prompt lookup: label and method per name.
     # prompt lookup with no model draft behind it: a plain step where the n-gram index finds nothing
-    methods["spec_lookup_alone"] = ours(SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_lookup=True,
-                                                       draft=DraftKind.NONE))
-    labels = {"spec": f"early exit E={E} K<={K}", "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}",
-              "spec_lookup_alone": "prompt lookup alone, else a plain step"}
+    methods["spec_lookup_alone"] = ours(
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_lookup=True, draft=DraftKind.NONE)
+    )
+    labels = {
+        "spec": f"early exit E={E} K<={K}",
+        "spec_lookup": f"prompt lookup, else early exit E={E} K<={K}",
+        "spec_lookup_alone": "prompt lookup alone, else a plain step",
+    }
     extra: list[tuple[DraftKind, str]] = []
     if engine.exit_adapter is not None:
         extra.append((DraftKind.ADAPTER, f"exit adapter E={engine.exit_adapter.exit_layer} K<={K}"))
     if engine.medusa is not None:
-        extra.append((DraftKind.MEDUSA, f"{engine.medusa.num_heads} Medusa heads, {len(engine.medusa.tree) + 1}-node tree"))
+        extra.append(
+            (DraftKind.MEDUSA, f"{engine.medusa.num_heads} Medusa heads, {len(engine.medusa.tree) + 1}-node tree")
+        )
     if engine.draft_model is not None:
         extra.append((DraftKind.DRAFT_MODEL, f"draft model {engine.draft_model.name} K<={K}"))
     for kind, label in extra:
         for lk in (False, True):
             name = f"spec_{kind.value}" + ("_lookup" if lk else "")
-            methods[name] = ours(SamplingParams(max_tokens=max_tokens, draft_k=K, ignore_eos=True, prompt_lookup=lk, draft=kind))
-            labels[name] = ("prompt lookup + " if lk and kind is DraftKind.MEDUSA else "prompt lookup, else " if lk else "") + label
+            methods[name] = ours(
+                SamplingParams(max_tokens=max_tokens, draft_k=K, ignore_eos=True, prompt_lookup=lk, draft=kind)
+            )
+            labels[name] = (
+                "prompt lookup + " if lk and kind is DraftKind.MEDUSA else "prompt lookup, else " if lk else ""
+            ) + label
     if not skip_hf:
         methods.update(hf=hf(None), hf_early_exit=hf(hf_ee))
     names = list(methods)
     for name in names:  # warm-up: first calls pay for allocator and kernel selection
         methods[name](prompts[0][:64])
 
-    decode_ms: dict[str, list[float]] = {n: [] for n in names}   # per repeat: ms per generated token
+    decode_ms: dict[str, list[float]] = {n: [] for n in names}  # per repeat: ms per generated token
     e2e_tps: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list] = {n: [None] * len(prompts) for n in names}
     spec_stats = []
     draft_stats: dict[str, list] = {n: [] for n in labels}
     for r in range(repeats):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate: no method always runs first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no method always runs first
         dec = {n: 0.0 for n in names}
         tot = {n: 0.0 for n in names}
         for history in histories:
@@ -525,8 +625,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
     # cancel latency: cancel a long generation mid-flight, time until it returns
     cancel = CancelToken()
     result = {}
-    long_p = SamplingParams(max_tokens=min(512, engine.max_context - len(prompts[0]) - 1), exit_layer=E, draft_k=K,
-                            ignore_eos=True)
+    long_p = SamplingParams(
+        max_tokens=min(512, engine.max_context - len(prompts[0]) - 1), exit_layer=E, draft_k=K, ignore_eos=True
+    )
 
     def worker():
         result["gen"] = engine.generate(prompts[0], long_p, cancel=cancel, history=None)
@@ -548,18 +649,27 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         acc, rej = sum(s.accepted for s in ss), sum(s.rejected for s in ss)
         rounds_ = sum(s.rounds for s in ss)
         dr = sum(s.drafted for s in ss)
-        return {"method": name, "draft": label, "alpha": acc / (acc + rej) if acc + rej else 0.0,
-                "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
-                "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
-                "lookup_rounds": sum(s.lookup_rounds for s in ss), "rounds": rounds_,
-                "drafted": dr, "accepted": acc, "generated": sum(s.generated_tokens for s in ss),
-                # of the lookup rounds, those drafted from the repeat's earlier outputs, and what they committed
-                "history_rounds": sum(s.history_rounds for s in ss),
-                "history_accepted": sum(s.history_accepted for s in ss),
-                "lookup_alpha": (sum(s.lookup_accepted for s in ss) /
-                                 max(1, sum(s.lookup_accepted for s in ss) + sum(s.lookup_rejected for s in ss))),
-                "draft_gain": med["plain"] / med[name] if med[name] else None,
-                "greedy_identical": outputs[name] == outputs["plain"]}
+        return {
+            "method": name,
+            "draft": label,
+            "alpha": acc / (acc + rej) if acc + rej else 0.0,
+            "tokens_per_round": sum(s.generated_tokens for s in ss) / rounds_ if rounds_ else 0.0,
+            "draft_cost": (sum(s.draft_ms for s in ss) / dr) / med["plain"] if dr and med["plain"] else 0.0,
+            "lookup_rounds": sum(s.lookup_rounds for s in ss),
+            "rounds": rounds_,
+            "drafted": dr,
+            "accepted": acc,
+            "generated": sum(s.generated_tokens for s in ss),
+            # of the lookup rounds, those drafted from the repeat's earlier outputs, and what they committed
+            "history_rounds": sum(s.history_rounds for s in ss),
+            "history_accepted": sum(s.history_accepted for s in ss),
+            "lookup_alpha": (
+                sum(s.lookup_accepted for s in ss)
+                / max(1, sum(s.lookup_accepted for s in ss) + sum(s.lookup_rejected for s in ss))
+            ),
+            "draft_gain": med["plain"] / med[name] if med[name] else None,
+            "greedy_identical": outputs[name] == outputs["plain"],
+        }
 
     def ratio(a, b):
         """How much faster a is than b, from decode ms per token medians."""
@@ -582,9 +692,9 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "draft_threshold": threshold,
         "layers": engine.num_layers,
         "method": "decode-only ms/token per repeat (ours: after prefill; transformers: generate(N) - generate(1)); "
-                  "medians of interleaved repeats; ratios of medians",
+        "medians of interleaved repeats; ratios of medians",
         "hf_early_exit_settings": hf_ee if not skip_hf else None,
-        "tokens_per_s": {n: statistics.median(v) for n, v in e2e_tps.items()},   # end to end, prefill included
+        "tokens_per_s": {n: statistics.median(v) for n, v in e2e_tps.items()},  # end to end, prefill included
         "decode_tokens_per_s": {n: 1000 / m for n, m in med.items()},
         "decode_ms_per_token": {n: _spread(v) for n, v in decode_ms.items()},
         "spread": {n: _spread(v)["spread"] for n, v in decode_ms.items()},
@@ -596,9 +706,13 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "spec_vs_hf_early_exit": ratio("spec", "hf_early_exit"),
         "plain_vs_hf": ratio("plain", "hf"),
         # engine/native: one call per layer range instead of PyTorch's ~22 ops per layer (plain_torch: without it)
-        "native_step": {"used": engine.fwd.native is not None, "reason": engine.fwd.native_reason,
-                        "weights": engine.weights, "weights_in_use": engine.weights_in_use(),
-                        "kernel": native_mod.kernel_name()},
+        "native_step": {
+            "used": engine.fwd.native is not None,
+            "reason": engine.fwd.native_reason,
+            "weights": engine.weights,
+            "weights_in_use": engine.weights_in_use(),
+            "kernel": native_mod.kernel_name(),
+        },
         "native_gain": ratio("plain", "plain_torch"),
         "greedy_identical": identical,
         "alpha": alpha,
@@ -611,8 +725,16 @@ def measure(engine, files, n_prompts: int, max_tokens: int, exit_layer: int | No
         "verify_ms_per_pass": verify_pass_ms,
         "verify_cost_ratio": vc["ratio"],
         "verify_cost": vc,
-        "verify_cost_by_k": [{"k": v["k"], "ratio": v["ratio"], "pass_ms": v["pass_ms"],
-                              "pass_gflops": v["pass_gflops"], "native_ratio": v.get("native_ratio")} for v in vc_by_k],
+        "verify_cost_by_k": [
+            {
+                "k": v["k"],
+                "ratio": v["ratio"],
+                "pass_ms": v["pass_ms"],
+                "pass_gflops": v["pass_gflops"],
+                "native_ratio": v.get("native_ratio"),
+            }
+            for v in vc_by_k
+        ],
         # one large float32 matmul on this machine, the engine's threads: the rate verify passes approach
         "matmul_peak_gflops": peak,
         # one drafted token at each exit ÷ one plain step (the model card's measured draft cost)
@@ -636,8 +758,14 @@ def run(args: argparse.Namespace) -> int:
         from completiond.engine.engine import EngineError
 
         try:
-            result = measure_quality(args.model, ["bf16", "int8"], args.quality_windows, args.quality_positions,
-                                     device=args.device if args.device != "auto" else "cpu", log=log)
+            result = measure_quality(
+                args.model,
+                ["bf16", "int8"],
+                args.quality_windows,
+                args.quality_positions,
+                device=args.device if args.device != "auto" else "cpu",
+                log=log,
+            )
         except EngineError as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
@@ -645,21 +773,31 @@ def run(args: argparse.Namespace) -> int:
         from completiond.commands.bench_editing import run_editing_bench
 
         try:
-            result = run_editing_bench(args.model, [Path(f) for f in args.files] if args.files else None,
-                                       rounds=args.rounds, jumps=args.jumps,
-                                       weights=args.weights if args.weights != "auto" else None, threads=args.threads,
-                                       prefetch=None if args.prefetch is None else args.prefetch == "on",
-                                       settings=_editing_settings(args), progress=log)
+            result = run_editing_bench(
+                args.model,
+                [Path(f) for f in args.files] if args.files else None,
+                rounds=args.rounds,
+                jumps=args.jumps,
+                weights=args.weights if args.weights != "auto" else None,
+                threads=args.threads,
+                prefetch=None if args.prefetch is None else args.prefetch == "on",
+                settings=_editing_settings(args),
+                progress=log,
+            )
         except (CompletionError, FileNotFoundError) as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
     elif args.typing:
         from completiond.commands.bench_typing import run_typing_bench
 
-        result = run_typing_bench(model=args.model, file=Path(args.file) if args.file else None,
-                                  keystrokes=args.keystrokes, log=log,
-                                  workspace=Path(args.workspace) if args.workspace else None,
-                                  settings={"contextRetrieval": args.retrieval} if args.retrieval else None)
+        result = run_typing_bench(
+            model=args.model,
+            file=Path(args.file) if args.file else None,
+            keystrokes=args.keystrokes,
+            log=log,
+            workspace=Path(args.workspace) if args.workspace else None,
+            settings={"contextRetrieval": args.retrieval} if args.retrieval else None,
+        )
         if args.llama_server or args.endpoint:
             try:
                 result = _typing_remote(args, result, log)
@@ -670,15 +808,28 @@ def run(args: argparse.Namespace) -> int:
         from completiond.engine.engine import Engine, EngineError
 
         try:
-            engine = Engine.load(args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model,
-                                 weights=args.weights)
+            engine = Engine.load(
+                args.model, device=args.device, dtype=args.dtype, draft_model=args.draft_model, weights=args.weights
+            )
         except EngineError as exc:
             print(f"completiond bench: {exc}", file=sys.stderr)
             return 1
         files = [Path(f) for f in args.files] if args.files else None
-        log(f"model {engine.name} on {engine.device}, {engine.num_layers} layers, calibration: {engine.calibration.source}")
-        result = measure(engine, files, args.prompts, args.max_tokens, args.exit_layer, args.draft_k, args.skip_hf, log,
-                         repeats=args.repeats, workload=args.workload)
+        log(
+            f"model {engine.name} on {engine.device}, {engine.num_layers} layers, calibration: {engine.calibration.source}"
+        )
+        result = measure(
+            engine,
+            files,
+            args.prompts,
+            args.max_tokens,
+            args.exit_layer,
+            args.draft_k,
+            args.skip_hf,
+            log,
+            repeats=args.repeats,
+            workload=args.workload,
+        )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -704,15 +855,23 @@ def _typing_remote(args: argparse.Namespace, local: dict, log) -> dict:
             server = serve_bundled(Path(folder))
             try:
                 log(f"llama-server at {server.url} serving the bundled model as GGUF")
-                run = run_typing_bench(file=file, keystrokes=args.keystrokes, log=log, settings={
-                    "backend": "openai", "endpoint": server.url, "endpointModel": ALIAS})
+                run = run_typing_bench(
+                    file=file,
+                    keystrokes=args.keystrokes,
+                    log=log,
+                    settings={"backend": "openai", "endpoint": server.url, "endpointModel": ALIAS},
+                )
             finally:
                 server.stop()
         out["llama_server"] = run
         compare["llama_server"] = {"p50_ms": run["typing_p50_ms"], "p95_ms": run["typing_p95_ms"]}
     if args.endpoint:
-        run = run_typing_bench(file=file, keystrokes=args.keystrokes, log=log, settings={
-            "backend": args.backend, "endpoint": args.endpoint, "endpointModel": args.endpoint_model})
+        run = run_typing_bench(
+            file=file,
+            keystrokes=args.keystrokes,
+            log=log,
+            settings={"backend": args.backend, "endpoint": args.endpoint, "endpointModel": args.endpoint_model},
+        )
         out["endpoint"] = run
         compare["endpoint"] = {"p50_ms": run["typing_p50_ms"], "p95_ms": run["typing_p95_ms"], "url": args.endpoint}
     out["compare"] = compare

@@ -61,16 +61,42 @@ from completiond.errors import CompletionError
 # Randomly initialised stand-ins for real models: the shapes (and so the bytes and FLOPs a step
 # moves) of their configs; the bundled tokenizer's ids are all below their vocabularies.
 SHAPES = {
-    "qwen2.5-coder-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                               rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "qwen2.5-coder-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                               rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-coder-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-coder-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
     # for tests on a CPU
-    "tiny-qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=8192, max_position_embeddings=4096, rope_theta=1_000_000.0,
-                       tie_word_embeddings=True),
+    "tiny-qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    ),
 }
 DEFAULT_MODELS = ("bundled", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 WEIGHT_FORMATS: tuple[str, ...] = SETTINGS_BY_KEY["weights"].enum or ()  # the formats Engine.load(weights=...) accepts
@@ -103,41 +129,74 @@ def _ks(value: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"comma-separated: 'bundled', a model directory, or a shape ({', '.join(SHAPES)})")
+    p.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated: 'bundled', a model directory, or a shape ({', '.join(SHAPES)})",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
-    p.add_argument("--weights", default="auto", type=lambda v: _csv(v, WEIGHT_FORMATS, "--weights"),
-                   help="weight formats of the native step to measure, comma-separated (auto, bf16, int8): each "
-                        "loads the model once")
-    p.add_argument("--reader", default="auto", type=lambda v: _csv(v, READERS, "--reader"),
-                   help="how the weights are read, comma-separated: auto (a large bf16 checkpoint without "
-                        "transformers' model code, engine/checkpoint.py) or transformers; each loads the model once (RSS "
-                        "compares only across processes: a second load starts from the first one's heap)")
-    p.add_argument("--vocab", choices=("real", "bundled"), default="real",
-                   help="random shapes: the real model's vocabulary size, or the bundled tokenizer's 8,192 tokens")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        type=lambda v: _csv(v, WEIGHT_FORMATS, "--weights"),
+        help="weight formats of the native step to measure, comma-separated (auto, bf16, int8): each "
+        "loads the model once",
+    )
+    p.add_argument(
+        "--reader",
+        default="auto",
+        type=lambda v: _csv(v, READERS, "--reader"),
+        help="how the weights are read, comma-separated: auto (a large bf16 checkpoint without "
+        "transformers' model code, engine/checkpoint.py) or transformers; each loads the model once (RSS "
+        "compares only across processes: a second load starts from the first one's heap)",
+    )
+    p.add_argument(
+        "--vocab",
+        choices=("real", "bundled"),
+        default="real",
+        help="random shapes: the real model's vocabulary size, or the bundled tokenizer's 8,192 tokens",
+    )
     p.add_argument("--context", type=int, default=512, help="prompt tokens before decoding starts")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-k", type=int, default=8)
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads, ours and llama.cpp's (0: the engine's default, $COMPLETIOND_THREADS or torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads, ours and llama.cpp's (0: the engine's default, $COMPLETIOND_THREADS or torch's)",
+    )
     p.add_argument("--no-sampling", action="store_true", help="skip the temperature-0.8 rows")
     p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the buffer the bandwidth copy moves")
-    p.add_argument("--llama-bench", type=Path, default=None, metavar="PATH",
-                   help="llama.cpp's llama-bench (or the folder holding it and llama-quantize, as "
-                        ".ci/llama_bench.sh prints): measure llama.cpp on the same models")
-    p.add_argument("--llama-types", default="bf16,q8_0", type=lambda v: _csv(v, LLAMA_TYPES, "--llama-types"),
-                   help="GGUF types llama.cpp runs, comma-separated (f32, bf16, q8_0)")
+    p.add_argument(
+        "--llama-bench",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="llama.cpp's llama-bench (or the folder holding it and llama-quantize, as "
+        ".ci/llama_bench.sh prints): measure llama.cpp on the same models",
+    )
+    p.add_argument(
+        "--llama-types",
+        default="bf16,q8_0",
+        type=lambda v: _csv(v, LLAMA_TYPES, "--llama-types"),
+        help="GGUF types llama.cpp runs, comma-separated (f32, bf16, q8_0)",
+    )
     p.add_argument("--llama-repeats", type=int, default=5, help="llama-bench -r")
-    p.add_argument("--llama-k", default="4", type=_ks, metavar="K[,K...]",
-                   help="llama.cpp's pass cost over K+1 tokens, against one, for each K (comma-separated; "
-                        "'' measures none)")
+    p.add_argument(
+        "--llama-k",
+        default="4",
+        type=_ks,
+        metavar="K[,K...]",
+        help="llama.cpp's pass cost over K+1 tokens, against one, for each K (comma-separated; '' measures none)",
+    )
     p.add_argument("--json", action="store_true")
 
 
 # ----------------------------------------------------------------------------- measurements
+
 
 def copy_bandwidth(device, megabytes: int, repeats: int = 5) -> float:
     """Bytes read plus bytes written per second by a device-to-device copy (median of repeats), GB/s."""
@@ -195,25 +254,38 @@ def random_model(shape: str, directory: Path, vocab: str = "real", seed: int = 0
     cfg = cast(Any, transformers.Qwen2Config(**shape_config(shape, vocab), eos_token_id=0, bos_token_id=0))
     directory.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(directory)
-    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    h, inter, kv = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads),
+    )
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape_):
         return (torch.randn(*shape_, generator=gen) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": normal(cfg.vocab_size, h),
-               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    tensors = {
+        "model.embed_tokens.weight": normal(cfg.vocab_size, h),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "self_attn.q_proj.weight": normal(h, h), p + "self_attn.q_proj.bias": normal(h),
-            p + "self_attn.k_proj.weight": normal(kv, h), p + "self_attn.k_proj.bias": normal(kv),
-            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.v_proj.bias": normal(kv),
-            p + "self_attn.o_proj.weight": normal(h, h),
-            p + "mlp.gate_proj.weight": normal(inter, h), p + "mlp.up_proj.weight": normal(inter, h),
-            p + "mlp.down_proj.weight": normal(h, inter)})
+        tensors.update(
+            {
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "self_attn.q_proj.weight": normal(h, h),
+                p + "self_attn.q_proj.bias": normal(h),
+                p + "self_attn.k_proj.weight": normal(kv, h),
+                p + "self_attn.k_proj.bias": normal(kv),
+                p + "self_attn.v_proj.weight": normal(kv, h),
+                p + "self_attn.v_proj.bias": normal(kv),
+                p + "self_attn.o_proj.weight": normal(h, h),
+                p + "mlp.gate_proj.weight": normal(inter, h),
+                p + "mlp.up_proj.weight": normal(inter, h),
+                p + "mlp.down_proj.weight": normal(h, inter),
+            }
+        )
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     # The bundled tokenizer's vocabulary as transformers' Qwen2 class reads and saves it, with Qwen2's split:
@@ -234,7 +306,7 @@ def context_prompts(tokenizer, count: int, context: int) -> list[list[int]]:
     for lines in source_lines(None):
         ids = tokenizer("".join(lines))["input_ids"]
         start = min(len(ids) // 3, max(0, len(ids) - context))
-        (out if len(ids) >= context else short).append(ids[start:start + context])
+        (out if len(ids) >= context else short).append(ids[start : start + context])
         if len(out) == count:
             return out
     while len(out) < count and (out or short):
@@ -264,7 +336,7 @@ def parameter_count(engine) -> int:
     module parameters are released once packed."""
     fwd = engine.fwd
     tied = fwd.head_w.data_ptr() == fwd.embed_w.data_ptr()
-    return sum(fwd.layer_numel[:engine.num_layers]) + fwd.embed_w.numel() + (0 if tied else fwd.head_w.numel())
+    return sum(fwd.layer_numel[: engine.num_layers]) + fwd.embed_w.numel() + (0 if tied else fwd.head_w.numel())
 
 
 def _decode_ms_per_token(engine, prompts, params, repeats: int) -> tuple[float, list[list[int]]]:
@@ -302,8 +374,16 @@ def cold_prefill_ms(engine, prompt: list[int], repeats: int) -> float:
     return statistics.median(times)
 
 
-def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int, max_k: int,
-                 bandwidth_gbs: float, log=print, sampling: bool = True) -> dict:
+def report_model(
+    engine,
+    prompts: list[list[int]],
+    repeats: int,
+    max_tokens: int,
+    max_k: int,
+    bandwidth_gbs: float,
+    log=print,
+    sampling: bool = True,
+) -> dict:
     from completiond.commands.bench import verify_cost
     from completiond.engine import native as native_mod
     from completiond.engine.engine import SamplingParams
@@ -315,29 +395,55 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     wbytes = weight_bytes(engine)
     rss_warm = rss_bytes()
     embed = engine.fwd.embed_w
-    out: dict[str, Any] = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-           "layers": engine.num_layers, "parameters": parameter_count(engine), "weights": engine.weights,
-           "weights_in_use": engine.weights_in_use(), "kernel": native_mod.kernel_name(),
-           "native_reason": engine.fwd.native_reason, "weight_bytes": wbytes,
-           # the embedding table lookups read one row of per token; a tied bf16 head is read from it (no
-           # second copy), an int8 or float32 head's panels are a copy beside it
-           "embedding_bytes": embed.numel() * embed.element_size(), "decode_step": engine.decode_step_in_use(),
-           "tokenizer": engine.tokenizer_in_use(),   # with transformers imported or not: part of the RSS
-           "resident_ids": engine.resident_ids, "context": len(prompts[0]), "rss_after_warmup_bytes": rss_warm}
+    out: dict[str, Any] = {
+        "model": engine.name,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "layers": engine.num_layers,
+        "parameters": parameter_count(engine),
+        "weights": engine.weights,
+        "weights_in_use": engine.weights_in_use(),
+        "kernel": native_mod.kernel_name(),
+        "native_reason": engine.fwd.native_reason,
+        "weight_bytes": wbytes,
+        # the embedding table lookups read one row of per token; a tied bf16 head is read from it (no
+        # second copy), an int8 or float32 head's panels are a copy beside it
+        "embedding_bytes": embed.numel() * embed.element_size(),
+        "decode_step": engine.decode_step_in_use(),
+        "tokenizer": engine.tokenizer_in_use(),  # with transformers imported or not: part of the RSS
+        "resident_ids": engine.resident_ids,
+        "context": len(prompts[0]),
+        "rss_after_warmup_bytes": rss_warm,
+    }
     bound_ms = 1000 * wbytes / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
     cal = engine.calibration
-    spec_p = SamplingParams(max_tokens=max_tokens, exit_layer=cal.exit_layer, draft_k=cal.draft_k, ignore_eos=True,
-                            prompt_lookup=False, draft=DraftKind.EARLY_EXIT)
+    spec_p = SamplingParams(
+        max_tokens=max_tokens,
+        exit_layer=cal.exit_layer,
+        draft_k=cal.draft_k,
+        ignore_eos=True,
+        prompt_lookup=False,
+        draft=DraftKind.EARLY_EXIT,
+    )
     _decode_ms_per_token(engine, prompts[:1], spec_p, 1)
     plain_ms, plain_out = _decode_ms_per_token(engine, prompts, plain_p, repeats)
     spec_ms, spec_out = _decode_ms_per_token(engine, prompts, spec_p, repeats)
-    out.update(plain_ms_per_token=round(plain_ms, 4),
-               bandwidth_bound_ms_per_token=round(bound_ms, 4) if bound_ms else None,
-               plain_vs_bound=round(plain_ms / bound_ms, 2) if bound_ms else None,
-               early_exit={"exit_layer": cal.exit_layer, "k": cal.draft_k, "ms_per_token": round(spec_ms, 4),
-                           "gain": round(plain_ms / spec_ms, 3), "greedy_identical": spec_out == plain_out})
-    log(f"  plain {plain_ms:.3f} ms/token (bandwidth bound {bound_ms or float('nan'):.3f}); "
-        f"early exit E={cal.exit_layer} K={cal.draft_k}: {spec_ms:.3f} ms/token, identical {spec_out == plain_out}")
+    out.update(
+        plain_ms_per_token=round(plain_ms, 4),
+        bandwidth_bound_ms_per_token=round(bound_ms, 4) if bound_ms else None,
+        plain_vs_bound=round(plain_ms / bound_ms, 2) if bound_ms else None,
+        early_exit={
+            "exit_layer": cal.exit_layer,
+            "k": cal.draft_k,
+            "ms_per_token": round(spec_ms, 4),
+            "gain": round(plain_ms / spec_ms, 3),
+            "greedy_identical": spec_out == plain_out,
+        },
+    )
+    log(
+        f"  plain {plain_ms:.3f} ms/token (bandwidth bound {bound_ms or float('nan'):.3f}); "
+        f"early exit E={cal.exit_layer} K={cal.draft_k}: {spec_ms:.3f} ms/token, identical {spec_out == plain_out}"
+    )
     by_k, native_by_k = {}, {}
     seq = engine.new_sequence(len(prompts[0]) + max_k + 2)
     engine.prefill(seq, prompts[0], None)  # once for every K
@@ -355,14 +461,24 @@ def report_model(engine, prompts: list[list[int]], repeats: int, max_tokens: int
     log(f"  cold prefill of {len(prompts[0])} tokens: {pf_ms:.1f} ms ({out['prefill_tokens_per_s']} tokens/s)")
     if engine.fwd.native is not None:
         out.update(matmul_arithmetic(engine.fwd.native, max_k, plain_ms))
-        log(f"  matmul arithmetic alone (weights in cache): {out['matmul_arithmetic_ms_by_rows']} ms by rows; "
-            f"÷ a plain step, by K: {out['matmul_arithmetic_vs_plain_by_k']}")
+        log(
+            f"  matmul arithmetic alone (weights in cache): {out['matmul_arithmetic_ms_by_rows']} ms by rows; "
+            f"÷ a plain step, by K: {out['matmul_arithmetic_vs_plain_by_k']}"
+        )
     if sampling:
         sampled: dict[str, dict[str, Any]] = {}
         for name, spec in (("plain", False), (DraftKind.EARLY_EXIT.value, True)):
-            p = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, speculative=spec, ignore_eos=True,
-                               exit_layer=cal.exit_layer if spec else None, draft_k=cal.draft_k if spec else None,
-                               prompt_lookup=False, draft=DraftKind.EARLY_EXIT if spec else None)
+            p = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=1,
+                speculative=spec,
+                ignore_eos=True,
+                exit_layer=cal.exit_layer if spec else None,
+                draft_k=cal.draft_k if spec else None,
+                prompt_lookup=False,
+                draft=DraftKind.EARLY_EXIT if spec else None,
+            )
             try:
                 ms, outs = _decode_ms_per_token(engine, prompts[:2], p, 1)
                 sampled[name] = {"ms_per_token": round(ms, 4), "tokens": sum(len(o) for o in outs)}
@@ -379,13 +495,18 @@ def matmul_arithmetic(native, max_k: int, plain_ms: float) -> dict:
     A pass cannot cost less than its arithmetic, however well the stream of weights hides under it, so
     the K row ÷ a plain step is a floor for verify_cost_by_k (attention, norms and argmax left out)."""
     by_format = native.bytes_by_format()
-    ms = {rows: 1000 * sum(size / native.arithmetic_rate(fmt, rows) for fmt, size in by_format.items())
-          for rows in range(1, max_k + 2)}
-    return {"matmul_arithmetic_ms_by_rows": {str(r): round(v, 4) for r, v in ms.items()},
-            "matmul_arithmetic_vs_plain_by_k": {str(k): round(ms[k + 1] / plain_ms, 3) for k in range(1, max_k + 1)}}
+    ms = {
+        rows: 1000 * sum(size / native.arithmetic_rate(fmt, rows) for fmt, size in by_format.items())
+        for rows in range(1, max_k + 2)
+    }
+    return {
+        "matmul_arithmetic_ms_by_rows": {str(r): round(v, 4) for r, v in ms.items()},
+        "matmul_arithmetic_vs_plain_by_k": {str(k): round(ms[k + 1] / plain_ms, 3) for k in range(1, max_k + 1)},
+    }
 
 
 # ----------------------------------------------------------------------------- the llama.cpp peer
+
 
 def llama_tools(path: Path) -> tuple[Path, Path]:
     """llama-bench and llama-quantize from PATH: the folder holding both, or llama-bench itself (then
@@ -448,17 +569,28 @@ def parse_llama_bench(text: str) -> dict:
     r = rows[0]
     n = int(r["n_gen"])
     samples = [s / n / 1e6 for s in r.get("samples_ns") or [r["avg_ns"]]]
-    return {"ms_per_token": round(statistics.median(samples), 4), "mean_ms_per_token": round(r["avg_ns"] / n / 1e6, 4),
-            "samples_ms_per_token": [round(s, 4) for s in samples], "n_gen": n, "n_depth": r.get("n_depth"),
-            "threads": r.get("n_threads"), "model_type": r.get("model_type"), "model_bytes": r.get("model_size"),
-            "build": f"{r.get('build_commit')} ({r.get('build_number')})", "cpu": r.get("cpu_info")}
+    return {
+        "ms_per_token": round(statistics.median(samples), 4),
+        "mean_ms_per_token": round(r["avg_ns"] / n / 1e6, 4),
+        "samples_ms_per_token": [round(s, 4) for s in samples],
+        "n_gen": n,
+        "n_depth": r.get("n_depth"),
+        "threads": r.get("n_threads"),
+        "model_type": r.get("model_type"),
+        "model_bytes": r.get("model_size"),
+        "build": f"{r.get('build_commit')} ({r.get('build_number')})",
+        "cpu": r.get("cpu_info"),
+    }
 
 
 def parse_llama_passes(text: str) -> dict[int, float]:
     """{tokens in the pass: median ms of one pass} from `llama-bench -n 0 -o json` output (its prompt rows:
     each sample the time of one pass over n_prompt new tokens after n_depth cached ones)."""
-    passes = {int(r["n_prompt"]): round(statistics.median(r.get("samples_ns") or [r["avg_ns"]]) / 1e6, 4)
-              for r in _llama_json(text) if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0}
+    passes = {
+        int(r["n_prompt"]): round(statistics.median(r.get("samples_ns") or [r["avg_ns"]]) / 1e6, 4)
+        for r in _llama_json(text)
+        if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0
+    }
     if not passes:
         raise BenchDeviceError(f"llama-bench printed no prompt-processing result: {text[:300]!r}")
     return passes
@@ -473,8 +605,11 @@ def run_llama_passes(bench: Path, gguf: str, ks: list[int], context: int, thread
     missing = [r for r in rows if r not in ms]
     if missing:
         raise BenchDeviceError(f"llama-bench reported no pass over {missing} tokens: {out[:300]!r}")
-    return {"pass_ms_by_rows": {str(r): ms[r] for r in rows},
-            "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks}, "pass_command": cmd}
+    return {
+        "pass_ms_by_rows": {str(r): ms[r] for r in rows},
+        "pass_cost_by_k": {str(k): round(ms[k + 1] / ms[1], 3) for k in ks},
+        "pass_command": cmd,
+    }
 
 
 def run_llama_prefill(bench: Path, gguf: str, context: int, threads: int, repeats: int) -> dict:
@@ -484,15 +619,34 @@ def run_llama_prefill(bench: Path, gguf: str, context: int, threads: int, repeat
     ms = parse_llama_passes(out)
     if context not in ms:
         raise BenchDeviceError(f"llama-bench reported no prompt of {context} tokens: {out[:300]!r}")
-    return {"prefill_ms": ms[context], "prefill_tokens_per_s": round(1000 * context / ms[context], 1),
-            "prefill_command": cmd}
+    return {
+        "prefill_ms": ms[context],
+        "prefill_tokens_per_s": round(1000 * context / ms[context], 1),
+        "prefill_command": cmd,
+    }
 
 
-def _llama_bench(bench: Path, gguf: str, prompt: str, gen: int, depth: int, threads: int,
-                 repeats: int) -> tuple[str, str]:
+def _llama_bench(
+    bench: Path, gguf: str, prompt: str, gen: int, depth: int, threads: int, repeats: int
+) -> tuple[str, str]:
     """One llama-bench run (`-p prompt -n gen -d depth`): its JSON output and the command line."""
-    cmd = [str(bench), "-m", gguf, "-p", prompt, "-n", str(gen), "-d", str(depth), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
+    cmd = [
+        str(bench),
+        "-m",
+        gguf,
+        "-p",
+        prompt,
+        "-n",
+        str(gen),
+        "-d",
+        str(depth),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise BenchDeviceError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-800:]}")
@@ -510,16 +664,21 @@ def llama_peer(model_dir: Path, folder: Path, args: argparse.Namespace, threads:
     out = {"layout": made["layout"], "types": {}}
     for kind, f in made["files"].items():
         log(f"  llama-bench {kind}: tg{args.max_tokens} at depth {args.context}, {threads} threads")
-        out["types"][kind] = {**run_llama_bench(bench, f["path"], args.max_tokens, args.context, threads,
-                                                args.llama_repeats), "made_by": f["made_by"]}
+        out["types"][kind] = {
+            **run_llama_bench(bench, f["path"], args.max_tokens, args.context, threads, args.llama_repeats),
+            "made_by": f["made_by"],
+        }
         log(f"    {out['types'][kind]['ms_per_token']} ms/token")
         out["types"][kind].update(run_llama_prefill(bench, f["path"], args.context, threads, args.llama_repeats))
         log(f"    cold prefill of {args.context} tokens: {out['types'][kind]['prefill_tokens_per_s']} tokens/s")
         if args.llama_k:
-            out["types"][kind].update(run_llama_passes(bench, f["path"], args.llama_k, args.context, threads,
-                                                       args.llama_repeats))
-            log(f"    a pass over K+1 tokens ÷ one, K={','.join(map(str, args.llama_k))}: "
-                f"{', '.join(map(str, out['types'][kind]['pass_cost_by_k'].values()))}")
+            out["types"][kind].update(
+                run_llama_passes(bench, f["path"], args.llama_k, args.context, threads, args.llama_repeats)
+            )
+            log(
+                f"    a pass over K+1 tokens ÷ one, K={','.join(map(str, args.llama_k))}: "
+                f"{', '.join(map(str, out['types'][kind]['pass_cost_by_k'].values()))}"
+            )
     return out
 
 
@@ -531,8 +690,11 @@ def compare_with_peer(entry: dict, peer: dict) -> None:
     entry["vs_llama_cpp"] = {kind: round(ours / t["ms_per_token"], 3) for kind, t in types.items() if t["ms_per_token"]}
     like = PEER_TYPE.get(entry["weights_in_use"].split()[0] if entry["weights_in_use"] else "")
     if like in types:
-        entry["peer"] = {"type": like, "ms_per_token": types[like]["ms_per_token"],
-                         "ours_over_peer": entry["vs_llama_cpp"][like]}
+        entry["peer"] = {
+            "type": like,
+            "ms_per_token": types[like]["ms_per_token"],
+            "ours_over_peer": entry["vs_llama_cpp"][like],
+        }
         if types[like].get("prefill_ms") and entry.get("prefill_ms"):
             entry["peer"]["prefill_tokens_per_s"] = types[like]["prefill_tokens_per_s"]
             entry["peer"]["prefill_ours_over_peer"] = round(entry["prefill_ms"] / types[like]["prefill_ms"], 3)
@@ -544,6 +706,7 @@ def compare_with_peer(entry: dict, peer: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- the run
+
 
 def run(args: argparse.Namespace) -> int:
     try:
@@ -568,11 +731,19 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)  # the copy below runs on the threads decoding will have
     threads = threads or torch.get_num_threads()
     bandwidth = copy_bandwidth(device, args.bandwidth_mb)
-    result = {"device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else device,
-              "torch": torch.__version__, "threads": threads, "copy_bandwidth_gbs": round(bandwidth, 1),
-              "context": args.context, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "cuda_graphs": "not built: no captured decode step or verify pass exists yet (issue 11)",
-              "models": [], "llama_cpp": {}}
+    result = {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else device,
+        "torch": torch.__version__,
+        "threads": threads,
+        "copy_bandwidth_gbs": round(bandwidth, 1),
+        "context": args.context,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "cuda_graphs": "not built: no captured decode step or verify pass exists yet (issue 11)",
+        "models": [],
+        "llama_cpp": {},
+    }
     log(f"{result['device_name']}: copy bandwidth {bandwidth:.1f} GB/s (read + write), {threads} threads")
     with tempfile.TemporaryDirectory(prefix="completiond-device-") as tmp:
         for name in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -589,9 +760,14 @@ def _run(args: argparse.Namespace) -> int:
                 rss_before = rss_bytes()
                 t0 = time.perf_counter()
                 try:
-                    engine = Engine.load(path if path is not None else name if name != "bundled" else None,
-                                         device=device, dtype=args.dtype, threads=threads, weights=weights,
-                                         reader=reader)
+                    engine = Engine.load(
+                        path if path is not None else name if name != "bundled" else None,
+                        device=device,
+                        dtype=args.dtype,
+                        threads=threads,
+                        weights=weights,
+                        reader=reader,
+                    )
                 except (EngineError, ValueError, OSError) as exc:
                     result["models"].append({"model": label, "weights": weights, "reader": reader, "error": str(exc)})
                     log(f"  not measured: {exc}")
@@ -603,13 +779,26 @@ def _run(args: argparse.Namespace) -> int:
                 prompts = context_prompts(engine.tokenizer, args.prompts, args.context)
                 log(f"  weights {weights}: loaded in {load_s:.1f} s, {engine.decode_step_in_use()}")
                 with torch.inference_mode():
-                    entry = report_model(engine, prompts, args.repeats, args.max_tokens, args.max_k, bandwidth, log,
-                                         sampling=not args.no_sampling)
-                entry.update(vocab=vocab, load_s=round(load_s, 2), rss_before_load_bytes=rss_before,
-                             reader=("completiond (engine/checkpoint.py)" if isinstance(engine.model, CausalLM)
-                                     else "transformers"),
-                             rss_after_load_bytes=rss_after,
-                             rss_load_delta_bytes=rss_after - rss_before if rss_after and rss_before else None)
+                    entry = report_model(
+                        engine,
+                        prompts,
+                        args.repeats,
+                        args.max_tokens,
+                        args.max_k,
+                        bandwidth,
+                        log,
+                        sampling=not args.no_sampling,
+                    )
+                entry.update(
+                    vocab=vocab,
+                    load_s=round(load_s, 2),
+                    rss_before_load_bytes=rss_before,
+                    reader=(
+                        "completiond (engine/checkpoint.py)" if isinstance(engine.model, CausalLM) else "transformers"
+                    ),
+                    rss_after_load_bytes=rss_after,
+                    rss_load_delta_bytes=rss_after - rss_before if rss_after and rss_before else None,
+                )
                 if rss_after and rss_before:
                     # the whole process (Python, torch and the model) and what the load added, each ÷ the
                     # weights the step streams
@@ -631,14 +820,20 @@ def _run(args: argparse.Namespace) -> int:
                 for entry in ours:
                     compare_with_peer(entry, peer)
                     if "peer" in entry:
-                        log(f"  weights {entry['weights']}: ours {entry['plain_ms_per_token']} ms/token ÷ llama.cpp "
-                            f"{entry['peer']['type']} {entry['peer']['ms_per_token']} = {entry['peer']['ours_over_peer']}")
+                        log(
+                            f"  weights {entry['weights']}: ours {entry['plain_ms_per_token']} ms/token ÷ llama.cpp "
+                            f"{entry['peer']['type']} {entry['peer']['ms_per_token']} = {entry['peer']['ours_over_peer']}"
+                        )
                         if "prefill_ours_over_peer" in entry["peer"]:
-                            log(f"    cold prefill: ours {entry['prefill_tokens_per_s']} tokens/s, llama.cpp "
-                                f"{entry['peer']['prefill_tokens_per_s']} (ms ÷ {entry['peer']['prefill_ours_over_peer']})")
+                            log(
+                                f"    cold prefill: ours {entry['prefill_tokens_per_s']} tokens/s, llama.cpp "
+                                f"{entry['peer']['prefill_tokens_per_s']} (ms ÷ {entry['peer']['prefill_ours_over_peer']})"
+                            )
                         for k, theirs in entry["peer"].get("pass_cost_by_k", {}).items():
-                            log(f"    K={k}: a verify pass costs {entry['peer']['verify_cost_by_k'].get(k, '?')} "
-                                f"steps here, {theirs} in llama.cpp")
+                            log(
+                                f"    K={k}: a verify pass costs {entry['peer']['verify_cost_by_k'].get(k, '?')} "
+                                f"steps here, {theirs} in llama.cpp"
+                            )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -656,9 +851,13 @@ def _model_path(name: str, tmp: Path, vocab: str) -> tuple[Path | None, str, str
         which = f"{'real' if vocab == 'real' else 'bundled tokenizer'}: {size} tokens"
         # Written by a child process: the allocator of this one would keep the pages of a model's worth of
         # freed tensors, and the RSS measured around the engine's load would count them.
-        code = ("import sys; from pathlib import Path; from completiond.commands.bench_device import random_model; "
-                "random_model(sys.argv[1], Path(sys.argv[2]), sys.argv[3])")
-        done = subprocess.run([sys.executable, "-c", code, name, str(tmp / name), vocab], capture_output=True, text=True)
+        code = (
+            "import sys; from pathlib import Path; from completiond.commands.bench_device import random_model; "
+            "random_model(sys.argv[1], Path(sys.argv[2]), sys.argv[3])"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, name, str(tmp / name), vocab], capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise BenchDeviceError(f"writing the random {name} failed: {done.stderr[-800:]}")
         return tmp / name, f"{name} (random weights, {size}-token vocabulary)", which
@@ -673,11 +872,15 @@ def _model_path(name: str, tmp: Path, vocab: str) -> tuple[Path | None, str, str
 
 
 def _print_table(r: dict) -> None:
-    print(f"\n{r['device_name']} (torch {r['torch']}, {r['threads']} threads), copy bandwidth "
-          f"{r['copy_bandwidth_gbs']} GB/s; context {r['context']}; CUDA graphs: {r['cuda_graphs']}")
-    print("| model | weights | plain ms/token | bound ms/token | llama.cpp (type) ms/token | ours ÷ peer | cold prefill "
-          "tokens/s (llama.cpp) | RSS delta ÷ weight bytes | early exit ms/token (identical) | verify cost K=1..8 | "
-          "its arithmetic floor | sampling 0.8 |")
+    print(
+        f"\n{r['device_name']} (torch {r['torch']}, {r['threads']} threads), copy bandwidth "
+        f"{r['copy_bandwidth_gbs']} GB/s; context {r['context']}; CUDA graphs: {r['cuda_graphs']}"
+    )
+    print(
+        "| model | weights | plain ms/token | bound ms/token | llama.cpp (type) ms/token | ours ÷ peer | cold prefill "
+        "tokens/s (llama.cpp) | RSS delta ÷ weight bytes | early exit ms/token (identical) | verify cost K=1..8 | "
+        "its arithmetic floor | sampling 0.8 |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in r["models"]:
         if "error" in m:
@@ -689,11 +892,14 @@ def _print_table(r: dict) -> None:
         smp = "; ".join(f"{k}: {v.get('ms_per_token', v.get('error'))}" for k, v in m.get("sampling_t0.8", {}).items())
         peer = m.get("peer")
         peer_cell = f"{peer['ms_per_token']} ({peer['type']})" if peer else ""
-        prefill = f"{m.get('prefill_tokens_per_s', '')}" + (f" ({peer['prefill_tokens_per_s']})"
-                                                             if peer and "prefill_tokens_per_s" in peer else "")
-        print(f"| {m['model']} | {m['weights_in_use']} | {m['plain_ms_per_token']} | {m['bandwidth_bound_ms_per_token']} | "
-              f"{peer_cell} | {peer['ours_over_peer'] if peer else ''} | {prefill} | {m.get('rss_delta_vs_weight_bytes', '')} | "
-              f"{ee['ms_per_token']} ({ee['greedy_identical']}) | {vc} | {floor} | {smp} |")
+        prefill = f"{m.get('prefill_tokens_per_s', '')}" + (
+            f" ({peer['prefill_tokens_per_s']})" if peer and "prefill_tokens_per_s" in peer else ""
+        )
+        print(
+            f"| {m['model']} | {m['weights_in_use']} | {m['plain_ms_per_token']} | {m['bandwidth_bound_ms_per_token']} | "
+            f"{peer_cell} | {peer['ours_over_peer'] if peer else ''} | {prefill} | {m.get('rss_delta_vs_weight_bytes', '')} | "
+            f"{ee['ms_per_token']} ({ee['greedy_identical']}) | {vc} | {floor} | {smp} |"
+        )
     for label, peer in r.get("llama_cpp", {}).items():
         kinds = ", ".join(f"{k} {t['ms_per_token']}" for k, t in peer["types"].items())
         print(f"llama.cpp on {label} (GGUF layout {peer['layout']}): {kinds} ms/token")

@@ -69,8 +69,10 @@ def default_files(count: int = 4) -> list[Path]:
         if spec is None or not spec.submodule_search_locations:
             continue
         root = Path(next(iter(spec.submodule_search_locations)))
-        found = sorted((p for p in root.rglob("*.py") if 4_000 <= p.stat().st_size <= 40_000),
-                       key=lambda p: (-p.stat().st_size, str(p)))
+        found = sorted(
+            (p for p in root.rglob("*.py") if 4_000 <= p.stat().st_size <= 40_000),
+            key=lambda p: (-p.stat().st_size, str(p)),
+        )
         if found:
             per_package.append(found)
     files: list[Path] = []
@@ -85,8 +87,11 @@ def default_files(count: int = 4) -> list[Path]:
 
 def code_lines(text: str) -> list[int]:
     """Lines a cursor may end on: some code on them, not a comment or a string's line."""
-    return [i for i, line in enumerate(text.split("\n"))
-            if len(line.strip()) >= 8 and not line.strip().startswith(("#", '"', "'"))]
+    return [
+        i
+        for i, line in enumerate(text.split("\n"))
+        if len(line.strip()) >= 8 and not line.strip().startswith(("#", '"', "'"))
+    ]
 
 
 def far_line(candidates: list[int], current: int, rng: random.Random) -> int:
@@ -105,12 +110,15 @@ def model_for(name: str | None, tmp: Path) -> tuple[str, str]:
     if not name or name == "bundled":
         return "", "bundled"
     if name.startswith(SHAPE_PREFIX):
-        shape = name[len(SHAPE_PREFIX):]
+        shape = name[len(SHAPE_PREFIX) :]
         # A child process, as bench-device writes them (and the bench command never imports bench-device).
-        code = ("import sys; from pathlib import Path; from completiond.commands.bench_device import random_model; "
-                "random_model(sys.argv[1], Path(sys.argv[2]))")
-        done = subprocess.run([sys.executable, "-c", code, shape, str(tmp / "model")], check=False,
-                              capture_output=True, text=True)
+        code = (
+            "import sys; from pathlib import Path; from completiond.commands.bench_device import random_model; "
+            "random_model(sys.argv[1], Path(sys.argv[2]))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code, shape, str(tmp / "model")], check=False, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise CompletionError(f"writing a random {shape} failed: {done.stderr.strip().splitlines()[-1:]}")
         return str(tmp / "model"), f"{shape} (random weights)"
@@ -146,9 +154,19 @@ class _Req:
         return None if self.answered is None or self.cancelled or self.error else (self.answered - self.sent) * 1000
 
 
-async def _session(model: str, files: list[Path], rounds: int, jumps: int, keystrokes: int, settings: dict[str, Any],
-                   runtime_dir: Path, timeout_s: float, seed: int, progress: Callable[[str], None] | None,
-                   lsp_command: list[str] | None) -> dict[str, Any]:
+async def _session(
+    model: str,
+    files: list[Path],
+    rounds: int,
+    jumps: int,
+    keystrokes: int,
+    settings: dict[str, Any],
+    runtime_dir: Path,
+    timeout_s: float,
+    seed: int,
+    progress: Callable[[str], None] | None,
+    lsp_command: list[str] | None,
+) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
 
@@ -169,16 +187,19 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
     versions: dict[Path, int] = {}
 
     async def stats() -> dict[str, Any]:
-        result: Any = await asyncio.wait_for(client.workspace_execute_command_async(
-            types.ExecuteCommandParams(command="completiond.stats")), 60)
+        result: Any = await asyncio.wait_for(
+            client.workspace_execute_command_async(types.ExecuteCommandParams(command="completiond.stats")), 60
+        )
         return result if isinstance(result, dict) else {}
 
     def send(event: str, f: Path, line: int, character: int) -> tuple[_Req, str, asyncio.Future]:
         req = _Req(event)
         msg_id = f"edit-{next(ids)}"
         params = types.InlineCompletionParams(
-            text_document=types.TextDocumentIdentifier(uri=uris[f]), position=types.Position(line, character),
-            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic))
+            text_document=types.TextDocumentIdentifier(uri=uris[f]),
+            position=types.Position(line, character),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
+        )
         cf: Future = client.protocol.send_request(types.TEXT_DOCUMENT_INLINE_COMPLETION, params, msg_id=msg_id)
         fut = asyncio.wrap_future(cf)
 
@@ -210,8 +231,13 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
 
     def open_file(f: Path) -> None:
         versions[f] = versions.get(f, 0) + 1
-        client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(
-            uri=uris[f], language_id="python", version=versions[f], text=texts[f])))
+        client.text_document_did_open(
+            types.DidOpenTextDocumentParams(
+                text_document=types.TextDocumentItem(
+                    uri=uris[f], language_id="python", version=versions[f], text=texts[f]
+                )
+            )
+        )
 
     def change(f: Path, text: str, partial: tuple[int, int, str] | None = None) -> None:
         versions[f] += 1
@@ -220,23 +246,26 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
         else:
             pos = types.Position(partial[0], partial[1])
             changes = [types.TextDocumentContentChangePartial(range=types.Range(start=pos, end=pos), text=partial[2])]
-        client.text_document_did_change(types.DidChangeTextDocumentParams(
-            text_document=types.VersionedTextDocumentIdentifier(uri=uris[f], version=versions[f]),
-            content_changes=changes))
+        client.text_document_did_change(
+            types.DidChangeTextDocumentParams(
+                text_document=types.VersionedTextDocumentIdentifier(uri=uris[f], version=versions[f]),
+                content_changes=changes,
+            )
+        )
 
     async def retype(f: Path, li: int) -> None:
         """Line li retyped from its indentation, `keystrokes` characters at most; the file as it was after."""
         original = texts[f]
         lines = original.split("\n")
         line = lines[li]
-        indent = line[:len(line) - len(line.lstrip())]
+        indent = line[: len(line) - len(line.lstrip())]
         typed_lines = list(lines)
         typed_lines[li] = indent
         change(f, "\n".join(typed_lines))
         col = _utf16_len(indent)
         before = await stats()
         pending: tuple[_Req, str, asyncio.Future] | None = None
-        for ch in line[len(indent):][:keystrokes]:
+        for ch in line[len(indent) :][:keystrokes]:
             change(f, "", (li, col, ch))
             col += _utf16_len(ch)
             if pending is not None and not pending[2].done():
@@ -253,17 +282,27 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
 
     cursor: dict[Path, int] = {}
     try:
-        await client.initialize_async(types.InitializeParams(
-            process_id=os.getpid(), capabilities=types.ClientCapabilities(
-                general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])),
-            initialization_options={"completiond": init},
-            workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")]))
+        await client.initialize_async(
+            types.InitializeParams(
+                process_id=os.getpid(),
+                capabilities=types.ClientCapabilities(
+                    general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
+                ),
+                initialization_options={"completiond": init},
+                workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
+            )
+        )
         client.initialized(types.InitializedParams())
         deadline = time.monotonic() + timeout_s
         warm = runtime_dir / "warm.py"
         warm.write_text("import os\n\n\ndef main():\n    return os\n", encoding="utf-8")
-        client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(
-            uri=warm.as_uri(), language_id="python", version=1, text=warm.read_text())))
+        client.text_document_did_open(
+            types.DidOpenTextDocumentParams(
+                text_document=types.TextDocumentItem(
+                    uri=warm.as_uri(), language_id="python", version=1, text=warm.read_text()
+                )
+            )
+        )
         while True:  # the daemon loads the model: wait, then one unmeasured request in a file of its own
             st = (await stats()).get("status") or {}
             if st.get("state") in ("ready", "busy"):
@@ -312,8 +351,9 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
                     await measured("switch", f, cursor[f])
             if r + 1 < rounds:
                 for f in files:
-                    client.text_document_did_close(types.DidCloseTextDocumentParams(
-                        text_document=types.TextDocumentIdentifier(uri=uris[f])))
+                    client.text_document_did_close(
+                        types.DidCloseTextDocumentParams(text_document=types.TextDocumentIdentifier(uri=uris[f]))
+                    )
         outstanding = [q for q in requests if q.answered is None]
         for _ in range(int(30 / 0.05)):
             if all(q.answered is not None for q in outstanding):
@@ -334,10 +374,14 @@ async def _session(model: str, files: list[Path], rounds: int, jumps: int, keyst
         times = [q.ms for q in mine if q.ms is not None]
         prompt = sum(q.prompt for q in mine)
         daemon = [q.engine_ms for q in mine if q.engine_ms is not None]
-        events[kind] = {"p50_ms": _round(_percentile(times, 0.5)), "p95_ms": _round(_percentile(times, 0.95)),
-                        "max_ms": _round(max(times) if times else None), "count": len(times),
-                        "daemon_p50_ms": _round(_percentile(daemon, 0.5)),
-                        "cache_served_fraction": _round(sum(q.reused for q in mine) / prompt, 3) if prompt else None}
+        events[kind] = {
+            "p50_ms": _round(_percentile(times, 0.5)),
+            "p95_ms": _round(_percentile(times, 0.95)),
+            "max_ms": _round(max(times) if times else None),
+            "count": len(times),
+            "daemon_p50_ms": _round(_percentile(daemon, 0.5)),
+            "cache_served_fraction": _round(sum(q.reused for q in mine) / prompt, 3) if prompt else None,
+        }
     prompt_all = float(last.get("prompt_tokens") or 0) - float(first.get("prompt_tokens") or 0)
     reused_all = float(last.get("reused_tokens") or 0) - float(first.get("reused_tokens") or 0)
     status = last.get("status") or {}
@@ -381,11 +425,22 @@ def _daemon_rss_mb(xdg_dir: Path) -> float | None:
     return None
 
 
-def run_editing_bench(model: str | None = None, files: list[Path] | None = None, *, rounds: int = 2, jumps: int = 3,
-                      keystrokes: int = 8, weights: str | None = None, threads: int | None = None,
-                      settings: dict[str, Any] | None = None, timeout_s: float = 1800.0, seed: int = 0,
-                      progress: Callable[[str], None] | None = None,
-                      lsp_command: list[str] | None = None, prefetch: bool | None = None) -> dict[str, Any]:
+def run_editing_bench(
+    model: str | None = None,
+    files: list[Path] | None = None,
+    *,
+    rounds: int = 2,
+    jumps: int = 3,
+    keystrokes: int = 8,
+    weights: str | None = None,
+    threads: int | None = None,
+    settings: dict[str, Any] | None = None,
+    timeout_s: float = 1800.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    lsp_command: list[str] | None = None,
+    prefetch: bool | None = None,
+) -> dict[str, Any]:
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
     model: None / "bundled", a model directory, a hub id, or `shape:` and a bench-device shape (random weights,
@@ -395,8 +450,10 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
     files = [Path(f) for f in files] if files else default_files()
     base = Path(tempfile.mkdtemp(prefix="completiond-editing-"))
     # The daemon inherits these through the LSP.
-    env = {"COMPLETIOND_THREADS": str(threads) if threads else None,
-           "COMPLETIOND_PREFETCH": None if prefetch is None else str(int(prefetch))}
+    env = {
+        "COMPLETIOND_THREADS": str(threads) if threads else None,
+        "COMPLETIOND_PREFETCH": None if prefetch is None else str(int(prefetch)),
+    }
     saved = {name: os.environ.get(name) for name, value in env.items() if value is not None}
     try:
         os.environ.update({name: value for name, value in env.items() if value is not None})
@@ -404,11 +461,19 @@ def run_editing_bench(model: str | None = None, files: list[Path] | None = None,
         extra = {**shape_settings(model), **(settings or {})}
         if weights:
             extra["weights"] = weights
-        result = asyncio.run(_session(model_setting, files, rounds, jumps, keystrokes, extra, base, timeout_s, seed,
-                                      progress, lsp_command))
+        result = asyncio.run(
+            _session(
+                model_setting, files, rounds, jumps, keystrokes, extra, base, timeout_s, seed, progress, lsp_command
+            )
+        )
         result["daemon_rss_mb"] = _daemon_rss_mb(base)
-        result.update(model_label=label, weights=weights or "auto", threads=threads, settings=extra,
-                      prefetch_setting="default" if prefetch is None else ("on" if prefetch else "off"))
+        result.update(
+            model_label=label,
+            weights=weights or "auto",
+            threads=threads,
+            settings=extra,
+            prefetch_setting="default" if prefetch is None else ("on" if prefetch else "off"),
+        )
         return result
     finally:
         for name, old in saved.items():

@@ -31,7 +31,7 @@ def engine_loss(engine, windows) -> float:
         logits = []
         with torch.inference_mode():
             for start in range(0, len(ids), CHUNK):
-                chunk = ids[start:start + CHUNK]
+                chunk = ids[start : start + CHUNK]
                 h = engine.run_layers(engine.embed(chunk), 0, engine.num_layers, start, seq)
                 seq.commit(chunk)
                 logits.append(engine.head(h).float())
@@ -45,8 +45,12 @@ def hf_loss(model, windows) -> float:
 
     x, y = windows
     with torch.inference_mode():
-        return sum(F.cross_entropy(model(input_ids=x[i:i + 1]).logits[0].float(), y[i]).item()
-                   for i in range(x.shape[0])) / x.shape[0]
+        return (
+            sum(
+                F.cross_entropy(model(input_ids=x[i : i + 1]).logits[0].float(), y[i]).item() for i in range(x.shape[0])
+            )
+            / x.shape[0]
+        )
 
 
 def engine_greedy(engine, ids, max_new, stop_ids=(), stop_fn=None, tok=None):
@@ -55,18 +59,20 @@ def engine_greedy(engine, ids, max_new, stop_ids=(), stop_fn=None, tok=None):
     from completiond.engine.engine import SamplingParams
 
     engine.cache.clear()  # each prompt cold: no reuse between formats or positions
-    out = engine.generate(list(ids), SamplingParams(max_tokens=max_new, speculative=False, ignore_eos=True),
-                          history=None).tokens
+    out = engine.generate(
+        list(ids), SamplingParams(max_tokens=max_new, speculative=False, ignore_eos=True), history=None
+    ).tokens
     for i, t in enumerate(out):
         if t in stop_ids:
             return out[:i], True
-        if stop_fn is not None and stop_fn(tok.decode(out[:i + 1])):
-            return out[:i + 1], False
+        if stop_fn is not None and stop_fn(tok.decode(out[: i + 1])):
+            return out[: i + 1], False
     return out, False
 
 
-def measure_quality(model: str | None, formats: list[str], windows: int = 48, positions: int = 200,
-                    device: str = "cpu", log=print) -> dict:
+def measure_quality(
+    model: str | None, formats: list[str], windows: int = 48, positions: int = 200, device: str = "cpu", log=print
+) -> dict:
     """{format: {heldout_loss, next_line: {left_to_right, fim_spm}}} plus the costs against the reference."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,26 +99,36 @@ def measure_quality(model: str | None, formats: list[str], windows: int = 48, po
         else:
             engine = Engine.load(model, device=device, weights=fmt)
             if engine.weights_in_use() != fmt:  # the native step could not be built: these are not fmt's values
-                raise EngineError(f"weights {fmt}: the engine runs {engine.weights_in_use()} "
-                                  f"({engine.fwd.native_reason})")
+                raise EngineError(
+                    f"weights {fmt}: the engine runs {engine.weights_in_use()} ({engine.fwd.native_reason})"
+                )
             tok = engine.tokenizer
             loss = engine_loss(engine, windows_xy)
             nl, n_nl, _ = next_line(engine, tok, files, positions, decode=engine_greedy)
             in_use = engine.weights_in_use()
             del engine
-        rows[fmt] = {"weights_in_use": in_use, "heldout_loss": round(loss, 4),
-                     "next_line_exact_match": {k: round(v["exact_match"], 4) for k, v in nl.items() if k != "baseline"},
-                     "next_line_char_similarity": {k: round(v["char_similarity"], 4) for k, v in nl.items()
-                                                   if k != "baseline"},
-                     "seconds": round(time.perf_counter() - t0, 1)}
-        log(f"{fmt:>8} ({in_use}): held-out loss {loss:.4f} nats, next-line exact match "
-            f"{rows[fmt]['next_line_exact_match']}")
+        rows[fmt] = {
+            "weights_in_use": in_use,
+            "heldout_loss": round(loss, 4),
+            "next_line_exact_match": {k: round(v["exact_match"], 4) for k, v in nl.items() if k != "baseline"},
+            "next_line_char_similarity": {k: round(v["char_similarity"], 4) for k, v in nl.items() if k != "baseline"},
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        log(
+            f"{fmt:>8} ({in_use}): held-out loss {loss:.4f} nats, next-line exact match "
+            f"{rows[fmt]['next_line_exact_match']}"
+        )
     ref = rows["float32"]["heldout_loss"]
     for fmt, row in rows.items():
         if fmt != "float32":
             row["loss_cost_vs_float32_nats"] = round(row["heldout_loss"] - ref, 4)
-    out = {"model": model or "bundled", "heldout_windows": windows, "window_tokens": 512,
-           "next_line_positions": n_nl, "formats": rows}
+    out = {
+        "model": model or "bundled",
+        "heldout_windows": windows,
+        "window_tokens": 512,
+        "next_line_positions": n_nl,
+        "formats": rows,
+    }
     if "int8" in rows:
         base = rows.get("bf16", rows["float32"])["heldout_loss"]
         out["int8_loss_cost_nats"] = round(rows["int8"]["heldout_loss"] - base, 4)

@@ -42,7 +42,7 @@ def measure(text: str, language: str, requests: int, seed: int = 0) -> dict[str,
     if spec is None or spec.language() is None:
         raise ValueError(f"no grammar for {language!r}")
     keeper = DocumentTree(spec, text)
-    keeper.tree(text)   # the first parse happens once, when the document is opened
+    keeper.tree(text)  # the first parse happens once, when the document is opened
     rng = random.Random(seed)
     starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
     parts: dict[str, list[float]] = {"reparse": [], "site": [], "check": [], "total": []}
@@ -59,19 +59,21 @@ def measure(text: str, language: str, requests: int, seed: int = 0) -> dict[str,
         typed = text[:offset] + text[offset] + text[offset:]
         t0 = time.perf_counter()
         keeper.edit(text, offset, offset, text[offset], new_text=typed)
-        tree = keeper.shifted(typed) or keeper.tree(typed)   # as the daemon does
+        tree = keeper.shifted(typed) or keeper.tree(typed)  # as the daemon does
         t1 = time.perf_counter()
         site = site_at(typed, offset + 1, spec, tree)
         t2 = time.perf_counter()
         if site is not None:
-            check(site, body[col + 1:])
+            check(site, body[col + 1 :])
         t3 = time.perf_counter()
-        keeper.edit(typed, offset, offset + 1, "", new_text=text)   # back to the file, untimed
+        keeper.edit(typed, offset, offset + 1, "", new_text=text)  # back to the file, untimed
         for name, v in (("reparse", t1 - t0), ("site", t2 - t1), ("check", t3 - t2), ("total", t3 - t0)):
             parts[name].append(1000 * v)
-    return {name: {"p50_ms": round(statistics.median(v), 3), "p95_ms": round(_pct(v, 0.95), 3),
-                   "max_ms": round(max(v), 3)} for name, v in parts.items() if v} | {
-        "requests": len(parts["total"]), "lines": text.count("\n"), "bytes": len(text.encode()), "language": spec.name}
+    return {
+        name: {"p50_ms": round(statistics.median(v), 3), "p95_ms": round(_pct(v, 0.95), 3), "max_ms": round(max(v), 3)}
+        for name, v in parts.items()
+        if v
+    } | {"requests": len(parts["total"]), "lines": text.count("\n"), "bytes": len(text.encode()), "language": spec.name}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spec = spec_for(str(args.file))
     if spec is None or not one.strip():
-        print(f"completiond bench-syntax: {args.file} is not a source file of a language with a grammar",
-              file=sys.stderr)
+        print(
+            f"completiond bench-syntax: {args.file} is not a source file of a language with a grammar", file=sys.stderr
+        )
         return 2
     text = one if one.endswith("\n") else one + "\n"
     while text.count("\n") < args.lines:

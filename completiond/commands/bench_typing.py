@@ -59,8 +59,11 @@ def default_file() -> Path:
 def pick_lines(text: str, keystrokes: int, min_chars: int = 12) -> list[int]:
     """Indices of lines to retype, spread over the file, totalling about `keystrokes` characters."""
     lines = text.split("\n")
-    candidates = [i for i, line in enumerate(lines)
-                  if len(line.strip()) >= min_chars and not line.strip().startswith(("#", '"', "'"))]
+    candidates = [
+        i
+        for i, line in enumerate(lines)
+        if len(line.strip()) >= min_chars and not line.strip().startswith(("#", '"', "'"))
+    ]
     if not candidates:
         raise ValueError("no line long enough to type in this file")
     mean = sum(len(lines[i].strip()) for i in candidates) / len(candidates)
@@ -96,11 +99,11 @@ def measure_index_updates(file: Path, workspace: Path, keystrokes: int = 200) ->
         typed = 0
         for li in pick_lines(text, keystrokes):
             line = lines[li]
-            indent = line[:len(line) - len(line.lstrip())]
+            indent = line[: len(line) - len(line.lstrip())]
             doc = list(lines)
             doc[li] = indent
             ws.did_change(file, "\n".join(doc), edit_line=li)
-            for ch in line[len(indent):]:
+            for ch in line[len(indent) :]:
                 if typed >= keystrokes:
                     break
                 doc[li] += ch
@@ -109,9 +112,14 @@ def measure_index_updates(file: Path, workspace: Path, keystrokes: int = 200) ->
                 ws.did_change(file, changed, edit_line=li)
                 times.append((time.perf_counter() - t0) * 1000)
                 typed += 1
-        return {"p50_ms": _percentile(times, 0.5), "p95_ms": _percentile(times, 0.95),
-                "max_ms": max(times) if times else None, "changes": len(times),
-                "chunks": len(ws.index), "files": ws.index.files()}
+        return {
+            "p50_ms": _percentile(times, 0.5),
+            "p95_ms": _percentile(times, 0.95),
+            "max_ms": max(times) if times else None,
+            "changes": len(times),
+            "chunks": len(ws.index),
+            "files": ws.index.files(),
+        }
     finally:
         ws.stop()
 
@@ -137,10 +145,20 @@ class _Request:
         self.items = 0
 
 
-async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: float, device: str,
-                 max_tokens: int, runtime_dir: Path, settings: dict[str, Any] | None, timeout_s: float,
-                 progress: Callable[[str], None] | None, lsp_command: list[str] | None,
-                 workspace: Path | None = None) -> dict[str, Any]:
+async def _bench(
+    model: str | None,
+    file: Path,
+    keystrokes: int,
+    interval_ms: float,
+    device: str,
+    max_tokens: int,
+    runtime_dir: Path,
+    settings: dict[str, Any] | None,
+    timeout_s: float,
+    progress: Callable[[str], None] | None,
+    lsp_command: list[str] | None,
+    workspace: Path | None = None,
+) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
 
@@ -156,22 +174,31 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         folder = runtime_dir / "workspace"
         folder.mkdir(exist_ok=True)
         uri = (folder / URI_NAME).as_uri()
-    init = {"model": model or "", "device": device, "maxTokens": max_tokens, "multiline": "never",
-            "idleTimeout": 30, **(settings or {})}
+    init = {
+        "model": model or "",
+        "device": device,
+        "maxTokens": max_tokens,
+        "multiline": "never",
+        "idleTimeout": 30,
+        **(settings or {}),
+    }
 
     client, messages = await start_bench_client("completiond-typing-bench", runtime_dir, lsp_command)
     requests: list[_Request] = []
     ids = iter(range(1, 1 << 30))
 
     async def stats() -> Any:  # the stats dict
-        return await asyncio.wait_for(client.workspace_execute_command_async(
-            types.ExecuteCommandParams(command="completiond.stats")), 60)
+        return await asyncio.wait_for(
+            client.workspace_execute_command_async(types.ExecuteCommandParams(command="completiond.stats")), 60
+        )
 
     def send_inline(line: int, character: int) -> tuple[_Request, asyncio.Future]:
         req = _Request(f"bench-{next(ids)}", time.perf_counter())
         params = types.InlineCompletionParams(
-            text_document=types.TextDocumentIdentifier(uri=uri), position=types.Position(line, character),
-            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic))
+            text_document=types.TextDocumentIdentifier(uri=uri),
+            position=types.Position(line, character),
+            context=types.InlineCompletionContext(trigger_kind=types.InlineCompletionTriggerKind.Automatic),
+        )
         cf: Future = client.protocol.send_request(types.TEXT_DOCUMENT_INLINE_COMPLETION, params, msg_id=req.msg_id)
         fut = asyncio.wrap_future(cf)
 
@@ -191,15 +218,23 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         return req, fut
 
     try:
-        await client.initialize_async(types.InitializeParams(
-            process_id=os.getpid(), capabilities=types.ClientCapabilities(
-                general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])),
-            initialization_options={"completiond": init},
-            workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")]))
+        await client.initialize_async(
+            types.InitializeParams(
+                process_id=os.getpid(),
+                capabilities=types.ClientCapabilities(
+                    general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
+                ),
+                initialization_options={"completiond": init},
+                workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
+            )
+        )
         client.initialized(types.InitializedParams())
         version = 1
-        client.text_document_did_open(types.DidOpenTextDocumentParams(text_document=types.TextDocumentItem(
-            uri=uri, language_id="python", version=version, text=text)))
+        client.text_document_did_open(
+            types.DidOpenTextDocumentParams(
+                text_document=types.TextDocumentItem(uri=uri, language_id="python", version=version, text=text)
+            )
+        )
         deadline = time.monotonic() + timeout_s
         while True:  # the daemon loads the model: wait, then warm up with one unmeasured request
             st = (await stats()).get("status") or {}
@@ -225,14 +260,17 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
             if typed >= keystrokes or time.monotonic() > deadline:
                 break
             line = lines[li]
-            indent = line[:len(line) - len(line.lstrip())]
-            body = line[len(indent):]
+            indent = line[: len(line) - len(line.lstrip())]
+            body = line[len(indent) :]
             doc_lines = list(lines)
             doc_lines[li] = indent
             version += 1
-            client.text_document_did_change(types.DidChangeTextDocumentParams(
-                text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=version),
-                content_changes=[types.TextDocumentContentChangeWholeDocument(text="\n".join(doc_lines))]))
+            client.text_document_did_change(
+                types.DidChangeTextDocumentParams(
+                    text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=version),
+                    content_changes=[types.TextDocumentContentChangeWholeDocument(text="\n".join(doc_lines))],
+                )
+            )
             col = len(indent.encode("utf-16-le")) // 2
             pending: tuple[_Request, asyncio.Future] | None = None
             for ch in body:
@@ -240,10 +278,14 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
                     break
                 pos = types.Position(li, col)
                 version += 1
-                client.text_document_did_change(types.DidChangeTextDocumentParams(
-                    text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=version),
-                    content_changes=[types.TextDocumentContentChangePartial(
-                        range=types.Range(start=pos, end=pos), text=ch)]))
+                client.text_document_did_change(
+                    types.DidChangeTextDocumentParams(
+                        text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=version),
+                        content_changes=[
+                            types.TextDocumentContentChangePartial(range=types.Range(start=pos, end=pos), text=ch)
+                        ],
+                    )
+                )
                 col += len(ch.encode("utf-16-le")) // 2
                 typed += 1
                 if pending is not None and not pending[1].done():
@@ -296,8 +338,9 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
         "model": (after.get("status") or {}).get("model"),
         "device": (after.get("status") or {}).get("device"),
         "engine_mean_ms": (delta("latency_ms_sum") / delta("completed")) if delta("completed") else None,
-        "typed_through": ((after.get("lsp") or {}).get("typed_through", 0) -
-                          (before.get("lsp") or {}).get("typed_through", 0)),
+        "typed_through": (
+            (after.get("lsp") or {}).get("typed_through", 0) - (before.get("lsp") or {}).get("typed_through", 0)
+        ),
         "superseded": superseded,
         "wasted_rounds": delta("wasted_rounds"),
         "rounds_after_cancel_per_superseded": (delta("rounds_after_cancel") / superseded) if superseded else 0.0,
@@ -309,12 +352,22 @@ async def _bench(model: str | None, file: Path, keystrokes: int, interval_ms: fl
     }
 
 
-def run_typing_bench(model: str | None = None, file: Path | None = None, keystrokes: int = 200, *,
-                     interval_ms: float = 100.0, device: str = "auto", max_tokens: int = 16,
-                     runtime_dir: Path | None = None, settings: dict[str, Any] | None = None,
-                     timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
-                     lsp_command: list[str] | None = None,
-                     log: Callable[..., None] | None = None, workspace: Path | None = None) -> dict[str, Any]:
+def run_typing_bench(
+    model: str | None = None,
+    file: Path | None = None,
+    keystrokes: int = 200,
+    *,
+    interval_ms: float = 100.0,
+    device: str = "auto",
+    max_tokens: int = 16,
+    runtime_dir: Path | None = None,
+    settings: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+    lsp_command: list[str] | None = None,
+    log: Callable[..., None] | None = None,
+    workspace: Path | None = None,
+) -> dict[str, Any]:
     """Run the typing benchmark; see the module docstring for what the keys mean.
 
     model: None/"" = the bundled model. file: None = a held-out corpus file.
@@ -328,8 +381,22 @@ def run_typing_bench(model: str | None = None, file: Path | None = None, keystro
     own_dir = runtime_dir is None
     base = Path(runtime_dir) if runtime_dir is not None else Path(tempfile.mkdtemp(prefix="completiond-bench-"))
     try:
-        result = asyncio.run(_bench(model, file, keystrokes, interval_ms, device, max_tokens, base, settings,
-                                    timeout_s, progress, lsp_command, workspace))
+        result = asyncio.run(
+            _bench(
+                model,
+                file,
+                keystrokes,
+                interval_ms,
+                device,
+                max_tokens,
+                base,
+                settings,
+                timeout_s,
+                progress,
+                lsp_command,
+                workspace,
+            )
+        )
         if workspace is not None:
             # After the replay (its daemon is idle by then): the in-process micro-benchmark of didChange.
             result["index_update"] = measure_index_updates(file, Path(workspace), keystrokes)
@@ -384,9 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retrieval", choices=("on", "off"), help="the contextRetrieval setting")
     args = parser.parse_args(argv)
     settings = {"contextRetrieval": args.retrieval} if args.retrieval else None
-    result = run_typing_bench(args.model, args.file, args.keystrokes, interval_ms=args.interval_ms,
-                              device=args.device, max_tokens=args.max_tokens, settings=settings,
-                              progress=lambda m: print(m, file=sys.stderr), workspace=args.workspace)
+    result = run_typing_bench(
+        args.model,
+        args.file,
+        args.keystrokes,
+        interval_ms=args.interval_ms,
+        device=args.device,
+        max_tokens=args.max_tokens,
+        settings=settings,
+        progress=lambda m: print(m, file=sys.stderr),
+        workspace=args.workspace,
+    )
     print(json.dumps(result, indent=2))
     return 0
 

@@ -43,14 +43,16 @@ def parse_target(target: str) -> tuple[Path, int, int]:
 def read_text(path: Path) -> str:
     """The file as UTF-8 text; TargetError saying plainly why not, for binary or other-encoded files."""
     data = path.read_bytes()
-    if b"\0" in data[:1 << 16]:
+    if b"\0" in data[: 1 << 16]:
         raise TargetError(f"{path} is a binary file (it contains NUL bytes); completiond completes text files only")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        raise TargetError(f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line} cannot be "
-                          "decoded); completiond reads source files as UTF-8") from None
+        raise TargetError(
+            f"{path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line} cannot be "
+            "decoded); completiond reads source files as UTF-8"
+        ) from None
 
 
 def cursor_offset(text: str, line_no: int, col_no: int) -> int:
@@ -70,8 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--weights", choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
-                        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)")
+    parser.add_argument(
+        "--weights",
+        choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
+        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)",
+    )
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--multiline", choices=("auto", "always", "never"))
     parser.add_argument("--temperature", type=float)
@@ -83,11 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> tuple[Any, list[str]]:
     cfg, errors = config_mod.load_file(args.config)
-    cfg, more = config_mod.merge(cfg, {
-        "model": args.model, "device": args.device, "dtype": args.dtype, "weights": args.weights,
-        "maxTokens": args.max_tokens,
-        "multiline": args.multiline, "temperature": args.temperature,
-        "speculation": False if args.no_speculation else None})
+    cfg, more = config_mod.merge(
+        cfg,
+        {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "weights": args.weights,
+            "maxTokens": args.max_tokens,
+            "multiline": args.multiline,
+            "temperature": args.temperature,
+            "speculation": False if args.no_speculation else None,
+        },
+    )
     return cfg, errors + more
 
 
@@ -124,14 +137,23 @@ def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = 
     report("starting", 0)  # before torch is imported, which alone takes seconds
     t0 = time.perf_counter()
     completer = load_completer(
-        cfg, progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
-        warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr))
+        cfg,
+        progress=lambda phase, pct, message=None: report(message or LOAD_PHASES[phase][1], pct),
+        warn=lambda message: print(f"completiond: warning: {message}", file=sys.stderr),
+    )
     load_ms = (time.perf_counter() - t0) * 1000
     unserved = language_unserved(completer, None, path)
     if unserved:  # as the daemon answers an editor: nothing, and why
         print(f"completiond: {unserved}", file=sys.stderr)
-        return {"suggestion": None, "finish_reason": "language", "stats": {}, "latency_ms": 0.0,
-                "load_ms": round(load_ms, 1), "model": completer.name, "device": completer.device}
+        return {
+            "suggestion": None,
+            "finish_reason": "language",
+            "stats": {},
+            "latency_ms": 0.0,
+            "load_ms": round(load_ms, 1),
+            "model": completer.name,
+            "device": completer.device,
+        }
     t1 = time.perf_counter()
     # the path names the language (the syntax check of the suggestion) as an editor's document would
     done = suggest(completer, text, offset, dataclasses.replace(cfg, alternatives=1), cancel=CancelToken(), path=path)
@@ -141,9 +163,18 @@ def complete_in_process(cfg: Config, text: str, offset: int, path: str | None = 
     latency = (time.perf_counter() - t1) * 1000
     suggestion = done.suggestion
     return {
-        "suggestion": None if suggestion is None else {"text": suggestion.text, "start": suggestion.start,
-                                                       "end": suggestion.end, "multiline": suggestion.multiline},
-        "finish_reason": done.finish_reason, "stats": done.stats, "latency_ms": round(latency, 2), **described,
+        "suggestion": None
+        if suggestion is None
+        else {
+            "text": suggestion.text,
+            "start": suggestion.start,
+            "end": suggestion.end,
+            "multiline": suggestion.multiline,
+        },
+        "finish_reason": done.finish_reason,
+        "stats": done.stats,
+        "latency_ms": round(latency, 2),
+        **described,
         **({"withheld": done.withheld} if done.withheld and suggestion is None else {}),
     }
 
@@ -168,9 +199,9 @@ async def complete_via_daemon(cfg: Config, path: Path, text: str, offset: int) -
         uri = path.resolve().as_uri()
         client.notify("open", {"uri": uri, "version": 1, "text": text, "languageId": ""})
         t0 = time.perf_counter()
-        result = await client.request("complete", {
-            "uri": uri, "version": 1, "offset": offset,
-            "settings": config_mod.request_settings(cfg)})
+        result = await client.request(
+            "complete", {"uri": uri, "version": 1, "offset": offset, "settings": config_mod.request_settings(cfg)}
+        )
         result["round_trip_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         status = client.welcome.get("status", {})
         result["model"], result["device"] = status.get("model"), status.get("device")
@@ -224,8 +255,17 @@ def run(args: argparse.Namespace) -> int:
             result = complete_in_process(cfg, text, offset, str(path))
     except Exception as exc:  # the CLI's last line of defence: one clear line, not a traceback
         name = type(exc).__name__
-        if name not in ("EngineError", "PromptError", "RemoteError", "TeamServerError", "DaemonUnavailable", "OSError",
-                        "FileNotFoundError", "ValueError", "ConnectionLost"):
+        if name not in (
+            "EngineError",
+            "PromptError",
+            "RemoteError",
+            "TeamServerError",
+            "DaemonUnavailable",
+            "OSError",
+            "FileNotFoundError",
+            "ValueError",
+            "ConnectionLost",
+        ):
             raise
         print(f"completiond complete: {exc}", file=sys.stderr)
         return 1
@@ -238,6 +278,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(suggestion["text"])
         if suggestion["end"] > suggestion["start"]:
-            print(f"(replaces {text[suggestion['start']:suggestion['end']]!r} after the cursor)", file=sys.stderr)
+            print(f"(replaces {text[suggestion['start'] : suggestion['end']]!r} after the cursor)", file=sys.stderr)
     print(_summary(result), file=sys.stderr)
     return 0

@@ -36,9 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from completiond.commands.eval_positions import (  # noqa: F401  (re-exported: their old home)
-    CLOSING_RUN, Position, _position_in_line, _read, pick_positions, source_files)
+    CLOSING_RUN,
+    Position,
+    _position_in_line,
+    _read,
+    pick_positions,
+    source_files,
+)
 from completiond.completion.languages import language_of
 from completiond.config import Config
+
 
 @dataclass
 class Outcome:
@@ -51,8 +58,11 @@ class Outcome:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, nargs="?", help="directory of source files to sample cursor positions from")
-    parser.add_argument("--heldout", action="store_true",
-                        help="sample from the bundled model's held-out standard-library files instead of DIR")
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="sample from the bundled model's held-out standard-library files instead of DIR",
+    )
     parser.add_argument("--model", default="", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--positions", type=int, default=200, help="number of cursor positions (default 200)")
@@ -65,26 +75,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--suffix-tokens", type=int, default=256)
     parser.add_argument("--no-heal", action="store_true", help="turn token healing off")
-    parser.add_argument("--no-syntax-check", action="store_true",
-                        help="turn the Python syntax check of suggestions off (the syntaxCheck setting)")
-    parser.add_argument("--context", nargs="?", const="recent", default="none", type=_context_modes,
-                        help="context block modes, comma-separated, evaluated side by side on the same positions: "
-                             "none, recent (snippets of other files of DIR), retrieval (chunks of DIR's files "
-                             "retrieved for the cursor, the current file's own included); bare --context = recent")
-    parser.add_argument("--context-tokens", type=int, default=None,
-                        help="context budget in tokens (default: the contextTokens setting's default)")
+    parser.add_argument(
+        "--no-syntax-check",
+        action="store_true",
+        help="turn the Python syntax check of suggestions off (the syntaxCheck setting)",
+    )
+    parser.add_argument(
+        "--context",
+        nargs="?",
+        const="recent",
+        default="none",
+        type=_context_modes,
+        help="context block modes, comma-separated, evaluated side by side on the same positions: "
+        "none, recent (snippets of other files of DIR), retrieval (chunks of DIR's files "
+        "retrieved for the cursor, the current file's own included); bare --context = recent",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="context budget in tokens (default: the contextTokens setting's default)",
+    )
     parser.add_argument("--no-speculation", action="store_true", help="plain decoding (alpha is then 0)")
-    parser.add_argument("--compare-healing", action="store_true",
-                        help="mid-word positions only, each run with healing on and off")
-    parser.add_argument("--ext", action="append", default=None,
-                        help="file extension to include (repeatable; default: every known source language)")
-    parser.add_argument("--typing", type=int, default=0, metavar="N",
-                        help="also type the target of N positions character by character and report the fraction "
-                             "of prompt tokens served from the prefix KV cache (typing_cache_fraction)")
-    parser.add_argument("--oracle", action="store_true",
-                        help="no model: feed the stop rules and the syntax check the true middle followed by the "
-                             "file's next lines, and the true middle cut mid-token; report per language how often "
-                             "the cut is exact and the file parses after insertion")
+    parser.add_argument(
+        "--compare-healing", action="store_true", help="mid-word positions only, each run with healing on and off"
+    )
+    parser.add_argument(
+        "--ext",
+        action="append",
+        default=None,
+        help="file extension to include (repeatable; default: every known source language)",
+    )
+    parser.add_argument(
+        "--typing",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also type the target of N positions character by character and report the fraction "
+        "of prompt tokens served from the prefix KV cache (typing_cache_fraction)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="no model: feed the stop rules and the syntax check the true middle followed by the "
+        "file's next lines, and the true middle cut mid-token; report per language how often "
+        "the cut is exact and the file parses after insertion",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--show", type=int, default=0, help="print the first N suggestions next to their targets")
     from completiond.commands import humaneval  # --benchmark: HumanEval infilling, in its own module
@@ -104,6 +140,7 @@ def _context_modes(value: str) -> list[str]:
 
 
 # -- metrics ---------------------------------------------------------------
+
 
 def levenshtein(a: str, b: str) -> int:
     if len(a) < len(b):
@@ -132,28 +169,28 @@ def is_duplication(pos: Position, suggestion: str) -> bool:
         return False
     le = pos.text.find("\n", pos.offset)
     le = len(pos.text) if le < 0 else le
-    right = pos.text[pos.offset:le].strip()
+    right = pos.text[pos.offset : le].strip()
     head = first_line(suggestion).rstrip()
     if right:
         from completiond.completion.stops import CLOSERS, bracket_scan
 
         line_start = pos.text.rfind("\n", 0, pos.offset) + 1
-        before = pos.text[line_start:pos.offset]
+        before = pos.text[line_start : pos.offset]
         for k in range(len(right), 0, -1):
             piece = right[:k]
             if head.endswith(piece) and not pos.target.rstrip().endswith(piece):
                 if all(c in CLOSERS or c.isspace() for c in piece):
                     # Closing brackets are only repeated if the line now closes more than it opens.
-                    over = bracket_scan(before + head + pos.text[pos.offset:le])[1]
-                    truth = bracket_scan(before + pos.target + pos.text[pos.offset:le])[1]
+                    over = bracket_scan(before + head + pos.text[pos.offset : le])[1]
+                    truth = bracket_scan(before + pos.target + pos.text[pos.offset : le])[1]
                     if len(over) <= len(truth):
                         continue
                 return True
-    nxt = next((ln.strip() for ln in pos.text[le + 1:le + 2001].split("\n") if ln.strip()), "")
+    nxt = next((ln.strip() for ln in pos.text[le + 1 : le + 2001].split("\n") if ln.strip()), "")
     if nxt:
         lines = suggestion.split("\n")
         line_start = pos.text.rfind("\n", 0, pos.offset) + 1
-        blank_cursor_line = not pos.text[line_start:pos.offset].strip()
+        blank_cursor_line = not pos.text[line_start : pos.offset].strip()
         for i, ln in enumerate(lines):
             if (i >= 1 or blank_cursor_line) and ln.strip() == nxt:
                 return True
@@ -162,8 +199,9 @@ def is_duplication(pos: Position, suggestion: str) -> bool:
 
 # -- validity of the insertion (issue 30) ---------------------------------------
 
+
 def _line_prefix(pos: Position) -> str:
-    return pos.text[pos.text.rfind("\n", 0, pos.offset) + 1:pos.offset]
+    return pos.text[pos.text.rfind("\n", 0, pos.offset) + 1 : pos.offset]
 
 
 def whitespace_cursor(pos: Position) -> bool:
@@ -192,7 +230,7 @@ def suffix_collision(pos: Position, suggestion: str) -> bool:
 
     le = pos.text.find("\n", pos.offset)
     le = len(pos.text) if le < 0 else le
-    return collides_with_suffix(suggestion, _line_prefix(pos), pos.text[pos.offset:le])
+    return collides_with_suffix(suggestion, _line_prefix(pos), pos.text[pos.offset : le])
 
 
 def parse_check(pos: Position, suggestion: str) -> bool | None:
@@ -205,7 +243,7 @@ def parse_check(pos: Position, suggestion: str) -> bool | None:
     spec = spec_for(pos.path)
     if spec is None or not suggestion:
         return None
-    head, tail = pos.text[:pos.offset], pos.text[pos.offset:]
+    head, tail = pos.text[: pos.offset], pos.text[pos.offset :]
     if not parses(head + pos.target + tail, spec):
         return None
     return parses(head + suggestion + tail, spec)
@@ -226,8 +264,8 @@ def by_language(done: list[Outcome]) -> dict[str, dict[str, Any]]:
         n = len(os_)
         out[lang] = {
             "positions": n,
-            "next_line_exact_match": sum(first_line(o.suggestion).rstrip() == o.position.target.rstrip()
-                                         for o in os_) / n,
+            "next_line_exact_match": sum(first_line(o.suggestion).rstrip() == o.position.target.rstrip() for o in os_)
+            / n,
             "empty_rate": sum(not o.suggestion for o in os_) / n,
             "shown_parse_checked": len(checks),
             "shown_breaking_a_parsing_file": (len(checks) - sum(checks)) / len(checks) if checks else 0.0,
@@ -307,8 +345,17 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 
 # -- running ---------------------------------------------------------------
 
-def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool | None = None,
-             workspace: "EvalWorkspace | None" = None, mode: str = "recent", syntax_check: bool = True) -> Outcome:
+
+def complete(
+    engine: Any,
+    builder: Any,
+    pos: Position,
+    params: Any,
+    heal: bool | None = None,
+    workspace: "EvalWorkspace | None" = None,
+    mode: str = "recent",
+    syntax_check: bool = True,
+) -> Outcome:
     """One request through the daemon's path, timed end to end (the context block's choice included)."""
     language = language_of(pos.path)
     context: list[tuple[str, str]] = []
@@ -321,8 +368,16 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
     if workspace is not None and mode != "none":
         count = lambda s: len(builder.template.encode(s))  # noqa: E731
         prefix_budget, suffix_budget, _ = builder.budgets(True)
-        context = workspace.store.context(path, language, builder.context_tokens, count, text=pos.text,
-                                          offset=pos.offset, mode=mode, window_tokens=(prefix_budget, suffix_budget))
+        context = workspace.store.context(
+            path,
+            language,
+            builder.context_tokens,
+            count,
+            text=pos.text,
+            offset=pos.offset,
+            mode=mode,
+            window_tokens=(prefix_budget, suffix_budget),
+        )
     prompt = builder.build(pos.text, pos.offset, context=context, path=pos.path, language=language, heal=heal)
     if prompt.skip_reason is not None:
         outcome = Outcome(pos, "", 0.0, skipped=prompt.skip_reason)
@@ -331,9 +386,13 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
         gen = engine.generate(prompt.ids, params, stop=prompt.stop, constraint=prompt.constraint)
         suggestion = prompt.suggestion(gen.tokens, gen.finish_reason)
         ms = 1000 * (time.perf_counter() - t0)
-        stats = dict(gen.stats.to_dict(), context_tokens=len(prompt.context_ids),
-                     context_holds_line=holds_line(pos, engine.tokenizer.decode(prompt.context_ids))
-                     if prompt.context_ids else False)
+        stats = dict(
+            gen.stats.to_dict(),
+            context_tokens=len(prompt.context_ids),
+            context_holds_line=holds_line(pos, engine.tokenizer.decode(prompt.context_ids))
+            if prompt.context_ids
+            else False,
+        )
         if prompt.stop.syntax is not None:
             stats.update(prompt.stop.syntax.stats())
         outcome = Outcome(pos, suggestion, ms, stats)
@@ -342,22 +401,36 @@ def complete(engine: Any, builder: Any, pos: Position, params: Any, heal: bool |
     return outcome
 
 
-def evaluate(engine: Any, positions: list[Position], cfg: Config, heal: bool | None, speculative: bool,
-             show: int = 0, out=sys.stderr, workspace: Any = None, mode: str = "recent") -> list[Outcome]:
+def evaluate(
+    engine: Any,
+    positions: list[Position],
+    cfg: Config,
+    heal: bool | None,
+    speculative: bool,
+    show: int = 0,
+    out=sys.stderr,
+    workspace: Any = None,
+    mode: str = "recent",
+) -> list[Outcome]:
     from completiond.engine.engine import SamplingParams
     from completiond.completion.prompt import PromptBuilder
 
     builder = PromptBuilder.for_engine(engine, cfg)
     params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, speculative=speculative)
     if positions:
-        complete(engine, builder, positions[0], params, heal, workspace, mode, cfg.syntax_check)   # warm-up: first-call costs are not latency
+        complete(
+            engine, builder, positions[0], params, heal, workspace, mode, cfg.syntax_check
+        )  # warm-up: first-call costs are not latency
     outcomes = []
     for i, pos in enumerate(positions):
         o = complete(engine, builder, pos, params, heal, workspace, mode, cfg.syntax_check)
         outcomes.append(o)
         if i < show:
-            print(f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
-                  f"  suggestion: {o.suggestion!r}", file=out)
+            print(
+                f"--- {pos.path}@{pos.offset} [{pos.kind}]\n  target:     {pos.target!r}\n"
+                f"  suggestion: {o.suggestion!r}",
+                file=out,
+            )
     return outcomes
 
 
@@ -377,7 +450,7 @@ def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Config, m
     for pos in positions:
         for j in range(0, min(max_chars, len(pos.target)) + 1):
             typed = pos.target[:j]
-            text = pos.text[:pos.offset] + typed + pos.text[pos.offset:]
+            text = pos.text[: pos.offset] + typed + pos.text[pos.offset :]
             prompt = builder.build(text, pos.offset + j, path=pos.path, language=language_of(pos.path))
             if prompt.skip_reason is not None:
                 break
@@ -387,13 +460,17 @@ def typing_cache_fraction(engine: Any, positions: list[Position], cfg: Config, m
                 reused += st.get("reused_tokens", 0)
                 total += st.get("prompt_tokens", 0)
                 steps += 1
-    return {"typing_cache_fraction": reused / total if total else 0.0, "typing_keystrokes": steps,
-            "template": builder.template.name, "spm": builder.template.spm}
+    return {
+        "typing_cache_fraction": reused / total if total else 0.0,
+        "typing_keystrokes": steps,
+        "template": builder.template.name,
+        "spm": builder.template.spm,
+    }
 
 
 @dataclass
 class EvalWorkspace:
-    store: Any      # completiond.completion.workspace.Workspace
+    store: Any  # completiond.completion.workspace.Workspace
     root: Path
 
 
@@ -410,8 +487,12 @@ def _config(args: argparse.Namespace):
     from completiond import config
 
     settings = {
-        "maxTokens": args.max_tokens, "multiline": args.multiline, "maxLines": args.max_lines,
-        "fimTemplate": args.fim_template, "prefixTokens": args.prefix_tokens, "suffixTokens": args.suffix_tokens,
+        "maxTokens": args.max_tokens,
+        "multiline": args.multiline,
+        "maxLines": args.max_lines,
+        "fimTemplate": args.fim_template,
+        "prefixTokens": args.prefix_tokens,
+        "suffixTokens": args.suffix_tokens,
         "syntaxCheck": not getattr(args, "no_syntax_check", False),
         "workspaceContext": any(m != "none" for m in _modes(args)),
     }
@@ -459,8 +540,9 @@ def run(args: argparse.Namespace) -> int:
             print_oracle(oracle)
         return 0 if oracle["by_language"] else 1
     cfg = _config(args)
-    positions = pick_positions(args.dir, args.positions, args.seed, args.per_file, args.ext,
-                               midword_only=args.compare_healing, files=files)
+    positions = pick_positions(
+        args.dir, args.positions, args.seed, args.per_file, args.ext, midword_only=args.compare_healing, files=files
+    )
     if not positions:
         print(f"completiond eval: no usable source files under {args.dir}", file=sys.stderr)
         return 1
@@ -482,8 +564,21 @@ def run(args: argparse.Namespace) -> int:
         result["healing"] = {"on": on, "off": off}
     else:
         # Every mode on the same positions, one after the other, in one run.
-        by_mode = {m: summarize(evaluate(engine, positions, cfg, not args.no_heal, speculative, args.show,
-                                         workspace=workspace if m != "none" else None, mode=m)) for m in modes}
+        by_mode = {
+            m: summarize(
+                evaluate(
+                    engine,
+                    positions,
+                    cfg,
+                    not args.no_heal,
+                    speculative,
+                    args.show,
+                    workspace=workspace if m != "none" else None,
+                    mode=m,
+                )
+            )
+            for m in modes
+        }
         result = dict(by_mode[modes[0]])
         if len(modes) > 1:
             result["context"] = by_mode
@@ -492,10 +587,18 @@ def run(args: argparse.Namespace) -> int:
         workspace.store.stop()
     if args.typing > 0:
         result.update(typing_cache_fraction(engine, positions[: args.typing], cfg))
-    result.update(model=engine.name, model_id=engine.model_id, device=engine.device, seed=args.seed, max_tokens=cfg.max_tokens,
-                  multiline=cfg.multiline, healing_enabled=args.compare_healing or not args.no_heal,
-                  context_tokens=cfg.context_tokens if cfg.workspace_context else 0, context_modes=modes,
-                  source="heldout" if args.heldout else str(args.dir))
+    result.update(
+        model=engine.name,
+        model_id=engine.model_id,
+        device=engine.device,
+        seed=args.seed,
+        max_tokens=cfg.max_tokens,
+        multiline=cfg.multiline,
+        healing_enabled=args.compare_healing or not args.no_heal,
+        context_tokens=cfg.context_tokens if cfg.workspace_context else 0,
+        context_modes=modes,
+        source="heldout" if args.heldout else str(args.dir),
+    )
     if args.json:
         print(json.dumps(result, sort_keys=True))
     elif "context" in result:
@@ -508,11 +611,17 @@ def run(args: argparse.Namespace) -> int:
 def _print_modes(r: dict[str, Any]) -> None:
     """The context modes side by side."""
     modes = r["context_modes"]
-    rows = [("positions", "positions", "{:d}"), ("next-line exact match", "next_line_exact_match", "{:.3f}"),
-            ("edit similarity", "edit_similarity", "{:.3f}"), ("latency p50 ms", "p50_ms", "{:.1f}"),
-            ("latency p90 ms", "p90_ms", "{:.1f}"), ("context tokens (mean)", "mean_context_tokens", "{:.0f}"),
-            ("block holds the line", "context_holds_line_rate", "{:.3f}"),
-            ("prompt tokens (mean)", "mean_prompt_tokens", "{:.0f}"), ("empty", "empty_rate", "{:.3f}")]
+    rows = [
+        ("positions", "positions", "{:d}"),
+        ("next-line exact match", "next_line_exact_match", "{:.3f}"),
+        ("edit similarity", "edit_similarity", "{:.3f}"),
+        ("latency p50 ms", "p50_ms", "{:.1f}"),
+        ("latency p90 ms", "p90_ms", "{:.1f}"),
+        ("context tokens (mean)", "mean_context_tokens", "{:.0f}"),
+        ("block holds the line", "context_holds_line_rate", "{:.3f}"),
+        ("prompt tokens (mean)", "mean_prompt_tokens", "{:.0f}"),
+        ("empty", "empty_rate", "{:.3f}"),
+    ]
     width = max(len(label) for label, _, _ in rows)
     print(f"model {r['model']} on {r['device']}, contextTokens {r['context_tokens']}, source {r['source']}")
     print(f"  {'':<{width}}  " + "  ".join(f"{m:>10}" for m in modes))
@@ -521,26 +630,43 @@ def _print_modes(r: dict[str, Any]) -> None:
 
 
 def _print_table(r: dict[str, Any]) -> None:
-    rows = [("positions", f"{r['positions']} ({r['skipped']} skipped) {r['by_kind']}"),
-            ("next-line exact match", f"{r['next_line_exact_match']:.3f}"),
-            ("edit similarity", f"{r['edit_similarity']:.3f}"),
-            ("suffix duplication", f"{r['suffix_duplication_rate']:.3%}"),
-            ("whitespace-only", f"{r['whitespace_only_rate']:.3%}"),
-            ("indentation re-inserted", f"{r['whitespace_dup_rate']:.3%} of {r['whitespace_cursor_suggestions']} "
-                                        f"at whitespace-only cursors"),
-            ("repeated-line cycles", f"{r['repeated_line_rate']:.3%}"),
-            ("parses after insertion", f"{r['parses_after_insertion']:.3%} of {r['parse_checked']} checked"),
-            ("syntax check", f"{r['syntax_checked']} checked {r['syntax_outcomes']}, p50 / p95 "
-                             f"{r['syntax_check_p50_ms']:.2f} / {r['syntax_check_p95_ms']:.2f} ms"),
-            ("empty", f"{r['empty_rate']:.3%}"),
-            ("acceptance alpha", f"{r['alpha']:.3f}"),
-            ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms")]
+    rows = [
+        ("positions", f"{r['positions']} ({r['skipped']} skipped) {r['by_kind']}"),
+        ("next-line exact match", f"{r['next_line_exact_match']:.3f}"),
+        ("edit similarity", f"{r['edit_similarity']:.3f}"),
+        ("suffix duplication", f"{r['suffix_duplication_rate']:.3%}"),
+        ("whitespace-only", f"{r['whitespace_only_rate']:.3%}"),
+        (
+            "indentation re-inserted",
+            f"{r['whitespace_dup_rate']:.3%} of {r['whitespace_cursor_suggestions']} at whitespace-only cursors",
+        ),
+        ("repeated-line cycles", f"{r['repeated_line_rate']:.3%}"),
+        ("parses after insertion", f"{r['parses_after_insertion']:.3%} of {r['parse_checked']} checked"),
+        (
+            "syntax check",
+            f"{r['syntax_checked']} checked {r['syntax_outcomes']}, p50 / p95 "
+            f"{r['syntax_check_p50_ms']:.2f} / {r['syntax_check_p95_ms']:.2f} ms",
+        ),
+        ("empty", f"{r['empty_rate']:.3%}"),
+        ("acceptance alpha", f"{r['alpha']:.3f}"),
+        ("latency p50 / p90", f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms"),
+    ]
     if "typing_cache_fraction" in r:
-        rows.append(("cache-served while typing", f"{r['typing_cache_fraction']:.3f} over {r['typing_keystrokes']} keystrokes "
-                                                   f"({r['template']}, {'SPM' if r['spm'] else 'PSM'})"))
+        rows.append(
+            (
+                "cache-served while typing",
+                f"{r['typing_cache_fraction']:.3f} over {r['typing_keystrokes']} keystrokes "
+                f"({r['template']}, {'SPM' if r['spm'] else 'PSM'})",
+            )
+        )
     if isinstance(r.get("healing"), dict):
         on, off = r["healing"]["on"], r["healing"]["off"]
-        rows.append(("mid-word exact, healing on/off", f"{on['next_line_exact_match']:.3f} / {off['next_line_exact_match']:.3f}"))
+        rows.append(
+            (
+                "mid-word exact, healing on/off",
+                f"{on['next_line_exact_match']:.3f} / {off['next_line_exact_match']:.3f}",
+            )
+        )
         rows.append(("mid-word edit sim, on/off", f"{on['edit_similarity']:.3f} / {off['edit_similarity']:.3f}"))
     width = max(len(k) for k, _ in rows)
     print(f"model {r['model']} on {r['device']}, max_tokens {r['max_tokens']}, multiline {r['multiline']}")

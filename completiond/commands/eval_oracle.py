@@ -40,9 +40,9 @@ STREAM_CHARS = 3000
 class OracleCase:
     position: Position
     language: str
-    original: str       # the file as it is
-    middle: str         # the true middle at the cursor
-    stream: str         # what the oracle model writes (the true middle and the file after it)
+    original: str  # the file as it is
+    middle: str  # the true middle at the cursor
+    stream: str  # what the oracle model writes (the true middle and the file after it)
 
 
 def _unit_end(original: str, offset: int, language: str) -> int | None:
@@ -59,11 +59,11 @@ def _unit_end(original: str, offset: int, language: str) -> int | None:
         if node.start_byte < b:
             break
         if node.type in spec.statements:
-            best = node   # the outermost statement starting exactly here
+            best = node  # the outermost statement starting exactly here
         node = node.parent
     if best is None:
         return None
-    return len(data[:best.end_byte].decode("utf-8", "replace"))
+    return len(data[: best.end_byte].decode("utf-8", "replace"))
 
 
 def cases(positions: list[Position], max_lines: int) -> list[OracleCase]:
@@ -72,20 +72,19 @@ def cases(positions: list[Position], max_lines: int) -> list[OracleCase]:
         spec = spec_for(pos.path)
         if spec is None:
             continue
-        original = pos.text[:pos.offset] + pos.target + pos.text[pos.offset:]
-        line_prefix = pos.text[pos.text.rfind("\n", 0, pos.offset) + 1:pos.offset]
+        original = pos.text[: pos.offset] + pos.target + pos.text[pos.offset :]
+        line_prefix = pos.text[pos.text.rfind("\n", 0, pos.offset) + 1 : pos.offset]
         middle = pos.target
         if pos.kind == "eol" and not line_prefix.strip():
             end = _unit_end(original, pos.offset, spec.name)
             if end is None:
                 continue
-            middle = original[pos.offset:end]
+            middle = original[pos.offset : end]
             if middle.count("\n") >= max_lines:
                 continue
             # The document as the user sees it: the unit not written yet, the rest of the file below it.
-            pos = Position(pos.path, original[:pos.offset] + original[end:], pos.offset, middle, "unit")
-        out.append(OracleCase(pos, spec.name, original, middle,
-                              original[pos.offset:pos.offset + STREAM_CHARS]))
+            pos = Position(pos.path, original[: pos.offset] + original[end:], pos.offset, middle, "unit")
+        out.append(OracleCase(pos, spec.name, original, middle, original[pos.offset : pos.offset + STREAM_CHARS]))
     return out
 
 
@@ -94,8 +93,15 @@ def _rules(pos: Position, multiline: str, max_lines: int) -> TextRules:
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
-    return TextRules(text[ls:offset], text[offset:le], text[le + 1:le + 1 + 4000], multiline, max_lines,
-                     document_site(text, offset, None, pos.path), True)
+    return TextRules(
+        text[ls:offset],
+        text[offset:le],
+        text[le + 1 : le + 1 + 4000],
+        multiline,
+        max_lines,
+        document_site(text, offset, None, pos.path),
+        True,
+    )
 
 
 def _mid_token(middle: str) -> str | None:
@@ -106,7 +112,7 @@ def _mid_token(middle: str) -> str | None:
         while j > 0 and (middle[j - 1].isalnum() or middle[j - 1] == "_"):
             j -= 1
         if end - j >= 3:
-            return middle[:j + (end - j) // 2]
+            return middle[: j + (end - j) // 2]
         end = j - 1
     return None
 
@@ -118,7 +124,7 @@ def run_oracle(root: Any, args: Any, files: list | None = None) -> dict[str, Any
     for case in cases(positions, args.max_lines):
         s = stats[case.language]
         pos = case.position
-        head, tail = pos.text[:pos.offset], pos.text[pos.offset:]
+        head, tail = pos.text[: pos.offset], pos.text[pos.offset :]
         spec = spec_for(case.language)
         truth_parses = parses(head + case.middle + tail, spec)
         s["positions"] += 1
@@ -129,8 +135,9 @@ def run_oracle(root: Any, args: Any, files: list | None = None) -> dict[str, Any
             s["parse_checked"] += 1
             s["parses"] += parses(head + out + tail, spec)
         if not exact and len(shown) < args.show:
-            shown.append({"path": pos.path, "offset": pos.offset, "kind": pos.kind, "middle": case.middle,
-                          "shown": out})
+            shown.append(
+                {"path": pos.path, "offset": pos.offset, "kind": pos.kind, "middle": case.middle, "shown": out}
+            )
         cut = _mid_token(case.middle)
         if cut is not None:
             out = postprocess(cut, _rules(pos, args.multiline, args.max_lines), truncated=True)
@@ -139,30 +146,50 @@ def run_oracle(root: Any, args: Any, files: list | None = None) -> dict[str, Any
             if truth_parses:
                 s["mid_token_parse_checked"] += 1
                 s["mid_token_parses"] += parses(head + out + tail, spec)
+
     def ratio(k: int, n: int) -> float | None:
         return round(k / n, 4) if n else None
 
     by_language = {
-        lang: {"positions": s["positions"], "exact": ratio(s["exact"], s["positions"]),
-               "parse_checked": s["parse_checked"], "parses_after_insertion": ratio(s["parses"], s["parse_checked"]),
-               "mid_token": s["mid_token"], "mid_token_prefix": ratio(s["mid_token_prefix"], s["mid_token"]),
-               "mid_token_parses": ratio(s["mid_token_parses"], s["mid_token_parse_checked"])}
-        for lang, s in sorted(stats.items())}
-    return {"oracle": True, "source": str(root), "seed": args.seed, "max_lines": args.max_lines,
-            "by_language": by_language, "not_exact": shown}
+        lang: {
+            "positions": s["positions"],
+            "exact": ratio(s["exact"], s["positions"]),
+            "parse_checked": s["parse_checked"],
+            "parses_after_insertion": ratio(s["parses"], s["parse_checked"]),
+            "mid_token": s["mid_token"],
+            "mid_token_prefix": ratio(s["mid_token_prefix"], s["mid_token"]),
+            "mid_token_parses": ratio(s["mid_token_parses"], s["mid_token_parse_checked"]),
+        }
+        for lang, s in sorted(stats.items())
+    }
+    return {
+        "oracle": True,
+        "source": str(root),
+        "seed": args.seed,
+        "max_lines": args.max_lines,
+        "by_language": by_language,
+        "not_exact": shown,
+    }
 
 
 def print_oracle(result: dict[str, Any], out=sys.stdout) -> None:
     print(f"oracle (no model), source {result['source']}, maxLines {result['max_lines']}", file=out)
-    print(f"  {'language':<12}{'positions':>10}{'exact':>8}{'parses':>8}{'mid-token':>11}{'prefix':>8}{'parses':>8}",
-          file=out)
+    print(
+        f"  {'language':<12}{'positions':>10}{'exact':>8}{'parses':>8}{'mid-token':>11}{'prefix':>8}{'parses':>8}",
+        file=out,
+    )
 
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{100 * v:.1f}"
 
     for lang, r in result["by_language"].items():
-        print(f"  {lang:<12}{r['positions']:>10}{pct(r['exact']):>8}{pct(r['parses_after_insertion']):>8}"
-              f"{r['mid_token']:>11}{pct(r['mid_token_prefix']):>8}{pct(r['mid_token_parses']):>8}", file=out)
+        print(
+            f"  {lang:<12}{r['positions']:>10}{pct(r['exact']):>8}{pct(r['parses_after_insertion']):>8}"
+            f"{r['mid_token']:>11}{pct(r['mid_token_prefix']):>8}{pct(r['mid_token_parses']):>8}",
+            file=out,
+        )
     for s in result["not_exact"]:
-        print(f"--- {s['path']}@{s['offset']} [{s['kind']}]\n  middle: {s['middle']!r}\n  shown:  {s['shown']!r}",
-              file=out)
+        print(
+            f"--- {s['path']}@{s['offset']} [{s['kind']}]\n  middle: {s['middle']!r}\n  shown:  {s['shown']!r}",
+            file=out,
+        )

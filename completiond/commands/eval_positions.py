@@ -17,14 +17,15 @@ CLOSING_RUN = set(")]}:;,'\"")
 
 @dataclass
 class Position:
-    path: str          # relative to DIR
-    text: str          # the document as the user sees it
-    offset: int        # cursor
-    target: str        # what the file really has at the cursor (one line at most)
-    kind: str          # eol | infix | midword
+    path: str  # relative to DIR
+    text: str  # the document as the user sees it
+    offset: int  # cursor
+    target: str  # what the file really has at the cursor (one line at most)
+    kind: str  # eol | infix | midword
 
 
 # -- positions -------------------------------------------------------------
+
 
 def source_files(root: Path, exts: Iterable[str] | None = None) -> list[Path]:
     wanted = {e if e.startswith(".") else "." + e for e in exts} if exts else None
@@ -55,8 +56,15 @@ def _is_word(c: str) -> bool:
     return c.isalnum() or c == "_"
 
 
-def pick_positions(root: Path, count: int, seed: int = 0, per_file: int = 4, exts: Iterable[str] | None = None,
-                   midword_only: bool = False, files: list[Path] | None = None) -> list[Position]:
+def pick_positions(
+    root: Path,
+    count: int,
+    seed: int = 0,
+    per_file: int = 4,
+    exts: Iterable[str] | None = None,
+    midword_only: bool = False,
+    files: list[Path] | None = None,
+) -> list[Position]:
     """Deterministic cursor positions: same directory contents and seed give the same list.
 
     files: sample from these (under root) instead of every source file in root.
@@ -102,13 +110,13 @@ def _position_in_line(rel: str, text: str, s: int, e: int, rng: random.Random, m
         if not cols:
             return None
         c = rng.choice(cols)
-        return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "midword")
+        return Position(rel, text[: s + c] + text[e:], s + c, line[c:body_end], "midword")
     run = body_end
     while run > indent and line[run - 1] in CLOSING_RUN:
         run -= 1
     if run < body_end and run - indent >= 3 and rng.random() < 0.4:
         c = rng.randrange(indent, run)
         # Keep the closing run right of the cursor, remove the middle.
-        return Position(rel, text[:s + c] + text[s + run:], s + c, line[c:run], "infix")
+        return Position(rel, text[: s + c] + text[s + run :], s + c, line[c:run], "infix")
     c = rng.randrange(indent, body_end)
-    return Position(rel, text[:s + c] + text[e:], s + c, line[c:body_end], "eol")
+    return Position(rel, text[: s + c] + text[e:], s + c, line[c:body_end], "eol")

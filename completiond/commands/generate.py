@@ -45,9 +45,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine.load(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
         ids = engine.tokenizer(prompt).input_ids
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, speculative=not args.no_spec,
-                                exit_layer=args.exit_layer, draft_k=args.draft_k)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            speculative=not args.no_spec,
+            exit_layer=args.exit_layer,
+            draft_k=args.draft_k,
+        )
         gen = engine.generate(ids, params)
     except EngineError as exc:
         print(f"completiond generate: {exc}", file=sys.stderr)

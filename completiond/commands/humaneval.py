@@ -39,9 +39,9 @@ from typing import Any
 from completiond.config import Config
 
 BENCHMARKS = ("humaneval-single", "humaneval-multi", "humaneval-span")
-TIMEOUT_S = 10.0          # wall clock per program
-CPU_S = 10                # CPU seconds per program
-MEMORY_BYTES = 1 << 30    # address space per program
+TIMEOUT_S = 10.0  # wall clock per program
+CPU_S = 10  # CPU seconds per program
+MEMORY_BYTES = 1 << 30  # address space per program
 PROBLEMS_FILE = "HumanEval.jsonl.gz"
 
 # Runs before the program: no network (every socket refused), whatever the platform lets us do about it.
@@ -58,11 +58,11 @@ del _s, _refused
 
 @dataclass(frozen=True)
 class Task:
-    task_id: str          # e.g. HumanEval/2#0
-    prefix: str           # the problem's prompt and the solution up to the cursor
-    middle: str           # what was cut (the canonical insertion)
-    suffix: str           # the rest of the solution
-    test: str             # the problem's test code
+    task_id: str  # e.g. HumanEval/2#0
+    prefix: str  # the problem's prompt and the solution up to the cursor
+    middle: str  # what was cut (the canonical insertion)
+    suffix: str  # the rest of the solution
+    test: str  # the problem's test code
     entry_point: str
 
     @property
@@ -117,8 +117,16 @@ def build_tasks(problems: list[dict[str, Any]], mode: str, seed: int = 0, per_pr
                 end_line = lines[last].rstrip("\r\n")
                 cut = (starts[first] + indent, starts[last] + len(end_line))
             a, b = cut
-            tasks.append(Task(task_id=f"{p['task_id']}#{k}", prefix=p["prompt"] + solution[:a], middle=solution[a:b],
-                              suffix=solution[b:], test=p["test"], entry_point=p["entry_point"]))
+            tasks.append(
+                Task(
+                    task_id=f"{p['task_id']}#{k}",
+                    prefix=p["prompt"] + solution[:a],
+                    middle=solution[a:b],
+                    suffix=solution[b:],
+                    test=p["test"],
+                    entry_point=p["entry_point"],
+                )
+            )
     return tasks
 
 
@@ -137,12 +145,26 @@ def run_program(program: str, timeout: float = TIMEOUT_S) -> tuple[bool, str]:
     with tempfile.TemporaryDirectory(prefix="completiond-humaneval-") as tmp:
         path = Path(tmp) / "program.py"
         path.write_text(_SANDBOX_PRELUDE + program, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": tmp,
+            "TMPDIR": tmp,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+            "LANG": "C.UTF-8",
+        }
         try:
-            done = subprocess.run([sys.executable, "-I", "-S", str(path)], cwd=tmp, env=env, capture_output=True,
-                                  text=True, timeout=timeout, preexec_fn=_limits if os.name == "posix" else None,
-                                  stdin=subprocess.DEVNULL, check=False)
+            done = subprocess.run(
+                [sys.executable, "-I", "-S", str(path)],
+                cwd=tmp,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                preexec_fn=_limits if os.name == "posix" else None,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return False, f"timed out after {timeout:g} s"
         if done.returncode == 0:
@@ -159,10 +181,19 @@ def _config(args: argparse.Namespace) -> Any:
     from completiond import config as config_mod
 
     cfg, errors = config_mod.load_file(getattr(args, "config", None))
-    cfg, more = config_mod.merge(cfg, {
-        "model": args.model or None, "device": args.device, "maxTokens": args.max_tokens,
-        "multiline": args.multiline, "maxLines": args.max_lines, "alternatives": 1, "temperature": 0.0,
-        "workspaceContext": False})
+    cfg, more = config_mod.merge(
+        cfg,
+        {
+            "model": args.model or None,
+            "device": args.device,
+            "maxTokens": args.max_tokens,
+            "multiline": args.multiline,
+            "maxLines": args.max_lines,
+            "alternatives": 1,
+            "temperature": 0.0,
+            "workspaceContext": False,
+        },
+    )
     for error in errors + more:
         print(f"completiond eval: {error}", file=sys.stderr)
     return cfg
@@ -187,14 +218,23 @@ def _raw(completer: Any, task: Task, cfg: Config) -> str | None:
     return engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def evaluate(tasks: list[Task], completer: Any | None, cfg: Config, raw: bool = False, self_check: bool = True,
-             progress: Any = None) -> dict[str, Any]:
+def evaluate(
+    tasks: list[Task],
+    completer: Any | None,
+    cfg: Config,
+    raw: bool = False,
+    self_check: bool = True,
+    progress: Any = None,
+) -> dict[str, Any]:
     """pass@1 (greedy, one sample) of each insertion kind over `tasks`, and the rows behind it."""
     from completiond.completion.completer import suggest
     from completiond.engine.cancel import CancelToken
 
-    kinds = (["canonical"] if self_check else []) + (["whole", "first_line"] if completer is not None else []) + \
-        (["raw"] if raw and completer is not None else [])
+    kinds = (
+        (["canonical"] if self_check else [])
+        + (["whole", "first_line"] if completer is not None else [])
+        + (["raw"] if raw and completer is not None else [])
+    )
     passed = {k: 0 for k in kinds}
     rows = []
     shown = 0
@@ -203,8 +243,15 @@ def evaluate(tasks: list[Task], completer: Any | None, cfg: Config, raw: bool = 
         insertions: dict[str, str | None] = {"canonical": task.middle}
         if completer is not None:
             t0 = time.perf_counter()
-            done = suggest(completer, task.text, len(task.prefix), cfg, cancel=CancelToken(), path="humaneval.py",
-                           language="python")
+            done = suggest(
+                completer,
+                task.text,
+                len(task.prefix),
+                cfg,
+                cancel=CancelToken(),
+                path="humaneval.py",
+                language="python",
+            )
             row["latency_ms"] = round((time.perf_counter() - t0) * 1000, 1)
             s = done.suggestion
             text = s.text if s is not None else ""
@@ -227,21 +274,34 @@ def evaluate(tasks: list[Task], completer: Any | None, cfg: Config, raw: bool = 
         if progress is not None:
             progress(i + 1, len(tasks), passed)
     n = len(tasks)
-    return {"tasks": n, "passed": passed, "pass@1": {k: (v / n if n else 0.0) for k, v in passed.items()},
-            "shown": shown if completer is not None else None, "rows": rows}
+    return {
+        "tasks": n,
+        "passed": passed,
+        "pass@1": {k: (v / n if n else 0.0) for k, v in passed.items()},
+        "shown": shown if completer is not None else None,
+        "rows": rows,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's own options, beside eval's --model, --device, --max-tokens, --multiline, --seed."""
     group = parser.add_argument_group("HumanEval infilling (--benchmark)")
-    group.add_argument("--benchmark", choices=BENCHMARKS, default=None,
-                       help="run HumanEval infilling (Bavarian et al. 2022) instead of sampling positions in DIR")
-    group.add_argument("--raw", action="store_true",
-                       help="also insert the model's own output, without the pipeline's post-processing")
+    group.add_argument(
+        "--benchmark",
+        choices=BENCHMARKS,
+        default=None,
+        help="run HumanEval infilling (Bavarian et al. 2022) instead of sampling positions in DIR",
+    )
+    group.add_argument(
+        "--raw", action="store_true", help="also insert the model's own output, without the pipeline's post-processing"
+    )
     group.add_argument("--per-problem", type=int, default=1, help="tasks drawn per problem (default 1)")
     group.add_argument("--limit", type=int, default=0, help="only the first N problems (0: all 164)")
-    group.add_argument("--self-check-only", action="store_true",
-                       help="only insert the canonical parts (no model): every task must pass")
+    group.add_argument(
+        "--self-check-only",
+        action="store_true",
+        help="only insert the canonical parts (no model): every task must pass",
+    )
     group.add_argument("--json-out", type=Path, default=None, help="write every task's row as JSON here")
 
 
@@ -249,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         problems = load_problems()
         if args.limit:
-            problems = problems[:args.limit]
+            problems = problems[: args.limit]
         tasks = build_tasks(problems, args.benchmark, seed=args.seed, per_problem=max(1, args.per_problem))
     except BenchmarkError as exc:
         print(f"completiond eval: {exc}", file=sys.stderr)
@@ -265,15 +325,27 @@ def run(args: argparse.Namespace) -> int:
     def progress(done: int, total: int, passed: dict[str, int]) -> None:
         if tty or done == total or done % 20 == 0:
             line = f"{args.benchmark}: {done}/{total} " + " ".join(f"{k} {v}" for k, v in passed.items())
-            print(("\r\x1b[K" if tty else "") + line, end="\n" if not tty or done == total else "",
-                  file=sys.stderr, flush=True)
+            print(
+                ("\r\x1b[K" if tty else "") + line,
+                end="\n" if not tty or done == total else "",
+                file=sys.stderr,
+                flush=True,
+            )
 
     result = evaluate(tasks, completer, cfg, raw=args.raw, progress=progress)
     name = getattr(completer, "name", None) or "(no model: self-check)"
-    summary = {"benchmark": args.benchmark, "model": name, "seed": args.seed, "tasks": result["tasks"],
-               "passed": result["passed"], "pass@1": result["pass@1"], "shown": result["shown"],
-               "max_tokens": cfg.max_tokens, "multiline": cfg.multiline,
-               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    summary = {
+        "benchmark": args.benchmark,
+        "model": name,
+        "seed": args.seed,
+        "tasks": result["tasks"],
+        "passed": result["passed"],
+        "pass@1": result["pass@1"],
+        "shown": result["shown"],
+        "max_tokens": cfg.max_tokens,
+        "multiline": cfg.multiline,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     if args.json_out:
         args.json_out.write_text(json.dumps({**summary, "rows": result["rows"]}, indent=1) + "\n")
     if getattr(args, "json", False):
@@ -282,15 +354,24 @@ def run(args: argparse.Namespace) -> int:
         n = result["tasks"]
         print(f"{args.benchmark} on {name}: {n} tasks (seed {args.seed})")
         for kind, count in result["passed"].items():
-            label = {"canonical": "canonical insertion (self-check)", "whole": "whole suggestion",
-                     "first_line": "first line only", "raw": "raw model output"}[kind]
+            label = {
+                "canonical": "canonical insertion (self-check)",
+                "whole": "whole suggestion",
+                "first_line": "first line only",
+                "raw": "raw model output",
+            }[kind]
             print(f"  {label:34s} {count:4d}/{n}  pass@1 {count / n if n else 0:.3f}")
         if result["shown"] is not None:
             print(f"  suggestions shown                  {result['shown']:4d}/{n}")
     canonical = result["passed"].get("canonical")
     if canonical is not None and canonical != result["tasks"]:
-        failed = [r["task"] + ": " + r.get("canonical_error", "") for r in result["rows"] if not r["passed"]["canonical"]]
-        print("completiond eval: the canonical insertion failed (the benchmark or its sandbox is broken):\n  "
-              + "\n  ".join(failed[:10]), file=sys.stderr)
+        failed = [
+            r["task"] + ": " + r.get("canonical_error", "") for r in result["rows"] if not r["passed"]["canonical"]
+        ]
+        print(
+            "completiond eval: the canonical insertion failed (the benchmark or its sandbox is broken):\n  "
+            + "\n  ".join(failed[:10]),
+            file=sys.stderr,
+        )
         return 1
     return 0

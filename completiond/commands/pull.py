@@ -17,8 +17,11 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="hub id (org/name[@revision]) or a short name from --list")
     p.add_argument("--list", action="store_true", help="the curated short names, with size, memory and speed class")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="also accept a repository whose config names its own Python code (and fetch that code)")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="also accept a repository whose config names its own Python code (and fetch that code)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -33,8 +36,15 @@ class TerminalBar:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=self.label,
-                            file=sys.stderr, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=self.label,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
         if total != self.bar.total:
             self.bar.total = total
         self.bar.update(done - self.bar.n)
@@ -59,8 +69,15 @@ def catalog_text() -> str:
             unsupported.append(f"  {e.name} ({e.repo}): the engine has no `{e.family}` layout yet")
             continue
         bf16, fp32 = e.params_b * 2e9, e.params_b * 4e9
-        rows.append((e.name, f"{e.params_b:.2f} B", f"{bf16 / 1e9:.1f} / {fp32 / 1e9:.1f}",
-                     hub.cpu_speed(e), hub._speed_class(1000 * bf16 / hub.GPU_BANDWIDTH)))
+        rows.append(
+            (
+                e.name,
+                f"{e.params_b:.2f} B",
+                f"{bf16 / 1e9:.1f} / {fp32 / 1e9:.1f}",
+                hub.cpu_speed(e),
+                hub._speed_class(1000 * bf16 / hub.GPU_BANDWIDTH),
+            )
+        )
         extra = [f"FIM {e.fim}" if e.fim else "no FIM", f"early exits: {e.early_exit}"]
         if e.gated:
             extra.append("gated: accept its licence on the hub, then log in")
@@ -69,15 +86,20 @@ def catalog_text() -> str:
 
     def line(cells) -> str:
         # Names and speeds read left to right, sizes line up on the right.
-        return "  ".join(c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     out = [line(head)]
     for row, detail in zip(rows, details):
         out += [line(row), detail]
     if unsupported:
         out += ["", "In the catalog but not loadable yet:", *unsupported]
-    out += ["", "Speeds are estimates (weight bytes / memory bandwidth per token), before speculation.",
-            "Pull one: completiond pull NAME (or use NAME as the model setting: it is pulled on first use)"]
+    out += [
+        "",
+        "Speeds are estimates (weight bytes / memory bandwidth per token), before speculation.",
+        "Pull one: completiond pull NAME (or use NAME as the model setting: it is pulled on first use)",
+    ]
     return "\n".join(_fit(text, LIST_WIDTH) for text in out) + "\n"
 
 
@@ -98,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
         print(catalog_text(), end="")
         return 0
     if not args.model:
-        print("completiond pull: give a hub id (org/name) or a short name; `completiond pull --list` shows them",
-              file=sys.stderr)
+        print(
+            "completiond pull: give a hub id (org/name) or a short name; `completiond pull --list` shows them",
+            file=sys.stderr,
+        )
         return 2
     bar = TerminalBar(args.model)
     try:
@@ -118,9 +142,16 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"completiond pull: cannot read the weights' headers in {pulled.path}: {exc}", file=sys.stderr)
         return 1
-    result = {"model": pulled.name, "repo": pulled.repo, "revision": pulled.revision, "commit": pulled.commit,
-              "path": str(pulled.path), "downloaded_bytes": pulled.downloaded, "cached": pulled.downloaded == 0,
-              "parameters": params}
+    result = {
+        "model": pulled.name,
+        "repo": pulled.repo,
+        "revision": pulled.revision,
+        "commit": pulled.commit,
+        "path": str(pulled.path),
+        "downloaded_bytes": pulled.downloaded,
+        "cached": pulled.downloaded == 0,
+        "parameters": params,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -128,15 +159,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"{pulled.name} is already in the cache ({pulled.path}); nothing downloaded")
     else:
         print(f"{pulled.name}: downloaded {pulled.downloaded / 1e6:.1f} MB to {pulled.path}")
-    print(f"{params / 1e9:.2f} B parameters: about {params * 2 / 1e9:.1f} GB in bfloat16 (GPU), "
-          f"{params * 4 / 1e9:.1f} GB in float32 (CPU)")
+    print(
+        f"{params / 1e9:.2f} B parameters: about {params * 2 / 1e9:.1f} GB in bfloat16 (GPU), "
+        f"{params * 4 / 1e9:.1f} GB in float32 (CPU)"
+    )
     # Torch-free, so only the CPU can be asked; a GPU's fit is checked when the daemon loads the model.
     from completiond.engine.memory import GIB, available_bytes
 
     free = available_bytes("cpu")
     if free is not None and params * 4 > free:
-        print(f"note: in float32 (the CPU default) it needs {params * 4 / GIB:.1f} GiB and this machine has "
-              f"{free / GIB:.1f} GiB available: load it on a GPU, or with dtype bfloat16 ({params * 2 / GIB:.1f} GiB)")
+        print(
+            f"note: in float32 (the CPU default) it needs {params * 4 / GIB:.1f} GiB and this machine has "
+            f"{free / GIB:.1f} GiB available: load it on a GPU, or with dtype bfloat16 ({params * 2 / GIB:.1f} GiB)"
+        )
     setting = args.model if "/" in args.model or "@" in args.model else pulled.repo
     print(f'use it: model = "{setting}" in ~/.config/completiond/config.toml, or completiond.model in the editor')
     return 0

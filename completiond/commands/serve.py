@@ -21,13 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory or hub id (default: the bundled model)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"))
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--weights", choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
-                        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)")
+    parser.add_argument(
+        "--weights",
+        choices=config_mod.SETTINGS_BY_KEY["weights"].enum,
+        help="weight format of the native CPU step: auto, bf16 or int8 (default: the weights setting)",
+    )
     parser.add_argument("--draft-model", help="separate draft model: directory or hub id (default: none)")
     parser.add_argument("--trust-remote-code", action="store_true", default=None)
     parser.add_argument("--cache-mb", type=int, help="prefix KV cache budget in MiB")
     parser.add_argument("--idle-timeout", type=float, help="seconds to stay up with no client connected")
-    parser.add_argument("--runtime-dir", type=Path, help="directory for the socket (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument(
+        "--runtime-dir", type=Path, help="directory for the socket (default: $XDG_RUNTIME_DIR/completiond)"
+    )
     parser.add_argument("--config", type=Path, help="config.toml to read (default: ~/.config/completiond/config.toml)")
     parser.add_argument("--log-level", choices=("error", "warning", "info", "debug"))
     team = parser.add_argument_group("team backend (see README, For teams)")
@@ -43,14 +48,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
     cfg, errors = config_mod.load_file(getattr(args, "config", None))
-    overrides = {"model": resolve_model(args.model) if args.model else None, "device": args.device,
-                 "dtype": args.dtype, "trustRemoteCode": args.trust_remote_code, "cacheMegabytes": args.cache_mb,
-                 "idleTimeout": int(args.idle_timeout) if args.idle_timeout is not None and args.idle_timeout >= 5 else None,
-                 "logLevel": args.log_level, "backend": args.backend, "endpoint": args.endpoint,
-                 "endpointModel": args.endpoint_model, "apiKeyEnv": args.api_key_env, "apiKeyFile": args.api_key_file,
-                 "endpointCaFile": args.endpoint_ca_file, "endpointTimeout": args.endpoint_timeout,
-                 "apiKeyOverHttp": args.api_key_over_http,
-                 "draftModel": resolve_model(args.draft_model) if args.draft_model else None}
+    overrides = {
+        "model": resolve_model(args.model) if args.model else None,
+        "device": args.device,
+        "dtype": args.dtype,
+        "trustRemoteCode": args.trust_remote_code,
+        "cacheMegabytes": args.cache_mb,
+        "idleTimeout": int(args.idle_timeout) if args.idle_timeout is not None and args.idle_timeout >= 5 else None,
+        "logLevel": args.log_level,
+        "backend": args.backend,
+        "endpoint": args.endpoint,
+        "endpointModel": args.endpoint_model,
+        "apiKeyEnv": args.api_key_env,
+        "apiKeyFile": args.api_key_file,
+        "endpointCaFile": args.endpoint_ca_file,
+        "endpointTimeout": args.endpoint_timeout,
+        "apiKeyOverHttp": args.api_key_over_http,
+        "draftModel": resolve_model(args.draft_model) if args.draft_model else None,
+    }
     if args.weights is not None:
         overrides["weights"] = args.weights
     cfg, more = config_mod.merge(cfg, overrides)
@@ -60,15 +75,21 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, list[str]]:
 def run(args: argparse.Namespace) -> int:
     unsupported = daemon_unsupported()
     if unsupported:
-        print(f"completiond serve: {unsupported}. Editors run the model in their language server here "
-              "(`completiond lsp --no-daemon`, chosen automatically).", file=sys.stderr)
+        print(
+            f"completiond serve: {unsupported}. Editors run the model in their language server here "
+            "(`completiond lsp --no-daemon`, chosen automatically).",
+            file=sys.stderr,
+        )
         return 2
     # The socket server needs fcntl and AF_UNIX: imported only where they exist.
     from completiond.serving.server import install_log_rate_limit, serve
 
     cfg, errors = config_from_args(args)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s completiond[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s completiond[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
     install_log_rate_limit()  # daemon.log lives in the runtime directory: a flood must not fill it
     for error in errors:
         log.warning("%s", error)

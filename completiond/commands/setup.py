@@ -22,11 +22,18 @@ def prepare(quiet: bool = False, stream=sys.stderr) -> int:
     if not native.build_pending():
         why = native.reason() if native.library() is None else None
         if not quiet:
-            print(f"completiond setup: native CPU step {'not available: ' + why if why else 'ready'} "
-                  f"({native.kernel_name()} kernels)", file=stream)
+            print(
+                f"completiond setup: native CPU step {'not available: ' + why if why else 'ready'} "
+                f"({native.kernel_name()} kernels)",
+                file=stream,
+            )
         return 0
-    print(f"completiond setup: compiling the native CPU step ({native.kernel_name()} kernels; once per machine "
-          "and version, about 10-30 s)...", file=stream, flush=True)
+    print(
+        f"completiond setup: compiling the native CPU step ({native.kernel_name()} kernels; once per machine "
+        "and version, about 10-30 s)...",
+        file=stream,
+        flush=True,
+    )
     t0 = time.perf_counter()
     lib = native.library()
     if lib is None:

@@ -17,7 +17,9 @@ NOT_RUNNING = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument(
+        "--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon")
 
@@ -62,22 +64,33 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
         lines.append(f"  calibration  {calibration['message']}")
     index = stats.get("index")
     if isinstance(index, dict):  # the retrieval index, built in the background: its progress
-        scanning = (f", scanning ({index.get('loaded', 0)} of {index.get('found', 0)} files read)"
-                    if index.get("scanning") else "")
+        scanning = (
+            f", scanning ({index.get('loaded', 0)} of {index.get('found', 0)} files read)"
+            if index.get("scanning")
+            else ""
+        )
         lines.append(f"  context  index of {index.get('files', 0)} files, {index.get('chunks', 0)} chunks{scanning}")
     editors = stats.get("editors", 0)
     others = stats.get("clients", 0) - editors - 1  # minus this command's own connection
-    lines.append(f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else ""))
-    lines.append(f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
-                 f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors")
+    lines.append(
+        f"  clients  {editors} editor connection(s)" + (f", {others} other (command line)" if others > 0 else "")
+    )
+    lines.append(
+        f"  uptime   {st['uptime_s']:.0f} s, {stats['requests']:.0f} requests, {stats['completed']:.0f} completed, "
+        f"{stats['superseded']:.0f} superseded, {stats['cancelled']:.0f} cancelled, {stats['errors']:.0f} errors"
+    )
     if stats.get("withheld_syntax"):
-        lines.append(f"  syntax   {stats['withheld_syntax']:.0f} suggestions withheld by the syntax check "
-                     f"(of {stats.get('empty', 0):.0f} requests with none shown)")
+        lines.append(
+            f"  syntax   {stats['withheld_syntax']:.0f} suggestions withheld by the syntax check "
+            f"(of {stats.get('empty', 0):.0f} requests with none shown)"
+        )
     counts = st.get("suggestions") or {}
     accepted = sum(counts.get(k, 0) for k in ("accepted_full", "accepted_word", "accepted_line"))
-    lines.append(f"  editors  {counts.get('shown', 0)} suggestions shown, {accepted} accepted "
-                 f"({counts.get('accepted_full', 0)} whole, {counts.get('accepted_word', 0)} by word, "
-                 f"{counts.get('accepted_line', 0)} by line), {counts.get('dismissed', 0)} dismissed")
+    lines.append(
+        f"  editors  {counts.get('shown', 0)} suggestions shown, {accepted} accepted "
+        f"({counts.get('accepted_full', 0)} whole, {counts.get('accepted_word', 0)} by word, "
+        f"{counts.get('accepted_line', 0)} by line), {counts.get('dismissed', 0)} dismissed"
+    )
     if st.get("last_latency_ms") is not None:
         last = [f"{st['last_latency_ms']:.0f} ms"]
         if st.get("draft_acceptance") is not None:
@@ -90,11 +103,18 @@ def describe(stats: dict[str, Any], directory: Path) -> list[str]:
     if st.get("tokenizer"):
         lines.append(f"  tokens   {st['tokenizer']}")
     if st.get("draft"):
-        lines.append(f"  draft    {st['draft']}" + (f" (last request: {st['last_draft']})" if st.get("last_draft") else ""))
+        lines.append(
+            f"  draft    {st['draft']}" + (f" (last request: {st['last_draft']})" if st.get("last_draft") else "")
+        )
     if stats.get("draft_acceptance") is not None:
-        lines.append(f"  drafts   {stats['draft_acceptance']:.2f} of draft tokens accepted (per token, all requests)"
-                     + (f"; {stats['history_accepted']:.0f} of them from earlier suggestions' text"
-                        if stats.get("history_accepted") else ""))
+        lines.append(
+            f"  drafts   {stats['draft_acceptance']:.2f} of draft tokens accepted (per token, all requests)"
+            + (
+                f"; {stats['history_accepted']:.0f} of them from earlier suggestions' text"
+                if stats.get("history_accepted")
+                else ""
+            )
+        )
     if stats.get("cache_served_fraction") is not None:
         lines.append(f"  cache    {stats['cache_served_fraction']:.2f} of prompt tokens served from the KV cache")
     lines.append(f"  socket   {paths.socket_path(directory)}")
@@ -109,8 +129,11 @@ def with_running_daemon(args: argparse.Namespace, action) -> int:
     """Run `action(directory)` against the running daemon (never start one); its failures as exit codes."""
     unsupported = paths.daemon_unsupported()
     if unsupported:
-        print(f"no completiond daemon on this platform: {unsupported}; editors run the model in their language "
-              "server (`completiond lsp --no-daemon`)", file=sys.stderr)
+        print(
+            f"no completiond daemon on this platform: {unsupported}; editors run the model in their language "
+            "server (`completiond lsp --no-daemon`)",
+            file=sys.stderr,
+        )
         return NOT_RUNNING
     directory = args.runtime_dir or paths.current_runtime_dir()
     try:

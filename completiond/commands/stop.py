@@ -13,7 +13,9 @@ from completiond.serving import paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)")
+    parser.add_argument(
+        "--runtime-dir", type=Path, help="daemon socket directory (default: $XDG_RUNTIME_DIR/completiond)"
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon to stop")
 
 
@@ -32,7 +34,6 @@ async def _stop(directory: Path, timeout: float) -> int:
         return 1
     print(f"stopped daemon pid {reply.get('pid')}")
     return 0
-
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,8 +67,14 @@ def hwm_mb(pid: int) -> float:
 
 
 def child_env(runtime: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1", XDG_CONFIG_HOME=str(runtime / "config"))
+    env = dict(
+        os.environ,
+        XDG_RUNTIME_DIR=str(runtime),
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        XDG_CONFIG_HOME=str(runtime / "config"),
+    )
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
@@ -107,17 +113,33 @@ def alive(pid: int | None) -> bool:
 def start_daemon(model: str, runtime: Path, timeout: float = 120.0, extra: Sequence[str] = ()) -> subprocess.Popen:
     """`completiond serve` in runtime/completiond; returns once the socket accepts and the model is ready."""
     rundir = runtime / "completiond"
-    cmd = [sys.executable, "-m", "completiond.cli", "serve", "--model", model, "--device", "cpu",
-           "--idle-timeout", "600", "--runtime-dir", str(rundir), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "completiond.cli",
+        "serve",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--idle-timeout",
+        "600",
+        "--runtime-dir",
+        str(rundir),
+        *extra,
+    ]
     log = open(runtime / "daemon-stderr.log", "ab")
-    proc = subprocess.Popen(cmd, env=child_env(runtime), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=child_env(runtime), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+    )
     log.close()
     deadline = time.monotonic() + timeout
     sock = paths.socket_path(rundir)
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}: {(runtime / 'daemon-stderr.log').read_text()[-2000:]}")
+            raise RuntimeError(
+                f"daemon exited with {proc.returncode}: {(runtime / 'daemon-stderr.log').read_text()[-2000:]}"
+            )
         if sock.exists():
             try:
                 probe = WireProbe(sock)
@@ -172,7 +194,7 @@ class WireProbe:
         self._fill(4)
         (n,) = struct.unpack(">I", self.buf[:4])
         self._fill(4 + n)
-        payload, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+        payload, self.buf = self.buf[4 : 4 + n], self.buf[4 + n :]
         return msgpack.unpackb(payload, raw=False)
 
     def read_reply(self, rid: Any) -> dict[str, Any]:
@@ -221,7 +243,9 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
     if kind == 1:
         return rng.choice([True, False])
     if kind == 2:
-        return rng.choice([0, -1, 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-10**6, 10**6)])
+        return rng.choice(
+            [0, -1, 1, 2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-(10**6), 10**6)]
+        )
     if kind == 3:
         return rng.choice([0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), 1e308, -1e-308])
     if kind == 4:
@@ -234,8 +258,23 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
         return rng.randrange(-5, 100)
     if kind in (8, 9):
         return [random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
-    return {rng.choice(["uri", "version", "text", "edits", "offset", "id", "settings", "languageId", "maxTokens",
-                        "k" + str(rng.randrange(9))]): random_value(rng, depth + 1) for _ in range(rng.randrange(0, 5))}
+    return {
+        rng.choice(
+            [
+                "uri",
+                "version",
+                "text",
+                "edits",
+                "offset",
+                "id",
+                "settings",
+                "languageId",
+                "maxTokens",
+                "k" + str(rng.randrange(9)),
+            ]
+        ): random_value(rng, depth + 1)
+        for _ in range(rng.randrange(0, 5))
+    }
 
 
 FUZZ_TEXT = "def f(x):\n    return x\n"
@@ -260,8 +299,14 @@ def random_params(rng: random.Random, method: str) -> Any:
         elif op == 2:
             params[rng.choice(["edits", "offset", "version", "settings", "extra"])] = random_value(rng)
         elif op == 3 and "edits" in params:
-            params["edits"] = [[rng.choice([0, -1, 2**63 - 1, 5, "a", None]), rng.choice([0, 3, 2**64 - 1, 1.5]),
-                                rng.choice(["", "x", None, 7, "😀" * 3])] for _ in range(rng.randrange(0, 3))]
+            params["edits"] = [
+                [
+                    rng.choice([0, -1, 2**63 - 1, 5, "a", None]),
+                    rng.choice([0, 3, 2**64 - 1, 1.5]),
+                    rng.choice(["", "x", None, 7, "😀" * 3]),
+                ]
+                for _ in range(rng.randrange(0, 3))
+            ]
     return params if rng.random() > 0.05 else random_value(rng)
 
 
@@ -288,15 +333,19 @@ def fuzz_frame(rng: random.Random) -> tuple[bytes, str]:
         payload = msgpack.packb(value, use_bin_type=True)
         return wire.HEADER.pack(len(payload)) + payload, "message"
     if kind == 5:  # mutated bytes inside a correct length header
-        payload = bytearray(msgpack.packb({"id": rng.randrange(1, 1000), "m": rng.choice(WIRE_METHODS),
-                                           "p": random_params(rng, "open")}, use_bin_type=True))
+        payload = bytearray(
+            msgpack.packb(
+                {"id": rng.randrange(1, 1000), "m": rng.choice(WIRE_METHODS), "p": random_params(rng, "open")},
+                use_bin_type=True,
+            )
+        )
         for _ in range(rng.randrange(1, 6)):
             i = rng.randrange(len(payload))
             payload[i] = rng.randrange(256)
         return wire.HEADER.pack(len(payload)) + bytes(payload), "mutated"
     if kind == 6:  # bad UTF-8 in a str
         bad = rng.choice([b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82"])
-        payload = b"\x83\xa2id\x01\xa1m\xa4open\xa1p\x81\xa4text" + bytes([0xa0 | len(bad)]) + bad
+        payload = b"\x83\xa2id\x01\xa1m\xa4open\xa1p\x81\xa4text" + bytes([0xA0 | len(bad)]) + bad
         return wire.HEADER.pack(len(payload)) + payload, "bad-utf8"
     if kind == 7:  # deep nesting
         payload = deep(rng.choice([17, 40, 200, 5000]))
@@ -309,17 +358,17 @@ def fuzz_frame(rng: random.Random) -> tuple[bytes, str]:
             return b"GET / HTTP/1.1\r\n\r\n", "length"
         if choice == 2:  # promises more than it sends: the daemon must not wait forever holding anything
             return struct.pack(">I", 100) + b"\x81", "truncated"
-        return struct.pack(">I", 5) + b"\x92\x01\x02\x03\x04", "trailing"   # array, plus extra data
+        return struct.pack(">I", 5) + b"\x92\x01\x02\x03\x04", "trailing"  # array, plus extra data
     # huge containers / numbers / ext types
     choice = rng.randrange(4)
     if choice == 0:
-        payload = b"\xdd" + struct.pack(">I", 2**31) + b"\x01"      # array32 claiming 2^31 items
+        payload = b"\xdd" + struct.pack(">I", 2**31) + b"\x01"  # array32 claiming 2^31 items
     elif choice == 1:
-        payload = b"\x81\xa1a\xd4\x01\x00"                           # ext type (refused: max_ext_len=0)
+        payload = b"\x81\xa1a\xd4\x01\x00"  # ext type (refused: max_ext_len=0)
     elif choice == 2:
-        payload = b"\x81\xa1a\xcf" + b"\xff" * 8                     # uint64 max
+        payload = b"\x81\xa1a\xcf" + b"\xff" * 8  # uint64 max
     else:
-        payload = b"\xdf" + struct.pack(">I", 2**31)                 # map32 claiming 2^31 pairs
+        payload = b"\xdf" + struct.pack(">I", 2**31)  # map32 claiming 2^31 pairs
     return wire.HEADER.pack(len(payload)) + payload, "huge"
 
 
@@ -372,7 +421,9 @@ def check_wire_frame(sock_path: Path, frame: bytes, timeout: float = 10.0) -> st
             assert msgpack.packb(reply.get("id")) == msgpack.packb(reply_id), (msg, reply)
             if "e" in reply:
                 err = reply["e"]
-                assert isinstance(err.get("code"), int) and isinstance(err.get("message"), str) and err["message"], reply
+                assert isinstance(err.get("code"), int) and isinstance(err.get("message"), str) and err["message"], (
+                    reply
+                )
                 kind = f"error-{err['code']}"
             else:
                 assert "r" in reply, reply
@@ -387,8 +438,13 @@ def check_wire_frame(sock_path: Path, frame: bytes, timeout: float = 10.0) -> st
         probe.close()
 
 
-def fuzz_wire(sock_path: Path, frames: int, seed: int = 0, on_frame: Callable[[int], None] | None = None,
-              deadline: float | None = None) -> dict[str, Any]:
+def fuzz_wire(
+    sock_path: Path,
+    frames: int,
+    seed: int = 0,
+    on_frame: Callable[[int], None] | None = None,
+    deadline: float | None = None,
+) -> dict[str, Any]:
     """Throw `frames` hostile frames at a running daemon; a sentinel client must keep working throughout."""
     rng = random.Random(seed)
     sentinel = WireProbe(sock_path)
@@ -410,8 +466,9 @@ def fuzz_wire(sock_path: Path, frames: int, seed: int = 0, on_frame: Callable[[i
                 on_frame(i)
             if i % 50 == 0:  # other clients unaffected
                 assert sentinel.request("ping", {}).get("r") == "pong"
-        r = sentinel.request("complete", {"uri": "file:///sentinel.py", "version": 1, "offset": 25,
-                                          "settings": {"maxTokens": 2}})
+        r = sentinel.request(
+            "complete", {"uri": "file:///sentinel.py", "version": 1, "offset": 25, "settings": {"maxTokens": 2}}
+        )
         assert "r" in r, f"the sentinel client's completion failed after fuzzing: {r}"
     finally:
         sentinel.close()
@@ -444,27 +501,50 @@ class RawLsp:
         self.closed = asyncio.get_running_loop().create_future()
 
     @classmethod
-    async def start(cls, settings: dict[str, Any], runtime: Path, *args: str, encodings=("utf-16",),
-                    initialize: bool = True, pre: str | None = None) -> "RawLsp":
+    async def start(
+        cls,
+        settings: dict[str, Any],
+        runtime: Path,
+        *args: str,
+        encodings=("utf-16",),
+        initialize: bool = True,
+        pre: str | None = None,
+    ) -> "RawLsp":
         """pre: Python source run in the server process before it starts (fault injection in tests)."""
         if pre is None:
             cmd = [sys.executable, "-m", "completiond.cli", "lsp", *args]
         else:
-            cmd = [sys.executable, "-c", pre + "\nimport sys\nfrom completiond.cli import main\n"
-                   f"sys.exit(main(['lsp', *{list(args)!r}]))"]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    env=child_env(runtime), limit=1 << 26)
+            cmd = [
+                sys.executable,
+                "-c",
+                pre + f"\nimport sys\nfrom completiond.cli import main\nsys.exit(main(['lsp', *{list(args)!r}]))",
+            ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=child_env(runtime),
+            limit=1 << 26,
+        )
         self = cls(proc, settings)
         if initialize:
-            caps = {"general": {"positionEncodings": list(encodings)},
-                    "workspace": {"configuration": True},
-                    "window": {"workDoneProgress": True},
-                    "textDocument": {"inlineCompletion": {}}}
-            self.init = await self.request("initialize", {"processId": os.getpid(), "rootUri": None,
-                                                          "capabilities": caps,
-                                                          "initializationOptions": {"completiond": settings}},
-                                           timeout=60)
+            caps = {
+                "general": {"positionEncodings": list(encodings)},
+                "workspace": {"configuration": True},
+                "window": {"workDoneProgress": True},
+                "textDocument": {"inlineCompletion": {}},
+            }
+            self.init = await self.request(
+                "initialize",
+                {
+                    "processId": os.getpid(),
+                    "rootUri": None,
+                    "capabilities": caps,
+                    "initializationOptions": {"completiond": settings},
+                },
+                timeout=60,
+            )
             self.notify("initialized", {})
         return self
 
@@ -597,21 +677,39 @@ def _dumps(value: Any) -> bytes:
 
 def lsp_fuzz_message(rng: random.Random, uri: str, text: str) -> tuple[bytes, Any]:
     """One hostile LSP message body (JSON bytes) and its request id (None for notifications / unparsable)."""
-    methods = ["textDocument/inlineCompletion", "textDocument/completion", "textDocument/didChange",
-               "textDocument/didOpen", "textDocument/didClose", "workspace/executeCommand",
-               "workspace/didChangeConfiguration", "$/cancelRequest", "completiond/bogus", "textDocument/hover"]
+    methods = [
+        "textDocument/inlineCompletion",
+        "textDocument/completion",
+        "textDocument/didChange",
+        "textDocument/didOpen",
+        "textDocument/didClose",
+        "workspace/executeCommand",
+        "workspace/didChangeConfiguration",
+        "$/cancelRequest",
+        "completiond/bogus",
+        "textDocument/hover",
+    ]
     method = rng.choice(methods)
-    pos = {"line": rng.choice([0, 1, -1, 2**31 - 1, 2**31, 2**53, 10**30, "0", None, 1.5]),
-           "character": rng.choice([0, 3, -5, 2**31 - 1, 2**32, 10**30, "x", None, 1e308])}
+    pos = {
+        "line": rng.choice([0, 1, -1, 2**31 - 1, 2**31, 2**53, 10**30, "0", None, 1.5]),
+        "character": rng.choice([0, 3, -5, 2**31 - 1, 2**32, 10**30, "x", None, 1e308]),
+    }
     params: Any = {
-        "textDocument/inlineCompletion": {"textDocument": {"uri": uri}, "position": pos,
-                                          "context": {"triggerKind": rng.choice([1, 2, 99, "x"])}},
+        "textDocument/inlineCompletion": {
+            "textDocument": {"uri": uri},
+            "position": pos,
+            "context": {"triggerKind": rng.choice([1, 2, 99, "x"])},
+        },
         "textDocument/completion": {"textDocument": {"uri": uri}, "position": pos},
-        "textDocument/didChange": {"textDocument": {"uri": uri, "version": rng.choice([2, -1, 2**31, 10**20, None])},
-                                   "contentChanges": [{"range": {"start": pos, "end": dict(pos)},
-                                                       "text": rng.choice(["x", "", "😀", 5, None])}]},
-        "textDocument/didOpen": did_open(rng.choice([uri, "file:///other.py", 5]), rng.choice([text, "", None, 7]),
-                                         rng.choice([1, 2**40, "v"])),
+        "textDocument/didChange": {
+            "textDocument": {"uri": uri, "version": rng.choice([2, -1, 2**31, 10**20, None])},
+            "contentChanges": [
+                {"range": {"start": pos, "end": dict(pos)}, "text": rng.choice(["x", "", "😀", 5, None])}
+            ],
+        },
+        "textDocument/didOpen": did_open(
+            rng.choice([uri, "file:///other.py", 5]), rng.choice([text, "", None, 7]), rng.choice([1, 2**40, "v"])
+        ),
         "textDocument/didClose": {"textDocument": {"uri": rng.choice(["file:///nope.py", 5, None])}},
         "workspace/executeCommand": {"command": rng.choice(["completiond.stats", "nope", 5]), "arguments": [1, {}]},
         "workspace/didChangeConfiguration": {"settings": {"completiond": random_value(rng)}},
@@ -636,22 +734,23 @@ def lsp_fuzz_message(rng: random.Random, uri: str, text: str) -> tuple[bytes, An
             rid = None
     kind = rng.randrange(12)
     if kind == 0:
-        return b"{\"jsonrpc\": \"2.0\", \"id\": " + b"[" * rng.choice([100, 5000, 100000]) + b"1", None   # deep nesting
+        return b'{"jsonrpc": "2.0", "id": ' + b"[" * rng.choice([100, 5000, 100000]) + b"1", None  # deep nesting
     if kind == 1:
         body = _dumps(msg)
-        return body.replace(b"\"2.0\"", b"\"\xff\xfe\"", 1), None                                 # bad UTF-8
+        return body.replace(b'"2.0"', b'"\xff\xfe"', 1), None  # bad UTF-8
     if kind == 2:
-        return _dumps(msg)[: rng.randrange(1, 30)], None                              # truncated JSON
+        return _dumps(msg)[: rng.randrange(1, 30)], None  # truncated JSON
     if kind == 3:
         msg["jsonrpc"] = rng.choice(["1.0", None, 2])
-        return _dumps(msg), None        # not JSON-RPC 2.0: servers may drop it without a reply
+        return _dumps(msg), None  # not JSON-RPC 2.0: servers may drop it without a reply
     if kind == 4:
         return _dumps(random_value(rng)), None
     return _dumps(msg), rid
 
 
-async def fuzz_lsp(lsp: RawLsp, uri: str, text: str, messages: int, seed: int = 0,
-                   deadline: float | None = None, timeout: float = 30.0) -> dict[str, Any]:
+async def fuzz_lsp(
+    lsp: RawLsp, uri: str, text: str, messages: int, seed: int = 0, deadline: float | None = None, timeout: float = 30.0
+) -> dict[str, Any]:
     """Send hostile messages to a running LSP server; every request must be answered; the server stays up.
 
     Between bursts, a valid inline completion on a valid document must keep working."""
@@ -676,7 +775,9 @@ async def fuzz_lsp(lsp: RawLsp, uri: str, text: str, messages: int, seed: int = 
                 try:
                     reply = await asyncio.wait_for(f, timeout)
                 except asyncio.TimeoutError:
-                    raise AssertionError(f"no response to request {rid!r}; stderr: {lsp.stderr_tail[-3000:]!r}") from None
+                    raise AssertionError(
+                        f"no response to request {rid!r}; stderr: {lsp.stderr_tail[-3000:]!r}"
+                    ) from None
                 answered += 1
                 if "error" in reply:
                     err = reply["error"]
@@ -687,11 +788,20 @@ async def fuzz_lsp(lsp: RawLsp, uri: str, text: str, messages: int, seed: int = 
             # Re-sync: reopen the document with known text so later probes have something valid.
             lsp.notify("textDocument/didOpen", did_open(uri, text, 1))
             pos = utf16_position(text, len(text))
-            reply = await asyncio.wait_for(lsp.send_request("textDocument/inlineCompletion", {
-                "textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}}), 120)
+            reply = await asyncio.wait_for(
+                lsp.send_request(
+                    "textDocument/inlineCompletion",
+                    {"textDocument": {"uri": uri}, "position": pos, "context": {"triggerKind": 1}},
+                ),
+                120,
+            )
             assert "result" in reply, f"valid completion failed during fuzzing: {reply}"
-    return {"messages_tried": tried, "requests_answered": answered, "error_replies": errors,
-            "seconds": round(time.monotonic() - t0, 1)}
+    return {
+        "messages_tried": tried,
+        "requests_answered": answered,
+        "error_replies": errors,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
 
 
 # --- load: editors typing ----------------------------------------------------------------------------------
@@ -700,8 +810,9 @@ async def fuzz_lsp(lsp: RawLsp, uri: str, text: str, messages: int, seed: int = 
 TYPED = "    total = sum(value * 2 for value in values if value > 0)\n    return total\n"
 
 
-async def type_into(lsp: RawLsp, uri: str, text: str, keystrokes: int, rate: float, deadline: float,
-                    record: list[dict[str, Any]]) -> str:
+async def type_into(
+    lsp: RawLsp, uri: str, text: str, keystrokes: int, rate: float, deadline: float, record: list[dict[str, Any]]
+) -> str:
     """Type at `rate` keystrokes/s: per keystroke a didChange and an inlineCompletion (as editors do;
     the server supersedes older requests for the document). Returns the final text."""
     version = 1
@@ -715,22 +826,29 @@ async def type_into(lsp: RawLsp, uri: str, text: str, keystrokes: int, rate: flo
         pos = utf16_position(text, len(text))
         version += 1
         text += ch
-        lsp.notify("textDocument/didChange", {
-            "textDocument": {"uri": uri, "version": version},
-            "contentChanges": [{"range": {"start": pos, "end": pos}, "text": ch}]})
+        lsp.notify(
+            "textDocument/didChange",
+            {
+                "textDocument": {"uri": uri, "version": version},
+                "contentChanges": [{"range": {"start": pos, "end": pos}, "text": ch}],
+            },
+        )
         sent_at = time.monotonic()
         entry = {"uri": uri, "seq": sent, "sent": sent_at, "latest": None, "latency_ms": None, "result": None}
         record.append(entry)
         last_sent[uri] = sent_at
-        future = lsp.send_request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": utf16_position(text, len(text)),
-            "context": {"triggerKind": 2}})
+        future = lsp.send_request(
+            "textDocument/inlineCompletion",
+            {"textDocument": {"uri": uri}, "position": utf16_position(text, len(text)), "context": {"triggerKind": 2}},
+        )
 
         async def wait(entry=entry, future=future):
             reply = await future
             now = time.monotonic()
             entry["latency_ms"] = (now - entry["sent"]) * 1000
-            entry["result"] = "error" if "error" in reply else ("items" if (reply.get("result") or {}).get("items") else "empty")
+            entry["result"] = (
+                "error" if "error" in reply else ("items" if (reply.get("result") or {}).get("items") else "empty")
+            )
             # The latest request: no newer keystroke for this document when it was answered.
             entry["latest"] = last_sent[uri] == entry["sent"]
 
@@ -742,8 +860,15 @@ async def type_into(lsp: RawLsp, uri: str, text: str, keystrokes: int, rate: flo
     return text
 
 
-async def run_load(model: str, runtime: Path, clients: int = 4, rate: float = 20.0, duration: float = 60.0,
-                   sample: Callable[[], Any] | None = None, start_own_daemon: bool = True) -> dict[str, Any]:
+async def run_load(
+    model: str,
+    runtime: Path,
+    clients: int = 4,
+    rate: float = 20.0,
+    duration: float = 60.0,
+    sample: Callable[[], Any] | None = None,
+    start_own_daemon: bool = True,
+) -> dict[str, Any]:
     """`clients` LSP processes, one document each, typing at `rate` keystrokes/s for `duration` s."""
     settings = {"model": model, "device": "cpu", "maxTokens": 8, "idleTimeout": 600}
     daemon = start_daemon(model, runtime) if start_own_daemon else None
@@ -758,9 +883,15 @@ async def run_load(model: str, runtime: Path, clients: int = 4, rate: float = 20
             lsp.notify("textDocument/didOpen", did_open(f"file:///load/client{i}.py", base))
         # Warm-up: one answered completion each (the model is loaded by then).
         for i, lsp in enumerate(lsps):
-            await lsp.request("textDocument/inlineCompletion", {
-                "textDocument": {"uri": f"file:///load/client{i}.py"}, "position": utf16_position(base, len(base)),
-                "context": {"triggerKind": 1}}, timeout=120)
+            await lsp.request(
+                "textDocument/inlineCompletion",
+                {
+                    "textDocument": {"uri": f"file:///load/client{i}.py"},
+                    "position": utf16_position(base, len(base)),
+                    "context": {"triggerKind": 1},
+                },
+                timeout=120,
+            )
         before = await lsps[0].stats()
         stop = asyncio.Event()
 
@@ -778,8 +909,12 @@ async def run_load(model: str, runtime: Path, clients: int = 4, rate: float = 20
         t0 = time.monotonic()
         deadline = t0 + duration
         keystrokes = int(duration * rate)
-        texts = await asyncio.gather(*(type_into(lsp, f"file:///load/client{i}.py", base, keystrokes, rate,
-                                                 deadline + 5, record) for i, lsp in enumerate(lsps)))
+        texts = await asyncio.gather(
+            *(
+                type_into(lsp, f"file:///load/client{i}.py", base, keystrokes, rate, deadline + 5, record)
+                for i, lsp in enumerate(lsps)
+            )
+        )
         elapsed = time.monotonic() - t0
         stop.set()
         await watcher
@@ -788,14 +923,20 @@ async def run_load(model: str, runtime: Path, clients: int = 4, rate: float = 20
         latest = [e["latency_ms"] for e in record if e["latest"]]
         answered = [e for e in record if e["result"] is not None]
         return {
-            "clients": clients, "rate_per_client": rate, "seconds": round(elapsed, 1),
-            "requests": len(record), "responses": len(answered),
+            "clients": clients,
+            "rate_per_client": rate,
+            "seconds": round(elapsed, 1),
+            "requests": len(record),
+            "responses": len(answered),
             "errors": sum(1 for e in record if e["result"] == "error"),
             "with_suggestion": sum(1 for e in record if e["result"] == "items"),
             "latest_requests": len(latest),
-            "latest_p50_ms": percentile(latest, 50), "latest_p99_ms": percentile(latest, 99),
+            "latest_p50_ms": percentile(latest, 50),
+            "latest_p99_ms": percentile(latest, 99),
             "all_p99_ms": percentile([e["latency_ms"] for e in answered], 99),
-            "max_queued": queued_max, "documents": clients, "queue_samples": samples,
+            "max_queued": queued_max,
+            "documents": clients,
+            "queue_samples": samples,
             "daemon_completed": after["completed"] - before["completed"],
             "daemon_superseded": after["superseded"] - before["superseded"],
             "daemon_cancelled": after["cancelled"] - before["cancelled"],
@@ -842,9 +983,11 @@ async def _fuzz_lsp_main(model: str, runtime: Path, messages: int, seed: int, se
         b.notify("textDocument/didOpen", did_open(uri, text))
         deadline = time.monotonic() + seconds if seconds else None
         report = await fuzz_lsp(a, uri, text, messages, seed, deadline)
-        reply = await b.request("textDocument/inlineCompletion", {
-            "textDocument": {"uri": uri}, "position": utf16_position(text, len(text)), "context": {"triggerKind": 1}},
-            timeout=120)
+        reply = await b.request(
+            "textDocument/inlineCompletion",
+            {"textDocument": {"uri": uri}, "position": utf16_position(text, len(text)), "context": {"triggerKind": 1}},
+            timeout=120,
+        )
         assert reply is not None and a.running and b.running and daemon.poll() is None
         report.update(lsp_exits=0, daemon_exits=0, other_client_ok=True, lsp_rss_mb=round(rss_mb(a.pid), 1))
         return report
@@ -879,13 +1022,18 @@ def run(args: argparse.Namespace) -> int:
         model = _model(args, tmp)
         if args.mode == "load":
             report = asyncio.run(run_load(model, runtime, args.clients, args.rate, args.duration))
-            ok = (report["responses"] == report["requests"] and report["max_queued"] <= report["documents"]
-                  and report["errors"] == 0)
+            ok = (
+                report["responses"] == report["requests"]
+                and report["max_queued"] <= report["documents"]
+                and report["errors"] == 0
+            )
         elif args.target == "wire":
             proc = start_daemon(model, runtime)
             try:
                 deadline = time.monotonic() + args.seconds if args.seconds else None
-                report = fuzz_wire(paths.socket_path(runtime / "completiond"), args.frames, args.seed, deadline=deadline)
+                report = fuzz_wire(
+                    paths.socket_path(runtime / "completiond"), args.frames, args.seed, deadline=deadline
+                )
                 report["daemon_exits"] = 0 if proc.poll() is None else 1
                 report["daemon_rss_mb"] = round(rss_mb(proc.pid), 1)
                 ok = proc.poll() is None

@@ -27,19 +27,29 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory or hub id (default: the bundled model)")
-    p.add_argument("--exit-layer", type=int, default=0, help="E, the layers under the adapter (default: a fifth of the depth)")
+    p.add_argument(
+        "--exit-layer", type=int, default=0, help="E, the layers under the adapter (default: a fifth of the depth)"
+    )
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--minutes", type=float, default=0.0, help="stop training after this long (0: no limit)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--train-tokens", type=int, default=3_000_000, help="most tokens of training text to read")
-    p.add_argument("--files", nargs="*", default=None, help="training code files or directories (default: stdlib training split)")
-    p.add_argument("--heldout", nargs="*", default=None, help="held-out files or directories (default: stdlib held-out split)")
+    p.add_argument(
+        "--files", nargs="*", default=None, help="training code files or directories (default: stdlib training split)"
+    )
+    p.add_argument(
+        "--heldout", nargs="*", default=None, help="held-out files or directories (default: stdlib held-out split)"
+    )
     p.add_argument("--heldout-batches", type=int, default=6)
     p.add_argument("--out", type=Path, default=None, help="where to write the adapter (default: see above)")
-    p.add_argument("--init", type=Path, default=None,
-                   help="continue from this adapter file (same model and exit layer) instead of a copy of layer E")
+    p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="continue from this adapter file (same model and exit layer) instead of a copy of layer E",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=0)
@@ -103,11 +113,18 @@ def training_batches(engine, args, rng: random.Random) -> tuple:
             yield tok(text).input_ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
 
     try:
-        train = (b.to(device) for b in token_windows(streams(train_paths, rng), args.seq_len, args.batch_size, rng,
-                                                    args.train_tokens))
+        train = (
+            b.to(device)
+            for b in token_windows(streams(train_paths, rng), args.seq_len, args.batch_size, rng, args.train_tokens)
+        )
         held_rng = random.Random(1234)  # the same held-out windows before and after, and across runs
-        held_iter = token_windows(streams(held_paths, held_rng), args.seq_len, args.batch_size, held_rng,
-                                  args.heldout_batches * args.batch_size * args.seq_len * 4)
+        held_iter = token_windows(
+            streams(held_paths, held_rng),
+            args.seq_len,
+            args.batch_size,
+            held_rng,
+            args.heldout_batches * args.batch_size * args.seq_len * 4,
+        )
         held = [next(held_iter).to(device) for _ in range(args.heldout_batches)]
     except ValueError as exc:
         raise DataError(str(exc)) from None
@@ -133,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
     L = engine.num_layers
     E = args.exit_layer or max(1, L // 5)
     if not 1 <= E < L - 1:
-        print(f"completiond train-adapter: --exit-layer must be in 1..{L - 2} for this {L}-layer model "
-              "(an adapter at the last layer would cost as much as the model)", file=sys.stderr)
+        print(
+            f"completiond train-adapter: --exit-layer must be in 1..{L - 2} for this {L}-layer model "
+            "(an adapter at the last layer would cost as much as the model)",
+            file=sys.stderr,
+        )
         return 2
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     device = engine.device
@@ -145,8 +165,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     model = engine.model
-    log(f"training the exit adapter of {engine.name} at E={E} of {L} layers on {device} "
-        f"({args.steps} steps x {args.batch_size}x{args.seq_len} tokens)")
+    log(
+        f"training the exit adapter of {engine.name} at E={E} of {L} layers on {device} "
+        f"({args.steps} steps x {args.batch_size}x{args.seq_len} tokens)"
+    )
     previous = {}
     if args.init is not None:
         try:
@@ -155,32 +177,54 @@ def run(args: argparse.Namespace) -> int:
             print(f"completiond train-adapter: --init: {exc}", file=sys.stderr)
             return 2
         if record.exit_layer != E:
-            print(f"completiond train-adapter: --init {args.init} is an adapter at layer {record.exit_layer}, not {E}",
-                  file=sys.stderr)
+            print(
+                f"completiond train-adapter: --init {args.init} is an adapter at layer {record.exit_layer}, not {E}",
+                file=sys.stderr,
+            )
             return 2
         start = ea.build_layer(model, record)
         previous = record.training
     else:
         start = ea.copy.deepcopy(model.model.layers[E]).eval()
     before = ea.measure(model, start, E, held)
-    log(f"before: agreement adapter {before['agreement']['adapter']:.3f} (exit {E}: {before['agreement']['exit']:.3f}, "
-        f"exit {E + 1}: {before['agreement']['exit_next']:.3f}), KL {before['kl']['adapter']:.3f}")
+    log(
+        f"before: agreement adapter {before['agreement']['adapter']:.3f} (exit {E}: {before['agreement']['exit']:.3f}, "
+        f"exit {E + 1}: {before['agreement']['exit_next']:.3f}), KL {before['kl']['adapter']:.3f}"
+    )
     autocast = device != "cpu" and engine.dtype != torch.float32
     with torch.autocast(device_type=str(device).split(":")[0], dtype=engine.dtype, enabled=autocast):
-        layer, summary = ea.train_adapter(model, E, train, args.steps, lr=args.lr, minutes=args.minutes, log=log,
-                                          init=start if args.init is not None else None)
+        layer, summary = ea.train_adapter(
+            model,
+            E,
+            train,
+            args.steps,
+            lr=args.lr,
+            minutes=args.minutes,
+            log=log,
+            init=start if args.init is not None else None,
+        )
     layer = layer.to(engine.dtype)
     after = ea.measure(model, layer, E, held)
     log(f"after:  agreement adapter {after['agreement']['adapter']:.3f}, KL {after['kl']['adapter']:.3f}")
-    summary.update(exit_layer=E, before=before, after=after, heldout_windows=len(held) * args.batch_size,
-                   seq_len=args.seq_len, batch_size=args.batch_size)
+    summary.update(
+        exit_layer=E,
+        before=before,
+        after=after,
+        heldout_windows=len(held) * args.batch_size,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+    )
     if previous:
         # a continued adapter: the totals cover every run, `runs` keeps each one's own figures
         runs = previous.get("runs") or [{k: previous.get(k) for k in ("steps", "tokens", "minutes", "final_kl", "lr")}]
         runs.append({k: summary[k] for k in ("steps", "tokens", "minutes", "final_kl", "lr")})
-        summary.update(runs=runs, steps=sum(r["steps"] or 0 for r in runs), tokens=sum(r["tokens"] or 0 for r in runs),
-                       minutes=round(sum(r["minutes"] or 0 for r in runs), 2),
-                       before=previous.get("before", before))
+        summary.update(
+            runs=runs,
+            steps=sum(r["steps"] or 0 for r in runs),
+            tokens=sum(r["tokens"] or 0 for r in runs),
+            minutes=round(sum(r["minutes"] or 0 for r in runs), 2),
+            before=previous.get("before", before),
+        )
     out = args.out or default_out(engine.model_dir, ea.ADAPTER_FILE, user_adapter_path(engine.model_id))
     path = ea.save_adapter(out, layer, E, engine.model_id, model.config, summary)
     summary["path"] = str(path)
@@ -189,4 +233,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         log(f"wrote {path}; `completiond calibrate` decides whether drafting through it pays here")
     return 0
-

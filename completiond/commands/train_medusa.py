@@ -28,8 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-tokens", type=int, default=3_000_000)
-    p.add_argument("--files", nargs="*", default=None, help="training code files or directories (default: stdlib training split)")
-    p.add_argument("--heldout", nargs="*", default=None, help="held-out files or directories (default: stdlib held-out split)")
+    p.add_argument(
+        "--files", nargs="*", default=None, help="training code files or directories (default: stdlib training split)"
+    )
+    p.add_argument(
+        "--heldout", nargs="*", default=None, help="held-out files or directories (default: stdlib held-out split)"
+    )
     p.add_argument("--heldout-batches", type=int, default=6)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default="auto")
@@ -66,13 +70,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"completiond train-medusa: {exc}", file=sys.stderr)
         return 2
     model = engine.model
-    log(f"training {args.heads} Medusa heads for {engine.name} on {device} "
-        f"({args.steps} steps x {args.batch_size}x{args.seq_len} tokens)")
+    log(
+        f"training {args.heads} Medusa heads for {engine.name} on {device} "
+        f"({args.steps} steps x {args.batch_size}x{args.seq_len} tokens)"
+    )
     autocast = device != "cpu" and engine.dtype != torch.float32
     with torch.autocast(device_type=str(device).split(":")[0], dtype=engine.dtype, enabled=autocast):
         w, b, summary = md.train_heads(model, args.heads, train, args.steps, lr=args.lr, minutes=args.minutes, log=log)
     after = md.measure(model, w, b, held)
-    log("agreement per head (2.." + str(args.heads + 1) + " ahead): " + ", ".join(f"{a:.3f}" for a in after["agreement"]))
+    log(
+        "agreement per head (2.."
+        + str(args.heads + 1)
+        + " ahead): "
+        + ", ".join(f"{a:.3f}" for a in after["agreement"])
+    )
     summary.update(after=after, seq_len=args.seq_len, batch_size=args.batch_size)
     out = args.out or default_out(engine.model_dir, md.MEDUSA_FILE, user_medusa_path(engine.model_id))
     path = md.save_heads(out, w, b, engine.model_id, model.config, summary)

@@ -27,20 +27,23 @@ IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEF_LINE = re.compile(
     r"^[ \t]*(?:export[ \t]+)?(?:default[ \t]+)?(?:pub(?:\([^)]*\))?[ \t]+)?(?:static[ \t]+)?(?:async[ \t]+)?"
     r"(?:def|class|function|func|fn|struct|enum|trait|interface|impl|type|module|object)[ \t]+(?:\([^)]*\)[ \t]*)?"
-    r"([A-Za-z_][A-Za-z0-9_]*)")
+    r"([A-Za-z_][A-Za-z0-9_]*)"
+)
 DECORATOR = re.compile(r"^[ \t]*@[A-Za-z_]")
-DEF_FIRST = frozenset("edpsaicfmtor")   # first letters of the words DEF_LINE can start with
-ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")   # module level: no indentation
+DEF_FIRST = frozenset("edpsaicfmtor")  # first letters of the words DEF_LINE can start with
+ASSIGN = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)[ \t]*(?::[^=\n]*)?=[^=]")  # module level: no indentation
 
 # Words every file has: no signal, and the longest postings lists.
-STOP = frozenset("""
+STOP = frozenset(
+    """
 and as assert async await break class continue def del elif else except finally for from global if import in is
 lambda nonlocal not or pass raise return try while with yield None True False self cls function var let const new
 this null true false undefined typeof instanceof void delete case switch default do goto struct enum union static
 public private protected package interface extends implements throws throw catch super int float double char long
 short bool boolean string str dict list tuple set len print range isinstance fn pub mut impl use mod crate func go
 chan defer select type map make nil end then local begin elsif unless until module require include
-""".split())
+""".split()
+)
 
 
 def terms_of(text: str) -> list[str]:
@@ -63,10 +66,15 @@ def _kind(line: str) -> int:
     return 3 if first in DEF_FIRST and DEF_LINE.match(body) else 0
 
 
-def split_lines(lines: Sequence[str], min_lines: int | None = None, max_lines: int | None = None,
-                min_def_lines: int | None = None, start: int = 0,
-                resume: Callable[[int], bool] | None = None,
-                kinds: Callable[[int], int] | None = None) -> list[tuple[int, int]]:
+def split_lines(
+    lines: Sequence[str],
+    min_lines: int | None = None,
+    max_lines: int | None = None,
+    min_def_lines: int | None = None,
+    start: int = 0,
+    resume: Callable[[int], bool] | None = None,
+    kinds: Callable[[int], int] | None = None,
+) -> list[tuple[int, int]]:
     """[start, end) line ranges covering `lines` from line `start`: cut before a definition start
     (its decorators included) once the chunk has min_def_lines lines, after a blank line once it
     has min_lines, and at max_lines lines in any case.
@@ -139,15 +147,16 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
     la, lb = len(a), len(b)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[la - mid:la - lo] == b[lb - mid:lb - lo]:
+        if a[la - mid : la - lo] == b[lb - mid : lb - lo]:
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def _edit_lines(old_text: str, text: str, old_lines: list[str], old_plain: bool
-                ) -> tuple[list[str], int, int, int, bool] | None:
+def _edit_lines(
+    old_text: str, text: str, old_lines: list[str], old_plain: bool
+) -> tuple[list[str], int, int, int, bool] | None:
     """(text's lines, first changed line, old lines replaced, new lines in their place, whether text
     breaks lines at "\n" only), made from old_lines (old_text's splitlines(keepends=True)) and the
     changed stretch only; None if the texts are equal. old_plain: old_text breaks lines at "\n"
@@ -175,9 +184,7 @@ def _edit_lines(old_text: str, text: str, old_lines: list[str], old_plain: bool
     lo = old_text.count("\n", 0, ls)
     old_reg = old_text.count("\n", ls, eo) + (1 if eo == len(old_text) and eo > ls and old_text[-1] != "\n" else 0)
     new_reg = text[ls:en].splitlines(keepends=True)
-    return old_lines[:lo] + new_reg + old_lines[lo + old_reg:], lo, old_reg, len(new_reg), True
-
-
+    return old_lines[:lo] + new_reg + old_lines[lo + old_reg :], lo, old_reg, len(new_reg), True
 
 
 def _blank(line: str) -> bool:
@@ -204,6 +211,7 @@ def digest_of(body: str) -> bytes:
 class Prepared:
     """A file's chunks, made outside any lock: (start line, end line, text, digest, parse or None, the
     names defined or None for the line rules'), and the outline they were cut by, if any."""
+
     pieces: list[tuple]
     outline: outlines.Outline | None = None
 
@@ -249,8 +257,14 @@ def parse_outline(text: str, language: str | None, lines: list[str], plain: bool
     return outlines.outline(tree, spec, lines, plain) if tree is not None else None
 
 
-def prepare(text: str, max_chunks: int = 400, parse: bool = False, language: str | None = None,
-            lines: list[str] | None = None, outline: outlines.Outline | None = None) -> Prepared:
+def prepare(
+    text: str,
+    max_chunks: int = 400,
+    parse: bool = False,
+    language: str | None = None,
+    lines: list[str] | None = None,
+    outline: outlines.Outline | None = None,
+) -> Prepared:
     """A file's chunks; pure, callable outside any lock (parse=True also tokenizes them there: for a
     file read from disk, whose chunks are mostly new; an edited document reuses its unchanged chunks'
     parses instead). With a `language` that has a grammar, cut where its definitions start (a given

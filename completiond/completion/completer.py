@@ -23,23 +23,22 @@ from completiond.errors import CompletionError
 class Backend(enum.Enum):
     """Where completions come from (the `backend` setting)."""
 
-    LOCAL = "local"                       # the engine in this daemon
-    OPENAI = "openai"                     # an OpenAI-compatible /v1/completions server
-    LLAMACPP_INFILL = "llamacpp-infill"   # llama.cpp's /infill
+    LOCAL = "local"  # the engine in this daemon
+    OPENAI = "openai"  # an OpenAI-compatible /v1/completions server
+    LLAMACPP_INFILL = "llamacpp-infill"  # llama.cpp's /infill
 
     @classmethod
     def of(cls, name: str) -> Backend:
         try:
             return cls(name)
         except ValueError:
-            raise PromptError(f"unknown backend {name!r}; expected one of "
-                              f"{', '.join(b.value for b in cls)}") from None
+            raise PromptError(f"unknown backend {name!r}; expected one of {', '.join(b.value for b in cls)}") from None
 
 
 @dataclass
 class Suggestion:
-    text: str                    # insert text at the cursor
-    start: int                   # replaced range [start, end) in the document
+    text: str  # insert text at the cursor
+    start: int  # replaced range [start, end) in the document
     end: int
     multiline: bool
     finish_reason: str
@@ -59,8 +58,8 @@ class Completion:
     suggestions: list[Suggestion] = field(default_factory=list)
     finish_reason: str | None = None
     stats: dict[str, Any] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)   # settings problems worked around, for the user
-    generation: Any = None       # the first generation as the completer made it (tokens, for tools and tests)
+    warnings: list[str] = field(default_factory=list)  # settings problems worked around, for the user
+    generation: Any = None  # the first generation as the completer made it (tokens, for tools and tests)
     withheld: str | None = None  # why the model's suggestion is not shown (the syntax check dropped it)
 
     @property
@@ -87,13 +86,22 @@ class Completer(Protocol):
     """The one interface the service completes through."""
 
     backend: Backend
-    model_id: str      # identity of what answers (a model hash, or the endpoint and its model)
-    name: str          # what users read
+    model_id: str  # identity of what answers (a model hash, or the endpoint and its model)
+    name: str  # what users read
     device: str
 
-    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
-                 tree: Any = None) -> Completion:
+    def complete(
+        self,
+        text: str,
+        offset: int,
+        cfg: Config,
+        *,
+        cancel: Any,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+        tree: Any = None,
+    ) -> Completion:
         """One completion on the worker thread. Raises PromptError (or another CompletionError) for a
         request it cannot serve. tree: the document's syntax tree when the caller keeps one (syntax.py)."""
         ...
@@ -114,8 +122,16 @@ class Completer(Protocol):
         """A calibration job to run between requests (engine/autocalibrate.py), or None."""
         ...
 
-    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
-               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
+    def warmup(
+        self,
+        text: str,
+        offset: int | None,
+        cfg: Any,
+        *,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+    ) -> Any:
         """A background warm-up of the prompts the document's next requests start with (completion/warmup.py:
         step(cancel) -> more to do), or None where nothing can be warmed. offset None: a file just opened."""
         ...
@@ -125,10 +141,21 @@ class Completer(Protocol):
         ...
 
 
-def suggest(completer: Completer, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
-            language: str | None = None, context: Sequence[tuple[str, str]] = (), tree: Any = None) -> Completion:
+def suggest(
+    completer: Completer,
+    text: str,
+    offset: int,
+    cfg: Config,
+    *,
+    cancel: Any,
+    path: str | None = None,
+    language: str | None = None,
+    context: Sequence[tuple[str, str]] = (),
+    tree: Any = None,
+) -> Completion:
     """One completion at `offset` in `text`, from whatever completes (the one pipeline's entry point)."""
     if not 0 <= offset <= len(text):
         raise PromptError(f"cursor offset {offset} outside a document of {len(text)} characters")
-    return completer.complete(text, offset, cfg, cancel=cancel, path=path, language=language, context=context,
-                              tree=tree)
+    return completer.complete(
+        text, offset, cfg, cancel=cancel, path=path, language=language, context=context, tree=tree
+    )

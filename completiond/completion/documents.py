@@ -51,8 +51,9 @@ def _line_end(text: str, starts: list[int], line: int) -> int:
     return end
 
 
-def position_to_offset(text: str, line: int, character: int, encoding: str = UTF16,
-                       starts: list[int] | None = None) -> int:
+def position_to_offset(
+    text: str, line: int, character: int, encoding: str = UTF16, starts: list[int] | None = None
+) -> int:
     """Code-point offset of an LSP position; out-of-range positions clamp as the spec asks."""
     starts = starts if starts is not None else line_starts(text)
     if line < 0:
@@ -74,8 +75,9 @@ def position_to_offset(text: str, line: int, character: int, encoding: str = UTF
     return i
 
 
-def offset_to_position(text: str, offset: int, encoding: str = UTF16,
-                       starts: list[int] | None = None) -> tuple[int, int]:
+def offset_to_position(
+    text: str, offset: int, encoding: str = UTF16, starts: list[int] | None = None
+) -> tuple[int, int]:
     starts = starts if starts is not None else line_starts(text)
     offset = max(0, min(offset, len(text)))
     line = bisect.bisect_right(starts, offset) - 1
@@ -197,7 +199,7 @@ class Document:
 
     def apply_edits(self, edits: Iterable[tuple[int, int, str]], version: int) -> None:
         if self._syntax is not None:
-            for edit in edits:   # one at a time: the tree is told each edit against the text it applies to
+            for edit in edits:  # one at a time: the tree is told each edit against the text it applies to
                 old = self.text
                 self.text = apply_edits(self.text, [edit])
                 self._edit_tree(old, edit)

@@ -37,7 +37,9 @@ def _byte_level_alphabet() -> dict[str, int]:
     bytes that are already printable Latin-1 keep their character, the rest
     are shifted to code points from 256 up, in byte order.
     """
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     kept = set(keep)
     mapping = {chr(b): b for b in keep}
     shift = 0
@@ -93,8 +95,11 @@ class TokenBytes:
                 special.add(int(idx))
         kinds = _decoder_kinds(tokenizer)
         byte_level = "ByteLevel" in kinds
-        metaspace = "Metaspace" in kinds or "ByteFallback" in kinds or (not byte_level and any(
-            isinstance(p, str) and p.startswith("▁") for p in pieces[: min(n, 4096)]))
+        metaspace = (
+            "Metaspace" in kinds
+            or "ByteFallback" in kinds
+            or (not byte_level and any(isinstance(p, str) and p.startswith("▁") for p in pieces[: min(n, 4096)]))
+        )
         table: list[bytes | None] = [None] * self.vocab_size
         for i, piece in enumerate(pieces):
             if i in special or piece is None:
@@ -173,20 +178,20 @@ class Healing:
             # Cannot happen under the mask; if a caller fed tokens from
             # elsewhere, leave generation free rather than mask everything out.
             return None
-        return self.healer.mask(target[len(got):])
+        return self.healer.mask(target[len(got) :])
 
     def output_text(self, tokens: Sequence[int]) -> str:
         """Generated text with the healed part removed ('' if it never got produced)."""
         data = self.healer.bytes.join(tokens)
         if data.startswith(self.removed_bytes):
-            return data[len(self.removed_bytes):].decode("utf-8", errors="replace")
+            return data[len(self.removed_bytes) :].decode("utf-8", errors="replace")
         if self.removed_bytes.startswith(data):
             return ""  # stopped before the healed text was complete
         return ""
 
     def strip(self, text: str) -> str:
         """Same as output_text, for callers that already decoded the text."""
-        return text[len(self.removed):] if text.startswith(self.removed) else ""
+        return text[len(self.removed) :] if text.startswith(self.removed) else ""
 
 
 class TokenHealer:
@@ -197,8 +202,14 @@ class TokenHealer:
     re-derive under a constraint.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, max_tokens: int = 1, max_chars: int = 24,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        max_tokens: int = 1,
+        max_chars: int = 24,
+        device: str | torch.device = "cpu",
+    ):
         self.tokenizer = tokenizer
         self.bytes = TokenBytes.for_tokenizer(tokenizer, vocab_size)
         self.vocab_size = vocab_size or self.bytes.vocab_size
@@ -255,7 +266,7 @@ class TokenHealer:
                 break
             removed, n = candidate, n + 1
         while n and not _valid_utf8(removed):
-            removed = removed[len(self.bytes[ids[-n]] or b""):]
+            removed = removed[len(self.bytes[ids[-n]] or b"") :]
             n -= 1
         if n == 0 or not removed:
             return ids, None
@@ -286,12 +297,12 @@ class TokenHealer:
         while n < len(ids) and n < WHITESPACE_MAX_TOKENS:
             b = self.bytes[ids[-1 - n]]
             if not b or b.endswith(b"\n"):
-                break   # a special token, or a line end: the boundary right after it is before the run
+                break  # a special token, or a line end: the boundary right after it is before the run
             if n and b[-1:] not in (b" ", b"\t"):
-                break   # it ends where the run starts (` =` before ` `): the boundary is after it
+                break  # it ends where the run starts (` =` before ` `): the boundary is after it
             removed, n = b + removed, n + 1
             if b.strip(b" \t"):
-                break   # it holds the run's start (a newline merged with indentation, or a word)
+                break  # it holds the run's start (a newline merged with indentation, or a word)
         if n == 0 or len(removed) > WHITESPACE_MAX_BYTES or not _valid_utf8(removed):
             return None
         return ids[:-n], Healing(removed.decode("utf-8"), removed, n, self)

@@ -29,6 +29,7 @@ class Imports:
     -> module (used as `alias.member`); modules all of whose names are in scope (C #include, `import
     a.b.*`, C# using, `from m import *`). Modules are as the language writes them, with `language` and
     the importing file's `path` to resolve relative ones (module_targets)."""
+
     language: str = "python"
     path: str | None = None
     names: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -52,7 +53,6 @@ class Imports:
         return list(self.wildcards), name
 
 
-
 # -- imports -------------------------------------------------------------------------
 
 _imports_lock = threading.Lock()
@@ -60,8 +60,7 @@ _imports: OrderedDict[tuple[str, str], tuple[str, Imports]] = OrderedDict()
 MAX_IMPORT_CACHE = 64
 
 
-def imports_of(text: str, language: str | None = "python", path: str | None = None,
-               max_chars: int = 65536) -> Imports:
+def imports_of(text: str, language: str | None = "python", path: str | None = None, max_chars: int = 65536) -> Imports:
     """The imports of a file (read from its first max_chars characters). Asked on every request: per
     file, the answer is kept with the text up to the first line of code after the imports, and holds
     while the text starts with that (typing in the code below them parses nothing)."""
@@ -92,14 +91,27 @@ def imports_of(text: str, language: str | None = "python", path: str | None = No
     return found
 
 
-_PRELUDE = frozenset({"package_clause", "package_declaration", "namespace_declaration",
-                      "file_scoped_namespace_declaration", "extern_crate_declaration", "preproc_ifdef", "preproc_def",
-                      "preproc_if", "preproc_call"})
+_PRELUDE = frozenset(
+    {
+        "package_clause",
+        "package_declaration",
+        "namespace_declaration",
+        "file_scoped_namespace_declaration",
+        "extern_crate_declaration",
+        "preproc_ifdef",
+        "preproc_def",
+        "preproc_if",
+        "preproc_call",
+    }
+)
 
 
 def _docstring(node: Node) -> bool:
-    return node.type == "expression_statement" and node.named_child_count == 1 and \
-        node.named_children[0].type in ("string", "concatenated_string")
+    return (
+        node.type == "expression_statement"
+        and node.named_child_count == 1
+        and node.named_children[0].type in ("string", "concatenated_string")
+    )
 
 
 def collect_imports(tree: Tree, spec: LanguageSpec, found: Imports) -> int:
@@ -115,15 +127,21 @@ def collect_imports(tree: Tree, spec: LanguageSpec, found: Imports) -> int:
         node = stack.pop()
         for child in reversed(node.named_children):
             seen += 1
-            imported = child.type in spec.imports or (requires and child.type in ("lexical_declaration",
-                                                                                   "variable_declaration"))
+            imported = child.type in spec.imports or (
+                requires and child.type in ("lexical_declaration", "variable_declaration")
+            )
             if imported and reader is not None:
                 reader(child, found)
             elif child.type in PASS_THROUGH or child.type in ("namespace_declaration", "mod_item"):
                 stack.append(child)
-            if node is root and not imported and child.type not in spec.comments and child.type not in _PRELUDE \
-                    and not _docstring(child):
-                prelude = child.start_byte      # the last one seen (children run backwards) is the first
+            if (
+                node is root
+                and not imported
+                and child.type not in spec.comments
+                and child.type not in _PRELUDE
+                and not _docstring(child)
+            ):
+                prelude = child.start_byte  # the last one seen (children run backwards) is the first
     return prelude if prelude >= 0 else root.end_byte
 
 
@@ -160,8 +178,12 @@ def _js(node: Node, found: Imports) -> None:
     if node.type in ("lexical_declaration", "variable_declaration"):
         for decl in node.named_children:
             value = decl.child_by_field_name("value")
-            if (decl.type != "variable_declarator" or value is None or value.type != "call_expression"
-                    or _text(value.child_by_field_name("function")) != "require"):
+            if (
+                decl.type != "variable_declarator"
+                or value is None
+                or value.type != "call_expression"
+                or _text(value.child_by_field_name("function")) != "require"
+            ):
                 continue
             args = value.child_by_field_name("arguments")
             source = _string_value(args.named_children[0]) if args is not None and args.named_child_count else ""
@@ -176,7 +198,9 @@ def _js(node: Node, found: Imports) -> None:
                         found.names[_text(part)] = (source, _text(part))
                     elif part.type == "pair_pattern":
                         found.names[_text(part.child_by_field_name("value"))] = (
-                            source, _text(part.child_by_field_name("key")))
+                            source,
+                            _text(part.child_by_field_name("key")),
+                        )
         return
     if node.type != "import_statement":
         return
@@ -187,7 +211,7 @@ def _js(node: Node, found: Imports) -> None:
         if clause.type != "import_clause":
             continue
         for part in clause.named_children:
-            if part.type == "identifier":                      # the default export
+            if part.type == "identifier":  # the default export
                 found.names[_text(part)] = (source, _text(part))
             elif part.type == "namespace_import":
                 for ident in part.named_children:
@@ -228,7 +252,7 @@ def _rust_use(node: Node | None, prefix: list[str], found: Imports, depth: int) 
     if kind in ("identifier", "self", "crate", "super"):
         name = _text(node)
         path = prefix + [name]
-        if name == "self" and prefix:                        # use a::b::{self}: the module b
+        if name == "self" and prefix:  # use a::b::{self}: the module b
             found.modules[prefix[-1]] = "::".join(prefix)
         else:
             found.names[name] = ("::".join(prefix), name)
@@ -277,7 +301,7 @@ def _c(node: Node, found: Imports) -> None:
         header = _string_value(node.child_by_field_name("path"))
         if header:
             found.wildcards.append(header)
-    elif node.type == "using_declaration":                  # C++: using std::vector / using namespace x
+    elif node.type == "using_declaration":  # C++: using std::vector / using namespace x
         dotted = "".join(_text(c) for c in node.named_children).replace(" ", "")
         if dotted:
             found.wildcards.append(dotted)
@@ -285,8 +309,9 @@ def _c(node: Node, found: Imports) -> None:
 
 def _csharp(node: Node, found: Imports) -> None:
     alias = node.child_by_field_name("name")
-    target = next((c for c in node.named_children if c is not alias and c.type in ("qualified_name", "identifier")),
-                  None)
+    target = next(
+        (c for c in node.named_children if c is not alias and c.type in ("qualified_name", "identifier")), None
+    )
     if target is None:
         return
     dotted = "".join(_text(target).split())
@@ -313,11 +338,23 @@ def _bash(node: Node, found: Imports) -> None:
         break
 
 
-_IMPORT_READERS = {"python": _python, "javascript": _js, "typescript": _js, "tsx": _js, "go": _go,
-                   "rust": _rust, "java": _java, "c": _c, "cpp": _c, "csharp": _csharp, "bash": _bash}
+_IMPORT_READERS = {
+    "python": _python,
+    "javascript": _js,
+    "typescript": _js,
+    "tsx": _js,
+    "go": _go,
+    "rust": _rust,
+    "java": _java,
+    "c": _c,
+    "cpp": _c,
+    "csharp": _csharp,
+    "bash": _bash,
+}
 
 
 # -- modules to paths -------------------------------------------------------------------
+
 
 def module_targets(module: str, language: str, path: str | None) -> list[tuple[str, str]]:
     """("file", path without extension) or ("dir", folder) suffixes where `module` (as `language` writes

@@ -24,35 +24,76 @@ from completiond.completion.languages import LanguageSpec, spec_for
 
 PARSE_MAX_BYTES = 512 << 10
 READ_BYTES = 4096
-MAX_LEAD_IN = 40          # lines of comments and attributes a definition may take along
+MAX_LEAD_IN = 40  # lines of comments and attributes a definition may take along
 
 # Definitions whose members are definitions too (their bodies are walked); a function's body never is.
-CONTAINERS = frozenset({
-    "class_definition", "class_declaration", "abstract_class_declaration", "interface_declaration",
-    "enum_declaration", "record_declaration", "struct_declaration", "impl_item", "trait_item", "mod_item",
-    "namespace_definition", "class_specifier", "struct_specifier", "namespace_declaration", "module",
-    "internal_module", "object_type"})
+CONTAINERS = frozenset(
+    {
+        "class_definition",
+        "class_declaration",
+        "abstract_class_declaration",
+        "interface_declaration",
+        "enum_declaration",
+        "record_declaration",
+        "struct_declaration",
+        "impl_item",
+        "trait_item",
+        "mod_item",
+        "namespace_definition",
+        "class_specifier",
+        "struct_specifier",
+        "namespace_declaration",
+        "module",
+        "internal_module",
+        "object_type",
+    }
+)
 # Nodes that wrap one definition and start at its lead-in (decorators, `export`, `template <...>`).
 WRAPPERS = frozenset({"decorated_definition", "export_statement", "template_declaration", "ambient_declaration"})
 # Nodes walked through as if their children stood in their place (conditional compilation, extern "C").
-PASS_THROUGH = frozenset({"preproc_if", "preproc_ifdef", "preproc_else", "preproc_elif", "linkage_specification",
-                          "declaration_list"})
+PASS_THROUGH = frozenset(
+    {"preproc_if", "preproc_ifdef", "preproc_else", "preproc_elif", "linkage_specification", "declaration_list"}
+)
 # Definitions of values: they cut a chunk only where they span several lines.
-VALUES = frozenset({"lexical_declaration", "variable_declaration", "field_declaration", "const_declaration",
-                    "var_declaration", "const_item", "static_item", "preproc_def", "property_declaration",
-                    "type_definition", "type_item", "alias_declaration"})
+VALUES = frozenset(
+    {
+        "lexical_declaration",
+        "variable_declaration",
+        "field_declaration",
+        "const_declaration",
+        "var_declaration",
+        "const_item",
+        "static_item",
+        "preproc_def",
+        "property_declaration",
+        "type_definition",
+        "type_item",
+        "alias_declaration",
+    }
+)
 LEAD_IN = frozenset({"decorator", "attribute_item", "annotation", "marker_annotation", "attribute_list"})
-_NAME_LEAVES = frozenset({"identifier", "type_identifier", "field_identifier", "property_identifier",
-                          "package_identifier", "constant", "name", "simple_identifier"})
+_NAME_LEAVES = frozenset(
+    {
+        "identifier",
+        "type_identifier",
+        "field_identifier",
+        "property_identifier",
+        "package_identifier",
+        "constant",
+        "name",
+        "simple_identifier",
+    }
+)
 
 
 @dataclass
 class Outline:
     """kinds: line -> 3 where a definition starts (lead-in included: chunks are cut there), 2 for a
     decorator line the line rules found in an edit; names: line -> the names defined from there."""
+
     kinds: dict[int, int]
     names: dict[int, tuple[str, ...]]
-    size: int | None = None          # lines described (for an edit's new lines)
+    size: int | None = None  # lines described (for an edit's new lines)
 
     def kind(self, line: int) -> int:
         return self.kinds.get(line, 0)
@@ -79,6 +120,7 @@ class Outline:
 
 # -- parsing -------------------------------------------------------------------------
 
+
 def spec_with_grammar(language: str | None) -> LanguageSpec | None:
     spec = spec_for(language) if language else None
     return spec if spec is not None and spec.language() is not None else None
@@ -92,11 +134,11 @@ def parse(data: bytes, spec: LanguageSpec, old: Tree | None = None) -> Tree | No
     language = spec.language()
     if language is None:
         return None
-    parser = Parser(language)     # parsers are not thread-safe, and cheap to make
+    parser = Parser(language)  # parsers are not thread-safe, and cheap to make
     view = memoryview(data)
 
     def read(offset: int, _point: Point) -> bytes:
-        return bytes(view[offset:offset + READ_BYTES])
+        return bytes(view[offset : offset + READ_BYTES])
 
     return parser.parse(read, old) if old is not None else parser.parse(read)
 
@@ -143,7 +185,7 @@ def outline(tree: Tree, spec: LanguageSpec, lines: list[str] | None = None, plai
                 break
             before = prev.prev_sibling
             if before is not None and rows.end_line(before) >= rows.line(prev):
-                break                    # a comment that ends the line above: it belongs there
+                break  # a comment that ends the line above: it belongs there
             first = rows.line(prev)
             prev = prev.prev_named_sibling
             taken += 1
@@ -161,8 +203,11 @@ def outline(tree: Tree, spec: LanguageSpec, lines: list[str] | None = None, plai
         for child in node.named_children:
             if child.type in defs or child.type in WRAPPERS or child.type in PASS_THROUGH:
                 walk_one(child, depth)
-            elif child.type in spec.blocks or child.type.endswith("_body") or child.type in (
-                    "field_declaration_list", "enum_body_declarations"):
+            elif (
+                child.type in spec.blocks
+                or child.type.endswith("_body")
+                or child.type in ("field_declaration_list", "enum_body_declarations")
+            ):
                 walk(child, depth)
 
     def walk_one(child: Node, depth: int) -> None:
@@ -212,13 +257,19 @@ def _names(node: Node, spec: LanguageSpec) -> tuple[str, ...]:
     name = node.child_by_field_name("name")
     if name is not None and name.type in _NAME_LEAVES:
         return (_text(name),)
-    if name is not None:                       # a qualified or scoped name: its last part
+    if name is not None:  # a qualified or scoped name: its last part
         leaf = _last_leaf(name)
         return (leaf,) if leaf else ()
     out: list[str] = []
     for child in node.named_children:
-        if child.type in ("variable_declarator", "type_spec", "type_alias", "const_spec", "var_spec",
-                          "init_declarator"):
+        if child.type in (
+            "variable_declarator",
+            "type_spec",
+            "type_alias",
+            "const_spec",
+            "var_spec",
+            "init_declarator",
+        ):
             n = child.child_by_field_name("name") or child.child_by_field_name("declarator")
             if n is not None:
                 leaf = _text(n) if n.type in _NAME_LEAVES else _declarator_name(n)

@@ -36,7 +36,7 @@ from completiond.config import Config
 # Upper bound on characters per token used to size the text windows before measuring: code averages
 # 3-4, indentation runs a bit more. Too large only costs tokenizer time; too small would starve the budget.
 CHARS_PER_TOKEN = 6
-FOLLOWING_CHARS = 4000   # text after the cursor line the stop rules see (duplicate-line checks)
+FOLLOWING_CHARS = 4000  # text after the cursor line the stop rules see (duplicate-line checks)
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,12 @@ class PromptOptions:
     # the suffix (a quarter) and the prefix. 0.4 measured best for retrieval with the bundled model
     # (512-token training context; eval --context on toolz, tenacity, structlog: 0.25, 0.3, 0.4, 0.55).
     context_share: float = 0.4
-    chunk_lines: int = 16          # the prefix window starts on a multiple of this line number
-    max_prompt_tokens: int | None = None   # model context minus generation room; None = no extra cap
+    chunk_lines: int = 16  # the prefix window starts on a multiple of this line number
+    max_prompt_tokens: int | None = None  # model context minus generation room; None = no extra cap
     max_document_chars: int = 8 * 1024 * 1024
-    max_line_chars: int = 2000     # longer lines mean minified/generated text: no suggestion there
+    max_line_chars: int = 2000  # longer lines mean minified/generated text: no suggestion there
     heal: bool = True
-    multiline: str = "auto"        # the stop rules' multi-line policy (the multiline setting)
+    multiline: str = "auto"  # the stop rules' multi-line policy (the multiline setting)
     max_lines: int = 8
 
     @classmethod
@@ -99,11 +99,11 @@ class Encoder(Protocol):
     Units are the encoder's own (token ids, characters); `encode` must give the same result for the
     same text every time, since the planner's measure is what the rendering then holds."""
 
-    name: str                   # the FIM template (models/fim.py TEMPLATE_NAMES)
+    name: str  # the FIM template (models/fim.py TEMPLATE_NAMES)
     split_before_newline: bool  # pieces are cut just before a newline (else just after)
     supports_suffix: bool
     supports_file_context: bool  # the family has a file separator: context in its repository format
-    context_style: str           # "paths" or "separators" (models/fim.py)
+    context_style: str  # "paths" or "separators" (models/fim.py)
     prefix_leading_space: bool
 
     def encode(self, text: str, first: bool = False) -> Sequence[Any]: ...
@@ -129,23 +129,23 @@ class PromptPlan:
     template: str = "none"
     skip_reason: str | None = None
     cursor: int = 0
-    line_prefix: str = ""      # cursor line up to the cursor
-    line_suffix: str = ""      # cursor line after the cursor
-    following: str = ""        # text after the cursor line (bounded), for the stop rules' duplicate checks
+    line_prefix: str = ""  # cursor line up to the cursor
+    line_suffix: str = ""  # cursor line after the cursor
+    following: str = ""  # text after the cursor line (bounded), for the stop rules' duplicate checks
     context_files: list[tuple[str, str]] = field(default_factory=list)  # repository-format block (fitted)
-    context_path: str | None = None   # the current file's path, for the repository format's last header
-    context_text: str = ""     # context as plain text at the start of the prefix (fitted)
+    context_path: str | None = None  # the current file's path, for the repository format's last header
+    context_text: str = ""  # context as plain text at the start of the prefix (fitted)
     head: list[tuple[int, int]] = field(default_factory=list)  # whole-line pieces before the cursor line
     first_leading_space: bool = False  # the prefix's first piece carries the family's leading space
-    cursor_start: int = 0      # the cursor line's piece is text[cursor_start:cursor]
+    cursor_start: int = 0  # the cursor line's piece is text[cursor_start:cursor]
     cursor_first: bool = False  # ... encoded as the prefix's first piece (no head, leading-space family)
     cursor_keep: int | None = None  # its last this many units (None: all of them)
     heal: bool = False
     suffix: list[tuple[int, int]] = field(default_factory=list)  # pieces after the cursor
     suffix_keep: int | None = None  # of a single over-long suffix piece, its first this many units
-    prefix_start: int = 0      # document offset where the prefix window starts (may be the newline before its first line)
-    prefix_line: int = 0       # absolute number of the first line in the prefix window
-    suffix_end: int = 0        # document offset where the suffix window ends
+    prefix_start: int = 0  # document offset where the prefix window starts (may be the newline before its first line)
+    prefix_line: int = 0  # absolute number of the first line in the prefix window
+    suffix_end: int = 0  # document offset where the suffix window ends
 
     @property
     def skipped(self) -> bool:
@@ -153,10 +153,10 @@ class PromptPlan:
 
     def prefix_text(self, text: str) -> str:
         """The document text of the prefix window (the plain-text context block not included)."""
-        return text[self.prefix_start:self.cursor]
+        return text[self.prefix_start : self.cursor]
 
     def suffix_text(self, text: str) -> str:
-        return text[self.cursor:self.suffix_end]
+        return text[self.cursor : self.suffix_end]
 
 
 class Planner:
@@ -186,8 +186,15 @@ class Planner:
             prefix_budget = min(prefix_budget, max(1, room - context_budget - suffix_budget))
         return prefix_budget, suffix_budget, context_budget
 
-    def plan(self, text: str, cursor: int, context: Sequence[tuple[str, str]] = (), path: str | None = None,
-             language: str | None = None, heal: bool | None = None) -> PromptPlan:
+    def plan(
+        self,
+        text: str,
+        cursor: int,
+        context: Sequence[tuple[str, str]] = (),
+        path: str | None = None,
+        language: str | None = None,
+        heal: bool | None = None,
+    ) -> PromptPlan:
         """The prompt for a completion at `cursor` in `text`.
 
         context: (path, text) snippets, already chosen and ordered by the workspace (stable order keeps
@@ -219,14 +226,14 @@ class Planner:
             elif enc.supports_file_context:
                 plan.context_files = self._file_context(list(context), path, context_budget)
                 plan.context_path = path
-            elif (comment := comment_for(language)):
+            elif comment := comment_for(language):
                 plan.context_text = self._text_context(list(context), comment, context_budget)
 
         # The cursor line's piece starts at the newline before it when the tokenizer merges a newline
         # with the next line's indentation.
         shift = self._shift
         plan.cursor_start = ls - shift if ls > 0 else 0
-        cursor_text = text[plan.cursor_start:cursor]
+        cursor_text = text[plan.cursor_start : cursor]
         plan.heal = opt.heal if heal is None else heal
         cursor_units = len(enc.cursor(cursor_text, False, plan.heal)) if cursor_text else 0
         plan.cursor_keep = prefix_budget
@@ -242,14 +249,14 @@ class Planner:
                 plan.cursor_first, plan.cursor_keep = True, None
 
         plan.suffix, plan.suffix_keep, plan.suffix_end = self._suffix(text, cursor, le, suffix_budget)
-        plan.following = text[le + 1:min(len(text), le + 1 + FOLLOWING_CHARS)] if le < len(text) else ""
+        plan.following = text[le + 1 : min(len(text), le + 1 + FOLLOWING_CHARS)] if le < len(text) else ""
         return plan
 
     # -- prefix ----------------------------------------------------------
     def _piece(self, text: str, b: int, e: int) -> int:
         """Units of the lines starting at line starts b..e, cut on the encoder's side of the newline."""
         sh = self._shift
-        return len(self.encoder.encode(text[max(0, b - sh):e - sh]))
+        return len(self.encoder.encode(text[max(0, b - sh) : e - sh]))
 
     def _head(self, text: str, ls: int, budget: int, cursor_units: int) -> list[tuple[int, int]]:
         """Pieces (begin, end) of whole lines before the cursor line, oldest first.
@@ -268,15 +275,15 @@ class Planner:
         reserve = max(budget // 8, cursor_units)
         head_budget = max(0, budget - reserve)
         char_floor = max(0, ls - budget * CHARS_PER_TOKEN)
-        cur_line = text.count("\n", 0, ls)          # absolute line number of the cursor line
+        cur_line = text.count("\n", 0, ls)  # absolute line number of the cursor line
         first_line = (cur_line // n) * n
         if first_line == cur_line:
             first_line -= n
         pieces: list[tuple[int, int]] = []
-        lines: list[int] = []   # each piece's first line (a chunk boundary)
+        lines: list[int] = []  # each piece's first line (a chunk boundary)
         sizes: list[int] = []
         used = 0
-        end = ls          # line start where the next (older) piece ends
+        end = ls  # line start where the next (older) piece ends
         while end > 0:
             begin = _line_start(text, end, cur_line - first_line)
             if begin < char_floor or any(len(seg) > opt.max_line_chars for seg in text[begin:end].split("\n")):
@@ -299,7 +306,7 @@ class Planner:
         if end > 0:  # the window did not reach the top of the file
             lines.reverse()
             sizes.reverse()
-            pieces = pieces[_anchor(lines, sizes, head_budget // 2, n):]
+            pieces = pieces[_anchor(lines, sizes, head_budget // 2, n) :]
         return pieces
 
     def _tail_lines(self, text: str, begin: int, end: int, budget: int) -> tuple[int, int] | None:
@@ -343,7 +350,7 @@ class Planner:
             return [(cursor, hi)], budget, cursor + enc.decoded_chars(units) if units else cursor
         # The rest of the cursor line is its own piece: it is all that changes when the user edits to
         # the right of the cursor.
-        used = len(enc.encode(text[cursor:cuts[0]]))
+        used = len(enc.encode(text[cursor : cuts[0]]))
         if used > budget:
             return [(cursor, cuts[0])], budget, cuts[0]
         pieces = [(cursor, cuts[0])]
@@ -351,11 +358,11 @@ class Planner:
         i = 0
         while i + 1 < len(cuts):
             j = min(i + n, len(cuts) - 1)
-            chunk = len(enc.encode(text[cuts[i]:cuts[j]]))
+            chunk = len(enc.encode(text[cuts[i] : cuts[j]]))
             if used + chunk > budget:
                 # Take the leading lines of this chunk that still fit.
                 for k in range(i, j):
-                    line = len(enc.encode(text[cuts[k]:cuts[k + 1]]))
+                    line = len(enc.encode(text[cuts[k] : cuts[k + 1]]))
                     if used + line > budget:
                         break
                     used += line
@@ -385,8 +392,9 @@ class Planner:
         fitted into the budget as `_file_context` does: the last file shortened by lines, dropped when
         nothing of it fits."""
         while files:
-            block = "".join((f"{comment} {p}\n" if comment else "") + (t if t.endswith("\n") else t + "\n")
-                            for p, t in files)
+            block = "".join(
+                (f"{comment} {p}\n" if comment else "") + (t if t.endswith("\n") else t + "\n") for p, t in files
+            )
             if len(self.encoder.encode(block, first=True)) <= budget:  # cached: the same block every keystroke
                 return block
             files = _shorten_last(files)

@@ -29,19 +29,47 @@ from typing import Callable, Iterable
 # Never context, whoever asks and whatever the settings say (contextExclude can only add to these).
 # Matched case-insensitively against every path component below the workspace folder.
 SECRET_NAMES: tuple[str, ...] = (
-    ".env", ".env.*", "*.env", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore", "*.kdbx",
-    "*.gpg", "*.asc", "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", "*credential*", "*secret*", ".netrc",
-    "_netrc", ".npmrc", ".pypirc", ".pgpass", ".git-credentials", ".htpasswd", ".vault-token", "*.tfvars",
-    "*.tfstate", "*.tfstate.*",
+    ".env",
+    ".env.*",
+    "*.env",
+    ".envrc",
+    "*.pem",
+    "*.key",
+    "*.p12",
+    "*.pfx",
+    "*.jks",
+    "*.keystore",
+    "*.kdbx",
+    "*.gpg",
+    "*.asc",
+    "id_rsa*",
+    "id_dsa*",
+    "id_ecdsa*",
+    "id_ed25519*",
+    "*credential*",
+    "*secret*",
+    ".netrc",
+    "_netrc",
+    ".npmrc",
+    ".pypirc",
+    ".pgpass",
+    ".git-credentials",
+    ".htpasswd",
+    ".vault-token",
+    "*.tfvars",
+    "*.tfstate",
+    "*.tfstate.*",
 )
 # Folders of credentials (SSH, GnuPG, cloud and container CLIs), matched anywhere in the absolute path,
 # so opening one of them (or a file inside) as a workspace still keeps its files out.
-SECRET_DIRS = frozenset({".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store",
-                         ".terraform.d", ".oci", ".gcloud"})
+SECRET_DIRS = frozenset(
+    {".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store", ".terraform.d", ".oci", ".gcloud"}
+)
 CONFIG_SECRET_DIRS = frozenset({"gh", "gcloud", "hub", "op", "doctl", "rclone", "sops", "gcloud-sdk"})  # ~/.config/*
 # Vendored and tool folders: never scanned, and their open documents stay local like hidden ones.
-ALWAYS_SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache",
-                                 ".pytest_cache", ".tox"})
+ALWAYS_SKIPPED_DIRS = frozenset(
+    {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache", ".pytest_cache", ".tox"}
+)
 
 
 class Admission(enum.Enum):
@@ -71,8 +99,13 @@ ALLOWED = Verdict(Admission.LOCAL_AND_REMOTE)
 IgnoredFn = Callable[[str, str], bool]  # (workspace folder, absolute path inside it) -> .gitignore'd?
 
 
-def classify(path: str | os.PathLike | None, roots: Iterable[str], *, exclude: Iterable[str] = (),
-             ignored: IgnoredFn | None = None) -> Verdict:
+def classify(
+    path: str | os.PathLike | None,
+    roots: Iterable[str],
+    *,
+    exclude: Iterable[str] = (),
+    ignored: IgnoredFn | None = None,
+) -> Verdict:
     """What the text of `path` may be used for, given the requesting editor's workspace folders `roots`
     (absolute), the contextExclude patterns `exclude` and the folders' ignore rules `ignored`.
 
@@ -90,8 +123,11 @@ def classify(path: str | os.PathLike | None, roots: Iterable[str], *, exclude: I
     for candidate, base in ((path, root), (real, _deepest(real, [_real_root(r) for r in roots]))):
         found = secret_match(candidate, base)
         if found is not None:
-            return Verdict(Admission.DENIED, f"{shown} matches the deny-list of secret files ({found}): "
-                                             "no completions in it, and it is never context")
+            return Verdict(
+                Admission.DENIED,
+                f"{shown} matches the deny-list of secret files ({found}): "
+                "no completions in it, and it is never context",
+            )
     exclude = tuple(p for p in exclude if p.strip())
     if exclude:
         found = secret_match(path, root, exclude, builtin=False)

@@ -35,6 +35,7 @@ __all__ = ["CHARS_PER_TOKEN", "Prompt", "PromptBuilder", "PromptOptions", "Token
 SUFFIX_PREFILL_S = 0.25
 SUFFIX_MIN_TOKENS = 32
 
+
 @dataclass
 class Prompt:
     """Everything one request needs around `engine.generate`: the ids, the healing constraint and
@@ -48,16 +49,16 @@ class Prompt:
     skip_reason: str | None = None
     prefix_ids: list[int] = field(default_factory=list)
     suffix_ids: list[int] = field(default_factory=list)
-    context_ids: list[int] = field(default_factory=list)   # the context block, wherever the layout puts it
+    context_ids: list[int] = field(default_factory=list)  # the context block, wherever the layout puts it
     healing: Healing | None = None
-    line_prefix: str = ""      # cursor line up to the cursor
-    line_suffix: str = ""      # cursor line after the cursor
-    following: str = ""        # text after the cursor line (bounded), for the stop rules' duplicate checks
-    prefix_start: int = 0      # document offset where the prefix window starts (may be the newline before its first line)
-    prefix_line: int = 0       # absolute number of the first line in the prefix window
-    suffix_end: int = 0        # document offset where the suffix window ends
+    line_prefix: str = ""  # cursor line up to the cursor
+    line_suffix: str = ""  # cursor line after the cursor
+    following: str = ""  # text after the cursor line (bounded), for the stop rules' duplicate checks
+    prefix_start: int = 0  # document offset where the prefix window starts (may be the newline before its first line)
+    prefix_line: int = 0  # absolute number of the first line in the prefix window
+    suffix_end: int = 0  # document offset where the suffix window ends
     cursor_line_tokens: int = 0
-    stop: StopRules | None = None   # when generation ends, and what of it the editor shows
+    stop: StopRules | None = None  # when generation ends, and what of it the editor shows
 
     @property
     def skipped(self) -> bool:
@@ -88,7 +89,7 @@ class TokenEncoder:
         self._pieces: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
         self._max_pieces = piece_cache_entries
         self._last_cursor: tuple[tuple[str, bool, bool], tuple[list[int], Healing | None]] | None = None
-        self.tokenized_chars = 0   # characters actually sent to the tokenizer (tests check the bound)
+        self.tokenized_chars = 0  # characters actually sent to the tokenizer (tests check the bound)
 
     def encode(self, text: str, first: bool = False) -> list[int]:
         key = (first, text)
@@ -125,15 +126,16 @@ class TokenEncoder:
     def decoded_chars(self, units: Sequence[Any]) -> int:
         return len(self.template.tokenizer.decode(list(units)))
 
-    def lay_out(self, plan: PromptPlan, text: str) -> tuple[list[int], list[int], list[int], list[int], Healing | None,
-                                                            int]:
+    def lay_out(
+        self, plan: PromptPlan, text: str
+    ) -> tuple[list[int], list[int], list[int], list[int], Healing | None, int]:
         """(prompt ids, prefix ids, suffix ids, context block ids, healing, cursor line tokens) of a plan."""
         head_ids: list[int] = []
         for k, (b, e) in enumerate(plan.head):
             head_ids += self.encode(text[b:e], first=plan.first_leading_space and k == 0)
-        cursor_ids, healing = self.healed(text[plan.cursor_start:plan.cursor], plan.cursor_first, plan.heal)
+        cursor_ids, healing = self.healed(text[plan.cursor_start : plan.cursor], plan.cursor_first, plan.heal)
         if plan.cursor_keep is not None and len(cursor_ids) > plan.cursor_keep:
-            cursor_ids = cursor_ids[-plan.cursor_keep:]
+            cursor_ids = cursor_ids[-plan.cursor_keep :]
         file_ids = self._file_ids(plan)
         block_ids = file_ids
         if plan.context_text:
@@ -144,7 +146,7 @@ class TokenEncoder:
         for b, e in plan.suffix:
             suffix_ids += self.encode(text[b:e])
         if plan.suffix_keep is not None:
-            suffix_ids = suffix_ids[:plan.suffix_keep]
+            suffix_ids = suffix_ids[: plan.suffix_keep]
         ids = self.template.build(prefix_ids, suffix_ids, file_ids)
         return ids, prefix_ids, suffix_ids, list(block_ids), healing, len(cursor_ids)
 
@@ -163,13 +165,18 @@ class PromptBuilder:
     daemon's worker thread (like the engine).
     """
 
-    def __init__(self, template: FimTemplate, options: PromptOptions | None = None,
-                 healer: TokenHealer | None = None, piece_cache_entries: int = 4096):
+    def __init__(
+        self,
+        template: FimTemplate,
+        options: PromptOptions | None = None,
+        healer: TokenHealer | None = None,
+        piece_cache_entries: int = 4096,
+    ):
         self.template = template
         self.healer = healer
         self.encoder = TokenEncoder(template, healer, piece_cache_entries)
         self.planner = Planner(self.encoder, options)
-        self.warnings: list[str] = []   # settings problems worked around (shown to the user)
+        self.warnings: list[str] = []  # settings problems worked around (shown to the user)
 
     @property
     def options(self) -> PromptOptions:
@@ -181,9 +188,17 @@ class PromptBuilder:
         return self.encoder.tokenized_chars
 
     @classmethod
-    def for_model(cls, tokenizer: Any, cfg: Config | None = None, *, max_context: int | None = None,
-                  vocab_size: int | None = None, device: Any = "cpu", info: ModelInfo | None = None,
-                  options: PromptOptions | None = None) -> "PromptBuilder":
+    def for_model(
+        cls,
+        tokenizer: Any,
+        cfg: Config | None = None,
+        *,
+        max_context: int | None = None,
+        vocab_size: int | None = None,
+        device: Any = "cpu",
+        info: ModelInfo | None = None,
+        options: PromptOptions | None = None,
+    ) -> "PromptBuilder":
         """Template, healer and options for one model and these settings (a Config)."""
 
         cfg = cfg if cfg is not None else Config()
@@ -219,8 +234,15 @@ class PromptBuilder:
                 train = getattr(info, "train_context", None)
                 max_context = min(engine.max_context, train) if train else engine.max_context
                 kw["options"] = PromptOptions.from_config(cfg, max_context, suffix_tokens=cap)
-        return cls.for_model(engine.tokenizer, cfg, max_context=engine.max_context, vocab_size=vocab,
-                             device=getattr(engine, "device", "cpu"), info=getattr(engine, "info", None), **kw)
+        return cls.for_model(
+            engine.tokenizer,
+            cfg,
+            max_context=engine.max_context,
+            vocab_size=vocab,
+            device=getattr(engine, "device", "cpu"),
+            info=getattr(engine, "info", None),
+            **kw,
+        )
 
     @property
     def context_tokens(self) -> int:
@@ -231,18 +253,40 @@ class PromptBuilder:
         """(prefix, suffix, context) token budgets after fitting them into max_prompt_tokens."""
         return self.planner.budgets(with_context)
 
-    def build(self, text: str, cursor: int, context: Sequence[tuple[str, str]] = (), path: str | None = None,
-              language: str | None = None, heal: bool | None = None) -> Prompt:
+    def build(
+        self,
+        text: str,
+        cursor: int,
+        context: Sequence[tuple[str, str]] = (),
+        path: str | None = None,
+        language: str | None = None,
+        heal: bool | None = None,
+    ) -> Prompt:
         """Prompt ids for a completion at `cursor` in `text` (Planner.plan says what goes where)."""
         plan = self.planner.plan(text, cursor, context, path, language, heal)
         if plan.skip_reason is not None:
             return Prompt(ids=[], skip_reason=plan.skip_reason)
         ids, prefix_ids, suffix_ids, block_ids, healing, cursor_tokens = self.encoder.lay_out(plan, text)
-        prompt = Prompt(ids=ids, prefix_ids=prefix_ids, suffix_ids=suffix_ids, context_ids=block_ids,
-                        healing=healing, line_prefix=plan.line_prefix, line_suffix=plan.line_suffix,
-                        following=plan.following, prefix_start=plan.prefix_start, prefix_line=plan.prefix_line,
-                        suffix_end=plan.suffix_end, cursor_line_tokens=cursor_tokens)
+        prompt = Prompt(
+            ids=ids,
+            prefix_ids=prefix_ids,
+            suffix_ids=suffix_ids,
+            context_ids=block_ids,
+            healing=healing,
+            line_prefix=plan.line_prefix,
+            line_suffix=plan.line_suffix,
+            following=plan.following,
+            prefix_start=plan.prefix_start,
+            prefix_line=plan.prefix_line,
+            suffix_end=plan.suffix_end,
+            cursor_line_tokens=cursor_tokens,
+        )
         opt = self.options
-        prompt.stop = StopRules.for_prompt(prompt, self.template, opt.multiline, opt.max_lines,
-                                           token_bytes=self.healer.bytes if self.healer is not None else None)
+        prompt.stop = StopRules.for_prompt(
+            prompt,
+            self.template,
+            opt.multiline,
+            opt.max_lines,
+            token_bytes=self.healer.bytes if self.healer is not None else None,
+        )
         return prompt

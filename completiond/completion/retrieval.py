@@ -63,22 +63,38 @@ from completiond.completion.chunking import (
 from completiond.completion.imports import Imports, imports_of, matches, module_targets
 
 # The chunking names (chunking.py) where callers knew them before it was split off.
-__all__ = ["IDENT", "MAX_LINES", "MIN_DEF_LINES", "MIN_LINES", "STOP", "Chunk", "Imports", "Query", "RetrievalIndex",
-           "_kind", "defined_names", "imports_of", "make_query", "prepare", "split_lines", "terms_of"]
+__all__ = [
+    "IDENT",
+    "MAX_LINES",
+    "MIN_DEF_LINES",
+    "MIN_LINES",
+    "STOP",
+    "Chunk",
+    "Imports",
+    "Query",
+    "RetrievalIndex",
+    "_kind",
+    "defined_names",
+    "imports_of",
+    "make_query",
+    "prepare",
+    "split_lines",
+    "terms_of",
+]
 
 
 @dataclass(eq=False)
 class Chunk:
     id: int
-    key: Hashable          # the workspace entry: (owner, path)
+    key: Hashable  # the workspace entry: (owner, path)
     path: str
     language: str
-    start: int             # first line (0-based) in its file
-    end: int               # line after the last
+    start: int  # first line (0-based) in its file
+    end: int  # line after the last
     text: str
     digest: bytes
     terms: dict[str, int]  # term -> count
-    length: int            # number of terms
+    length: int  # number of terms
     defines: tuple[str, ...]
 
 
@@ -93,17 +109,17 @@ class RetrievalIndex:
         self.by_key: dict[Hashable, list[int]] = {}
         self.postings: dict[str, set[int]] = {}
         self.defs: dict[str, set[int]] = {}
-        self.by_head: dict[str, set[str]] = {}     # first 2 characters -> terms (completing a partial name)
+        self.by_head: dict[str, set[str]] = {}  # first 2 characters -> terms (completing a partial name)
         self.total_length = 0
         self.version = 0
         self._next = 1
-        self._parsed: OrderedDict[bytes, _Parsed] = OrderedDict()   # digest -> parse, across files and edits
+        self._parsed: OrderedDict[bytes, _Parsed] = OrderedDict()  # digest -> parse, across files and edits
         # key -> (text, its lines) of the files edited last: an edit splits only its own lines again.
         self._lines: OrderedDict[Hashable, tuple[str, list[str], bool]] = OrderedDict()
         # key -> (text, outline or None) of the editor's documents edited last: an edit moves the outline.
         self._outlines: OrderedDict[Hashable, tuple[str, outlines.Outline | None]] = OrderedDict()
         self.max_line_caches = 8
-        self.max_outlines = 64          # small (a line number and names per definition): an editor's open files
+        self.max_outlines = 64  # small (a line number and names per definition): an editor's open files
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -112,8 +128,15 @@ class RetrievalIndex:
         return len(self.by_key)
 
     # -- updates ---------------------------------------------------------
-    def update(self, key: Hashable, path: str, language: str, text: str,
-               prepared: Prepared | None = None, keep_outline: bool = False) -> None:
+    def update(
+        self,
+        key: Hashable,
+        path: str,
+        language: str,
+        text: str,
+        prepared: Prepared | None = None,
+        keep_outline: bool = False,
+    ) -> None:
         """(Re-)index one file; chunks whose text did not change keep their ids. keep_outline: keep where
         its definitions start for its next edit (an editor's document: see `update_edit`)."""
         self._lines.pop(key, None)
@@ -129,12 +152,12 @@ class RetrievalIndex:
             same = old.get(digest)
             if same:
                 c = same.pop()
-                c.start, c.end = s, e                     # the text moved, it did not change
+                c.start, c.end = s, e  # the text moved, it did not change
                 self._redefine(c, defines)
                 ids.append(c.id)
                 continue
             if len(self.chunks) >= self.max_chunks:
-                break                                     # the bound: the rest of this file is not indexed
+                break  # the bound: the rest of this file is not indexed
             ids.append(self._add(key, path, language, s, e, body, digest, parsed, defines))
         for rest in old.values():
             for c in rest:
@@ -162,14 +185,14 @@ class RetrievalIndex:
         old_chunks = [self.chunks[cid] for cid in ids]
         old_lines, plain = self._lines_of(key, old_text)
         if old_chunks[-1].end != len(old_lines) or old_chunks[0].start != 0:
-            return False                      # indexed in part (the per-file or total bound)
+            return False  # indexed in part (the per-file or total bound)
         edit = _edit_lines(old_text, text, old_lines, plain)
         if edit is None:
             return True
         lines, lo, n_old_reg, n_new_reg, plain = edit
         self._keep_lines(key, text, lines, plain)
         n_old, n_new = len(old_lines), len(lines)
-        hi = n_old - lo - n_old_reg           # lines after the edit, the same in both texts
+        hi = n_old - lo - n_old_reg  # lines after the edit, the same in both texts
         delta = n_new - n_old
         outline = None
         if outlines.spec_with_grammar(language) is not None:
@@ -181,12 +204,12 @@ class RetrievalIndex:
                 self._keep_lines(key, text, lines, plain)
                 return True
             if before is not None:
-                outline = chunking.edit_outline(before, lo, n_old_reg, lines[lo:lo + n_new_reg])
+                outline = chunking.edit_outline(before, lo, n_old_reg, lines[lo : lo + n_new_reg])
             self._keep_outline(key, text, outline)
-        tail = n_new - hi                     # new lines from here on are the old ones, moved by delta
+        tail = n_new - hi  # new lines from here on are the old ones, moved by delta
         keep = 0
         while keep < len(old_chunks) and old_chunks[keep].end < lo:
-            keep += 1                         # a cut at `end` depends on lines end-1 and end: both unchanged
+            keep += 1  # a cut at `end` depends on lines end-1 and end: both unchanged
         start = old_chunks[keep - 1].end if keep else 0
         old_at = {c.start: k for k, c in enumerate(old_chunks) if k >= keep}
 
@@ -195,10 +218,10 @@ class RetrievalIndex:
 
         middle = split_lines(lines, start=start, resume=resume, kinds=kinds_of(lines, outline))
         end = middle[-1][1] if middle else start
-        rest = old_chunks[old_at[end - delta]:] if end < n_new and (end - delta) in old_at else []
+        rest = old_chunks[old_at[end - delta] :] if end < n_new and (end - delta) in old_at else []
         if keep + len(middle) + len(rest) > self.max_chunks_per_file:
             return False
-        replaced = old_chunks[keep: len(old_chunks) - len(rest)]
+        replaced = old_chunks[keep : len(old_chunks) - len(rest)]
         by_digest: dict[bytes, list[Chunk]] = {}
         for c in replaced:
             by_digest.setdefault(c.digest, []).append(c)
@@ -276,13 +299,24 @@ class RetrievalIndex:
             self._parsed.move_to_end(digest)
         return p
 
-    def _add(self, key, path, language, s, e, body, digest, parsed: _Parsed | None = None,
-             defines: tuple[str, ...] | None = None) -> int:
+    def _add(
+        self,
+        key,
+        path,
+        language,
+        s,
+        e,
+        body,
+        digest,
+        parsed: _Parsed | None = None,
+        defines: tuple[str, ...] | None = None,
+    ) -> int:
         p = parsed if parsed is not None else self._parse(body, digest)
         cid = self._next
         self._next += 1
-        c = Chunk(cid, key, path, language, s, e, body, digest, p.terms, p.length,
-                  p.defines if defines is None else defines)
+        c = Chunk(
+            cid, key, path, language, s, e, body, digest, p.terms, p.length, p.defines if defines is None else defines
+        )
         self.chunks[cid] = c
         for t in c.terms:
             ids = self.postings.get(t)
@@ -329,8 +363,15 @@ class RetrievalIndex:
         self.total_length -= c.length
 
     # -- queries ---------------------------------------------------------
-    def bm25(self, query: dict[str, float], allowed: Callable[[Chunk], bool], k1: float = 1.2, b: float = 0.75,
-             max_df_fraction: float = 0.05, max_df_cap: int = 1000) -> dict[int, float]:
+    def bm25(
+        self,
+        query: dict[str, float],
+        allowed: Callable[[Chunk], bool],
+        k1: float = 1.2,
+        b: float = 0.75,
+        max_df_fraction: float = 0.05,
+        max_df_cap: int = 1000,
+    ) -> dict[int, float]:
         """Chunk id -> BM25 score of `query` (term -> weight), over the chunks `allowed` admits."""
         n = len(self.chunks)
         if not n or not query:
@@ -343,7 +384,7 @@ class RetrievalIndex:
         max_df = max(8, min(max_df_cap, int(n * max_df_fraction)))
         for t, w in query.items():
             ids = self.postings.get(t)
-            if not ids or len(ids) > max_df:      # too common to tell chunks apart (and the longest lists)
+            if not ids or len(ids) > max_df:  # too common to tell chunks apart (and the longest lists)
                 continue
             idf = math.log(1.0 + (n - len(ids) + 0.5) / (len(ids) + 0.5))
             for cid in ids:
@@ -365,8 +406,14 @@ class RetrievalIndex:
         found.sort(key=lambda t: (-len(self.postings[t]), t))
         return found[:limit]
 
-    def definitions(self, names: Iterable[str], imports: Imports | None, allowed: Callable[[Chunk], bool],
-                    max_each: int = 3, qualifiers: dict[str, str] | None = None) -> list[int]:
+    def definitions(
+        self,
+        names: Iterable[str],
+        imports: Imports | None,
+        allowed: Callable[[Chunk], bool],
+        max_each: int = 3,
+        qualifiers: dict[str, str] | None = None,
+    ) -> list[int]:
         """Definition chunks of `names` (in that order): from the module the name's import (or its
         qualifier's, `ns.name`) points at, else from the wildcard imports' modules or the importing
         file's own folder where those hold one; names defined in more than max_each places that none
@@ -402,15 +449,16 @@ class RetrievalIndex:
 
 # -- the query around the cursor -------------------------------------------------
 
+
 @dataclass
 class Query:
-    terms: dict[str, float]     # term -> weight
-    names: list[str]            # names at the cursor, nearest first (definition look-ups)
+    terms: dict[str, float]  # term -> weight
+    names: list[str]  # names at the cursor, nearest first (definition look-ups)
     imports: Imports
-    window: tuple[int, int]     # [first, last) line of the current window (chunks overlapping it are dropped)
-    line: int                   # cursor line
-    partial: str = ""           # the identifier being typed, up to the cursor
-    qualifiers: dict[str, str] = field(default_factory=dict)   # name at the cursor -> what it follows (`q.name`)
+    window: tuple[int, int]  # [first, last) line of the current window (chunks overlapping it are dropped)
+    line: int  # cursor line
+    partial: str = ""  # the identifier being typed, up to the cursor
+    qualifiers: dict[str, str] = field(default_factory=dict)  # name at the cursor -> what it follows (`q.name`)
 
 
 _IDENT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
@@ -433,15 +481,23 @@ def qualifiers_of(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     prev_end, prev = -1, ""
     for m in IDENT.finditer(text):
-        if prev and text[prev_end:m.start()].strip(" \t") in (".", "::", "->", "?."):
+        if prev and text[prev_end : m.start()].strip(" \t") in (".", "::", "->", "?."):
             out[m.group(0)] = prev
         prev_end, prev = m.end(), m.group(0)
     return out
 
 
-def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int = 4,
-               window_before: int = 40, window_after: int = 12, language: str | None = "python",
-               path: str | None = None, imports: Imports | None = None) -> Query:
+def make_query(
+    text: str,
+    offset: int,
+    before_lines: int = 12,
+    after_lines: int = 4,
+    window_before: int = 40,
+    window_after: int = 12,
+    language: str | None = "python",
+    path: str | None = None,
+    imports: Imports | None = None,
+) -> Query:
     """Identifiers of the prefix tail (the cursor line up to the cursor and `before_lines` lines
     above it) and the suffix head (`after_lines` lines below), the names at the cursor (and what
     each is qualified by), the file's imports (read here in `language` unless given), and the lines
@@ -470,7 +526,7 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
         weights[t] = weights.get(t, 0.0) + 1.0
     near = terms_of(line_head)
     for t in near:
-        weights[t] = weights.get(t, 0.0) + 2.0       # the cursor line says most about what comes next
+        weights[t] = weights.get(t, 0.0) + 2.0  # the cursor line says most about what comes next
     for t in terms_of(text[offset:hi]):
         weights[t] = weights.get(t, 0.0) + 0.5
     prev_line_start = text.rfind("\n", 0, max(0, ls - 1)) + 1 if ls else 0
@@ -479,7 +535,12 @@ def make_query(text: str, offset: int, before_lines: int = 12, after_lines: int 
     if imports is None:
         imports = imports_of(text, language, path)
     qualifiers = qualifiers_of(text[prev_line_start:ls] + line_head)
-    return Query(weights, names[:6], imports, (max(0, cur_line - window_before), cur_line + window_after + 1),
-                 cur_line, partial, {n: q for n, q in qualifiers.items() if n in names[:6]})
-
-
+    return Query(
+        weights,
+        names[:6],
+        imports,
+        (max(0, cur_line - window_before), cur_line + window_after + 1),
+        cur_line,
+        partial,
+        {n: q for n, q in qualifiers.items() if n in names[:6]},
+    )

@@ -19,23 +19,37 @@ def jaccard(a: Iterable[str], b: Iterable[str]) -> float:
 class Selector:
     """Picks and orders the chunks of the context block, sticky per (editor, current file)."""
 
-    def __init__(self, max_chunks: int = 8, dup_threshold: float = 0.7, max_states: int = 64,
-                 max_definitions: int = 2, margin: float = 0.5):
+    def __init__(
+        self,
+        max_chunks: int = 8,
+        dup_threshold: float = 0.7,
+        max_states: int = 64,
+        max_definitions: int = 2,
+        margin: float = 0.5,
+    ):
         self.max_chunks = max_chunks
         self.dup_threshold = dup_threshold
         self.max_definitions = max_definitions
         self.complete_partial = True
-        self.best_last = False       # new chunks enter in reverse rank order: the best one nearest the file
-        self.margin = margin         # a held block gives way to a fresh pick worth more than (1 + margin) times it
-        self.in_file = True          # the current file's own chunks (outside the window) are candidates
+        self.best_last = False  # new chunks enter in reverse rank order: the best one nearest the file
+        self.margin = margin  # a held block gives way to a fresh pick worth more than (1 + margin) times it
+        self.in_file = True  # the current file's own chunks (outside the window) are candidates
         self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
         self.max_states = max_states
 
-    def select(self, index: RetrievalIndex, state: Hashable, query: Query, allowed: Callable[[Chunk], bool],
-               current_key: Hashable | None, cost: Callable[[Chunk], int], budget: int) -> list[Chunk]:
+    def select(
+        self,
+        index: RetrievalIndex,
+        state: Hashable,
+        query: Query,
+        allowed: Callable[[Chunk], bool],
+        current_key: Hashable | None,
+        cost: Callable[[Chunk], int],
+        budget: int,
+    ) -> list[Chunk]:
         def admitted(c: Chunk) -> bool:
             if c.key == current_key and (not self.in_file or (c.start < query.window[1] and c.end > query.window[0])):
-                return False           # the prompt shows these lines already
+                return False  # the prompt shows these lines already
             return allowed(c)
 
         terms = query.terms
@@ -46,8 +60,9 @@ class Selector:
             terms = dict(terms)
             for t in completions:
                 terms[t] = terms.get(t, 0.0) + 1.0
-        defs = index.definitions(query.names, query.imports, admitted,
-                                 qualifiers=query.qualifiers)[: self.max_definitions]
+        defs = index.definitions(query.names, query.imports, admitted, qualifiers=query.qualifiers)[
+            : self.max_definitions
+        ]
         scores = index.bm25(terms, admitted)
         ranked = sorted(scores, key=lambda cid: (-scores[cid], cid))
         must = set(defs)
@@ -81,8 +96,7 @@ class Selector:
             self._last.popitem(last=False)
         return chosen
 
-    def _fill(self, candidates: list[Chunk], must: set[int], cost: Callable[[Chunk], int],
-              budget: int) -> list[Chunk]:
+    def _fill(self, candidates: list[Chunk], must: set[int], cost: Callable[[Chunk], int], budget: int) -> list[Chunk]:
         """The candidates, in order, that fit the budget (near-duplicates of one already taken skipped);
         a definition in `must` that does not fit displaces the last chunks not in `must`, only where
         that makes room for it."""

@@ -50,7 +50,6 @@ Where they live: stops_text.py (the in-loop rules on text, TextRules), stops_pos
 and here StopRules, which puts tokens around them (its public names are re-exported here).
 """
 
-
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -58,15 +57,31 @@ from typing import Iterable, Sequence
 from completiond.completion.healing import TokenBytes
 from completiond.completion.languages import spec_of
 from completiond.completion.stops_post import (  # noqa: F401  (re-exported: the rules' public names)
-    collides_with_suffix, postprocess, trim_suffix_overlap)
+    collides_with_suffix,
+    postprocess,
+    trim_suffix_overlap,
+)
 from completiond.completion.stops_text import (  # noqa: F401  (re-exported)
-    BLOCK_OPENER_ENDINGS, CLOSERS, MULTILINE_MODES, OPENERS, Cut, TextRules, bracket_scan, find_line_cycle,
-    find_loop, indent_width, open_stack, outside_strings, wants_multiline)
+    BLOCK_OPENER_ENDINGS,
+    CLOSERS,
+    MULTILINE_MODES,
+    OPENERS,
+    Cut,
+    TextRules,
+    bracket_scan,
+    find_line_cycle,
+    find_loop,
+    indent_width,
+    open_stack,
+    outside_strings,
+    wants_multiline,
+)
 from completiond.completion.syntax import Site, Verdict, site_at
 
 
-def document_site(text: str, offset: int, language: str | None = None, path: str | None = None,
-                  tree=None) -> Site | None:
+def document_site(
+    text: str, offset: int, language: str | None = None, path: str | None = None, tree=None
+) -> Site | None:
     """Where the cursor sits in the document (syntax.site_at); None for a language without a grammar here
     (the cursor line is then all the rules know). tree: the document's own tree (documents.Document)."""
     return site_at(text, offset, spec_of(language, path), tree)
@@ -79,8 +94,17 @@ class StopRules:
     regenerates it and the rules only look at what follows.
     """
 
-    def __init__(self, token_bytes: TokenBytes, line_prefix: str, line_suffix: str = "", following: str = "",
-                 multiline: str = "auto", max_lines: int = 8, stop_ids: Iterable[int] = (), healed: str = ""):
+    def __init__(
+        self,
+        token_bytes: TokenBytes,
+        line_prefix: str,
+        line_suffix: str = "",
+        following: str = "",
+        multiline: str = "auto",
+        max_lines: int = 8,
+        stop_ids: Iterable[int] = (),
+        healed: str = "",
+    ):
         self.table = token_bytes
         self.rules = TextRules(line_prefix, line_suffix, following, multiline, max_lines)
         self.stop_ids = frozenset(stop_ids)
@@ -88,17 +112,26 @@ class StopRules:
         self.healed_bytes = healed.encode("utf-8")
         self.rules.whitespace_healed = healed.endswith((" ", "\t"))
         self.reason: str | None = None
-        self._ends: list[int] = []      # cumulative byte end of each processed token
+        self._ends: list[int] = []  # cumulative byte end of each processed token
         self._data = bytearray()
 
     @classmethod
-    def for_prompt(cls, prompt, template, multiline: str = "auto", max_lines: int = 8,
-                   token_bytes: TokenBytes | None = None) -> "StopRules":
+    def for_prompt(
+        cls, prompt, template, multiline: str = "auto", max_lines: int = 8, token_bytes: TokenBytes | None = None
+    ) -> "StopRules":
         """Rules for a completiond.completion.prompt.Prompt and its models.fim template."""
         table = token_bytes or TokenBytes.for_tokenizer(template.tokenizer)
         healed = prompt.healing.removed if prompt.healing is not None else ""
-        return cls(table, prompt.line_prefix, prompt.line_suffix, prompt.following, multiline, max_lines,
-                   template.stop_ids, healed)
+        return cls(
+            table,
+            prompt.line_prefix,
+            prompt.line_suffix,
+            prompt.following,
+            multiline,
+            max_lines,
+            template.stop_ids,
+            healed,
+        )
 
     @property
     def multiline(self) -> bool:
@@ -109,8 +142,15 @@ class StopRules:
         """The syntax check's verdict on the last suggestion (None: no grammar, or not checked)."""
         return self.rules.syntax
 
-    def attach_document(self, text: str, offset: int, language: str | None = None, path: str | None = None,
-                        check_syntax: bool = True, tree=None) -> None:
+    def attach_document(
+        self,
+        text: str,
+        offset: int,
+        language: str | None = None,
+        path: str | None = None,
+        check_syntax: bool = True,
+        tree=None,
+    ) -> None:
         """Let the rules see the document around the cursor; call it before generation starts.
 
         Every language with a grammar (others keep the cursor-line rules): brackets that earlier lines of
@@ -119,17 +159,18 @@ class StopRules:
         """
         site = document_site(text, offset, language, path, tree)
         old = self.rules
-        if site is None or text[text.rfind("\n", 0, offset) + 1:offset] != old.line_prefix:
+        if site is None or text[text.rfind("\n", 0, offset) + 1 : offset] != old.line_prefix:
             return
-        self.rules = TextRules(old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines,
-                               site, check_syntax)
+        self.rules = TextRules(
+            old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines, site, check_syntax
+        )
         self.rules.whitespace_healed = old.whitespace_healed
 
     def _sync(self, tokens: Sequence[int]) -> None:
         if len(tokens) < len(self._ends):
             self._ends.clear()
             self._data.clear()
-        for t in tokens[len(self._ends):]:
+        for t in tokens[len(self._ends) :]:
             self._data += self.table[t] or b""
             self._ends.append(len(self._data))
 

@@ -6,9 +6,17 @@ operand put in front of the one already there, the syntactic unit the cursor beg
 from __future__ import annotations
 
 from completiond.completion.stops_text import (
-    BLOCK_OPENER_ENDINGS, CLOSERS, TextRules, _only_closers, _suffix_closers, bracket_scan, indent_width,
-    outside_strings)
+    BLOCK_OPENER_ENDINGS,
+    CLOSERS,
+    TextRules,
+    _only_closers,
+    _suffix_closers,
+    bracket_scan,
+    indent_width,
+    outside_strings,
+)
 from completiond.completion.syntax import check, unit_end
+
 
 def trim_suffix_overlap(s: str, line_suffix: str, line_prefix: str = "", open_depth: int | None = None) -> str:
     """Remove the end of `s` that repeats the start of the text right of the cursor.
@@ -57,14 +65,14 @@ def collides_with_suffix(s: str, line_prefix: str, line_suffix: str) -> bool:
     """
     body = s.rstrip()
     if not body or not line_suffix or "\n" in body or outside_strings(line_prefix + body)[1]:
-        return False   # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
+        return False  # inside a string, the quote right of the cursor closes it (`'binary.f|')` + "ile")
     nxt, last = line_suffix[0], body[-1]
     if not (nxt in "'\"" or _is_word_char(nxt)):
         return False
     if last in CLOSERS:
         return True
     if last in "'\"":
-        return nxt not in "'\""   # the string just closed; two literals in a row are a concatenation
+        return nxt not in "'\""  # the string just closed; two literals in a row are a concatenation
     if _is_word_char(last) and nxt in "'\"":
         word = _trailing_word(body)
         return word.lower() not in STRING_PREFIXES
@@ -122,7 +130,9 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
         # comments); without healing (a remote server, healing off) a space
         # there is the tokenizer's, not the code's.
         s = s.lstrip(" \t")
-    keep_newline = rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
+    keep_newline = (
+        rules.multiline and "\n" in s and rules.line_suffix.strip() != "" and _only_closers(rules.line_suffix)
+    )
     unfinished = truncated and cut is None and not s.rstrip(" \t").endswith("\n")
     s = s.rstrip()
     if rules.multiline and "\n" in s.strip():

@@ -101,15 +101,23 @@ def _suffix_closers(line_suffix: str) -> int:
 
 @dataclass
 class Cut:
-    pos: int       # character offset in the suggestion text where it ends
+    pos: int  # character offset in the suggestion text where it ends
     reason: str
 
 
 class TextRules:
     """The stop rules on plain text; StopRules adds tokens around them."""
 
-    def __init__(self, line_prefix: str, line_suffix: str = "", following: str = "", multiline: str = "auto",
-                 max_lines: int = 8, site: Site | None = None, check_syntax: bool = True):
+    def __init__(
+        self,
+        line_prefix: str,
+        line_suffix: str = "",
+        following: str = "",
+        multiline: str = "auto",
+        max_lines: int = 8,
+        site: Site | None = None,
+        check_syntax: bool = True,
+    ):
         self.line_prefix = line_prefix
         self.line_suffix = line_suffix
         self.following = following
@@ -120,13 +128,13 @@ class TextRules:
         # the rules know of the code's structure.
         self.site = site
         self.check_syntax = check_syntax
-        self.syntax: Verdict | None = None   # the last syntax check's verdict (postprocess sets it)
+        self.syntax: Verdict | None = None  # the last syntax check's verdict (postprocess sets it)
         # Brackets open at the cursor, and how many of them the text right of
         # the cursor closes: the suggestion must leave exactly those open.
         self.open_depth = bracket_scan(line_prefix)[0]
         self.open_brackets = open_stack(line_prefix)
         self.suffix_closers = _suffix_closers(line_suffix)
-        self.suffix_closer_types = bracket_scan(line_suffix)[1]   # those closers, in order
+        self.suffix_closer_types = bracket_scan(line_suffix)[1]  # those closers, in order
         if site is not None:
             if site.open_before:
                 # A continuation line: brackets opened on earlier lines of the statement are open here too
@@ -140,7 +148,9 @@ class TextRules:
         if line_prefix.strip():
             # The block is the one the cursor line belongs to; after an
             # opener, the new block is deeper than the opener's line.
-            self.min_indent = indent_width(line_prefix) + (1 if line_prefix.rstrip().endswith(BLOCK_OPENER_ENDINGS) else 0)
+            self.min_indent = indent_width(line_prefix) + (
+                1 if line_prefix.rstrip().endswith(BLOCK_OPENER_ENDINGS) else 0
+            )
         else:
             self.min_indent = indent_width(line_prefix)
         self.next_line = next((ln.strip() for ln in following.split("\n") if ln.strip()), "")
@@ -165,8 +175,11 @@ class TextRules:
         # Cycles are looked for only within maxLines: past it the stream stops, so a repeat found there
         # would make the whole output's cut differ from the one the engine stopped at.
         window = self._max_lines_end(s)
-        cycle = find_line_cycle(s, final, self.line_prefix) if window is None \
+        cycle = (
+            find_line_cycle(s, final, self.line_prefix)
+            if window is None
             else find_line_cycle(s[:window], True, self.line_prefix)
+        )
         if cycle is not None and (cut is None or cycle.pos < cut.pos):
             cut = cycle
         line_cut = self._line_cut(s if cut is None else s[: cut.pos], final or cut is not None)
@@ -236,8 +249,9 @@ class TextRules:
                 stack.pop()
                 # The closer right of the cursor that would close this bracket is of another kind (`]` after
                 # `unzip(z|`): it closes one the suggestion has yet to open, not this one.
-                other_kind = len(self.suffix_closer_types) == self.suffix_closers and \
-                    self.suffix_closer_types[:1] != [c]
+                other_kind = len(self.suffix_closer_types) == self.suffix_closers and self.suffix_closer_types[:1] != [
+                    c
+                ]
                 if len(stack) < owed and not other_kind:
                     return Cut(i, "closing bracket already right of the cursor")
             prev = c if prev != "\\" else ""
@@ -248,8 +262,8 @@ class TextRules:
         starts = [0]
         for ln in lines[:-1]:
             starts.append(starts[-1] + len(ln) + 1)
-        complete = len(lines) - 1 + (1 if final else 0)   # lines[:complete] are finished lines
-        first = 0 if lines[0].strip() else 1                # a suggestion after an opener starts with "\n"
+        complete = len(lines) - 1 + (1 if final else 0)  # lines[:complete] are finished lines
+        first = 0 if lines[0].strip() else 1  # a suggestion after an opener starts with "\n"
         depth = self.carry
         seen_content = bool(lines[0].strip())
         for i, ln in enumerate(lines):
@@ -266,8 +280,13 @@ class TextRules:
                     return Cut(_trim_blank_tail(s, end_of_prev), "top-level code after a blank line")
             # A closer the suggestion owes its own opener is not a repeat of the document's next `}`.
             closes_own = _only_closers(stripped) and depth > self.carry
-            if i < complete and stripped and stripped == self.next_line and (i >= 1 or not self.line_prefix.strip()) \
-                    and not closes_own:
+            if (
+                i < complete
+                and stripped
+                and stripped == self.next_line
+                and (i >= 1 or not self.line_prefix.strip())
+                and not closes_own
+            ):
                 return Cut(_trim_blank_tail(s, end_of_prev) if i >= 1 else 0, "repeats the next line of the document")
             d, unmatched = bracket_scan(ln)
             before = depth
@@ -285,8 +304,10 @@ LONG_LOOP_REPEATS = 3
 LONG_LOOP_MAX_UNIT = 64
 # A short unit must come 6 times in a row, a longer one (`name of the ` in a comment, an f-string's
 # ` with {self.type!r}`) 3 times: either is a model stuck in a loop, not code.
-_LOOPS = (re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
-          re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)))
+_LOOPS = (
+    re.compile(r"([^\n]{2,%d}?)\1{%d}" % (LOOP_MAX_UNIT, LOOP_REPEATS - 1)),
+    re.compile(r"([^\n]{%d,%d}?)\1{%d}" % (LOOP_MAX_UNIT + 1, LONG_LOOP_MAX_UNIT, LONG_LOOP_REPEATS - 1)),
+)
 RETYPE_PROBE_CHARS = 8
 
 
@@ -325,8 +346,24 @@ def _significant(line: str) -> bool:
     return sum(c.isalnum() for c in body) >= 3 and body.rstrip(":;{") not in TRIVIAL_LINES
 
 
-TRIVIAL_LINES = frozenset({"pass", "else", "try", "finally", "break", "continue", "return", "end", "fi", "done",
-                           "default", "return;", "break;", "continue;"})
+TRIVIAL_LINES = frozenset(
+    {
+        "pass",
+        "else",
+        "try",
+        "finally",
+        "break",
+        "continue",
+        "return",
+        "end",
+        "fi",
+        "done",
+        "default",
+        "return;",
+        "break;",
+        "continue;",
+    }
+)
 
 
 def find_line_cycle(s: str, final: bool = False, line_prefix: str = "") -> Cut | None:
@@ -355,7 +392,7 @@ def find_line_cycle(s: str, final: bool = False, line_prefix: str = "") -> Cut |
             run = max(2, p)
             if i + run > len(keys):
                 continue
-            if keys[i:i + run] == keys[i - p:i - p + run] and any(sig[i - p:i - p + run]):
+            if keys[i : i + run] == keys[i - p : i - p + run] and any(sig[i - p : i - p + run]):
                 return Cut(_trim_blank_tail(s, starts[i] - 1), "repeated lines (a cycle)")
         seen[key] = seen.get(key, 0) + 1
     return None
@@ -367,4 +404,3 @@ def _trim_blank_tail(s: str, pos: int) -> int:
         return 0
     head = s[:pos]
     return len(head.rstrip(" \t\n"))
-

@@ -29,8 +29,17 @@ from completiond.completion.completer import (
 from completiond.config import Config
 from completiond.errors import CompletionError
 
-__all__ = ["LocalCompleter", "LocalEngine", "OutOfMemory", "PromptError", "Suggestion", "builder_for", "prompt_warnings",
-           "sampling_params", "suggest_alternatives"]
+__all__ = [
+    "LocalCompleter",
+    "LocalEngine",
+    "OutOfMemory",
+    "PromptError",
+    "Suggestion",
+    "builder_for",
+    "prompt_warnings",
+    "sampling_params",
+    "suggest_alternatives",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +59,33 @@ def _is_oom(exc: BaseException) -> bool:
 def sampling_params(cfg: Config):
     from completiond.engine.engine import SamplingParams
 
-    return SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          seed=cfg.seed, speculative=cfg.speculation, exit_layer=cfg.exit_layer or None,
-                          draft_k=cfg.draft_tokens or None, draft_threshold=cfg.draft_threshold or None)
+    return SamplingParams(
+        max_tokens=cfg.max_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        seed=cfg.seed,
+        speculative=cfg.speculation,
+        exit_layer=cfg.exit_layer or None,
+        draft_k=cfg.draft_tokens or None,
+        draft_threshold=cfg.draft_threshold or None,
+    )
 
 
 # Builders are per engine and prompt settings; rebuilding one re-derives token tables, so keep a few.
 _BUILDERS: OrderedDict = OrderedDict()
 _BUILDERS_LOCK = threading.Lock()  # an in-process restart briefly has two worker threads
-_PROMPT_KEYS = ("fim_template", "multiline", "max_lines", "prefix_tokens", "suffix_tokens", "context_tokens",
-                "workspace_context", "max_tokens", "token_healing")
+_PROMPT_KEYS = (
+    "fim_template",
+    "multiline",
+    "max_lines",
+    "prefix_tokens",
+    "suffix_tokens",
+    "context_tokens",
+    "workspace_context",
+    "max_tokens",
+    "token_healing",
+)
 
 
 def _key(engine, cfg: Config) -> tuple:
@@ -95,11 +121,20 @@ def prompt_warnings(engine, cfg: Config) -> list[str]:
     return list(getattr(builder, "warnings", []) or [])
 
 
-def suggest_alternatives(engine, text: str, offset: int, cfg: Config, *, cancel: Any,
-                         on_round: OnRound | None = None, path: str | None = None,
-                         language: str | None = None,
-                         context: Sequence[tuple[str, str]] = (),
-                         count: int | None = None, tree: Any = None) -> tuple[list[Suggestion], Any]:
+def suggest_alternatives(
+    engine,
+    text: str,
+    offset: int,
+    cfg: Config,
+    *,
+    cancel: Any,
+    on_round: OnRound | None = None,
+    path: str | None = None,
+    language: str | None = None,
+    context: Sequence[tuple[str, str]] = (),
+    count: int | None = None,
+    tree: Any = None,
+) -> tuple[list[Suggestion], Any]:
     """Up to `count` (default: `cfg.alternatives`) different suggestions, best first; with the Generation of
     the first one (None if skipped).
 
@@ -136,8 +171,9 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Config, *, cancel:
             constraint = _first_token_not(engine, constraint, banned)
             if constraint is None:
                 break  # every first token the prompt allows has had its turn
-        gen = engine.generate(prompt.ids, run_params, cancel=cancel, on_round=on_round, stop=prompt.stop,
-                              constraint=constraint)
+        gen = engine.generate(
+            prompt.ids, run_params, cancel=cancel, on_round=on_round, stop=prompt.stop, constraint=constraint
+        )
         first = first if first is not None else gen
         if gen.finish_reason == "cancelled":
             return ([] if i == 0 else found), first
@@ -153,8 +189,16 @@ def suggest_alternatives(engine, text: str, offset: int, cfg: Config, *, cancel:
         stats = gen.stats.to_dict()
         if prompt.stop is not None and prompt.stop.syntax is not None:
             stats.update(prompt.stop.syntax.stats())
-        found.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
-                                finish_reason=gen.finish_reason, stats=stats))
+        found.append(
+            Suggestion(
+                text=insert,
+                start=offset,
+                end=offset,
+                multiline="\n" in insert,
+                finish_reason=gen.finish_reason,
+                stats=stats,
+            )
+        )
     return found, first
 
 
@@ -195,9 +239,9 @@ class LocalEngine(Protocol):
     max_context: int
     vocab_size: int  # the LM head's rows (alternatives ban first tokens over it)
     eos_token_ids: Any
-    calibration: Any      # its speculation record (None: none to calibrate)
-    model: Any            # the torch module (None: nothing to calibrate)
-    cache: Any            # the prefix KV cache
+    calibration: Any  # its speculation record (None: none to calibrate)
+    model: Any  # the torch module (None: nothing to calibrate)
+    cache: Any  # the prefix KV cache
 
     def generate(self, prompt_ids: Sequence[int], params: Any, **kw: Any) -> Any: ...
 
@@ -221,9 +265,18 @@ class LocalCompleter:
         self.name: str = engine.name or engine.model_id
         self.device: str = str(engine.device)
 
-    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
-                 tree: Any = None) -> Completion:
+    def complete(
+        self,
+        text: str,
+        offset: int,
+        cfg: Config,
+        *,
+        cancel: Any,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+        tree: Any = None,
+    ) -> Completion:
         rounds = 0
         after_cancel = 0  # rounds finished after the request was cancelled: the engine's reaction time
 
@@ -236,8 +289,18 @@ class LocalCompleter:
                 self.on_round(tokens)
 
         try:
-            found, gen = suggest_alternatives(self.engine, text, offset, cfg, cancel=cancel, on_round=on_round,
-                                              path=path, language=language, context=context, tree=tree)
+            found, gen = suggest_alternatives(
+                self.engine,
+                text,
+                offset,
+                cfg,
+                cancel=cancel,
+                on_round=on_round,
+                path=path,
+                language=language,
+                context=context,
+                tree=tree,
+            )
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -245,8 +308,10 @@ class LocalCompleter:
             # cache on the way out) and hand the memory back, so the next request can run.
             self.free_memory()
             log.error("out of memory during a completion; KV cache cleared: %s", exc)
-            raise OutOfMemory(f"out of memory on {self.device}; the KV cache was cleared, "
-                              "try again (or lower cacheMegabytes / prefixTokens)") from None
+            raise OutOfMemory(
+                f"out of memory on {self.device}; the KV cache was cleared, "
+                "try again (or lower cacheMegabytes / prefixTokens)"
+            ) from None
         if gen is None:  # nothing to complete here (e.g. a minified line): no engine work
             return Completion()
         stats = gen.stats.to_dict()
@@ -270,8 +335,11 @@ class LocalCompleter:
 
     def describe(self) -> dict[str, str | None]:
         engine = self.engine
-        return {"draft": engine.draft_in_use(), "decode_step": engine.decode_step_in_use(),
-                "tokenizer": engine.tokenizer_in_use()}
+        return {
+            "draft": engine.draft_in_use(),
+            "decode_step": engine.decode_step_in_use(),
+            "tokenizer": engine.tokenizer_in_use(),
+        }
 
     def free_memory(self) -> None:
         """Empty the engine's prefix KV cache and return freed GPU memory (worker thread)."""
@@ -280,8 +348,16 @@ class LocalCompleter:
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
-               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
+    def warmup(
+        self,
+        text: str,
+        offset: int | None,
+        cfg: Any,
+        *,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+    ) -> Any:
         from completiond.completion.warmup import Warmup
 
         if not hasattr(self.engine, "warm"):  # an engine without a prefix cache to warm

@@ -32,17 +32,34 @@ from tree_sitter import Node, Tree
 from completiond.completion.languages import LanguageSpec, spec_of
 from completiond.completion.syntax_python import error_at, layout_errors, parses  # noqa: F401  (re-exported)
 from completiond.completion.syntax_site import (  # noqa: F401  (re-exported)
-    MAX_REGION_BYTES, Site, _closers, edited, inserted, line_bounds, replaced_line, site_at, stand_ins)
+    MAX_REGION_BYTES,
+    Site,
+    _closers,
+    edited,
+    inserted,
+    line_bounds,
+    replaced_line,
+    site_at,
+    stand_ins,
+)
 from completiond.completion.syntax_tree import (  # noqa: F401  (re-exported)
-    MAX_ERRORS, MAX_SHIFTED_EDITS, DocumentTree, Error, encode, errors_in)
+    MAX_ERRORS,
+    MAX_SHIFTED_EDITS,
+    DocumentTree,
+    Error,
+    encode,
+    errors_in,
+)
 
 MAX_PARSES = 10
-LAYOUT_REACH = 600    # bytes past the cursor line whose Python layout is judged (the next statements)
+LAYOUT_REACH = 600  # bytes past the cursor line whose Python layout is judged (the next statements)
 
 _TOKEN = re.compile(r"\w+|\S")
-_BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")        # Bash: a header waiting for fi / done / esac
+_BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")  # Bash: a header waiting for fi / done / esac
 _KEYWORD_CLOSERS = frozenset({"fi", "done", "esac", "}", "end"})
-_BLOCK_KEYWORDS = re.compile(r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b")
+_BLOCK_KEYWORDS = re.compile(
+    r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b"
+)
 
 
 def is_python(language: str | None, path: str | None = None) -> bool:
@@ -53,11 +70,11 @@ def is_python(language: str | None, path: str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    text: str        # what to show
-    outcome: str     # parses | cut | dropped | unjudged
-    parses: int      # parses made for the verdict
+    text: str  # what to show
+    outcome: str  # parses | cut | dropped | unjudged
+    parses: int  # parses made for the verdict
     ms: float
-    reason: str = ""   # why it was cut or dropped (the first new error), "" when it passed whole
+    reason: str = ""  # why it was cut or dropped (the first new error), "" when it passed whole
 
     def stats(self) -> dict:
         out: dict = {"syntax_check": self.outcome, "syntax_parses": self.parses, "syntax_ms": round(self.ms, 3)}
@@ -81,7 +98,7 @@ def _open_at_line_ends(spec: LanguageSpec, s: str) -> str | None:
     if not stack:
         return ""
     for _c, i in stack:
-        rest = s[i + 1:]
+        rest = s[i + 1 :]
         nl = rest.find("\n")
         if (rest if nl < 0 else rest[:nl]).strip():
             return None
@@ -94,7 +111,7 @@ def _describe(site: Site, data: bytes, e: Error) -> str:
     where = "on the cursor line" if row == 1 else f"on line {row} of the suggestion" if row > 1 else "above"
     if missing:
         return f"leaves a syntax error {where}: a missing {kind!r}"
-    snippet = data[s:min(t, s + 24)].decode("utf-8", "replace").split("\n")[0]
+    snippet = data[s : min(t, s + 24)].decode("utf-8", "replace").split("\n")[0]
     return f"adds a syntax error {where} at {snippet!r}"
 
 
@@ -117,7 +134,7 @@ def cuts(s: str, limit: int = MAX_PARSES, blank_line: bool = False) -> list[str]
     for k in range(len(bounds) - 1, least - 2, -1):
         if k < least - 1 or len(out) >= limit:
             break
-        c = first[:bounds[k]].rstrip()
+        c = first[: bounds[k]].rstrip()
         if c.strip() and c != whole and (not out or c != out[-1]):
             out.append(c)
     return out
@@ -165,9 +182,11 @@ class _Judge:
                         break
                     raw = encode(line)
                     self.count += 1
-                    data = site.data[:self.ls] + raw + site.data[self.le:]
-                    found = [self._back(e, self.ls, self.ls + len(raw), len(raw) - (self.le - self.ls))
-                             for e in self._errors(replaced_line(site, raw), data, self.ls + len(raw))]
+                    data = site.data[: self.ls] + raw + site.data[self.le :]
+                    found = [
+                        self._back(e, self.ls, self.ls + len(raw), len(raw) - (self.le - self.ls))
+                        for e in self._errors(replaced_line(site, raw), data, self.ls + len(raw))
+                    ]
                     ranked.append((len(found), bool(line.strip()), found))
                     if not found:
                         break
@@ -180,8 +199,10 @@ class _Judge:
 
     def _back(self, e: Error, a0: int, a1: int, grow: int) -> Error:
         """An error of a parse where [a0, a1) replaced the original [a0, a1 - grow), in original offsets."""
+
         def back(p: int) -> int:
             return p if p <= a0 else a0 if p < a1 else p - grow
+
         return back(e[0]), back(e[1]), e[2], e[3]
 
     def unexcused(self, insert: str, tail: str = "") -> list[Error]:
@@ -191,12 +212,12 @@ class _Judge:
         if key in self._probes:
             return self._probes[key]
         site = self.site
-        suffix = site.data[site.cursor:self.le] if tail else b""
+        suffix = site.data[site.cursor : self.le] if tail else b""
         raw = encode(insert) + suffix + encode(tail)
         a0, a1 = site.cursor, site.cursor + len(raw)
         grow = len(raw) - len(suffix)
         self.count += 1
-        data = site.data[:a0] + raw + site.data[a0 + len(suffix):]
+        data = site.data[:a0] + raw + site.data[a0 + len(suffix) :]
         tree = self._trees[key] = edited(site, a0, a0 + len(suffix), raw)
         after = self._errors(tree, data, self.le + grow)
         # A header left without its body where the cursor line ends (the suggestion ends with it): the user
@@ -209,7 +230,7 @@ class _Judge:
             if kind == "body" and a1 - 1 <= s <= line_end:
                 continue
             if missing and s >= len(data):
-                continue   # a closer owed at the region's very end, by a construct opened above the line
+                continue  # a closer owed at the region's very end, by a construct opened above the line
             inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and len(raw) > 0)
             if not inside:
                 if baseline is None:
@@ -229,7 +250,7 @@ class _Judge:
         lines' ends closed, and (Python) with the colon of the header it writes."""
         site = self.site
         suffix = site.line_suffix
-        probes = [(insert, "", "")]          # (insert, tail after the cursor line, closers of its own bodies)
+        probes = [(insert, "", "")]  # (insert, tail after the cursor line, closers of its own bodies)
         inside = _closers(site, suffix)
         if inside and _closers(site, insert + suffix) == inside:
             probes.append((insert, inside, ""))
@@ -238,15 +259,18 @@ class _Judge:
             probes.append((insert, own + inside, own))
         last = (site.line_prefix + insert + suffix).rsplit("\n", 1)[-1]
         if site.spec.indented_blocks and _BLOCK_KEYWORDS.match(last) and not last.rstrip().endswith(":"):
-            probes += [(p, t + ":", o) for p, t, o in probes]   # a header whose colon is still to come
+            probes += [(p, t + ":", o) for p, t, o in probes]  # a header whose colon is still to come
         for probe, tail, own_closers in probes:
             if self.count >= MAX_PARSES:
                 return False
             errors = self.unexcused(probe, tail)
             if not errors and (not own_closers or self._bodies((probe, tail), own_closers)):
                 return True
-            if site.spec.name == "bash" and (probe + tail).rstrip().endswith(_BLOCK_KEYWORD_OPENERS) \
-                    and all(m and k in _KEYWORD_CLOSERS for _, _, m, k in errors):
+            if (
+                site.spec.name == "bash"
+                and (probe + tail).rstrip().endswith(_BLOCK_KEYWORD_OPENERS)
+                and all(m and k in _KEYWORD_CLOSERS for _, _, m, k in errors)
+            ):
                 return True
         return False
 
@@ -292,7 +316,7 @@ def check(site: Site, s: str) -> Verdict:
         if not judge.reasons:
             judge.reasons.append("adds a syntax error")
         return done("", "dropped")
-    except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:   # a parser refusing the text
+    except (ValueError, RuntimeError, MemoryError, RecursionError) as exc:  # a parser refusing the text
         return Verdict(s, "unjudged", judge.count, 1000 * (time.perf_counter() - t0), f"not judged: {exc}")
 
 
@@ -308,8 +332,8 @@ def unit_end(site: Site, s: str) -> int | None:
     best = None
     while node is not None and node.start_byte == a0:
         if node.type in site.spec.statements and not node.has_error and node.end_byte <= a1:
-            best = node   # the outermost statement that starts here and ends inside the suggestion
+            best = node  # the outermost statement that starts here and ends inside the suggestion
         node = node.parent
-    if best is None or not raw[best.end_byte - a0:].strip():
+    if best is None or not raw[best.end_byte - a0 :].strip():
         return None
-    return len(raw[:best.end_byte - a0].decode("utf-8", "replace"))
+    return len(raw[: best.end_byte - a0].decode("utf-8", "replace"))

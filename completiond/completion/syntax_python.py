@@ -20,14 +20,14 @@ from tree_sitter import Node, Parser, Tree
 from completiond.completion.languages import LanguageSpec
 from completiond.completion.syntax_tree import Error, encode
 
-MAX_LAYOUT_STATEMENTS = 2000   # statements visited per tree (a region holds far fewer)
+MAX_LAYOUT_STATEMENTS = 2000  # statements visited per tree (a region holds far fewer)
 
 
 def _line_indent(data: bytes, b: int) -> tuple[int, bool]:
     """(indentation width of the line holding byte b, whether only whitespace precedes b on it)."""
     ls = data.rfind(b"\n", 0, b) + 1
     i = ls
-    while i < len(data) and data[i] in (32, 9):   # spaces and tabs
+    while i < len(data) and data[i] in (32, 9):  # spaces and tabs
         i += 1
     return i - ls, i >= b
 
@@ -46,8 +46,9 @@ def _blocks(stmt: Node) -> list[Node]:
 
 
 _TARGETS = frozenset({"identifier", "attribute", "subscript"})
-_TARGET_LISTS = frozenset({"expression_list", "tuple", "list", "parenthesized_expression", "pattern_list",
-                           "tuple_pattern", "list_pattern"})
+_TARGET_LISTS = frozenset(
+    {"expression_list", "tuple", "list", "parenthesized_expression", "pattern_list", "tuple_pattern", "list_pattern"}
+)
 
 
 def _deletable(n: Node) -> bool:
@@ -74,8 +75,13 @@ def _loose_newline(stmt: Node, data: bytes) -> bool:
         if n.child_count and n.type not in ("string", "concatenated_string"):
             stack.extend(reversed(n.children))
             continue
-        if prev is not None and n.start_point.row > prev.end_point.row and depth == 0 \
-                and n.type != "comment" and not data[prev.end_byte:n.start_byte].rstrip(b" \t\n").endswith(b"\\"):
+        if (
+            prev is not None
+            and n.start_point.row > prev.end_point.row
+            and depth == 0
+            and n.type != "comment"
+            and not data[prev.end_byte : n.start_byte].rstrip(b" \t\n").endswith(b"\\")
+        ):
             return True
         if n.type in _OPEN:
             depth += 1
@@ -109,7 +115,7 @@ def layout_errors(tree: Tree, data: bytes, lo: int = 0, hi: int | None = None) -
             width, first = _line_indent(data, stmt.start_byte)
             if first:
                 if col is None:
-                    col = width   # the block's first statement sets its indentation
+                    col = width  # the block's first statement sets its indentation
                     if width <= header_indent and near:
                         # No deeper than its header: the header has no body, and the grammar took the
                         # statements after it for one. Reported where the body should begin.
@@ -153,7 +159,7 @@ def error_at(source: str) -> int | None:
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
             ast.parse(source)
-        except SyntaxError as exc:   # IndentationError included
+        except SyntaxError as exc:  # IndentationError included
             if not exc.lineno:
                 return len(source)
             pos = 0

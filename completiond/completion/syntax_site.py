@@ -27,7 +27,7 @@ from completiond.completion.languages import LanguageSpec, spec_of
 from completiond.completion.syntax_tree import Error, _end_point, encode, errors_in
 
 MAX_REGION_BYTES = 8000
-MAX_LEAVES = 4000          # bracket scans around the cursor line stop after this many tokens
+MAX_LEAVES = 4000  # bracket scans around the cursor line stop after this many tokens
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,19 @@ class Site:
     """The region around a cursor and what the stop rules need to know about it."""
 
     spec: LanguageSpec
-    data: bytes                      # the region, UTF-8: the document, or in a long one the construct around the
-                                     # cursor with the headers and closers of those around it, put together
-    cursor: int                      # byte offset of the cursor in data
-    tree: Tree                       # the region's parse without the suggestion
-    errors: tuple[Error, ...]        # its error nodes: (start, end, missing, type)
-    open_before: tuple[str, ...] = ()    # brackets still open at the start of the cursor line, outermost first
-    closed_below: int = 0            # closers in the lines below the cursor line owed to brackets open above them
+    data: bytes  # the region, UTF-8: the document, or in a long one the construct around the
+    # cursor with the headers and closers of those around it, put together
+    cursor: int  # byte offset of the cursor in data
+    tree: Tree  # the region's parse without the suggestion
+    errors: tuple[Error, ...]  # its error nodes: (start, end, missing, type)
+    open_before: tuple[str, ...] = ()  # brackets still open at the start of the cursor line, outermost first
+    closed_below: int = 0  # closers in the lines below the cursor line owed to brackets open above them
     line_prefix: str = ""
     line_suffix: str = ""
-    node_types: tuple[str, ...] = ()   # the cursor's ancestors in the region's tree, innermost first
+    node_types: tuple[str, ...] = ()  # the cursor's ancestors in the region's tree, innermost first
     checkable: bool = True
-    partial: bool = False            # the region is a window of lines, not whole constructs (none fits)
-    ms: float = 0.0                  # time spent finding it (parse included)
+    partial: bool = False  # the region is a window of lines, not whole constructs (none fits)
+    ms: float = 0.0  # time spent finding it (parse included)
 
 
 def _bpoint(data: bytes, b: int) -> Point:
@@ -82,7 +82,7 @@ def _region(spec: LanguageSpec, doc_tree: Tree, data: bytes, cursor: int) -> tup
         nxt = top.next_sibling
         while nxt is not None and nxt.end_byte - a <= MAX_REGION_BYTES and nxt.type not in spec.definitions:
             if nxt.is_error or nxt.has_error:
-                b = nxt.end_byte   # the lines below up to the stray closer or error the cut-short construct left
+                b = nxt.end_byte  # the lines below up to the stray closer or error the cut-short construct left
             nxt = nxt.next_sibling
         prv = top.prev_sibling
         while prv is not None and (prv.is_error or prv.has_error) and b - prv.start_byte <= MAX_REGION_BYTES:
@@ -91,23 +91,31 @@ def _region(spec: LanguageSpec, doc_tree: Tree, data: bytes, cursor: int) -> tup
     units = spec.statements | spec.definitions
     # The outermost statement / definition on the path that fits; its enclosing constructs contribute
     # their headers (what precedes their first member) and their closing brackets.
-    chosen = next((i for i, n in enumerate(path) if n.type in units and n.end_byte - n.start_byte <= MAX_REGION_BYTES
-                   and i > 0), None)
+    chosen = next(
+        (i for i, n in enumerate(path) if n.type in units and n.end_byte - n.start_byte <= MAX_REGION_BYTES and i > 0),
+        None,
+    )
     if chosen is None:
         return _window(data, cursor)
     region = path[chosen]
     heads: list[tuple[int, int]] = []
     tails: list[tuple[int, int]] = []
-    for anc, child in itertools.pairwise(path[:chosen + 1]):
-        first = next((c for c in anc.children if c.type in units or c == child or c.start_byte >= child.start_byte),
-                     child)
+    for anc, child in itertools.pairwise(path[: chosen + 1]):
+        first = next(
+            (c for c in anc.children if c.type in units or c == child or c.start_byte >= child.start_byte), child
+        )
         hb = first.start_byte
         if data.find(b"\n", anc.start_byte, hb) >= 0:
-            hb = _line_start(data, hb)   # up to the header's line end: the region brings its own indentation
+            hb = _line_start(data, hb)  # up to the header's line end: the region brings its own indentation
         if hb > anc.start_byte:
             heads.append((anc.start_byte, hb))
         last = anc.children[-1] if anc.child_count else None
-        if last is not None and not last.is_named and last.type in spec.close_brackets and last.start_byte >= region.end_byte:
+        if (
+            last is not None
+            and not last.is_named
+            and last.type in spec.close_brackets
+            and last.start_byte >= region.end_byte
+        ):
             tails.append((last.start_byte, last.end_byte))
     start = _line_start(data, region.start_byte)
     ranges = [r for r in heads if r[1] <= start] + [(start, max(region.end_byte, cursor))] + list(reversed(tails))
@@ -158,9 +166,10 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
     holder: Node | None = None
     while node is not None:
         if node.start_byte < ls and (node.type in spec.strings or node.type in spec.comments):
-            return (), 0   # the line starts inside a multi-line string or comment
-        if node.start_byte < ls and (node.type in spec.statements or node.parent is None or node.parent == root
-                                     or node.is_error):
+            return (), 0  # the line starts inside a multi-line string or comment
+        if node.start_byte < ls and (
+            node.type in spec.statements or node.parent is None or node.parent == root or node.is_error
+        ):
             holder = node
             if node.type in spec.statements or node.parent == root or node.parent is None:
                 break
@@ -204,8 +213,13 @@ def _block_brace(spec: LanguageSpec, leaf: Node) -> bool:
     if parent.type in spec.blocks:
         return True
     # Error recovery flattens an unclosed body into an ERROR node: a `{` ending its line is taken for one.
-    return parent.is_error and leaf.type == "{" and spec.body_opener == "{" and leaf.next_sibling is not None \
+    return (
+        parent.is_error
+        and leaf.type == "{"
+        and spec.body_opener == "{"
+        and leaf.next_sibling is not None
         and leaf.next_sibling.start_point.row > leaf.end_point.row
+    )
 
 
 def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
@@ -217,8 +231,9 @@ def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None,
-            data: bytes | None = None) -> Site | None:
+def site_at(
+    text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None, data: bytes | None = None
+) -> Site | None:
     """The Site around `offset`, or None when the language (a spec, or an LSP id or name) has no grammar
     here. tree: the document's own (DocumentTree.shifted or .tree), used to find the region in a long
     document; the whole document is parsed here when it is long and none is given."""
@@ -229,7 +244,7 @@ def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree 
     t0 = time.perf_counter()
     partial = False
     data = encode(text) if data is None else data
-    cursor = offset if len(data) == len(text) else len(encode(text[:offset]))   # ASCII: bytes are characters
+    cursor = offset if len(data) == len(text) else len(encode(text[:offset]))  # ASCII: bytes are characters
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
@@ -247,11 +262,21 @@ def site_at(text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree 
     bls = cursor - len(encode(text[ls:offset]))
     ble = min(len(data), cursor + len(encode(text[offset:le])))
     open_before, closed_below = _brackets_around_line(spec, region_tree, data, bls, ble)
-    return Site(spec=spec, data=data, cursor=cursor, tree=region_tree,
-                errors=tuple(errors_in(region_tree)), open_before=open_before, closed_below=closed_below,
-                line_prefix=text[ls:offset], line_suffix=text[offset:le],
-                node_types=_ancestors(region_tree, cursor), ms=1000 * (time.perf_counter() - t0),
-                checkable=not _in_multiline_string(spec, region_tree, cursor, bls), partial=partial)
+    return Site(
+        spec=spec,
+        data=data,
+        cursor=cursor,
+        tree=region_tree,
+        errors=tuple(errors_in(region_tree)),
+        open_before=open_before,
+        closed_below=closed_below,
+        line_prefix=text[ls:offset],
+        line_suffix=text[offset:le],
+        node_types=_ancestors(region_tree, cursor),
+        ms=1000 * (time.perf_counter() - t0),
+        checkable=not _in_multiline_string(spec, region_tree, cursor, bls),
+        partial=partial,
+    )
 
 
 def _in_multiline_string(spec: LanguageSpec, tree: Tree, cursor: int, line_start: int) -> bool:
@@ -277,8 +302,14 @@ def edited(site: Site, start: int, end: int, new: bytes) -> Tree:
     data = site.data[:start] + new + site.data[end:]
     old = site.tree.copy()
     sp, ep = _bpoint(site.data, start), _bpoint(site.data, end)
-    old.edit(start_byte=start, old_end_byte=end, new_end_byte=start + len(new), start_point=sp, old_end_point=ep,
-             new_end_point=_end_point(sp, new.decode("utf-8", "surrogatepass")))
+    old.edit(
+        start_byte=start,
+        old_end_byte=end,
+        new_end_byte=start + len(new),
+        start_point=sp,
+        old_end_point=ep,
+        new_end_point=_end_point(sp, new.decode("utf-8", "surrogatepass")),
+    )
     return Parser(site.spec.language()).parse(data, old)
 
 
@@ -295,7 +326,7 @@ def replaced_line(site: Site, line: bytes) -> Tree:
 
 def indent_of(site: Site, ls: int, le: int) -> str:
     line = site.data[ls:le].decode("utf-8", "replace")
-    return line[:len(line) - len(line.lstrip(" \t"))]
+    return line[: len(line) - len(line.lstrip(" \t"))]
 
 
 def stand_ins(site: Site) -> list[str]:
@@ -318,7 +349,7 @@ def stand_ins(site: Site) -> list[str]:
         elif leaf.type in opener_of and above and above[-1] == opener_of[leaf.type]:
             above.pop()
     depth = 0
-    debt: list[str] = []           # closers below with no opener below, in order
+    debt: list[str] = []  # closers below with no opener below, in order
     for leaf in _leaves(root, spec, le, len(site.data)):
         if leaf.is_missing:
             continue
@@ -330,12 +361,14 @@ def stand_ins(site: Site) -> list[str]:
             else:
                 debt.append(leaf.type)
     if site.partial:
-        above, debt = [], []   # a window's edges cut constructs: its brackets say nothing of the cursor line
+        above, debt = [], []  # a window's edges cut constructs: its brackets say nothing of the cursor line
     # The fewest leading closers of the debt that a line must open so that the rest close what is open above.
-    m = next(k for k in range(len(debt) + 1)
-             if len(debt) - k <= len(above)
-             and all(opener_of[c] == above[-1 - i] for i, c in enumerate(debt[k:])))
-    still_open = above[:len(above) - (len(debt) - m)]
+    m = next(
+        k
+        for k in range(len(debt) + 1)
+        if len(debt) - k <= len(above) and all(opener_of[c] == above[-1 - i] for i, c in enumerate(debt[k:]))
+    )
+    still_open = above[: len(above) - (len(debt) - m)]
     closers = "".join(pairs[o] for o in reversed(still_open))
     openers = "".join(opener_of[c] for c in reversed(debt[:m]))
     indent = indent_of(site, ls, le)
@@ -343,7 +376,7 @@ def stand_ins(site: Site) -> list[str]:
     if openers[:1] in ("(", "["):
         heads = ["x"]
         if openers[:1] == "(" and spec.definition_head:
-            heads.append(spec.definition_head)   # the lines below are parameters and the body
+            heads.append(spec.definition_head)  # the lines below are parameters and the body
     elif openers[:1] == "{":
         heads = ["x = "] if spec.indented_blocks else ["", "x = "]
     if "({" in openers and spec.lambda_head:
@@ -354,8 +387,14 @@ def stand_ins(site: Site) -> list[str]:
         extra = []
     tails = [""]
     if spec.indented_blocks:
-        nxt = next((ln for ln in site.data[le + 1:le + 4001].decode("utf-8", "replace").split("\n")
-                    if ln.strip() and not ln.lstrip().startswith(spec.line_comment)), "")
+        nxt = next(
+            (
+                ln
+                for ln in site.data[le + 1 : le + 4001].decode("utf-8", "replace").split("\n")
+                if ln.strip() and not ln.lstrip().startswith(spec.line_comment)
+            ),
+            "",
+        )
         if len(nxt) - len(nxt.lstrip(" \t")) > len(indent):
             # The code below is a body: the line was a header (or ended one).
             if openers:
@@ -400,4 +439,4 @@ def _closers(site: Site, x: str) -> str:
             stack.pop()
         i += 1
     # The outermost brackets the lines below close stay open.
-    return "".join(pairs[c] for c in reversed(stack[site.closed_below:]))
+    return "".join(pairs[c] for c in reversed(stack[site.closed_below :]))

@@ -14,8 +14,8 @@ from tree_sitter import Parser, Point, Tree
 
 from completiond.completion.languages import LanguageSpec
 
-MAX_SHIFTED_EDITS = 64     # edits a document's tree follows by the edit API alone before it is reparsed
-MAX_ERRORS = 64            # error nodes collected per parse (the rest cannot change a verdict much)
+MAX_SHIFTED_EDITS = 64  # edits a document's tree follows by the edit API alone before it is reparsed
+MAX_ERRORS = 64  # error nodes collected per parse (the rest cannot change a verdict much)
 
 # An error of a parse: (start byte, end byte, missing, node type).
 Error = tuple[int, int, bool, str]
@@ -36,7 +36,7 @@ def _end_point(start: Point, new: str) -> Point:
     nl = new.count("\n")
     if not nl:
         return Point(start.row, start.column + len(new.encode("utf-8", "surrogatepass")))
-    return Point(start.row + nl, len(new[new.rfind("\n") + 1:].encode("utf-8", "surrogatepass")))
+    return Point(start.row + nl, len(new[new.rfind("\n") + 1 :].encode("utf-8", "surrogatepass")))
 
 
 def encode(text: str) -> bytes:
@@ -51,10 +51,10 @@ class DocumentTree:
     def __init__(self, spec: LanguageSpec, text: str):
         self.spec = spec
         self._lock = threading.Lock()
-        self._tree: Tree | None = None    # parsed for self._parsed, then edited towards self._text
-        self._text = text                 # the text the pending edits lead to
-        self._clean = False               # self._tree is a parse of self._text
-        self._pending = 0                 # edits since the last parse
+        self._tree: Tree | None = None  # parsed for self._parsed, then edited towards self._text
+        self._text = text  # the text the pending edits lead to
+        self._clean = False  # self._tree is a parse of self._text
+        self._pending = 0  # edits since the last parse
         self.parses = 0
 
     def edit(self, old_text: str, start: int, end: int, new: str, new_text: str | None = None) -> None:
@@ -66,11 +66,17 @@ class DocumentTree:
                 sb, sp = _point(old_text, start)
                 eb, ep = _point(old_text, end)
                 tree = self._tree.copy()
-                tree.edit(start_byte=sb, old_end_byte=eb, new_end_byte=sb + len(encode(new)),
-                          start_point=sp, old_end_point=ep, new_end_point=_end_point(sp, new))
+                tree.edit(
+                    start_byte=sb,
+                    old_end_byte=eb,
+                    new_end_byte=sb + len(encode(new)),
+                    start_point=sp,
+                    old_end_point=ep,
+                    new_end_point=_end_point(sp, new),
+                )
                 self._tree = tree
             elif old_text is not self._text and old_text != self._text:
-                self._tree = None   # out of step with the text it was told about: the next parse starts over
+                self._tree = None  # out of step with the text it was told about: the next parse starts over
             self._text = result
             self._clean = False
             self._pending += 1
@@ -84,7 +90,11 @@ class DocumentTree:
         API moves its nodes), good for finding the construct around a cursor, not for its errors. None when
         there is none for this text (never parsed, or out of step)."""
         with self._lock:
-            if self._tree is None or self._pending > MAX_SHIFTED_EDITS or (text is not self._text and text != self._text):
+            if (
+                self._tree is None
+                or self._pending > MAX_SHIFTED_EDITS
+                or (text is not self._text and text != self._text)
+            ):
                 return None
             return self._tree
 
@@ -101,8 +111,11 @@ class DocumentTree:
             if text is not self._text and text != self._text:
                 return Parser(lang).parse(encode(text))
             if not self._clean or self._tree is None:
-                self._tree = Parser(lang).parse(encode(text), self._tree) if self._tree is not None \
+                self._tree = (
+                    Parser(lang).parse(encode(text), self._tree)
+                    if self._tree is not None
                     else Parser(lang).parse(encode(text))
+                )
                 self._clean = True
                 self._pending = 0
                 self.parses += 1

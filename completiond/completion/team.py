@@ -59,9 +59,17 @@ class TeamCompleter:
     def describe(self) -> dict[str, str | None]:
         return {"draft": None, "decode_step": None, "tokenizer": None}
 
-    def warmup(self, text: str, offset: int | None, cfg: Any, *, path: str | None = None,
-               language: str | None = None, context: Sequence[tuple[str, str]] = ()) -> Any:
-        return None   # the server keeps its own cache
+    def warmup(
+        self,
+        text: str,
+        offset: int | None,
+        cfg: Any,
+        *,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+    ) -> Any:
+        return None  # the server keeps its own cache
 
     def cache_stats(self) -> dict[str, Any] | None:
         return None
@@ -69,9 +77,18 @@ class TeamCompleter:
     def background_calibration(self, min_params: int | None, on_done: Callable[[str], None]) -> Any:
         return None  # nothing of ours to calibrate
 
-    def complete(self, text: str, offset: int, cfg: Config, *, cancel: Any, path: str | None = None,
-                 language: str | None = None, context: Sequence[tuple[str, str]] = (),
-                 tree: Any = None) -> Completion:
+    def complete(
+        self,
+        text: str,
+        offset: int,
+        cfg: Config,
+        *,
+        cancel: Any,
+        path: str | None = None,
+        language: str | None = None,
+        context: Sequence[tuple[str, str]] = (),
+        tree: Any = None,
+    ) -> Completion:
         """One completion from the server. Raises PromptError for settings no prompt can be built for,
         TeamServerError when the server fails."""
         options = PromptOptions.from_config(cfg)
@@ -82,11 +99,19 @@ class TeamCompleter:
             warnings.append("alternatives: a remote backend gives one suggestion at a time")
 
         plan = Planner(encoder, options).plan(text, offset, context, path, language, heal=False)
-        rules = TextRules(plan.line_prefix, plan.line_suffix, plan.following, cfg.multiline, cfg.max_lines,
-                          document_site(text, offset, language, path, tree), getattr(cfg, "syntax_check", True))
+        rules = TextRules(
+            plan.line_prefix,
+            plan.line_suffix,
+            plan.following,
+            cfg.multiline,
+            cfg.max_lines,
+            document_site(text, offset, language, path, tree),
+            getattr(cfg, "syntax_check", True),
+        )
         prompt = encoder.lay_out(plan, text, language)
-        req = TeamRequest(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                          seed=cfg.seed)
+        req = TeamRequest(
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed
+        )
         if encoder.infill:
             req.input_prefix, req.input_suffix, req.input_extra = prompt.prefix, prompt.suffix, prompt.files
         else:
@@ -111,6 +136,14 @@ class TeamCompleter:
         if not insert or not insert.strip():
             done.withheld = withheld(rules.syntax)
         if insert and insert.strip():
-            done.suggestions.append(Suggestion(text=insert, start=offset, end=offset, multiline="\n" in insert,
-                                               finish_reason=gen.finish_reason, stats=dict(gen.stats)))
+            done.suggestions.append(
+                Suggestion(
+                    text=insert,
+                    start=offset,
+                    end=offset,
+                    multiline="\n" in insert,
+                    finish_reason=gen.finish_reason,
+                    stats=dict(gen.stats),
+                )
+            )
         return done

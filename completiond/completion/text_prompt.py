@@ -37,9 +37,15 @@ CHARS_PER_TOKEN = 4
 ZERO_WIDTH = "\u200b"
 
 # The served model's name says its family when fimTemplate is auto (there is no tokenizer to look at).
-_NAME_HINTS = (("completiond", "completiond"), ("qwen", "qwen2.5-coder"), ("starcoder", "starcoder"),
-               ("deepseek", "deepseek-coder"), ("codellama", "codellama"), ("code-llama", "codellama"),
-               ("codestral", "codestral"))
+_NAME_HINTS = (
+    ("completiond", "completiond"),
+    ("qwen", "qwen2.5-coder"),
+    ("starcoder", "starcoder"),
+    ("deepseek", "deepseek-coder"),
+    ("codellama", "codellama"),
+    ("code-llama", "codellama"),
+    ("codestral", "codestral"),
+)
 
 
 def template_for(cfg: Config) -> tuple[str, list[str]]:
@@ -53,9 +59,11 @@ def template_for(cfg: Config) -> tuple[str, list[str]]:
             return template, []
     if cfg.backend == "llamacpp-infill":
         return "none", []  # the server lays out FIM itself; only the stop strings would come from a template
-    return "none", [f"fimTemplate: auto cannot tell the FIM template of the served model "
-                    f"({cfg.endpoint_model or 'endpointModel is unset'}); suggestions continue the text before the "
-                    "cursor only. Set completiond.fimTemplate to the model's family (e.g. qwen2.5-coder)"]
+    return "none", [
+        f"fimTemplate: auto cannot tell the FIM template of the served model "
+        f"({cfg.endpoint_model or 'endpointModel is unset'}); suggestions continue the text before the "
+        "cursor only. Set completiond.fimTemplate to the model's family (e.g. qwen2.5-coder)"
+    ]
 
 
 @dataclass
@@ -93,7 +101,7 @@ class TextEncoder:
         return cls(text_layout(name), infill)
 
     def encode(self, text: str, first: bool = False) -> list[str]:
-        return [text[i:i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+        return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
 
     def cursor(self, text: str, first: bool, heal: bool) -> list[str]:
         return self.encode(text)  # no tokenizer, no token healing
@@ -107,19 +115,20 @@ class TextEncoder:
         return sum(len(u) for u in units)
 
     def lay_out(self, plan: PromptPlan, text: str, language: str | None = None) -> TextPrompt:
-        cursor = self.encode(text[plan.cursor_start:plan.cursor])
+        cursor = self.encode(text[plan.cursor_start : plan.cursor])
         if plan.cursor_keep is not None and len(cursor) > plan.cursor_keep:
-            cursor = cursor[-plan.cursor_keep:]
+            cursor = cursor[-plan.cursor_keep :]
         prefix = "".join(text[b:e] for b, e in plan.head) + "".join(cursor)
         suffix = "".join(text[b:e] for b, e in plan.suffix)
         if plan.suffix_keep is not None:
-            suffix = "".join(self.encode(suffix)[:plan.suffix_keep])
+            suffix = "".join(self.encode(suffix)[: plan.suffix_keep])
         if self.infill:
             return TextPrompt("", plan.context_text + prefix, suffix, list(plan.context_files))
         neutral = self._neutral
         files = [(p, neutral(t)) for p, t in plan.context_files]
-        prompt = render(self.layout, neutral(plan.context_text + prefix), neutral(suffix), files,
-                        _name(plan.context_path), language)
+        prompt = render(
+            self.layout, neutral(plan.context_text + prefix), neutral(suffix), files, _name(plan.context_path), language
+        )
         return TextPrompt(prompt, prefix, suffix, list(plan.context_files))
 
     @property
@@ -137,8 +146,14 @@ class TextEncoder:
         return text
 
 
-def render(layout: TextLayout, prefix: str, suffix: str, context: Sequence[tuple[str, str]] = (),
-           current_path: str | None = None, language: str | None = None) -> str:
+def render(
+    layout: TextLayout,
+    prefix: str,
+    suffix: str,
+    context: Sequence[tuple[str, str]] = (),
+    current_path: str | None = None,
+    language: str | None = None,
+) -> str:
     """The prompt text in `layout`: context block, then the family's FIM layout (suffix first where the
     family was trained on it, as the local engine does, so typing only appends to the prompt and the
     server's prefix cache keeps serving it)."""
@@ -158,8 +173,9 @@ def _name(path: str | None) -> str | None:
     return os.path.basename(path) if path else None
 
 
-def _context(layout: TextLayout, files: Sequence[tuple[str, str]], current_path: str | None,
-             language: str | None) -> str:
+def _context(
+    layout: TextLayout, files: Sequence[tuple[str, str]], current_path: str | None, language: str | None
+) -> str:
     if not files:
         return ""
     if layout.file_sep is not None and layout.context_style == "separators":

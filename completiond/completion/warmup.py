@@ -19,27 +19,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-WALK_WINDOWS = 4      # prefix windows' worth of tokens one warm-up prefills at most
+WALK_WINDOWS = 4  # prefix windows' worth of tokens one warm-up prefills at most
 
 
 class Warmup:
     """One document's walk (worker thread only). `step(cancel)` does one bounded piece; False when done."""
 
-    def __init__(self, engine: Any, builder: Any, text: str, offset: int | None,
-                 context: Sequence[tuple[str, str]] = (), path: str | None = None, language: str | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        builder: Any,
+        text: str,
+        offset: int | None,
+        context: Sequence[tuple[str, str]] = (),
+        path: str | None = None,
+        language: str | None = None,
+    ):
         self.engine, self.builder, self.text = engine, builder, text
         self.context, self.path, self.language = list(context), path, language
         self.lines = walk_lines(text, offset, builder.options.chunk_lines)
         self.targets: list[list[int]] = []
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
-        self.warmed = 0     # tokens prefilled
+        self.warmed = 0  # tokens prefilled
         self.done_targets = 0
 
     def step(self, cancel: Any = None) -> bool:
         while self.lines and not self.targets:
             at = self.lines.pop(0)
-            ids = head_ids(self.builder.build(self.text, at, context=self.context, path=self.path,
-                                              language=self.language))
+            ids = head_ids(
+                self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language)
+            )
             if ids:
                 self.targets.append(ids)
         if not self.targets or self.budget <= 0:
@@ -61,12 +70,12 @@ def head_ids(prompt: Any) -> list[int]:
     ids, prefix, suffix = list(prompt.ids), list(prompt.prefix_ids), list(prompt.suffix_ids)
     if not ids or not prefix:
         return []
-    if ids[len(ids) - len(prefix):] == prefix:   # the prefix ends the prompt: suffix-first, or no FIM at all
-        return [] if suffix else ids[:len(ids) - int(prompt.cursor_line_tokens)]
-    end = len(ids) - len(suffix) - 2         # prefix-first: <prefix> P <suffix> S <middle>
-    if end < len(prefix) or ids[end - len(prefix):end] != prefix:
+    if ids[len(ids) - len(prefix) :] == prefix:  # the prefix ends the prompt: suffix-first, or no FIM at all
+        return [] if suffix else ids[: len(ids) - int(prompt.cursor_line_tokens)]
+    end = len(ids) - len(suffix) - 2  # prefix-first: <prefix> P <suffix> S <middle>
+    if end < len(prefix) or ids[end - len(prefix) : end] != prefix:
         return []
-    return ids[:end - int(prompt.cursor_line_tokens)]
+    return ids[: end - int(prompt.cursor_line_tokens)]
 
 
 def walk_lines(text: str, offset: int | None, chunk_lines: int) -> list[int]:
@@ -88,5 +97,5 @@ def walk_lines(text: str, offset: int | None, chunk_lines: int) -> list[int]:
         return starts[1:] + starts[:1]
     here = sum(1 for s in starts if s <= offset) - 1
     own = text.rfind("\n", 0, max(0, offset)) + 1
-    rest = starts[here + 1:] + starts[here::-1][1:]
+    rest = starts[here + 1 :] + starts[here::-1][1:]
     return [own] + [s for s in rest if s != own]

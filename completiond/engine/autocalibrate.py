@@ -55,9 +55,17 @@ def frequent_ids(engine, texts: list[str]) -> list[int]:
 Steps = Generator[str, None, "tuple[Calibration, list[dict]]"]
 
 
-def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_layers: list[int], draft_ks: list[int],
-                      log: Callable[..., None] = print, ranked_ids: list[int] | None = None, repeats: int = 3,
-                      cancel: Callable[[], Any] | None = None) -> Steps:
+def calibration_steps(
+    engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    exit_layers: list[int],
+    draft_ks: list[int],
+    log: Callable[..., None] = print,
+    ranked_ids: list[int] | None = None,
+    repeats: int = 3,
+    cancel: Callable[[], Any] | None = None,
+) -> Steps:
     """Yields after each timed pair ("measured") and after each preempted one ("preempted"); returns
     (calibration, candidate rows). cancel() gives the token each run is handed (None: not cancellable)."""
     from completiond.engine.engine import SamplingParams
@@ -76,7 +84,12 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
                 raise Preempted()
             s = gen.stats
             total += s.decode_ms / 1000
-            drafted, accepted, rejected, rounds = drafted + s.drafted, accepted + s.accepted, rejected + s.rejected, rounds + s.rounds
+            drafted, accepted, rejected, rounds = (
+                drafted + s.drafted,
+                accepted + s.accepted,
+                rejected + s.rejected,
+                rounds + s.rounds,
+            )
             draft_ms, verify_ms = draft_ms + s.draft_ms, verify_ms + s.verify_ms
         return total, drafted, accepted, rejected, draft_ms, verify_ms, rounds
 
@@ -84,10 +97,18 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     plain_params = SamplingParams(max_tokens=max_tokens, speculative=False, ignore_eos=True)
     plain_runs: list[float] = []
 
-    def candidate(e: int, k: int, vocab: list[int], lookup: bool = False,
-                  draft: DraftKind = DraftKind.EARLY_EXIT) -> Generator[str, None, dict]:
-        params = SamplingParams(max_tokens=max_tokens, exit_layer=e, draft_k=k, adaptive_k=False, ignore_eos=True,
-                                prompt_lookup=lookup, draft=draft)
+    def candidate(
+        e: int, k: int, vocab: list[int], lookup: bool = False, draft: DraftKind = DraftKind.EARLY_EXIT
+    ) -> Generator[str, None, dict]:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            exit_layer=e,
+            draft_k=k,
+            adaptive_k=False,
+            ignore_eos=True,
+            prompt_lookup=lookup,
+            draft=draft,
+        )
         speedups: list[float] = []
         secs_runs: list[float] = []
         drafted = accepted = rejected = rounds = 0
@@ -105,12 +126,22 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
             secs_runs.append(secs)
             speedups.append(plain_s / secs)
             yield "measured"
-        row = {"draft": draft, "exit_layer": e, "draft_k": k, "draft_vocab": len(vocab), "prompt_lookup": lookup,
-               **_figures(speedups, secs_runs, n_tokens, (drafted, accepted, rejected, rounds), dms, vms)}
-        log(REGISTRY[draft].tag + f"E={e:2d} K={k}"
-            + (f" draft vocab {len(vocab)}" if vocab else "") + (" + lookup" if lookup else "")
+        row = {
+            "draft": draft,
+            "exit_layer": e,
+            "draft_k": k,
+            "draft_vocab": len(vocab),
+            "prompt_lookup": lookup,
+            **_figures(speedups, secs_runs, n_tokens, (drafted, accepted, rejected, rounds), dms, vms),
+        }
+        log(
+            REGISTRY[draft].tag
+            + f"E={e:2d} K={k}"
+            + (f" draft vocab {len(vocab)}" if vocab else "")
+            + (" + lookup" if lookup else "")
             + f": alpha {row['alpha']:.3f}, {row['tokens_per_s']:.1f} tok/s, speedup {row['speedup']:.2f} "
-              f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})")
+            f"({row['speedup_min']:.2f}-{row['speedup_max']:.2f})"
+        )
         return row
 
     loaded_vocab = [] if engine.draft_ids is None else engine.draft_ids.tolist()
@@ -150,8 +181,9 @@ def calibration_steps(engine, prompts: list[list[int]], max_tokens: int, exit_la
     return _record(best, vocab, lookup, alone, plain_tokens_per_s, repeats), rows
 
 
-def _model_draft_rows(engine, candidate: Callable[..., Generator[str, None, dict]], exit_layers: list[int],
-                      draft_ks: list[int]) -> Generator[str, None, list[dict]]:
+def _model_draft_rows(
+    engine, candidate: Callable[..., Generator[str, None, dict]], exit_layers: list[int], draft_ks: list[int]
+) -> Generator[str, None, list[dict]]:
     """The sweep's first phase: early exit at each E and K, then the other model drafts the engine has."""
     rows = []
     for e in exit_layers:
@@ -171,34 +203,60 @@ def _model_draft_rows(engine, candidate: Callable[..., Generator[str, None, dict
     return rows
 
 
-def _figures(speedups: list[float], secs_runs: list[float], n_tokens: int, counts: tuple[int, int, int, int],
-             draft_ms: float, verify_ms: float) -> dict[str, float]:
+def _figures(
+    speedups: list[float],
+    secs_runs: list[float],
+    n_tokens: int,
+    counts: tuple[int, int, int, int],
+    draft_ms: float,
+    verify_ms: float,
+) -> dict[str, float]:
     """A candidate's figures from its timed repeats; counts: (drafted, accepted, rejected, rounds) of its last."""
     drafted, accepted, rejected, rounds = counts
     speedup = statistics.median(speedups)
-    return {"alpha": accepted / max(1, accepted + rejected),  # per-token acceptance, as in Stats.alpha
-            "speedup": speedup, "speedup_min": min(speedups), "speedup_max": max(speedups),
-            "spread": (max(speedups) - min(speedups)) / speedup,
-            "tokens_per_s": n_tokens / statistics.median(secs_runs),
-            # one draft step relative to one verify pass: what choose_k weighs K against
-            "draft_cost": (draft_ms / max(drafted, 1)) / (verify_ms / max(rounds, 1))}
+    return {
+        "alpha": accepted / max(1, accepted + rejected),  # per-token acceptance, as in Stats.alpha
+        "speedup": speedup,
+        "speedup_min": min(speedups),
+        "speedup_max": max(speedups),
+        "spread": (max(speedups) - min(speedups)) / speedup,
+        "tokens_per_s": n_tokens / statistics.median(secs_runs),
+        # one draft step relative to one verify pass: what choose_k weighs K against
+        "draft_cost": (draft_ms / max(drafted, 1)) / (verify_ms / max(rounds, 1)),
+    }
 
 
-def _record(best: dict, vocab: list[int], lookup: bool, alone: bool, plain_tokens_per_s: float,
-            repeats: int) -> Calibration:
+def _record(
+    best: dict, vocab: list[int], lookup: bool, alone: bool, plain_tokens_per_s: float, repeats: int
+) -> Calibration:
     """The calibration the sweep's best candidate makes (lookup: in front of the best model draft; alone:
     prompt lookup without a model draft won)."""
-    measured = {"alpha": best["alpha"], "speedup": best["speedup"], "speedup_min": best["speedup_min"],
-                "speedup_max": best["speedup_max"], "spread": best["spread"], "draft_cost": best["draft_cost"],
-                "plain_tokens_per_s": plain_tokens_per_s, "repeats": repeats, "date": time.strftime("%Y-%m-%d")}
+    measured = {
+        "alpha": best["alpha"],
+        "speedup": best["speedup"],
+        "speedup_min": best["speedup_min"],
+        "speedup_max": best["speedup_max"],
+        "spread": best["spread"],
+        "draft_cost": best["draft_cost"],
+        "plain_tokens_per_s": plain_tokens_per_s,
+        "repeats": repeats,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     # On only where the gain clears the noise: the median beats the margin and even the worst
     # repeat was faster than plain decoding.
     on = best["speedup"] >= MIN_GAIN and best["speedup_min"] > 1.0
     # Lookup alone is a record without a model draft (speculative off) that keeps prompt lookup on; a
     # record that is off keeps lookup off too, as it was measured.
-    return Calibration(speculative=on and not alone, exit_layer=best["exit_layer"], draft_k=best["draft_k"],
-                       source="calibrate", measured=measured, draft_vocab=list(vocab),
-                       prompt_lookup=on and (lookup or alone), draft=DraftKind.EARLY_EXIT if alone else best["draft"])
+    return Calibration(
+        speculative=on and not alone,
+        exit_layer=best["exit_layer"],
+        draft_k=best["draft_k"],
+        source="calibrate",
+        measured=measured,
+        draft_vocab=list(vocab),
+        prompt_lookup=on and (lookup or alone),
+        draft=DraftKind.EARLY_EXIT if alone else best["draft"],
+    )
 
 
 def run_to_end(steps: Steps) -> tuple[Calibration, list[dict]]:
@@ -218,7 +276,7 @@ BACKGROUND_TOKENS = 32
 BACKGROUND_REPEATS = 2
 BACKGROUND_LAYERS = 4
 BACKGROUND_KS = (2, 4)
-BACKGROUND_BUDGET_S = 600.0   # engine time spent measuring, preempted pairs included
+BACKGROUND_BUDGET_S = 600.0  # engine time spent measuring, preempted pairs included
 BACKGROUND_MIN_PARAMS = 100_000_000  # below this (test models, the bundled one) drafting gains little to measure
 
 
@@ -233,7 +291,7 @@ def sample_prompts(engine, count: int, chars: int = 1500) -> list[list[int]]:
         except (OSError, UnicodeDecodeError):
             continue
         if len(lines) >= 60:
-            out.append(engine.tokenizer("".join(lines[:len(lines) // 3])[-chars:]).input_ids)
+            out.append(engine.tokenizer("".join(lines[: len(lines) // 3])[-chars:]).input_ids)
         if len(out) == count:
             break
     return out
@@ -250,13 +308,19 @@ class BackgroundCalibration:
     seconds of engine time, or when `cancel()` is called.
     """
 
-    def __init__(self, engine, budget_s: float = BACKGROUND_BUDGET_S, prompts: list[list[int]] | None = None,
-                 max_tokens: int = BACKGROUND_TOKENS, repeats: int = BACKGROUND_REPEATS,
-                 on_done: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        engine,
+        budget_s: float = BACKGROUND_BUDGET_S,
+        prompts: list[list[int]] | None = None,
+        max_tokens: int = BACKGROUND_TOKENS,
+        repeats: int = BACKGROUND_REPEATS,
+        on_done: Callable[[str], None] | None = None,
+    ):
         self.engine = engine
         self.budget_s = budget_s
         self.spent_s = 0.0
-        self.state = "pending"     # pending | running | done | gave up | cancelled | failed
+        self.state = "pending"  # pending | running | done | gave up | cancelled | failed
         self.result: Calibration | None = None
         self.preempted = 0
         self._on_done = on_done
@@ -282,12 +346,20 @@ class BackgroundCalibration:
             raise ValueError("no held-out sample files to calibrate on")
         longest = max(len(p) for p in prompts) + self._max_tokens + 16
         if longest > engine.max_context:
-            prompts = [p[-(engine.max_context - self._max_tokens - 16):] for p in prompts]
+            prompts = [p[-(engine.max_context - self._max_tokens - 16) :] for p in prompts]
         layers = candidate_layers(engine.num_layers, BACKGROUND_LAYERS)
         ranked = frequent_ids(engine, [engine.tokenizer.decode(p) for p in prompts])
-        return calibration_steps(engine, prompts, self._max_tokens, layers, list(BACKGROUND_KS),
-                                 log=lambda *a: log.debug(*a), ranked_ids=ranked, repeats=self._repeats,
-                                 cancel=lambda: self._token)
+        return calibration_steps(
+            engine,
+            prompts,
+            self._max_tokens,
+            layers,
+            list(BACKGROUND_KS),
+            log=lambda *a: log.debug(*a),
+            ranked_ids=ranked,
+            repeats=self._repeats,
+            cancel=lambda: self._token,
+        )
 
     def step(self, token: Any) -> bool:
         """One timed pair on the engine thread; False when finished (done, gave up, cancelled or failed)."""
@@ -336,17 +408,24 @@ class BackgroundCalibration:
             engine.calibration = self.result
             engine.set_draft_vocab(self.result.draft_vocab)
             c = self.result
-            message = (f"calibrated {engine.name} in the background: " +
-                       (f"speculation on (E={c.exit_layer}, K={c.draft_k}"
-                        f"{', prompt lookup' if c.prompt_lookup else ''}), {c.measured['speedup']:.2f}x plain decoding"
-                        if c.speculative else
-                        f"prompt lookup alone (no model draft), {c.measured['speedup']:.2f}x plain decoding"
-                        if c.prompt_lookup else f"no speculation (best candidate {c.measured['speedup']:.2f}x)")
-                       + f"; saved to {where}")
+            message = (
+                f"calibrated {engine.name} in the background: "
+                + (
+                    f"speculation on (E={c.exit_layer}, K={c.draft_k}"
+                    f"{', prompt lookup' if c.prompt_lookup else ''}), {c.measured['speedup']:.2f}x plain decoding"
+                    if c.speculative
+                    else f"prompt lookup alone (no model draft), {c.measured['speedup']:.2f}x plain decoding"
+                    if c.prompt_lookup
+                    else f"no speculation (best candidate {c.measured['speedup']:.2f}x)"
+                )
+                + f"; saved to {where}"
+            )
         elif state == "gave up":
             self._steps = None
-            message = (f"background calibration of {engine.name} stopped after {self.spent_s:.0f} s of engine time; "
-                       "run `completiond calibrate` for a full measurement")
+            message = (
+                f"background calibration of {engine.name} stopped after {self.spent_s:.0f} s of engine time; "
+                "run `completiond calibrate` for a full measurement"
+            )
         else:
             self._steps = None
             message = f"background calibration of {engine.name} {state}" + (f": {reason}" if reason else "")

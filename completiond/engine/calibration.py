@@ -83,7 +83,9 @@ def load_calibration(model_id: str, info: ModelInfo | None, num_layers: int) -> 
     path = record_path(model_id)
     try:
         # A regular file under a cap (a link to /dev/zero is refused at once, not read).
-        return Calibration.from_dict(json.loads(read_file(path, RECORD_LIMIT)), num_layers, f"user calibration ({path})")
+        return Calibration.from_dict(
+            json.loads(read_file(path, RECORD_LIMIT)), num_layers, f"user calibration ({path})"
+        )
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:

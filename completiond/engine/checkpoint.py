@@ -13,6 +13,7 @@ Its config avoids transformers' config classes too: importing any of them import
 (torch.distributed, sympy, kernels: about 55 MB more). `light_config` stands in for the config class where
 config.json says all the engine reads (the tokenizer: engine/tokenizer.py).
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,7 +27,7 @@ from torch import nn
 from completiond.engine.hub_cache import read_json
 from completiond.engine.tokenizer import quiet_transformers
 from completiond.errors import EngineError
-from completiond.models.adapters import FAMILIES   # the Llama tensor names; True: q_norm/k_norm per head
+from completiond.models.adapters import FAMILIES  # the Llama tensor names; True: q_norm/k_norm per head
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -97,12 +98,12 @@ class Rotary(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # one product per element, as transformers' matmul of [d/2, 1] by [1, P] is: the same bits
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)                       # [1, P, hd]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [1, P, hd]
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
 def _linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
-    lin = nn.Linear.__new__(nn.Linear)   # not __init__: no weights to allocate and initialise, the checkpoint's are used
+    lin = nn.Linear.__new__(nn.Linear)  # not __init__: no weights to allocate and initialise, the checkpoint's are used
     nn.Module.__init__(lin)
     lin.in_features, lin.out_features = w.shape[1], w.shape[0]
     # a tied head shares the embedding's Parameter itself, so parameters() counts it once
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(t.pop(f"{p}q_norm.weight"), eps)
             self.k_norm = RMSNorm(t.pop(f"{p}k_norm.weight"), eps)
-        self.scaling = head_dim ** -0.5
+        self.scaling = head_dim**-0.5
 
 
 class MLP(nn.Module):
@@ -166,7 +167,9 @@ class CausalLM(nn.Module):
         head = t.pop("lm_head.weight", None)
         if head is None:
             if not getattr(config, "tie_word_embeddings", False):
-                raise EngineError("the checkpoint has no lm_head.weight and its config does not tie it to the embedding")
+                raise EngineError(
+                    "the checkpoint has no lm_head.weight and its config does not tie it to the embedding"
+                )
             head = self.model.embed_tokens.weight
         self.lm_head = _linear(head, None)
         if t:
@@ -193,7 +196,7 @@ def read(directory: Path, dtype: torch.dtype, raw: dict | None = None) -> Causal
         try:
             generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
         except OSError:
-            generation = None   # no generation_config.json: config.json's ids decide
+            generation = None  # no generation_config.json: config.json's ids decide
     # as from_pretrained records it: the dtype the weights were loaded in
     setattr(config, "dtype" if hasattr(config, "dtype") or isinstance(config, LightConfig) else "torch_dtype", dtype)
     tensors: dict[str, torch.Tensor] = {}
@@ -219,7 +222,8 @@ def config_errors() -> tuple[type[BaseException], ...]:
 
     errors = sys.modules.get("huggingface_hub.errors")
     return (ValueError, SafetensorError, RecursionError, OverflowError) + (
-        (errors.StrictDataclassError,) if errors is not None else ())
+        (errors.StrictDataclassError,) if errors is not None else ()
+    )
 
 
 # ------------------------------------------------------------------ config and tokenizer, light
@@ -229,12 +233,34 @@ def config_errors() -> tuple[type[BaseException], ...]:
 _COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_key_value_heads": None, "pad_token_id": None}
 CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {**_COMMON, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "head_dim": None},
-    "mistral": {**_COMMON, "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2,
-                "num_key_value_heads": 8, "head_dim": None, "sliding_window": 4096},
-    "qwen2": {**_COMMON, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-              "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096},
-    "qwen3": {**_COMMON, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
-              "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096, "head_dim": 128},
+    "mistral": {
+        **_COMMON,
+        "max_position_embeddings": 4096 * 32,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        **_COMMON,
+        "max_position_embeddings": 32768,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "num_key_value_heads": 32,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+    },
+    "qwen3": {
+        **_COMMON,
+        "max_position_embeddings": 32768,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "num_key_value_heads": 32,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "head_dim": 128,
+    },
 }
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -268,10 +294,10 @@ def light_config(raw: dict, directory: Path) -> LightConfig | None:
     if "head_dim" in c and c["head_dim"] is None:
         c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
     if "use_sliding_window" in c and not c["use_sliding_window"]:
-        c["sliding_window"] = None   # Qwen: a window only where use_sliding_window says so
+        c["sliding_window"] = None  # Qwen: a window only where use_sliding_window says so
     sizes = ("num_key_value_heads", "max_position_embeddings") + (("head_dim",) if "head_dim" in c else ())
     if any(not isinstance(c[k], int) for k in sizes) or not isinstance(c["rms_norm_eps"], (int, float)):
-        return None   # transformers' config class reports what is wrong
+        return None  # transformers' config class reports what is wrong
     c["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
     c.pop("rope_scaling", None)
     c.pop("rope_theta", None)

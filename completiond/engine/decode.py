@@ -30,14 +30,21 @@ MERGE_PREFILL = 7
 
 class Host(Runner, Protocol):
     """What the loop and the speculators use of the engine beyond a draft's Runner (engine.py's Engine)."""
+
     calibration: Calibration
-    exit_adapter: Any          # exit_adapter.ExitAdapter | None
-    draft_model: Any           # a separate draft model's Engine | None
-    medusa: Any                # medusa.Medusa | None
+    exit_adapter: Any  # exit_adapter.ExitAdapter | None
+    draft_model: Any  # a separate draft model's Engine | None
+    medusa: Any  # medusa.Medusa | None
     pending_dev: tuple[int, torch.Tensor] | None  # the last committed token, kept on the device
 
-    def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None,
-                draft: Draft | None = None, chunk_size: int = ...) -> bool: ...
+    def prefill(
+        self,
+        seq: KVSequence,
+        tokens: Sequence[int],
+        cancel: CancelToken | None,
+        draft: Draft | None = None,
+        chunk_size: int = ...,
+    ) -> bool: ...
 
     prefill_chunk: int
 
@@ -45,6 +52,7 @@ class Host(Runner, Protocol):
 @dataclass
 class Request:
     """One request's decoding state, what every round reads."""
+
     params: SamplingParams
     warp: sampling.Warp
     rng: torch.Generator
@@ -55,20 +63,30 @@ class Request:
 
 class Round(Protocol):
     """What speculators.py builds for a request: one round after `pending` at a time."""
-    room: int            # the most tokens a round writes ahead of the committed ones
+
+    room: int  # the most tokens a round writes ahead of the committed ones
     merges_prefill: bool  # whether a keystroke's few new prompt tokens may ride on the first step
 
     @property
     def draft(self) -> Draft | None:
         """The draft shown the prefill's states at its tap layer (None: no draft, or none that taps)."""
 
-    def step(self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int,
-             req: Request) -> list[int] | None:
+    def step(
+        self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int, req: Request
+    ) -> list[int] | None:
         """The tokens the round commits after pending, or None when cancelled mid-round."""
 
 
-def decode(engine: Host, seq: KVSequence, prompt: list[int], reused: int, rounds: Round, req: Request,
-           stop: StopFn | None, on_round: Callable[[list[int]], None] | None) -> tuple[list[int], str]:
+def decode(
+    engine: Host,
+    seq: KVSequence,
+    prompt: list[int],
+    reused: int,
+    rounds: Round,
+    req: Request,
+    stop: StopFn | None,
+    on_round: Callable[[list[int]], None] | None,
+) -> tuple[list[int], str]:
     """Prefill the prompt's uncached tokens, then run rounds until max_tokens, an end token, a stop or a cancel."""
     params, stats, t0 = req.params, req.stats, time.perf_counter()
     rest = prompt[reused:-1]
@@ -76,8 +94,9 @@ def decode(engine: Host, seq: KVSequence, prompt: list[int], reused: int, rounds
     # step, they cost about one pass instead of two (a prefill, then the step).
     ahead = rest if rounds.merges_prefill and 0 < len(rest) <= MERGE_PREFILL else []
     out: list[int] = []
-    finish = "length" if ahead or engine.prefill(seq, rest, req.cancel, rounds.draft,
-                                                                   engine.prefill_chunk) else "cancelled"
+    finish = (
+        "length" if ahead or engine.prefill(seq, rest, req.cancel, rounds.draft, engine.prefill_chunk) else "cancelled"
+    )
     t1 = time.perf_counter()
     stats.prefill_ms = 1000 * (t1 - t0)
     pending = prompt[-1]
@@ -117,8 +136,15 @@ def take(engine: Host, new: list[int], out: list[int], params: SamplingParams) -
     return "length"
 
 
-def plain_step(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], req: Request,
-               before: Sequence[int] = (), draft: Draft | None = None) -> int:
+def plain_step(
+    engine: Host,
+    seq: KVSequence,
+    pending: int,
+    gen_tokens: list[int],
+    req: Request,
+    before: Sequence[int] = (),
+    draft: Draft | None = None,
+) -> int:
     """One token after pending; `before`: prompt tokens still to feed ahead of it, in the same pass
     (a draft with a tap layer is shown their states there, as prefill does)."""
     warp, constraint = req.warp, req.constraint
@@ -128,14 +154,27 @@ def plain_step(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int
         # Embed, layers, head and argmax in one native call (the greedy draft's, run through every
         # layer): the same computation as below, without the ~0.2 ms of Python and tensor glue a
         # step otherwise spends around a ~1 ms pass.
-        (token,), _ = native.draft_greedy(pending, engine.num_layers, pos, 1, 0.0, seq, engine.fwd.head_w,
-                                          engine.fwd.head_b, None, engine.eos_ids_tensor)
+        (token,), _ = native.draft_greedy(
+            pending,
+            engine.num_layers,
+            pos,
+            1,
+            0.0,
+            seq,
+            engine.fwd.head_w,
+            engine.fwd.head_b,
+            None,
+            engine.eos_ids_tensor,
+        )
         seq.commit(ids)
         return token
     tap = getattr(draft, "tap_layer", None) if before else None
     if tap is None:
-        x = engine.fwd.embed(engine.pending_on_device(pending).view(1, 1)) if engine.resident_ids and not before \
-            else engine.embed(ids)  # [1, t, d]
+        x = (
+            engine.fwd.embed(engine.pending_on_device(pending).view(1, 1))
+            if engine.resident_ids and not before
+            else engine.embed(ids)
+        )  # [1, t, d]
         h = engine.run_layers(x, 0, engine.num_layers, pos, seq)
         seq.commit(ids)
     else:
@@ -155,8 +194,17 @@ def plain_step(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int
     return token
 
 
-def speculative_round(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft,
-                      k_max: int, threshold: float, req: Request, limit: int | None = None) -> list[int] | None:
+def speculative_round(
+    engine: Host,
+    seq: KVSequence,
+    pending: int,
+    gen_tokens: list[int],
+    draft: Draft,
+    k_max: int,
+    threshold: float,
+    req: Request,
+    limit: int | None = None,
+) -> list[int] | None:
     """One draft + verify + accept round. Returns the tokens it commits (accepted drafts + one more),
     or None when cancelled between draft and verify (the draft's scratch KV is simply not committed)."""
     t0 = time.perf_counter()
@@ -176,15 +224,17 @@ def speculative_round(engine: Host, seq: KVSequence, pending: int, gen_tokens: l
     return count_round(proposal, m, nxt, req.stats, t0, t1)
 
 
-def verify_and_accept(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft,
-                      proposal: Proposal, req: Request) -> tuple[int, int]:
+def verify_and_accept(
+    engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, proposal: Proposal, req: Request
+) -> tuple[int, int]:
     """The target's verdict on a proposal: (m drafts accepted, the next token), pending and the m committed."""
     native = native_verifier(engine, seq, proposal, draft, req)
     if native is not None:
         # A lookup proposal, greedy: embed, every layer, head and argmax in one native call (the plain
         # step's own arithmetic per row), without the Python and tensors between them.
-        target = native.verify_greedy([pending] + proposal.tokens, engine.num_layers, seq.length, seq,
-                                      engine.fwd.head_w, engine.fwd.head_b)
+        target = native.verify_greedy(
+            [pending] + proposal.tokens, engine.num_layers, seq.length, seq, engine.fwd.head_w, engine.fwd.head_b
+        )
         m, nxt = sampling.accept_greedy(proposal.tokens, target)
         seq.commit([pending] + proposal.tokens[:m])
         return m, nxt
@@ -193,23 +243,38 @@ def verify_and_accept(engine: Host, seq: KVSequence, pending: int, gen_tokens: l
     p0 = seq.length
     seq.commit([pending] + proposal.tokens[:m])
     if draft.tap_layer is not None and proposal.exit_layer <= draft.tap_layer:
-        draft.observe(seq, p0, exit_states[:, :m + 1])
+        draft.observe(seq, p0, exit_states[:, : m + 1])
     return m, nxt
 
 
-def native_verifier(engine: Host, seq: KVSequence, proposal: Proposal, draft: Draft,
-                    req: Request) -> native_mod.NativeStep | None:
+def native_verifier(
+    engine: Host, seq: KVSequence, proposal: Proposal, draft: Draft, req: Request
+) -> native_mod.NativeStep | None:
     """The native step where it verifies this proposal in one call (greedy, from the embeddings), else None."""
     native = engine.fwd.native
-    if (proposal.exit_states is None and native is not None and req.warp.greedy and req.constraint is None
-            and draft.tap_layer is None and len(proposal.tokens) + 1 <= native_mod.MAX_ROWS
-            and seq.k.is_contiguous() and not engine.resident_ids):
+    if (
+        proposal.exit_states is None
+        and native is not None
+        and req.warp.greedy
+        and req.constraint is None
+        and draft.tap_layer is None
+        and len(proposal.tokens) + 1 <= native_mod.MAX_ROWS
+        and seq.k.is_contiguous()
+        and not engine.resident_ids
+    ):
         return native
     return None
 
 
-def verify(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], draft: Draft, proposal: Proposal,
-           constraint: ConstraintFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    engine: Host,
+    seq: KVSequence,
+    pending: int,
+    gen_tokens: list[int],
+    draft: Draft,
+    proposal: Proposal,
+    constraint: ConstraintFn | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's logits [k+1, V] after pending and each drafted token (masked by the constraint), and the
     states at the exit layer the pass resumed from (at the draft's tap layer where it has one)."""
     k = len(proposal.tokens)
@@ -220,8 +285,11 @@ def verify(engine: Host, seq: KVSequence, pending: int, gen_tokens: list[int], d
         exit_states = engine.embed([pending] + proposal.tokens)  # [1, k+1, d]
     if exit_states.shape[1] < k + 1:
         # The last draft token was never fed to the draft: its layers < E run here, once.
-        x_last = (engine.fwd.embed(proposal.token_ids[-1:].view(1, 1)) if proposal.token_ids is not None
-                  else engine.embed(proposal.tokens[-1:]))  # [1, 1, d]
+        x_last = (
+            engine.fwd.embed(proposal.token_ids[-1:].view(1, 1))
+            if proposal.token_ids is not None
+            else engine.embed(proposal.tokens[-1:])
+        )  # [1, 1, d]
         h_last = engine.run_layers(x_last, 0, proposal.exit_layer, seq.length + k, seq)
         exit_states = torch.cat([exit_states, h_last], dim=1)  # [1, k+1, d]
     tap = draft.tap_layer
@@ -245,12 +313,17 @@ def accept(engine: Host, proposal: Proposal, logits: torch.Tensor, req: Request)
         target = torch.argmax(logits, dim=-1)  # [k+1]
         m, nxt = sampling.accept_greedy(proposal.tokens, target.tolist())  # the round's one read
         if engine.resident_ids:
-            engine.pending_dev = (nxt, target[m:m + 1])
+            engine.pending_dev = (nxt, target[m : m + 1])
         return m, nxt
     if engine.resident_ids:
-        drafted = (proposal.token_ids if proposal.token_ids is not None
-                   else torch.tensor(proposal.tokens, dtype=torch.long, device=engine.device))  # [k]
-        out = sampling.accept_sampled_resident(drafted, proposal.probs, sampling.probs(logits, req.warp), req.rng)  # [2]
+        drafted = (
+            proposal.token_ids
+            if proposal.token_ids is not None
+            else torch.tensor(proposal.tokens, dtype=torch.long, device=engine.device)
+        )  # [k]
+        out = sampling.accept_sampled_resident(
+            drafted, proposal.probs, sampling.probs(logits, req.warp), req.rng
+        )  # [2]
         m, nxt = out.tolist()  # the round's one read
         engine.pending_dev = (nxt, out[1:])
         return m, nxt

@@ -48,7 +48,7 @@ class Proposal:
     # [1, n, d] states at exit_layer for pending and the fed drafts; n is k or k+1. None: nothing computed,
     # the verifier starts from the embeddings (a lookup proposal; with no tokens, nothing drafted at all)
     exit_states: torch.Tensor | None
-    exit_layer: int = 0        # where verification resumes: the layer exit_states were taken at
+    exit_layer: int = 0  # where verification resumes: the layer exit_states were taken at
     kind: DraftKind = DraftKind.EARLY_EXIT  # who proposed it (for stats)
     token_ids: torch.Tensor | None = None  # [k] the same ids on the device, where the draft made them there
     from_history: bool = False  # a lookup proposal found in the output history (for stats)
@@ -65,9 +65,18 @@ class Draft(Protocol):
     # adapter's), or None; the engine then splits its passes there and calls observe().
     tap_layer: int | None
 
-    def propose(self, seq: "KVSequence", pending: int, generated: list[int], k_max: int, threshold: float,
-                warp: sampling.Warp, rng: torch.Generator, constraint: Callable | None,
-                limit: int | None = None) -> Proposal: ...
+    def propose(
+        self,
+        seq: "KVSequence",
+        pending: int,
+        generated: list[int],
+        k_max: int,
+        threshold: float,
+        warp: sampling.Warp,
+        rng: torch.Generator,
+        constraint: Callable | None,
+        limit: int | None = None,
+    ) -> Proposal: ...
 
     def observe(self, seq: "KVSequence", pos: int, states: torch.Tensor, eager: bool = False) -> None:
         """Positions [pos, pos + n) were committed; states [1, n, d] are theirs at tap_layer."""
@@ -93,17 +102,31 @@ class EarlyExitDraft:
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
         native = eng.fwd.native
-        if (native is not None and warp.greedy and constraint is None and type(self) is EarlyExitDraft
-                and seq.k.is_contiguous()):
+        if (
+            native is not None
+            and warp.greedy
+            and constraint is None
+            and type(self) is EarlyExitDraft
+            and seq.k.is_contiguous()
+        ):
             # The whole greedy draft in one native call: the same steps (K/V of layers < E, states at E),
             # without Python between them, which on a lean step cost more than the draft's own layers.
             sub = eng.draft_head_weight  # None: the draft scores the whole vocabulary
             drafted, exit_states = native.draft_greedy(
-                pending, self.exit_layer, seq.length, k_max, threshold, seq,
-                eng.fwd.head_w if sub is None else sub, eng.fwd.head_b if sub is None else None,
-                None if sub is None else eng.draft_ids, eng.eos_ids_tensor)
-            return Proposal(drafted, None, [None] * len(drafted), exit_states, exit_layer=self.exit_layer,
-                            kind=self.kind)
+                pending,
+                self.exit_layer,
+                seq.length,
+                k_max,
+                threshold,
+                seq,
+                eng.fwd.head_w if sub is None else sub,
+                eng.fwd.head_b if sub is None else None,
+                None if sub is None else eng.draft_ids,
+                eng.eos_ids_tensor,
+            )
+            return Proposal(
+                drafted, None, [None] * len(drafted), exit_states, exit_layer=self.exit_layer, kind=self.kind
+            )
         if eng.resident_ids and constraint is None and type(self) is EarlyExitDraft:
             return self._propose_resident(seq, pending, k_max, threshold, warp, rng)
         tokens: list[int] = []
@@ -135,12 +158,22 @@ class EarlyExitDraft:
             masks.append(mask)
             if not warp.greedy:
                 # q over the whole vocabulary, zero outside the draft's ids: [V]
-                probs.append(q_sub if ids is None else torch.zeros(eng.vocab_size, device=q_sub.device).index_copy_(0, ids, q_sub))
+                probs.append(
+                    q_sub
+                    if ids is None
+                    else torch.zeros(eng.vocab_size, device=q_sub.device).index_copy_(0, ids, q_sub)
+                )
             if tok in eng.eos_token_ids:
                 break
             x = tok
-        return Proposal(tokens, torch.stack(probs) if probs else None, masks, torch.cat(states, dim=1),
-                        exit_layer=self.exit_layer, kind=self.kind)
+        return Proposal(
+            tokens,
+            torch.stack(probs) if probs else None,
+            masks,
+            torch.cat(states, dim=1),
+            exit_layer=self.exit_layer,
+            kind=self.kind,
+        )
 
     def _propose_resident(self, seq, pending, k_max, threshold, warp, rng) -> Proposal:
         """The loop above without a read per token (accelerators): each drafted id is fed on from the
@@ -172,8 +205,9 @@ class EarlyExitDraft:
         drafted = torch.cat(toks)  # [K]
         checked = bool(confs)
         # the draft's one read: K ids (exact in float64), then K confidences
-        read: list[float] = torch.cat([drafted.double(), torch.stack(confs).double()] if checked
-                                      else [drafted.double()]).tolist()
+        read: list[float] = torch.cat(
+            [drafted.double(), torch.stack(confs).double()] if checked else [drafted.double()]
+        ).tolist()
         got, n, stopped_unsure = [int(v) for v in read[:k_max]], 0, False
         while n < k_max:
             if checked and read[k_max + n] < threshold:
@@ -186,9 +220,20 @@ class EarlyExitDraft:
         probs = None
         if qs and n:
             q = torch.stack(qs[:n])  # [n, Vd]
-            probs = q if ids is None else torch.zeros(n, eng.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, ids, q)
-        return Proposal(got[:n], probs, [None] * n, torch.cat(states[:used], dim=1), exit_layer=self.exit_layer,
-                        kind=self.kind, token_ids=drafted[:n])
+            probs = (
+                q
+                if ids is None
+                else torch.zeros(n, eng.vocab_size, device=q.device, dtype=q.dtype).index_copy_(1, ids, q)
+            )
+        return Proposal(
+            got[:n],
+            probs,
+            [None] * n,
+            torch.cat(states[:used], dim=1),
+            exit_layer=self.exit_layer,
+            kind=self.kind,
+            token_ids=drafted[:n],
+        )
 
 
 class LookupDraft:
@@ -199,8 +244,9 @@ class LookupDraft:
     and the verifier runs every layer on them in one pass.
     """
 
-    def __init__(self, engine: "Runner", fallback: "Draft | None", k: int = LOOKUP_K,
-                 history: OutputHistory | None = None):
+    def __init__(
+        self, engine: "Runner", fallback: "Draft | None", k: int = LOOKUP_K, history: OutputHistory | None = None
+    ):
         self.engine = engine
         self.fallback = fallback
         self.k = k
@@ -213,8 +259,9 @@ class LookupDraft:
 
     def propose(self, seq, pending, generated, k_max, threshold, warp, rng, constraint, limit=None) -> Proposal:
         eng = self.engine
-        found, from_history = lookup_for(seq, pending, min(self.k, limit if limit is not None else self.k),
-                                         self.history)
+        found, from_history = lookup_for(
+            seq, pending, min(self.k, limit if limit is not None else self.k), self.history
+        )
         tokens: list[int] = []
         masks: list = []
         for tok in found:

@@ -14,12 +14,12 @@ from completiond.errors import EngineError
 
 
 class DraftKind(str, Enum):
-    EARLY_EXIT = "early_exit"    # the model's own layers [0, E) + final norm + LM head
-    ADAPTER = "adapter"          # early exit through the trained exit adapter's layer
+    EARLY_EXIT = "early_exit"  # the model's own layers [0, E) + final norm + LM head
+    ADAPTER = "adapter"  # early exit through the trained exit adapter's layer
     DRAFT_MODEL = "draft_model"  # a separate small model of the same tokenizer
-    MEDUSA = "medusa"            # Medusa heads and a token tree (greedy only)
-    NONE = "none"                # no model draft: prompt lookup alone, a plain step where it finds nothing
-    LOOKUP = "lookup"            # a proposal found by prompt lookup (stats; never a setting)
+    MEDUSA = "medusa"  # Medusa heads and a token tree (greedy only)
+    NONE = "none"  # no model draft: prompt lookup alone, a plain step where it finds nothing
+    LOOKUP = "lookup"  # a proposal found by prompt lookup (stats; never a setting)
 
     def __str__(self) -> str:
         return self.value
@@ -33,8 +33,9 @@ class DraftKind(str, Enum):
         except ValueError:
             kind = None
         if kind not in allowed:
-            raise EngineError(f"unknown draft {value!r}; use {', '.join(k.value for k in allowed[:-1])} "
-                              f"or {allowed[-1].value}")
+            raise EngineError(
+                f"unknown draft {value!r}; use {', '.join(k.value for k in allowed[:-1])} or {allowed[-1].value}"
+            )
         return kind
 
 

@@ -87,7 +87,7 @@ class DraftModelDraft:
         """Draft logits over the target's vocabulary [V] for the last position of h [1, t, d]."""
         logits = self.drafter.head(h[:, -1:])[-1]  # [Vd]
         if logits.shape[0] > self.vocab:
-            logits = logits[:self.vocab]  # ids past the shared vocabulary are padding rows
+            logits = logits[: self.vocab]  # ids past the shared vocabulary are padding rows
         elif logits.shape[0] < self.vocab:
             logits = torch.cat([logits, logits.new_full((self.vocab - logits.shape[0],), float("-inf"))])
         return logits
@@ -100,10 +100,10 @@ class DraftModelDraft:
             d.crop(seq.length)
         p0 = seq.length
         # Bring the companion up to the pending token: committed tokens it lacks, then pending.
-        feed = seq.tokens[d.length:p0].tolist() + [pending]
+        feed = seq.tokens[d.length : p0].tolist() + [pending]
         start = d.length
         for s in range(0, len(feed), CATCH_UP_CHUNK):
-            chunk = feed[s:s + CATCH_UP_CHUNK]
+            chunk = feed[s : s + CATCH_UP_CHUNK]
             h = dr.run_layers(dr.embed(chunk), 0, dr.num_layers, start + s, d)
         d.commit(feed[:-1])  # pending's K/V is written but stays scratch until the target commits it
         fed = [pending]

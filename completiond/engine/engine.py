@@ -59,8 +59,22 @@ from completiond.errors import (
 from completiond.models.adapters import Adapter, UnsupportedModel, adapter_for
 
 # The engine's API is importable from here (docs/ENGINE_API.md), whichever module defines it.
-__all__ = ["DRAFT_FILES", "CancelToken", "ConstraintFn", "Engine", "EngineError", "Generation", "SamplingParams",
-           "Stats", "StopFn", "check_weights", "default_cache_bytes", "model_identity", "pick_device", "pick_dtype"]
+__all__ = [
+    "DRAFT_FILES",
+    "CancelToken",
+    "ConstraintFn",
+    "Engine",
+    "EngineError",
+    "Generation",
+    "SamplingParams",
+    "Stats",
+    "StopFn",
+    "check_weights",
+    "default_cache_bytes",
+    "model_identity",
+    "pick_device",
+    "pick_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +83,19 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model, tokenizer, model_id: str, device: str, cache_bytes: int | None = None,
-                 calibration: Calibration | None = None, name: str = "", info: ModelInfo | None = None,
-                 weights: str = "auto", compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        device: str,
+        cache_bytes: int | None = None,
+        calibration: Calibration | None = None,
+        name: str = "",
+        info: ModelInfo | None = None,
+        weights: str = "auto",
+        compute_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.info = info or ModelInfo()
         self.tokenizer = tokenizer
@@ -120,29 +144,30 @@ class Engine:
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def load(cls, model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-             trust_remote_code: bool = False, cache_bytes: int | None = None, threads: int | None = None,
-             progress: Callable[[str], None] | None = None,
-             download_progress: Callable[[int, int], None] | None = None,
-             warn: Callable[[str], None] | None = None, draft_model: str | os.PathLike | None = None,
-             weights: str = "auto", reader: str = "auto") -> Engine:
-        """progress, if given, is called with each phase as it starts: tokenizer, weights, device, engine.
+    def load(
+        cls,
+        model: str | os.PathLike | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        cache_bytes: int | None = None,
+        threads: int | None = None,
+        progress: Callable[[str], None] | None = None,
+        download_progress: Callable[[int, int], None] | None = None,
+        warn: Callable[[str], None] | None = None,
+        draft_model: str | os.PathLike | None = None,
+        weights: str = "auto",
+        reader: str = "auto",
+    ) -> Engine:
+        """Load a model directory, hub id or short name (fetched into the Hugging Face cache first, engine/hub.py).
 
-        A hub id or short name is fetched into the Hugging Face cache first (engine/hub.py: safetensors and
-        tokenizer only, the cache first, failing fast offline), reporting bytes to download_progress(done,
-        total); the model is then loaded from that directory, never from the network. warn(message) is told,
-        before the weights load, when the model will probably not fit the device's memory.
-
-        weights: the native CPU step's weight format (native.WEIGHT_FORMATS): auto keeps the model's values
-        (bf16 panels for bf16 values), bf16 rounds them to bf16, int8 quantises them per output channel.
-
-        reader: "auto" reads a large bf16 checkpoint bound for the native CPU step with engine/checkpoint.py
-        (no transformers model code: less resident memory) where it can; "transformers" always uses
-        AutoModelForCausalLM (the training commands, which need its modules). The steps: load_plan.py
-        decides, loader.py reads."""
+        progress(phase) at each phase; download_progress(done, total) in bytes; warn(message) before weights that
+        will probably not fit. weights: the native CPU step's format (native.WEIGHT_FORMATS). reader: "auto" reads
+        large bf16 checkpoints with engine/checkpoint.py where it can, "transformers" always through
+        AutoModelForCausalLM. load_plan.py decides, loader.py reads."""
         say = progress or (lambda phase: None)
-        plan = load_plan.plan(model, loader.machine(device, dtype, threads), dtype, trust_remote_code, cache_bytes,
-                              weights, reader, native_mod.WEIGHT_FORMATS, download_progress)
+        how = (trust_remote_code, cache_bytes, weights, reader, native_mod.WEIGHT_FORMATS, download_progress)
+        plan = load_plan.plan(model, loader.machine(device, dtype, threads), dtype, *how)
         for warning in plan.warnings:
             log.warning("%s", warning)
             if warn is not None:
@@ -151,9 +176,18 @@ class Engine:
         info = ModelInfo.read(plan.path)
         say("engine")
         try:
-            engine = cls(hf, tok, plan.model_id, plan.device, cache_bytes=cache_bytes,
-                         calibration=load_calibration(plan.model_id, info, hf.config.num_hidden_layers),
-                         name=plan.name, info=info, weights=weights, compute_dtype=loader.compute_dtype(plan))
+            engine = cls(
+                hf,
+                tok,
+                plan.model_id,
+                plan.device,
+                cache_bytes=cache_bytes,
+                calibration=load_calibration(plan.model_id, info, hf.config.num_hidden_layers),
+                name=plan.name,
+                info=info,
+                weights=weights,
+                compute_dtype=loader.compute_dtype(plan),
+            )
         except UnsupportedModel as exc:
             raise EngineError(f"cannot use model {plan.name}: {exc}") from exc
         engine.load_warnings = list(plan.warnings)
@@ -162,9 +196,9 @@ class Engine:
         engine.medusa = medusa_mod.find_and_attach(engine, plan.path)
         if draft_model:
             say("draft model")
-            engine.attach_draft_model(cls.load(draft_model, device=plan.device, dtype=dtype,
-                                               trust_remote_code=trust_remote_code, cache_bytes=0, threads=threads,
-                                               download_progress=download_progress, warn=warn, weights=weights))
+            same = (plan.device, dtype, trust_remote_code)  # the draft shares the device, dtype and weight format
+            draft = cls.load(draft_model, *same, 0, threads, None, download_progress, warn, weights=weights)
+            engine.attach_draft_model(draft)
         return engine
 
     def attach_medusa(self, path: str | os.PathLike) -> medusa_mod.Medusa:
@@ -176,8 +210,10 @@ class Engine:
         """Draft with a separate model of the same tokenizer (refused with EngineError otherwise)."""
         why = tokenizer_mismatch(self.tokenizer, drafter.tokenizer)
         if why is not None:
-            raise EngineError(f"draft model {drafter.name} cannot draft for {self.name}: its tokenizer differs ({why}); "
-                              "a draft model must share the target's vocabulary")
+            raise EngineError(
+                f"draft model {drafter.name} cannot draft for {self.name}: its tokenizer differs ({why}); "
+                "a draft model must share the target's vocabulary"
+            )
         if drafter.device != self.device:
             raise EngineError(f"draft model {drafter.name} is on {drafter.device}, the model on {self.device}")
         self.draft_model = drafter
@@ -219,8 +255,15 @@ class Engine:
         seq.companion = None
 
     # ---------------------------------------------------------------- forward
-    def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: KVSequence,
-                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        first: int,
+        last: int,
+        pos: int,
+        seq: KVSequence,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Layers [first, last) on hidden states h [1, t, d] at positions [pos, pos+t).
 
         Writes those positions' K/V into seq for these layers and attends over [0, pos+t)
@@ -249,8 +292,14 @@ class Engine:
         slots = len(self.fwd.layers)  # the model's layers, and an exit adapter's when one is attached
         return KVSequence(slots, a.num_kv_heads, a.head_dim, self.dtype, self.device, capacity)
 
-    def prefill(self, seq: KVSequence, tokens: Sequence[int], cancel: CancelToken | None,
-                draft: Draft | None = None, chunk_size: int = PREFILL_CHUNK) -> bool:
+    def prefill(
+        self,
+        seq: KVSequence,
+        tokens: Sequence[int],
+        cancel: CancelToken | None,
+        draft: Draft | None = None,
+        chunk_size: int = PREFILL_CHUNK,
+    ) -> bool:
         """Feed tokens through every layer in chunks; False if cancelled between chunks.
 
         A draft with a tap layer is shown each chunk's states there (the layer range split in two
@@ -272,8 +321,9 @@ class Engine:
         return True
 
     @torch.inference_mode()
-    def warm(self, tokens: Sequence[int], cancel: CancelToken | None = None,
-             limit: int | None = None) -> tuple[int, int]:
+    def warm(
+        self, tokens: Sequence[int], cancel: CancelToken | None = None, limit: int | None = None
+    ) -> tuple[int, int]:
         """Prefill `tokens` into the prefix cache ahead of a request that will start with them (a background
         warm-up): at most `limit` new tokens, in small chunks, stopping between them once `cancel` is set.
         What it finished stays cached for the request (the same KV a cold prefill computes: a token's KV depends
@@ -290,7 +340,7 @@ class Engine:
         try:
             todo = tokens[reused:]
             if limit is not None:
-                todo = todo[:max(0, limit)]
+                todo = todo[: max(0, limit)]
             seq.ensure_capacity(reused + len(todo) + 1)
             self.prefill(seq, todo, cancel, chunk_size=max(32, self.prefill_chunk // 4))
             return seq.length - reused, seq.length
@@ -316,17 +366,30 @@ class Engine:
                 self.cache.release(seq)
 
     # ---------------------------------------------------------------- decoding
-    def plain_step(self, seq: KVSequence, pending: int, gen_tokens: list[int], warp: sampling.Warp,
-                   rng: torch.Generator | None, constraint: ConstraintFn | None) -> int:
+    def plain_step(
+        self,
+        seq: KVSequence,
+        pending: int,
+        gen_tokens: list[int],
+        warp: sampling.Warp,
+        rng: torch.Generator | None,
+        constraint: ConstraintFn | None,
+    ) -> int:
         """One token after pending (decode.plain_step; bench and tests time it alone)."""
         req = decode.Request(SamplingParams(), warp, rng or torch.Generator(), constraint, Stats())
         return decode.plain_step(self, seq, pending, gen_tokens, req)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                 cancel: CancelToken | None = None, on_round: Callable[[list[int]], None] | None = None,
-                 stop: StopFn | None = None, constraint: ConstraintFn | None = None,
-                 history: OutputHistory | None | bool = True) -> Generation:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        cancel: CancelToken | None = None,
+        on_round: Callable[[list[int]], None] | None = None,
+        stop: StopFn | None = None,
+        constraint: ConstraintFn | None = None,
+        history: OutputHistory | None | bool = True,
+    ) -> Generation:
         """`history`: the output history this request drafts from and adds its output to; True, the
         engine's own (earlier requests' outputs); None or False, none. Read by greedy requests only."""
         params = params or SamplingParams()
@@ -363,7 +426,9 @@ class Engine:
             weights = f"{native.weights()} weights"
             if native.act_levels and "int8" in weights:  # w8a8: the activations' precision is the kernel's
                 weights += f", {native.act_levels.bit_length() + 1}-bit activations"
-            return f"native (engine/native/step.c, {native.kernel} kernels, {torch.get_num_threads()} threads, {weights})"
+            return (
+                f"native (engine/native/step.c, {native.kernel} kernels, {torch.get_num_threads()} threads, {weights})"
+            )
         return f"PyTorch ({self.fwd.native_reason})"
 
     def tokenizer_in_use(self) -> str:
@@ -387,10 +452,14 @@ class Engine:
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {params.max_tokens}")
         if len(prompt) + params.max_tokens > self.max_context:
-            raise EngineError(f"prompt of {len(prompt)} tokens plus {params.max_tokens} new tokens exceeds the "
-                              f"model's context of {self.max_context} tokens")
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens plus {params.max_tokens} new tokens exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise EngineError(f"prompt has token ids outside the vocabulary [0, {self.vocab_size})")
         if not (params.temperature >= 0 and 0 < params.top_p <= 1 and params.top_k >= 0):
-            raise EngineError(f"invalid sampling parameters: temperature={params.temperature}, "
-                              f"top_p={params.top_p}, top_k={params.top_k}")
+            raise EngineError(
+                f"invalid sampling parameters: temperature={params.temperature}, "
+                f"top_p={params.top_p}, top_k={params.top_k}"
+            )

@@ -50,7 +50,7 @@ CATCH_UP_CHUNK = 256
 @dataclass
 class ExitAdapter:
     exit_layer: int
-    slot: int           # its index among the fused layers, and its K/V slot
+    slot: int  # its index among the fused layers, and its K/V slot
     path: Path
     training: dict = field(default_factory=dict)
 
@@ -72,14 +72,15 @@ def attach(engine: "Runner", path: Path) -> ExitAdapter:
     """Read, check and fuse the adapter at path into the engine (raises AdapterFileError)."""
     record = read_adapter(path, engine.model_id, engine.model.config)
     layer = build_layer(engine.model, record)
-    del engine.fwd.layers[engine.num_layers:]  # an adapter attached before is replaced
+    del engine.fwd.layers[engine.num_layers :]  # an adapter attached before is replaced
     slot = engine.fwd.add_layer(layer)
     return ExitAdapter(record.exit_layer, slot, Path(path), record.training)
 
 
 def find_and_attach(engine: "Runner", model_dir: Path | None) -> ExitAdapter | None:
-    adapter = first_usable(adapter_paths(model_dir, engine.model_id), lambda p: attach(engine, p), AdapterFileError,
-                           "exit adapter", log)
+    adapter = first_usable(
+        adapter_paths(model_dir, engine.model_id), lambda p: attach(engine, p), AdapterFileError, "exit adapter", log
+    )
     if adapter is not None:
         log.info("exit adapter %s (exit layer %d)", adapter.path, adapter.exit_layer)
     return adapter
@@ -110,8 +111,8 @@ class AdapterDraft(EarlyExitDraft):
             return
         c = self._carry
         if c is not None and c[0] == a and c[0] + c[1].shape[1] >= upto:
-            self._adapter(seq, c[1][:, :upto - a], a)
-            rest = c[1][:, upto - a:]
+            self._adapter(seq, c[1][:, : upto - a], a)
+            rest = c[1][:, upto - a :]
             self._carry = (upto, rest) if rest.shape[1] else None
         else:
             eng = self.engine
@@ -136,7 +137,7 @@ class AdapterDraft(EarlyExitDraft):
         if a >= end:
             self._carry = None
         elif pos <= a:
-            self._carry = (a, states[:, a - pos:])
+            self._carry = (a, states[:, a - pos :])
         elif self._carry is not None and self._carry[0] + self._carry[1].shape[1] == pos:
             self._carry = (a, torch.cat([self._carry[1], states], dim=1))
         elif eager:

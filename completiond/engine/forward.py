@@ -48,14 +48,14 @@ def check_rope(config) -> None:
     if kind in LENGTH_DEPENDENT_ROPE:
         raise UnsupportedModel(
             f"rope type {kind!r} changes its tables with the sequence length, which completiond's precomputed "
-            "rotary tables cannot follow exactly; use a model with static rope scaling (default, linear, yarn, llama3)")
+            "rotary tables cannot follow exactly; use a model with static rope scaling (default, linear, yarn, llama3)"
+        )
 
 
 class Forward:
     """Layers, final norm and LM head of one model, on fused weights. Token ids and hidden states only."""
 
-    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int,
-                 weights: str = "auto"):
+    def __init__(self, adapter: Adapter, config, device, dtype: torch.dtype, max_positions: int, weights: str = "auto"):
         check_rope(config)
         if weights not in native.WEIGHT_FORMATS:
             raise EngineError(f"unknown weights format {weights!r}; use {', '.join(native.WEIGHT_FORMATS)}")
@@ -82,7 +82,7 @@ class Forward:
         self.head_w = adapter.lm_head.weight.detach()
         head_b = bias_of(adapter.lm_head)
         self.head_b = None if head_b is None else head_b.to(dtype)
-        self._cos: torch.Tensor | None = None   # [P, 1, hd] each; sin with rotate_half's sign folded in
+        self._cos: torch.Tensor | None = None  # [P, 1, hd] each; sin with rotate_half's sign folded in
         self._sin: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None  # [T, W] bool: see mask()
         # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
@@ -154,8 +154,15 @@ class Forward:
         L.qkv = L.o = L.gate_up = L.down = None
         L.qkv_t = L.o_t = L.gate_up_t = L.down_t = None
         layer = self.adapter.layers[i]
-        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
             m.weight.data = torch.empty(0, dtype=m.weight.dtype, device=m.weight.device)
 
     def _compact_embeddings(self) -> None:
@@ -214,7 +221,7 @@ class Forward:
             W = max(W, 1 << (W - 1).bit_length())
             buffer = self._mask = torch.ones(T, W, dtype=torch.bool, device=self.device).tril(diagonal=W - T)
         T, W = buffer.shape
-        return buffer[T - t:, W - need_w:]
+        return buffer[T - t :, W - need_w :]
 
     # ---------------------------------------------------------------- the pass
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -222,8 +229,16 @@ class Forward:
         h = F.embedding(ids, self.embed_w)
         return h if h.dtype == self.dtype else h.to(self.dtype)  # a compacted bf16 embedding widens exactly
 
-    def layers_range(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
-                     write: bool = True, tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
+    def layers_range(
+        self,
+        h: torch.Tensor,
+        first: int,
+        last: int,
+        pos: int,
+        seq: "KVSequence",
+        write: bool = True,
+        tree: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+    ) -> torch.Tensor:
         """Layers [first, last) on h [1, t, d] at positions [pos, pos+t); writes their K/V into seq.
 
         write=False recomputes hidden states of positions whose K/V seq already holds, attending over
@@ -234,8 +249,12 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        if self.native is not None and (self.native_all or t <= native.MAX_ROWS) and h.dtype == torch.float32 \
-                and seq.k.is_contiguous():
+        if (
+            self.native is not None
+            and (self.native_all or t <= native.MAX_ROWS)
+            and h.dtype == torch.float32
+            and seq.k.is_contiguous()
+        ):
             if last > self.native.n_layers:
                 self.native.bind()
             if tree is None:
@@ -245,8 +264,10 @@ class Forward:
             self.rope(0, int(positions.max()) + 1)
             return self.native.layers(h, first, last, pos, seq, write, positions, tree_mask)
         if self.released:
-            raise EngineError(f"the model's weights live in the native step's panels only, which cannot run a "
-                                     f"{h.dtype} pass of {t} positions on a non-contiguous cache")
+            raise EngineError(
+                f"the model's weights live in the native step's panels only, which cannot run a "
+                f"{h.dtype} pass of {t} positions on a non-contiguous cache"
+            )
         if tree is None:
             cos, sin = self.rope(pos, t)
             # One token sees every key: no mask. A first chunk is plain causal: no materialised mask either,
@@ -264,17 +285,23 @@ class Forward:
             x = _rms(h, L.ln1, L.eps)
             qkv = _proj(x, w_qkv, L.qkv_t, L.qkv_bias).view(1, t, H + 2 * KV, hd)  # [1, t, H+2KV, hd]
             if L.q_norm is not None and L.k_norm is not None:
-                qk = torch.cat([_rms(qkv[:, :, :H], L.q_norm, L.eps), _rms(qkv[:, :, H:H + KV], L.k_norm, L.eps)], 2)
+                qk = torch.cat([_rms(qkv[:, :, :H], L.q_norm, L.eps), _rms(qkv[:, :, H : H + KV], L.k_norm, L.eps)], 2)
             else:
-                qk = qkv[:, :, :H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
+                qk = qkv[:, :, : H + KV]  # [1, t, H+KV, hd]: rope on q and k at once
             qk = qk * cos + _swap_halves(qk) * sin
             q = qk[:, :, :H].transpose(1, 2)  # [1, H, t, hd]
             if write:
-                seq.k[li, :, pos:pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
-                seq.v[li, :, pos:pos + t] = qkv[0, :, H + KV:].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, seq.k[li:li + 1, :, :pos + t], seq.v[li:li + 1, :, :pos + t],
-                                               attn_mask=mask, is_causal=causal, scale=self.scaling,
-                                               enable_gqa=self.gqa)  # [1, H, t, hd]
+                seq.k[li, :, pos : pos + t] = qk[0, :, H:].transpose(0, 1)  # [KV, t, hd]
+                seq.v[li, :, pos : pos + t] = qkv[0, :, H + KV :].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q,
+                seq.k[li : li + 1, :, : pos + t],
+                seq.v[li : li + 1, :, : pos + t],
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scaling,
+                enable_gqa=self.gqa,
+            )  # [1, H, t, hd]
             h = h + _proj(o.transpose(1, 2).reshape(1, t, H * hd), w_o, L.o_t, L.o_bias)  # [1, t, d]
             gate, up = _proj(_rms(h, L.ln2, L.eps), w_gate_up, L.gate_up_t, L.gate_up_bias).chunk(2, dim=-1)
             h = h + _proj(L.act(gate) * up, w_down, L.down_t, L.down_bias)
@@ -310,6 +337,7 @@ class Forward:
 TRANSPOSED_COPY_LIMIT = 512 << 20
 SMALL_T = 8  # up to this many positions, x @ w_t (see _proj)
 
+
 def _stored_bf16(directory) -> bool:
     """Whether every layer matrix in the model's safetensors files is stored as BF16 (their headers only)."""
     import json
@@ -331,8 +359,11 @@ def _stored_bf16(directory) -> bool:
         if not isinstance(header, dict):
             return False  # not a safetensors header: the load reports the file
         for name, entry in header.items():
-            if name != "__metadata__" and name.endswith("proj.weight") and (
-                    not isinstance(entry, dict) or entry.get("dtype") != "BF16"):
+            if (
+                name != "__metadata__"
+                and name.endswith("proj.weight")
+                and (not isinstance(entry, dict) or entry.get("dtype") != "BF16")
+            ):
                 return False
     return True
 
@@ -344,8 +375,11 @@ def packs_bf16_checkpoint(config: dict, directory=None) -> bool:
     with a native library here. Forward then computes in float32 from the bf16 panels, the very values
     a float32 load holds."""
     # the stored tensors decide (config.json's dtype may say otherwise); without the files, the config
-    stored_bf16 = (_stored_bf16(directory) if directory is not None
-                   else str(config.get("torch_dtype") or config.get("dtype") or "") == "bfloat16")
+    stored_bf16 = (
+        _stored_bf16(directory)
+        if directory is not None
+        else str(config.get("torch_dtype") or config.get("dtype") or "") == "bfloat16"
+    )
     if not stored_bf16:
         return False
     try:

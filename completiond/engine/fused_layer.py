@@ -16,19 +16,19 @@ from completiond.errors import EngineError
 @dataclass
 class FusedLayer:
     # The four matrices are None once released (Forward.release_layer): the native step's panels hold them.
-    ln1: torch.Tensor                # [d]
-    qkv: torch.Tensor | None         # [(H + 2*KV) * hd, d]
+    ln1: torch.Tensor  # [d]
+    qkv: torch.Tensor | None  # [(H + 2*KV) * hd, d]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor | None           # [d, H * hd]
+    o: torch.Tensor | None  # [d, H * hd]
     o_bias: torch.Tensor | None
-    ln2: torch.Tensor                # [d]
-    gate_up: torch.Tensor | None     # [2 * I, d]
+    ln2: torch.Tensor  # [d]
+    gate_up: torch.Tensor | None  # [2 * I, d]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | None        # [d, I]
+    down: torch.Tensor | None  # [d, I]
     down_bias: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation function (silu for every supported family)
     eps: float
-    q_norm: torch.Tensor | None = None   # [hd] Qwen3's per-head norms
+    q_norm: torch.Tensor | None = None  # [hd] Qwen3's per-head norms
     k_norm: torch.Tensor | None = None
     # CPU only: the same weights transposed, [in, out] contiguous, for decode and verify steps (see _proj)
     qkv_t: torch.Tensor | None = None
@@ -50,15 +50,20 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     has_bias = [m.bias is not None for m in modules]
     bias = None
     if any(has_bias):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else
-                          torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
-                          for m in modules])
+        bias = torch.cat(
+            [
+                m.bias.detach()
+                if m.bias is not None
+                else torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device)
+                for m in modules
+            ]
+        )
     start = 0
     for m in modules:
         n = m.weight.shape[0]
-        m.weight.data = weight[start:start + n]
+        m.weight.data = weight[start : start + n]
         if m.bias is not None and bias is not None:  # bias is set whenever any module has one
-            m.bias.data = bias[start:start + n]
+            m.bias.data = bias[start : start + n]
         start += n
     return weight, bias
 
@@ -69,12 +74,18 @@ def fuse_layer(layer, qk_norm: bool) -> FusedLayer:
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
     return FusedLayer(
-        ln1=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias,
-        o=attn.o_proj.weight.detach(), o_bias=bias_of(attn.o_proj),
+        ln1=layer.input_layernorm.weight.detach(),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=attn.o_proj.weight.detach(),
+        o_bias=bias_of(attn.o_proj),
         ln2=layer.post_attention_layernorm.weight.detach(),
-        gate_up=gate_up, gate_up_bias=gate_up_bias,
-        down=mlp.down_proj.weight.detach(), down_bias=bias_of(mlp.down_proj),
-        act=mlp.act_fn, eps=float(layer.input_layernorm.variance_epsilon),
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=mlp.down_proj.weight.detach(),
+        down_bias=bias_of(mlp.down_proj),
+        act=mlp.act_fn,
+        eps=float(layer.input_layernorm.variance_epsilon),
         q_norm=attn.q_norm.weight.detach() if qk_norm else None,
         k_norm=attn.k_norm.weight.detach() if qk_norm else None,
     )

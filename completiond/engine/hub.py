@@ -94,12 +94,12 @@ ProgressFn = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 @dataclass(frozen=True)
 class Pulled:
-    path: Path          # the snapshot directory
+    path: Path  # the snapshot directory
     repo: str
     revision: str | None
     commit: str
-    downloaded: int     # bytes fetched now (0: it was in the cache)
-    total: int          # bytes of the files chosen
+    downloaded: int  # bytes fetched now (0: it was in the cache)
+    total: int  # bytes of the files chosen
 
     @property
     def name(self) -> str:
@@ -107,9 +107,11 @@ class Pulled:
 
 
 def _where_to_copy(repo: str) -> str:
-    return (f"Set completiond.model to a local model directory, or run `completiond pull {repo}` on a connected "
-            f"machine and copy its {repo_folder(repo).name} folder into {cache_dir()} here "
-            "(HF_HUB_CACHE or HF_HOME choose that place)")
+    return (
+        f"Set completiond.model to a local model directory, or run `completiond pull {repo}` on a connected "
+        f"machine and copy its {repo_folder(repo).name} folder into {cache_dir()} here "
+        "(HF_HUB_CACHE or HF_HOME choose that place)"
+    )
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -140,15 +142,22 @@ def _hub_errors():
 def _describe(repo: str, exc: BaseException) -> HubError:
     errors = _hub_errors()
     if isinstance(exc, errors.GatedRepoError):
-        return HubError(f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
-                        "here (`hf auth login`, or set HF_TOKEN) and pull again")
+        return HubError(
+            f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
+            "here (`hf auth login`, or set HF_TOKEN) and pull again"
+        )
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{repo} has no such revision on the hub: {exc}")
     if isinstance(exc, errors.RepositoryNotFoundError):
-        return HubError(f"{repo} is not on the hub {endpoint()} (or it is private: log in with `hf auth login` or "
-                        "set HF_TOKEN). Check the id, or see `completiond pull --list`")
-    return HubError(f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {type(exc).__name__}: {exc}. "
-                    + _where_to_copy(repo) + ".")
+        return HubError(
+            f"{repo} is not on the hub {endpoint()} (or it is private: log in with `hf auth login` or "
+            "set HF_TOKEN). Check the id, or see `completiond pull --list`"
+        )
+    return HubError(
+        f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {type(exc).__name__}: {exc}. "
+        + _where_to_copy(repo)
+        + "."
+    )
 
 
 def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | None = None) -> Pulled:
@@ -159,9 +168,12 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
         _check_local(repo, cached, trust_remote_code)
         return Pulled(cached, repo, revision, cached.name, 0, _size(cached))
     if offline():
-        raise HubError(f"{repo}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
-                       f"({cache_dir()}), and HF_HUB_OFFLINE is set, so it cannot be downloaded. "
-                       + _where_to_copy(repo) + "; or unset HF_HUB_OFFLINE on a connected machine.")
+        raise HubError(
+            f"{repo}{'@' + revision if revision else ''} is not in the local Hugging Face cache "
+            f"({cache_dir()}), and HF_HUB_OFFLINE is set, so it cannot be downloaded. "
+            + _where_to_copy(repo)
+            + "; or unset HF_HUB_OFFLINE on a connected machine."
+        )
     from huggingface_hub import HfApi, hf_hub_download
 
     errors = _hub_errors()
@@ -194,9 +206,17 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
 
     def fetch(filename: str) -> Path:
         try:
-            path = Path(hf_hub_download(repo, filename, revision=commit, cache_dir=str(cache_dir()),
-                                        endpoint=endpoint(), etag_timeout=HUB_TIMEOUT,
-                                        **progress_hook))
+            path = Path(
+                hf_hub_download(
+                    repo,
+                    filename,
+                    revision=commit,
+                    cache_dir=str(cache_dir()),
+                    endpoint=endpoint(),
+                    etag_timeout=HUB_TIMEOUT,
+                    **progress_hook,
+                )
+            )
             if not per_byte:
                 add(sizes.get(filename, 0))
             check_digest(repo, filename, path, digests.get(filename))
@@ -225,7 +245,9 @@ def pull(model: str, trust_remote_code: bool = False, progress: ProgressFn | Non
             raise HubError(f"{repo}: {INDEX_FILE} is unreadable: {exc}") from None
         bad = [w for w in weights if "/" in w or not w.endswith(".safetensors")]
         if bad:
-            raise HubError(f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}")
+            raise HubError(
+                f"refusing {repo}: its weight index names files that are not top-level safetensors: {bad[:3]}"
+            )
         total = sum(sizes.get(f, 0) for f in small) + sum(sizes.get(w, 0) for w in weights)
     for w in weights:
         digest = digests.get(w)
@@ -259,19 +281,33 @@ def _fetch_resumable(repo: str, commit: str, filename: str, sha256: str, size: i
 
     url = f"{endpoint()}/{repo}/resolve/{commit}/{quote(filename)}"
     try:
-        resumable.fetch_blob(url, repo_folder(repo), commit, filename, sha256, size, token=get_token(),
-                             timeout=RESUME_READ_TIMEOUT, progress=add)
+        resumable.fetch_blob(
+            url,
+            repo_folder(repo),
+            commit,
+            filename,
+            sha256,
+            size,
+            token=get_token(),
+            timeout=RESUME_READ_TIMEOUT,
+            progress=add,
+        )
     except ValueError:
         raise HubError(f"{repo}: {filename} does not match the hub's sha256; it was removed, pull again") from None
     except resumable.DownloadError as exc:
         if exc.status in (401, 403):
-            raise HubError(f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log "
-                           "in here (`hf auth login`, or set HF_TOKEN) and pull again") from None
-        raise HubError(f"{repo}: downloading {filename} failed ({exc}); pull again: it continues where it "
-                       "stopped") from None
+            raise HubError(
+                f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log "
+                "in here (`hf auth login`, or set HF_TOKEN) and pull again"
+            ) from None
+        raise HubError(
+            f"{repo}: downloading {filename} failed ({exc}); pull again: it continues where it stopped"
+        ) from None
     except OSError as exc:
-        raise HubError(f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {exc}. The part already "
-                       f"downloaded is kept: pull again to continue. " + _where_to_copy(repo) + ".") from None
+        raise HubError(
+            f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {exc}. The part already "
+            f"downloaded is kept: pull again to continue. " + _where_to_copy(repo) + "."
+        ) from None
 
 
 def _digest(sibling) -> tuple[str, str] | None:
@@ -306,8 +342,10 @@ def check_digest(repo: str, filename: str, path: Path, digest: tuple[str, str] |
             os.unlink(path)
         except OSError:
             pass
-        raise HubError(f"{repo}: {filename} does not match the hub's {kind} ({h.hexdigest()[:12]}... instead of "
-                       f"{want[:12]}...); it was removed, pull again")
+        raise HubError(
+            f"{repo}: {filename} does not match the hub's {kind} ({h.hexdigest()[:12]}... instead of "
+            f"{want[:12]}...); it was removed, pull again"
+        )
 
 
 def check_free_space(folder: Path, needed: int) -> None:
@@ -317,16 +355,20 @@ def check_free_space(folder: Path, needed: int) -> None:
     where = folder
     while not where.exists() and where != where.parent:
         where = where.parent
-    have = sum(p.stat().st_size for p in (folder / "blobs").iterdir() if p.is_file()) if (folder / "blobs").is_dir() else 0
+    have = (
+        sum(p.stat().st_size for p in (folder / "blobs").iterdir() if p.is_file()) if (folder / "blobs").is_dir() else 0
+    )
     missing = max(0, needed - have)
     try:
         free = shutil.disk_usage(where).free
     except OSError:
         return
     if missing and free < missing * 1.05 + (64 << 20):
-        raise HubError(f"not enough free disk space for this model: {missing / 1e9:.2f} GB to download, "
-                       f"{free / 1e9:.2f} GB free in {where}; free some space (or set HF_HUB_CACHE to a larger disk) "
-                       "and pull again")
+        raise HubError(
+            f"not enough free disk space for this model: {missing / 1e9:.2f} GB to download, "
+            f"{free / 1e9:.2f} GB free in {where}; free some space (or set HF_HUB_CACHE to a larger disk) "
+            "and pull again"
+        )
 
 
 def _size(path: Path) -> int:

@@ -23,8 +23,16 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 INFO_FILES = ("completiond.json",)
 INDEX_FILE = "model.safetensors.index.json"
 # Files beside a model's weights that are trained on it here (keyed to its identity), not part of it.
@@ -34,10 +42,18 @@ DRAFT_FILES = frozenset({"exit_adapter.safetensors", "medusa_heads.safetensors"}
 # FIFO, or a multi-gigabyte "config", fails at once with its name instead of exhausting memory. The caps
 # are far above real files (Qwen2.5's tokenizer.json: 7 MB; a 405B model's weight index: 100 kB).
 SIDE_FILE_LIMITS: dict[str, int] = {
-    "config.json": 1 << 20, "generation_config.json": 1 << 20, "completiond.json": 1 << 20,
-    INDEX_FILE: 16 << 20, "tokenizer.json": 64 << 20, "tokenizer_config.json": 16 << 20,
-    "special_tokens_map.json": 1 << 20, "added_tokens.json": 16 << 20, "vocab.json": 32 << 20,
-    "merges.txt": 32 << 20, "tokenizer.model": 32 << 20, "chat_template.jinja": 1 << 20,
+    "config.json": 1 << 20,
+    "generation_config.json": 1 << 20,
+    "completiond.json": 1 << 20,
+    INDEX_FILE: 16 << 20,
+    "tokenizer.json": 64 << 20,
+    "tokenizer_config.json": 16 << 20,
+    "special_tokens_map.json": 1 << 20,
+    "added_tokens.json": 16 << 20,
+    "vocab.json": 32 << 20,
+    "merges.txt": 32 << 20,
+    "tokenizer.model": 32 << 20,
+    "chat_template.jinja": 1 << 20,
 }
 REF_LIMIT = 256  # refs/<revision>: one commit hash
 
@@ -45,9 +61,14 @@ REF_LIMIT = 256  # refs/<revision>: one commit hash
 # far beyond any released model (Llama 3.1 405B: 126 layers, hidden 16,384, intermediate 53,248, 128 heads;
 # Gemma: vocabulary 256,000; Llama 4 Scout: 10M positions) and keeps one value from asking for terabytes.
 CONFIG_LIMITS: tuple[tuple[str, int], ...] = (
-    ("num_hidden_layers", 1024), ("hidden_size", 65_536), ("num_attention_heads", 1024),
-    ("num_key_value_heads", 1024), ("head_dim", 4096), ("vocab_size", 1 << 21),
-    ("intermediate_size", 1 << 20), ("max_position_embeddings", 1 << 24),
+    ("num_hidden_layers", 1024),
+    ("hidden_size", 65_536),
+    ("num_attention_heads", 1024),
+    ("num_key_value_heads", 1024),
+    ("head_dim", 4096),
+    ("vocab_size", 1 << 21),
+    ("intermediate_size", 1 << 20),
+    ("max_position_embeddings", 1 << 24),
 )
 
 
@@ -66,8 +87,12 @@ MAX_REVISION = 128
 
 
 def valid_revision(revision: str) -> bool:
-    return (len(revision) <= MAX_REVISION and _REVISION.match(revision) is not None and ".." not in revision
-            and not revision.endswith((".lock", ".")))
+    return (
+        len(revision) <= MAX_REVISION
+        and _REVISION.match(revision) is not None
+        and ".." not in revision
+        and not revision.endswith((".lock", "."))
+    )
 
 
 def parse(model: str) -> tuple[str, str | None]:
@@ -77,12 +102,16 @@ def parse(model: str) -> tuple[str, str | None]:
     repo = entry.repo if entry is not None else name
     if not _HUB_ID.match(repo) or ".." in repo:
         short = ", ".join(CATALOG_BY_NAME)
-        raise HubError(f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
-                       f"@revision), nor a short name ({short}). A local directory must be written as a path: "
-                       f"starting with './', '../', '/' or '~'.")
+        raise HubError(
+            f"{model!r} is neither a local directory, nor a Hugging Face hub id (org/name, optionally "
+            f"@revision), nor a short name ({short}). A local directory must be written as a path: "
+            f"starting with './', '../', '/' or '~'."
+        )
     if revision and not valid_revision(revision):
-        raise HubError(f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
-                       f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)")
+        raise HubError(
+            f"{model!r}: {revision!r} is not a revision (a branch, tag or commit: letters, digits, "
+            f"'_', '-', '.', '+' in '/'-separated parts, no '..', at most {MAX_REVISION} characters)"
+        )
     return repo, revision or None
 
 
@@ -105,7 +134,7 @@ def name_for_path(path: Path) -> str | None:
     """The hub id and revision of a snapshot directory of a hub cache, else None."""
     parts = Path(path).resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
-        repo = parts[-3][len("models--"):].replace("--", "/", 1)
+        repo = parts[-3][len("models--") :].replace("--", "/", 1)
         return display_name(repo, None, parts[-1])
     return None
 
@@ -180,11 +209,15 @@ def check_sizes(repo: str, config: dict) -> None:
         if value is None:
             continue  # transformers' default for the family (all small) applies
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise HubError(f"refusing {repo}: its config.json has {key} = {value!r}; the engine accepts a whole "
-                           f"number from 1 to {limit:,}")
+            raise HubError(
+                f"refusing {repo}: its config.json has {key} = {value!r}; the engine accepts a whole "
+                f"number from 1 to {limit:,}"
+            )
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv > heads:
-        raise HubError(f"refusing {repo}: its config.json has num_key_value_heads = {kv} > num_attention_heads = {heads}")
+        raise HubError(
+            f"refusing {repo}: its config.json has num_key_value_heads = {kv} > num_attention_heads = {heads}"
+        )
 
 
 def _ref(folder: Path, revision: str) -> str | None:
@@ -240,7 +273,8 @@ def choose_files(repo: str, files: Iterable[str], trust_remote_code: bool = Fals
             raise HubError(
                 f"refusing to download {repo}: it publishes only pickle weights ({', '.join(pickles[:4])}), which can "
                 "run arbitrary code when loaded. Pick a release with *.safetensors weights, or convert it "
-                "(transformers' save_pretrained(..., safe_serialization=True)) and set the model to that directory.")
+                "(transformers' save_pretrained(..., safe_serialization=True)) and set the model to that directory."
+            )
         raise HubError(f"{repo} has no *.safetensors weights at the top of the repository; it cannot be loaded")
     if INDEX_FILE in top:
         weights = [INDEX_FILE]  # the shards it names are added once the index is read
@@ -263,11 +297,14 @@ def check_config(repo: str, config: dict, trust_remote_code: bool = False) -> No
         raise HubError(
             f"refusing {repo}: its config names its own Python code ({classes}), which would run on this machine. "
             "Allow it only for a repository you trust: trustRemoteCode = true in the settings, or "
-            "`completiond pull --trust-remote-code`.")
+            "`completiond pull --trust-remote-code`."
+        )
     family = config.get("model_type")
     if family not in FAMILIES:
-        raise HubError(f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
-                       f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)")
+        raise HubError(
+            f"{repo} is a {family!r} model, which the engine cannot run yet; supported families: "
+            f"{', '.join(sorted(FAMILIES))} (see `completiond pull --list`)"
+        )
     check_sizes(repo, config)
 
 

@@ -28,8 +28,15 @@ _SUPERSEDED = 8
 
 
 class KVSequence:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 capacity: int = _CAPACITY_STEP):
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        capacity: int = _CAPACITY_STEP,
+    ):
         capacity = _round_up(max(capacity, 1))
         # [layers, kv_heads, capacity, head_dim]; slots past len(tokens) are scratch space
         # that a round may write ahead into before it knows what is accepted.
@@ -79,8 +86,14 @@ class KVSequence:
             self.companion.crop(self.length)
 
     def copy_prefix(self, length: int, extra_capacity: int = 0) -> "KVSequence":
-        out = KVSequence(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.k.dtype, self.k.device,
-                         capacity=length + extra_capacity)
+        out = KVSequence(
+            self.k.shape[0],
+            self.k.shape[1],
+            self.k.shape[3],
+            self.k.dtype,
+            self.k.device,
+            capacity=length + extra_capacity,
+        )
         out.k[:, :, :length] = self.k[:, :, :length]
         out.v[:, :, :length] = self.v[:, :, :length]
         out.tokens[:length] = self.tokens[:length]
@@ -102,8 +115,9 @@ class KVSequence:
 class PrefixCache:
     """Sequences not in use, most recently used last."""
 
-    def __init__(self, budget_bytes: int, on_evict: Callable[[KVSequence], None] | None = None,
-                 branch_threshold: int = 128):
+    def __init__(
+        self, budget_bytes: int, on_evict: Callable[[KVSequence], None] | None = None, branch_threshold: int = 128
+    ):
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
         # Reusing a sequence in place throws away its tail past the common
@@ -118,9 +132,16 @@ class PrefixCache:
 
     def stats(self) -> dict[str, int]:
         """What the cache holds and has done (the daemon's stats)."""
-        return {"bytes": self.nbytes, "budget_bytes": self.budget_bytes, "sequences": len(self._entries),
-                "tokens": sum(s.length for s in self._entries.values()), "lookups": self.lookups, "hits": self.hits,
-                "evictions": self.evictions, "superseded": self.superseded}
+        return {
+            "bytes": self.nbytes,
+            "budget_bytes": self.budget_bytes,
+            "sequences": len(self._entries),
+            "tokens": sum(s.length for s in self._entries.values()),
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "evictions": self.evictions,
+            "superseded": self.superseded,
+        }
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +185,10 @@ class PrefixCache:
         # A sequence this one holds (nearly) all of is only its shorter copy: drop it, so that the budget
         # keeps distinct prefixes (other files, other regions of a file) rather than copies of one.
         for key, other in list(self._entries.items()):
-            if other.length <= seq.length and seq.common_prefix(other.tokens[:other.length]) >= other.length - _SUPERSEDED:
+            if (
+                other.length <= seq.length
+                and seq.common_prefix(other.tokens[: other.length]) >= other.length - _SUPERSEDED
+            ):
                 del self._entries[key]
                 self.superseded += 1
                 if self.on_evict is not None:

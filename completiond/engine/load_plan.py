@@ -28,30 +28,39 @@ READERS = ("auto", "transformers")
 class Machine:
     """What the loader found out with torch: the device, the dtype names, and two questions about the model
     only torch-side code answers (forward.packs_bf16_checkpoint, checkpoint.eligible)."""
+
     device: str
-    dtype: str                                     # the dtype asked for, resolved (pick_dtype)
-    packs_bf16: Callable[[dict, Path], bool]       # read as bf16 and pack layer by layer (CPU, native step)
+    dtype: str  # the dtype asked for, resolved (pick_dtype)
+    packs_bf16: Callable[[dict, Path], bool]  # read as bf16 and pack layer by layer (CPU, native step)
     checkpoint_refusal: Callable[[dict, Path, bool], str | None]  # why engine/checkpoint.py cannot read it
-    has_adapter: Callable[[Path, str], bool]       # an exit adapter for this model exists
+    has_adapter: Callable[[Path, str], bool]  # an exit adapter for this model exists
 
 
 @dataclass(frozen=True)
 class LoadPlan:
-    name: str                    # what status displays call the model
-    path: Path                   # the local model directory
-    config: dict                 # config.json ({} when it is not an object)
-    model_id: str                # model_identity(path): what calibration records and trained drafts key on
+    name: str  # what status displays call the model
+    path: Path  # the local model directory
+    config: dict  # config.json ({} when it is not an object)
+    model_id: str  # model_identity(path): what calibration records and trained drafts key on
     device: str
-    read_dtype: str              # the dtype the weights are read in
-    compute_dtype: str | None    # float32 for a bf16 checkpoint read as bf16 only to be packed; None: read_dtype
+    read_dtype: str  # the dtype the weights are read in
+    compute_dtype: str | None  # float32 for a bf16 checkpoint read as bf16 only to be packed; None: read_dtype
     why_transformers: str | None  # why transformers' model classes read it (None: engine/checkpoint.py does)
-    weights: str                 # the native step's weight format (native.WEIGHT_FORMATS)
+    weights: str  # the native step's weight format (native.WEIGHT_FORMATS)
     warnings: list[str] = field(default_factory=list)  # memory: told to the user before the weights load
 
 
-def plan(model: str | os.PathLike | None, machine: Machine, dtype: str, trust_remote_code: bool,
-         cache_bytes: int | None, weights: str, reader: str, formats: tuple[str, ...],
-         download_progress: Callable[[int, int], None] | None = None) -> LoadPlan:
+def plan(
+    model: str | os.PathLike | None,
+    machine: Machine,
+    dtype: str,
+    trust_remote_code: bool,
+    cache_bytes: int | None,
+    weights: str,
+    reader: str,
+    formats: tuple[str, ...],
+    download_progress: Callable[[int, int], None] | None = None,
+) -> LoadPlan:
     """The plan for loading model on machine; EngineError for a model or setting it refuses."""
     if weights not in formats:
         raise EngineError(f"unknown weights format {weights!r}; use {', '.join(formats)}")
@@ -71,16 +80,23 @@ def plan(model: str | os.PathLike | None, machine: Machine, dtype: str, trust_re
     if dtype == "auto" and device == "cpu" and config and machine.packs_bf16(config, local):
         read_dtype, compute_dtype = "bfloat16", "float32"
     model_id = model_identity(local)
-    why = ("asked for" if reader != "auto" else "not packed from bf16" if compute_dtype is None
-           else machine.checkpoint_refusal(config, local, trust_remote_code))
+    why = (
+        "asked for"
+        if reader != "auto"
+        else "not packed from bf16"
+        if compute_dtype is None
+        else machine.checkpoint_refusal(config, local, trust_remote_code)
+    )
     if why is None and machine.has_adapter(local, model_id):
         why = "an exit adapter is built from transformers' layer classes"
-    return LoadPlan(name, local, config, model_id, device, read_dtype, compute_dtype, why, weights,
-                    [warning] if warning else [])
+    return LoadPlan(
+        name, local, config, model_id, device, read_dtype, compute_dtype, why, weights, [warning] if warning else []
+    )
 
 
-def resolve(model: str | os.PathLike | None, trust_remote_code: bool,
-            download_progress: Callable[[int, int], None] | None) -> tuple[Path, str]:
+def resolve(
+    model: str | os.PathLike | None, trust_remote_code: bool, download_progress: Callable[[int, int], None] | None
+) -> tuple[Path, str]:
     """(local directory, display name): the bundled model for none, a local path as it is, else a hub id or
     short name fetched into the Hugging Face cache (engine/hub.py: the cache first, failing fast offline)."""
     if not model:

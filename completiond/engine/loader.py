@@ -36,8 +36,12 @@ def pick_dtype(dtype: str, device: str) -> torch.dtype:
             return torch.float16  # GPUs before Ampere emulate bfloat16 slowly
         return torch.bfloat16
     try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float64": torch.float64}[dtype]
+        return {
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float64": torch.float64,
+        }[dtype]
     except KeyError:
         raise EngineError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
 
@@ -51,8 +55,13 @@ def machine(device: str, dtype: str, threads: int | None) -> load_plan.Machine:
         # threads that wait for each other.
         torch.set_num_threads(threads)
     name = str(pick_dtype(dtype, device)).removeprefix("torch.")
-    return load_plan.Machine(device, name, packs_bf16_checkpoint, checkpoint.eligible,
-                             lambda path, model_id: any(p.exists() for p in adapter_paths(path, model_id)))
+    return load_plan.Machine(
+        device,
+        name,
+        packs_bf16_checkpoint,
+        checkpoint.eligible,
+        lambda path, model_id: any(p.exists() for p in adapter_paths(path, model_id)),
+    )
 
 
 def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str], None]) -> tuple[Any, Any]:
@@ -61,7 +70,9 @@ def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str],
     try:
         say("tokenizer")
         # the tokenizer without transformers only where the model loads without it: else nothing is saved
-        tok = tokenizer_mod.load_tokenizer(plan.path, plan.config, trust_remote_code, light=plan.why_transformers is None)
+        tok = tokenizer_mod.load_tokenizer(
+            plan.path, plan.config, trust_remote_code, light=plan.why_transformers is None
+        )
         say("weights")
         hf: torch.nn.Module  # checkpoint's light CausalLM, or transformers' model
         if plan.why_transformers is None:
@@ -70,8 +81,13 @@ def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str],
             tokenizer_mod.quiet_transformers()
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(str(plan.path), dtype=read_dtype, use_safetensors=True,
-                                                      trust_remote_code=trust_remote_code, local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(plan.path),
+                dtype=read_dtype,
+                use_safetensors=True,
+                trust_remote_code=trust_remote_code,
+                local_files_only=True,
+            )
     except OSError as exc:
         raise EngineError(f"cannot load model {plan.name} from {plan.path}: {exc}") from exc
     except checkpoint.config_errors() as exc:

@@ -74,7 +74,7 @@ class NgramIndex:
         for p in range(self.length - 1, keep - 1, -1):  # drop what the sequence no longer has
             for n in self.sizes:
                 if p - n + 1 >= 0:
-                    key = tuple(self.tokens[p - n + 1:p + 1].tolist())
+                    key = tuple(self.tokens[p - n + 1 : p + 1].tolist())
                     ends = self.ends.get(key)
                     if ends and ends[-1] == p:
                         ends.pop()
@@ -95,7 +95,7 @@ class NgramIndex:
             if first >= length:
                 continue
             a = first - n + 1 - lo
-            keys = zip(*(toks[a + i:length - lo - n + 1 + i] for i in range(n)))
+            keys = zip(*(toks[a + i : length - lo - n + 1 + i] for i in range(n)))
             for p, key in zip(range(first, length), keys):
                 got = index.get(key)
                 if got is None:
@@ -122,11 +122,15 @@ class NgramIndex:
             if not ends:
                 continue
             cap = k if n == max(self.sizes) else min(k, SHORT_MATCH_K)
-            best = _best_occurrence(ends, lambda e: self.length - e - 1, cap,
-                                    # the occurrence that is the tail itself
-                                    skip=lambda e, n=n: e + 1 >= stream_end + n - 1 and e + 1 >= self.length)
+            best = _best_occurrence(
+                ends,
+                lambda e: self.length - e - 1,
+                cap,
+                # the occurrence that is the tail itself
+                skip=lambda e, n=n: e + 1 >= stream_end + n - 1 and e + 1 >= self.length,
+            )
             if best[0]:
-                return self.tokens[best[1]:best[1] + best[0]].tolist()
+                return self.tokens[best[1] : best[1] + best[0]].tolist()
         return []
 
 
@@ -161,7 +165,7 @@ class OutputHistory:
 
     def add(self, context: list[int], output: list[int]) -> None:
         """Record one request's output with the prompt tokens just before it."""
-        seg = [int(t) for t in context[len(context) - min(len(context), HISTORY_CONTEXT):]] + [int(t) for t in output]
+        seg = [int(t) for t in context[len(context) - min(len(context), HISTORY_CONTEXT) :]] + [int(t) for t in output]
         if not output or len(seg) <= self.n or (self.outputs and self.outputs[-1] == seg):
             return  # nothing to continue from, or the same request again (a re-request at one cursor)
         self.outputs.append(seg)
@@ -182,7 +186,7 @@ class OutputHistory:
         self.stream.extend(seg)
         self.stream.append(self.SEP)
         for i in range(n - 1, len(seg)):
-            self.ends.setdefault(tuple(seg[i - n + 1:i + 1]), []).append(base + i)
+            self.ends.setdefault(tuple(seg[i - n + 1 : i + 1]), []).append(base + i)
 
     def _continuation(self, e: int) -> int:
         """Tokens after position e up to the end of its output."""
@@ -195,11 +199,11 @@ class OutputHistory:
         """Up to k tokens that followed the last n tokens of `tail` in an earlier output."""
         if len(tail) < self.n or k < 1:
             return []
-        ends = self.ends.get(tuple(int(t) for t in tail[-self.n:]))
+        ends = self.ends.get(tuple(int(t) for t in tail[-self.n :]))
         if not ends:
             return []
         got, start = _best_occurrence(ends, self._continuation, k)
-        return self.stream[start:start + got]
+        return self.stream[start : start + got]
 
 
 def lookup_for(seq: "KVSequence", pending: int, k: int, history: OutputHistory | None = None) -> tuple[list[int], bool]:
@@ -210,7 +214,7 @@ def lookup_for(seq: "KVSequence", pending: int, k: int, history: OutputHistory |
         seq.lookup = NgramIndex()
     index = seq.lookup
     index.sync(seq.tokens, seq.length)
-    tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1):seq.length].tolist() + [pending]
+    tail = seq.tokens[max(0, seq.length - max(NGRAM_SIZES) + 1) : seq.length].tolist() + [pending]
     found = index.propose(tail, k, index.sizes[:1])
     if found:
         return found, False

@@ -42,8 +42,8 @@ DEFAULT_TREE: tuple[tuple[int, ...], ...] = ((0,), (1,), (0, 0), (1, 0), (0, 0, 
 
 @dataclass
 class Medusa:
-    weights: list          # [d, d] per head, in the engine's dtype and device
-    biases: list           # [d] per head
+    weights: list  # [d, d] per head, in the engine's dtype and device
+    biases: list  # [d] per head
     path: Path
     training: dict = field(default_factory=dict)
     tree: tuple = DEFAULT_TREE
@@ -88,10 +88,10 @@ def candidates(engine: "Runner", medusa: Medusa, h: torch.Tensor, depth: int, wi
 
 @dataclass
 class Tree:
-    tokens: list[int]                 # node 0 is the root (pending)
-    parents: list[int]                # -1 for the root
+    tokens: list[int]  # node 0 is the root (pending)
+    parents: list[int]  # -1 for the root
     depth: list[int]
-    children: list[dict[int, int]]    # token -> child node
+    children: list[dict[int, int]]  # token -> child node
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -118,8 +118,13 @@ class Tree:
         return anc.to(device)
 
 
-def build_tree(pending: int, cand: list[list[int]], shape: Sequence[tuple[int, ...]], chains: Sequence[list[int]] = (),
-               max_depth: int = 1 << 30) -> Tree:
+def build_tree(
+    pending: int,
+    cand: list[list[int]],
+    shape: Sequence[tuple[int, ...]],
+    chains: Sequence[list[int]] = (),
+    max_depth: int = 1 << 30,
+) -> Tree:
     """The tree of the rank paths in `shape` (prefix-closed) over the candidate lists, plus each chain
     as a branch from the root; nodes deeper than max_depth are left out."""
     tree = Tree([pending], [-1], [0], [{}])
@@ -208,7 +213,7 @@ class TreeDecoder:
                 seq.v[:L, :, p0 + j] = seq.v[:L, :, p0 + i]
         accepted = [tree.tokens[i] for i in path[1:]]
         seq.commit([pending] + accepted)
-        self.h_prev = h[:, path[-1]:path[-1] + 1]
+        self.h_prev = h[:, path[-1] : path[-1] + 1]
         stats.draft_ms += 1000 * (t1 - t0)
         stats.verify_ms += 1000 * (time.perf_counter() - t1)
         stats.drafted += n - 1

@@ -48,8 +48,15 @@ def available_bytes(device: str) -> int | None:
         return None
 
 
-def fit_warning(name: str, model_dir: Path, bytes_per_param: int, dtype_name: str, device: str,
-                cache_bytes: int, available: int | None = None) -> str:
+def fit_warning(
+    name: str,
+    model_dir: Path,
+    bytes_per_param: int,
+    dtype_name: str,
+    device: str,
+    cache_bytes: int,
+    available: int | None = None,
+) -> str:
     """A warning for the user when the model (or its KV cache budget) will not fit; '' when it will."""
     try:
         params = parameter_count(model_dir)
@@ -61,20 +68,26 @@ def fit_warning(name: str, model_dir: Path, bytes_per_param: int, dtype_name: st
         return ""
     what = "free on the GPU" if device.startswith("cuda") else "available memory"
     if weights > available:
-        hint = ("pick a smaller model (`completiond pull --list`)" +
-                (", or dtype bfloat16 to halve it" if bytes_per_param == 4 else ""))
-        return (f"{name} will probably not fit: its weights need about {weights / GIB:.1f} GiB in {dtype_name}, "
-                f"and {device} has {available / GIB:.1f} GiB {what}; {hint}")
+        hint = "pick a smaller model (`completiond pull --list`)" + (
+            ", or dtype bfloat16 to halve it" if bytes_per_param == 4 else ""
+        )
+        return (
+            f"{name} will probably not fit: its weights need about {weights / GIB:.1f} GiB in {dtype_name}, "
+            f"and {device} has {available / GIB:.1f} GiB {what}; {hint}"
+        )
     if weights + cache_bytes > available:
-        return (f"{name} fits ({weights / GIB:.1f} GiB of weights in {dtype_name}), but with its KV cache budget of "
-                f"{cache_bytes / GIB:.1f} GiB it may run out of memory ({available / GIB:.1f} GiB {what} on {device}); "
-                "lower completiond.cacheMegabytes")
+        return (
+            f"{name} fits ({weights / GIB:.1f} GiB of weights in {dtype_name}), but with its KV cache budget of "
+            f"{cache_bytes / GIB:.1f} GiB it may run out of memory ({available / GIB:.1f} GiB {what} on {device}); "
+            "lower completiond.cacheMegabytes"
+        )
     return ""
 
 
 def config_parameters(config: dict) -> int:
     """Parameters the Llama-layout model config.json describes (embeddings, attention, gated MLP, norms),
     with transformers' Llama defaults for missing values. Plain integers: no value can overflow."""
+
     def value(key: str, default: int) -> int:
         v = config.get(key)
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
@@ -96,8 +109,15 @@ CONFIG_SLACK = 1.5
 CONFIG_SLACK_PARAMS = 10_000_000
 
 
-def config_fit_error(name: str, config: dict, model_dir: Path | None, bytes_per_param: int, dtype_name: str,
-                     device: str, available: int | None = None) -> str:
+def config_fit_error(
+    name: str,
+    config: dict,
+    model_dir: Path | None,
+    bytes_per_param: int,
+    dtype_name: str,
+    device: str,
+    available: int | None = None,
+) -> str:
     """Why the model config.json describes must not be allocated (naming the values), or ''.
 
     Refused: a config describing more parameters than the weight files hold (beyond CONFIG_SLACK):
@@ -114,12 +134,18 @@ def config_fit_error(name: str, config: dict, model_dir: Path | None, bytes_per_
         except (OSError, ValueError, KeyError, TypeError):
             held = None
     available = available_bytes(device) if available is None else available
-    values = ", ".join(f"{k}={config[k]:,}" for k, _ in hub.CONFIG_LIMITS
-                       if isinstance(config.get(k), int) and not isinstance(config.get(k), bool)
-                       and k != "max_position_embeddings")
-    what = (f"cannot load {name}: its config.json ({values}) describes about {params:,} parameters, "
-            f"{need / GIB:,.1f} GiB in {dtype_name}")
-    room = f"{available / GIB:.1f} GiB available on {device}" if available is not None else f"unknown memory on {device}"
+    values = ", ".join(
+        f"{k}={config[k]:,}"
+        for k, _ in hub.CONFIG_LIMITS
+        if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and k != "max_position_embeddings"
+    )
+    what = (
+        f"cannot load {name}: its config.json ({values}) describes about {params:,} parameters, "
+        f"{need / GIB:,.1f} GiB in {dtype_name}"
+    )
+    room = (
+        f"{available / GIB:.1f} GiB available on {device}" if available is not None else f"unknown memory on {device}"
+    )
     if held is not None:
         if params > CONFIG_SLACK * held + CONFIG_SLACK_PARAMS:
             return f"{what}, but its weight files hold {held:,} ({room}); refusing to allocate a model its weights do not fill"
@@ -138,8 +164,11 @@ def parameter_count(model_dir: Path) -> int:
     """Parameters in a directory's safetensors weights, from the file headers only (no tensor is read)."""
     model_dir = Path(model_dir)
     index = model_dir / hub.INDEX_FILE
-    files = ([model_dir / s for s in hub.shards(model_dir)] if index.is_file() else
-             sorted(p for p in model_dir.glob("*.safetensors") if p.name not in hub.DRAFT_FILES))
+    files = (
+        [model_dir / s for s in hub.shards(model_dir)]
+        if index.is_file()
+        else sorted(p for p in model_dir.glob("*.safetensors") if p.name not in hub.DRAFT_FILES)
+    )
     total = 0
     for path in files:
         check_file(path, 1 << 50)  # a regular file (a FIFO here would block the read below)

@@ -41,7 +41,15 @@ def eos_ids(model, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     # FIM-trained models end the middle with one of these.
-    for name in ("<|endoftext|>", "<|fim_pad|>", "<EOT>", "▁<EOT>", "<｜end▁of▁sentence｜>", "<|file_sep|>", "<file_sep>"):
+    for name in (
+        "<|endoftext|>",
+        "<|fim_pad|>",
+        "<EOT>",
+        "▁<EOT>",
+        "<｜end▁of▁sentence｜>",
+        "<|file_sep|>",
+        "<file_sep>",
+    ):
         tid = tokenizer.convert_tokens_to_ids(name)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
             ids.add(tid)

@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelInfo:
-    path: Path | None = None            # the file it was read from; None: the model has none
-    train_context: int | None = None    # longest context seen in training (prompts stay within it)
-    fim_template: str | None = None     # the FIM family the file marks ("completiond"), else None
+    path: Path | None = None  # the file it was read from; None: the model has none
+    train_context: int | None = None  # longest context seen in training (prompts stay within it)
+    fim_template: str | None = None  # the FIM family the file marks ("completiond"), else None
     speculation: dict[str, Any] | None = None  # shipped speculation defaults (a Calibration record)
     # The languages the model was trained on, as editors name them ("python"); None: not said (any).
     languages: tuple[str, ...] | None = None
@@ -55,12 +55,17 @@ class ModelInfo:
         context = data.get("train_context")
         speculation = data.get("speculation")
         languages = data.get("languages")
-        if languages is not None and not (isinstance(languages, list) and languages
-                                          and all(isinstance(x, str) and x for x in languages)):
-            log.warning("ignoring \"languages\" in %s: expected a list of language ids", path)
+        if languages is not None and not (
+            isinstance(languages, list) and languages and all(isinstance(x, str) and x for x in languages)
+        ):
+            log.warning('ignoring "languages" in %s: expected a list of language ids', path)
             languages = None
-        return cls(path=path,
-                   train_context=context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None,
-                   fim_template="completiond",
-                   speculation=speculation if isinstance(speculation, dict) else None,
-                   languages=tuple(x.lower() for x in languages) if languages else None)
+        return cls(
+            path=path,
+            train_context=context
+            if isinstance(context, int) and not isinstance(context, bool) and context > 0
+            else None,
+            fim_template="completiond",
+            speculation=speculation if isinstance(speculation, dict) else None,
+            languages=tuple(x.lower() for x in languages) if languages else None,
+        )

@@ -46,11 +46,11 @@ class Stats:
     draft: str = ""  # the model draft used: a DraftKind's name, or "" (none)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    lookup_rounds: int = 0      # rounds whose draft came from prompt lookup
+    lookup_rounds: int = 0  # rounds whose draft came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     lookup_rejected: int = 0
-    history_rounds: int = 0     # of the lookup rounds, those whose draft came from earlier requests' outputs
+    history_rounds: int = 0  # of the lookup rounds, those whose draft came from earlier requests' outputs
     history_accepted: int = 0
 
     @property

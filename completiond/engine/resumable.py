@@ -41,8 +41,18 @@ class _SameHostAuth(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def fetch_blob(url: str, folder: Path, commit: str, filename: str, sha256: str, size: int, *,
-               token: str | None, timeout: float, progress: Callable[[int], None]) -> Path:
+def fetch_blob(
+    url: str,
+    folder: Path,
+    commit: str,
+    filename: str,
+    sha256: str,
+    size: int,
+    *,
+    token: str | None,
+    timeout: float,
+    progress: Callable[[int], None],
+) -> Path:
     """Download `filename` (whose sha256 the hub gave) into the cache `folder` of its repository, resuming a
     partial download; returns the snapshot path. Raises DownloadError, or ValueError when the assembled
     file does not hash to `sha256` (the partial file is removed then: the next pull starts afresh)."""
@@ -74,8 +84,9 @@ def fetch_blob(url: str, folder: Path, commit: str, filename: str, sha256: str, 
     return link
 
 
-def _download(url: str, partial: Path, size: int, *, token: str | None, timeout: float,
-              progress: Callable[[int], None]) -> None:
+def _download(
+    url: str, partial: Path, size: int, *, token: str | None, timeout: float, progress: Callable[[int], None]
+) -> None:
     have = partial.stat().st_size if partial.is_file() else 0
     if size and have > size:  # not ours to continue: start over
         partial.unlink()
@@ -107,7 +118,9 @@ def _download(url: str, partial: Path, size: int, *, token: str | None, timeout:
                     out.write(block)
                     progress(len(block))
             except http.client.HTTPException as exc:  # the connection ended early (IncompleteRead)
-                raise DownloadError(f"the download stopped at {out.tell()} of {size} bytes ({type(exc).__name__})") from None
+                raise DownloadError(
+                    f"the download stopped at {out.tell()} of {size} bytes ({type(exc).__name__})"
+                ) from None
     # A whole response that still differs from the hub's size fails the sha256 check next.
 
 

@@ -22,21 +22,28 @@ if TYPE_CHECKING:
 
 
 class Runner(Protocol):
-    model: Any                 # the loaded transformers module (its config; an adapter copies a layer's shape)
-    model_id: str              # the identity trained draft files are keyed to
-    device: Any                # torch device (or its name)
+    model: Any  # the loaded transformers module (its config; an adapter copies a layer's shape)
+    model_id: str  # the identity trained draft files are keyed to
+    device: Any  # torch device (or its name)
     dtype: torch.dtype
-    num_layers: int            # the model's own layers (an attached exit adapter's layer comes after them)
+    num_layers: int  # the model's own layers (an attached exit adapter's layer comes after them)
     vocab_size: int
     eos_token_ids: set[int]
-    eos_ids_tensor: torch.Tensor           # the same ids, [n] int64, for native drafts
-    resident_ids: bool                     # keep token ids on the device within a round (accelerators)
-    fwd: "Forward"                         # the fused forward pass (layers, norm, head, native step)
-    draft_ids: torch.Tensor | None         # [Vd] the ids a draft head scores, or None: all of them
+    eos_ids_tensor: torch.Tensor  # the same ids, [n] int64, for native drafts
+    resident_ids: bool  # keep token ids on the device within a round (accelerators)
+    fwd: "Forward"  # the fused forward pass (layers, norm, head, native step)
+    draft_ids: torch.Tensor | None  # [Vd] the ids a draft head scores, or None: all of them
     draft_head_weight: torch.Tensor | None  # [Vd, d] the LM head's rows for draft_ids
 
-    def run_layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: "KVSequence",
-                   tree: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        first: int,
+        last: int,
+        pos: int,
+        seq: "KVSequence",
+        tree: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+    ) -> torch.Tensor:
         """Layers [first, last) on h [1, t, d] at positions [pos, pos + t), writing their K/V into seq."""
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
-def accept_sampled(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
-                   gen: torch.Generator) -> tuple[int, int]:
+def accept_sampled(draft: list[int], q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
     """Speculative sampling over one round.
 
     draft: k drafted ids; q: [k, V] draft probs (None when k == 0); p: [k+1, V] target probs.
@@ -88,8 +87,9 @@ def accept_sampled(draft: list[int], q: torch.Tensor | None, p: torch.Tensor,
     return len(draft), sample(p[len(draft)], gen)
 
 
-def accept_sampled_resident(draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
-                            gen: torch.Generator) -> torch.Tensor:
+def accept_sampled_resident(
+    draft: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
     """accept_sampled without reading anything back: the same test and the same distributions,
     computed on the device, for accelerators where each read stalls the host.
 
@@ -103,7 +103,9 @@ def accept_sampled_resident(draft: torch.Tensor, q: torch.Tensor | None, p: torc
     rows = torch.arange(k, device=p.device)
     u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype)
     rejected = u >= torch.clamp(p[rows, draft] / q[rows, draft], max=1.0)  # [k]: not min(1, p(x)/q(x))
-    m = torch.where(rejected.any(), rejected.to(torch.long).argmax(), torch.tensor(k, device=p.device))  # first one, else k
+    m = torch.where(
+        rejected.any(), rejected.to(torch.long).argmax(), torch.tensor(k, device=p.device)
+    )  # first one, else k
     # Row k of q is zero: with every draft accepted, the "residual" of p[k] is p[k] itself, the bonus.
     q_ext = torch.cat([q.to(p.dtype), p.new_zeros(1, vocab)])  # [k+1, V]
     at = m.view(1)

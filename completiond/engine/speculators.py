@@ -36,6 +36,7 @@ __all__ = ["MODEL_DRAFTS", "REGISTRY", "SETTINGS", "DraftKind", "Plan", "Specula
 class Plan:
     """How one request drafts: what replaced the settings tuple. `kind` is the model draft the calibrated
     figures are looked up for; `speculative` says whether it runs."""
+
     kind: DraftKind
     speculative: bool
     exit_layer: int
@@ -44,11 +45,12 @@ class Plan:
     lookup: bool
     adaptive_k: bool = True
     alpha0: float = 0.7  # acceptance to start K's choice from (the calibrated one where it applies)
-    cost: float = 0.25   # one draft step relative to one verify pass
+    cost: float = 0.25  # one draft step relative to one verify pass
 
 
 class Speculator:
     """One draft kind. Subclasses name their kind and override what differs from the plain early exit."""
+
     kind: ClassVar[DraftKind]
     missing: ClassVar[str] = ""  # the error when a request asks for it and it is not available
     stats_exit_layer: ClassVar[int | None] = None  # the exit layer stats report (None: the plan's)
@@ -155,6 +157,7 @@ class Medusa(Speculator):
 
 class NoModelDraft(Speculator):
     """Prompt lookup alone (a plain step where it finds nothing), or plain steps."""
+
     kind = DraftKind.NONE
     tag = "no model draft "
 
@@ -170,11 +173,13 @@ class NoModelDraft(Speculator):
 
 
 REGISTRY: dict[DraftKind, Speculator] = {
-    s.kind: s for s in (EarlyExit(), ExitAdapter(), DraftModel(), Medusa(), NoModelDraft())}
+    s.kind: s for s in (EarlyExit(), ExitAdapter(), DraftModel(), Medusa(), NoModelDraft())
+}
 
 
 class ChainRound:
     """Rounds of a chain draft (or prompt lookup alone): draft K tokens, verify them in one pass, accept."""
+
     merges_prefill = True
 
     def __init__(self, draft: Draft, plan: Plan, room: int):
@@ -182,12 +187,22 @@ class ChainRound:
         self.plan = plan
         self.room = room
 
-    def step(self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int,
-             req: Request) -> list[int] | None:
+    def step(
+        self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int, req: Request
+    ) -> list[int] | None:
         if remaining <= 0:
             return [_plain(engine, seq, pending, out, req)]
-        return speculative_round(engine, seq, pending, out, self.draft, min(self.k(req), remaining),
-                                 self.plan.threshold, req, limit=remaining)
+        return speculative_round(
+            engine,
+            seq,
+            pending,
+            out,
+            self.draft,
+            min(self.k(req), remaining),
+            self.plan.threshold,
+            req,
+            limit=remaining,
+        )
 
     def k(self, req: Request) -> int:
         """K for this round: the most the plan allows, or with adaptive K the best for the acceptance so far,
@@ -202,6 +217,7 @@ class ChainRound:
 
 class TreeRound:
     """Rounds of a token tree (Medusa): its own draft and verify in each step."""
+
     merges_prefill = False
     draft = None
 
@@ -209,8 +225,9 @@ class TreeRound:
         self.tree = tree
         self.room = tree.max_nodes
 
-    def step(self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int,
-             req: Request) -> list[int] | None:
+    def step(
+        self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int, req: Request
+    ) -> list[int] | None:
         if remaining <= 0:
             return [_plain(engine, seq, pending, out, req)]
         return self.tree.step(seq, pending, remaining, req.stats)
@@ -218,14 +235,16 @@ class TreeRound:
 
 class PlainRound:
     """No draft: one plain step a round."""
+
     merges_prefill = True
     draft = None
 
     def __init__(self, room: int):
         self.room = room
 
-    def step(self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int,
-             req: Request) -> list[int] | None:
+    def step(
+        self, engine: Host, seq: KVSequence, pending: int, out: list[int], remaining: int, req: Request
+    ) -> list[int] | None:
         return [_plain(engine, seq, pending, out, req)]
 
 
@@ -242,8 +261,12 @@ def plan(engine: Host, params: SamplingParams, greedy: bool, constrained: bool) 
     asked = None if params.draft is None else DraftKind.parse(params.draft)
     k_max = max(1, params.draft_k or cal.draft_k)
     if asked is DraftKind.NONE:  # no model draft: prompt lookup alone, when it is asked for or calibrated
-        return _with_figures(engine, Plan(DraftKind.parse(cal.draft, MODEL_DRAFTS), False, cal.exit_layer, k_max,
-                                          0.0, lookup, params.adaptive_k))
+        return _with_figures(
+            engine,
+            Plan(
+                DraftKind.parse(cal.draft, MODEL_DRAFTS), False, cal.exit_layer, k_max, 0.0, lookup, params.adaptive_k
+            ),
+        )
     spec = params.speculative and (cal.speculative or params.exit_layer is not None or asked is not None)
     kind = asked or DraftKind.parse(cal.draft, MODEL_DRAFTS)
     exit_layer = params.exit_layer or cal.exit_layer
@@ -258,8 +281,10 @@ def plan(engine: Host, params: SamplingParams, greedy: bool, constrained: bool) 
         else:
             exit_layer = fixed
     if not 1 <= exit_layer < engine.num_layers:
-        raise EngineError(f"exit layer must be in 1..{engine.num_layers - 1} for this {engine.num_layers}-layer "
-                          f"model, got {exit_layer}")
+        raise EngineError(
+            f"exit layer must be in 1..{engine.num_layers - 1} for this {engine.num_layers}-layer "
+            f"model, got {exit_layer}"
+        )
     if spec and not REGISTRY[kind].exact(greedy, constrained):
         kind = DraftKind.EARLY_EXIT  # the chain is exact always
     threshold = cal.threshold if params.draft_threshold is None else params.draft_threshold
@@ -271,8 +296,17 @@ def _with_figures(engine: Host, p: Plan) -> Plan:
     exit layer and kind, so that a seeded request is reproducible whatever ran before it."""
     cal = engine.calibration
     measured = cal.measured if p.exit_layer == cal.exit_layer and p.kind == cal.draft else {}
-    return Plan(p.kind, p.speculative, p.exit_layer, p.k_max, p.threshold, p.lookup, p.adaptive_k,
-                alpha0=measured.get("alpha", 0.7), cost=measured.get("draft_cost", p.exit_layer / engine.num_layers))
+    return Plan(
+        p.kind,
+        p.speculative,
+        p.exit_layer,
+        p.k_max,
+        p.threshold,
+        p.lookup,
+        p.adaptive_k,
+        alpha0=measured.get("alpha", 0.7),
+        cost=measured.get("draft_cost", p.exit_layer / engine.num_layers),
+    )
 
 
 def build(engine: Host, p: Plan, history: OutputHistory | None) -> ChainRound | TreeRound | PlainRound:

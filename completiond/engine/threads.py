@@ -42,13 +42,14 @@ class ThreadGovernor:
 
     `most`: the configured count (Engine.load's threads, else torch's default), never exceeded."""
 
-    def __init__(self, most: int | None = None, cores: int | None = None,
-                 runnable: Callable[[], int | None] = runnable_tasks):
+    def __init__(
+        self, most: int | None = None, cores: int | None = None, runnable: Callable[[], int | None] = runnable_tasks
+    ):
         self.most = max(1, most or torch.get_num_threads())
         self.cores = max(1, cores or _cores())
         self._runnable = runnable
         self.current = self.most
-        self.reduced = 0   # requests that ran on fewer threads than configured (status, tests)
+        self.reduced = 0  # requests that ran on fewer threads than configured (status, tests)
 
     def _others(self) -> int:
         """Runnable tasks besides the caller (whose pool threads sleep between requests). A task seen runnable

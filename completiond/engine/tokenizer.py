@@ -15,6 +15,7 @@ verdict of "same" lets `light_tokenizer` stand in; anything else (a difference, 
 tokenizer.json) leaves the load to AutoTokenizer, as before. A process that has imported transformers anyway
 uses AutoTokenizer directly: there is nothing left to save.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,8 @@ from completiond.fileio import read_file, user_cache_dir, write_text_atomic
 
 log = logging.getLogger(__name__)
 
-CHECK_VERSION = 2          # bumped when the comparison changes: older verdicts are then checked again
-CHECK_TIMEOUT_S = 120      # the child imports transformers and compares (3-5 s here): a hung one ends
+CHECK_VERSION = 2  # bumped when the comparison changes: older verdicts are then checked again
+CHECK_TIMEOUT_S = 120  # the child imports transformers and compares (3-5 s here): a hung one ends
 RECORD_LIMIT = 1 << 20
 # the config.json fields AutoTokenizer's choice of class rests on (auto_tokenizer passes these)
 CONFIG_FIELDS = ("model_type", "tokenizer_class", "model_name", "auto_map")
@@ -66,10 +67,10 @@ class LightTokenizer:
         self._lock = threading.Lock()
         self.name_or_path = str(path.parent)
         self.clean_up_tokenization_spaces = clean_up
-        self.checked_against = checked_against   # the transformers class the check compared it with
+        self.checked_against = checked_against  # the transformers class the check compared it with
         self.eos_token_id, self.bos_token_id, self.unk_token_id, self.pad_token_id = (ids.get(k) for k in ID_FIELDS)
         self.all_special_ids = list(ids.get("all_special_ids") or [])
-        self.added_tokens_decoder = self._tok.get_added_tokens_decoder()   # {id: tokenizers.AddedToken}
+        self.added_tokens_decoder = self._tok.get_added_tokens_decoder()  # {id: tokenizers.AddedToken}
 
     @property
     def backend_tokenizer(self):
@@ -114,13 +115,24 @@ class LightTokenizer:
 
 def clean_up_spaces(text: str) -> str:
     """The space clean-up transformers applies on decode when clean_up_tokenization_spaces is set."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
 
 # ------------------------------------------------------------------ loading
+
 
 def load_tokenizer(directory: Path, raw: dict, trust_remote_code: bool, light: bool = True):
     """The model's tokenizer: read by the tokenizers library alone where a check has shown that it then acts
@@ -150,15 +162,25 @@ def auto_tokenizer(directory: Path, raw: dict, trust_remote_code: bool):
         tok_cfg = read_json(directory / "tokenizer_config.json")
     except (OSError, ValueError):
         tok_cfg = None
-    if (not trust_remote_code and isinstance(tok_cfg, dict) and isinstance(tok_cfg.get("tokenizer_class"), str)
-            and "auto_map" not in tok_cfg and "auto_map" not in raw and isinstance(raw.get("model_type"), str)):
-        fields = {"model_type": raw["model_type"], "tokenizer_class": raw.get("tokenizer_class"),
-                  "_name_or_path": str(directory)}
+    if (
+        not trust_remote_code
+        and isinstance(tok_cfg, dict)
+        and isinstance(tok_cfg.get("tokenizer_class"), str)
+        and "auto_map" not in tok_cfg
+        and "auto_map" not in raw
+        and isinstance(raw.get("model_type"), str)
+    ):
+        fields = {
+            "model_type": raw["model_type"],
+            "tokenizer_class": raw.get("tokenizer_class"),
+            "_name_or_path": str(directory),
+        }
         if "model_name" in raw:
             fields["model_name"] = raw["model_name"]
         kwargs["config"] = SimpleNamespace(**fields)
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code,
-                                         local_files_only=True, **kwargs)
+    return AutoTokenizer.from_pretrained(
+        str(directory), trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
+    )
 
 
 def quiet_transformers() -> None:
@@ -171,6 +193,7 @@ def quiet_transformers() -> None:
 
 
 # ------------------------------------------------------------------ the verdict cache
+
 
 def cache_dir() -> Path:
     return user_cache_dir() / "completiond" / "tokenizers"
@@ -210,12 +233,15 @@ def read_verdict(key: str) -> dict | None:
     except (OSError, ValueError, RecursionError) as exc:
         log.warning("ignoring the tokenizer verdict %s: %s", path, exc)
         return None
-    ok = (isinstance(data, dict) and data.get("key") == key and isinstance(data.get("same"), bool)
-          and isinstance(data.get("clean_up_tokenization_spaces"), bool)
-          and all(data.get(k) is None or (isinstance(data[k], int) and not isinstance(data[k], bool))
-                  for k in ID_FIELDS)
-          and isinstance(data.get("all_special_ids"), list)
-          and all(isinstance(i, int) and not isinstance(i, bool) for i in data["all_special_ids"]))
+    ok = (
+        isinstance(data, dict)
+        and data.get("key") == key
+        and isinstance(data.get("same"), bool)
+        and isinstance(data.get("clean_up_tokenization_spaces"), bool)
+        and all(data.get(k) is None or (isinstance(data[k], int) and not isinstance(data[k], bool)) for k in ID_FIELDS)
+        and isinstance(data.get("all_special_ids"), list)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in data["all_special_ids"])
+    )
     if not ok:
         log.warning("ignoring the tokenizer verdict %s: not a record this version wrote", path)
         return None
@@ -224,11 +250,12 @@ def read_verdict(key: str) -> dict | None:
 
 def write_verdict(record: dict) -> Path:
     path = _record_path(record["key"])
-    write_text_atomic(path, json.dumps(record, indent=1))   # two daemons checking the same files: one whole record
+    write_text_atomic(path, json.dumps(record, indent=1))  # two daemons checking the same files: one whole record
     return path
 
 
 # ------------------------------------------------------------------ the decision
+
 
 def eligible(directory: Path, raw: dict, trust_remote_code: bool) -> str | None:
     """None when the light tokenizer may be tried for this model, else why not."""
@@ -285,13 +312,19 @@ def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> Ligh
         if verdict is None:
             return None
     if not verdict["same"]:
-        log.info("tokenizer through transformers: it differs from tokenizer.json read alone (%s)",
-                 "; ".join(verdict.get("differences", [])[:2]))
+        log.info(
+            "tokenizer through transformers: it differs from tokenizer.json read alone (%s)",
+            "; ".join(verdict.get("differences", [])[:2]),
+        )
         return None
     try:
-        return LightTokenizer(directory / "tokenizer.json", verdict, verdict["clean_up_tokenization_spaces"],
-                              str(verdict.get("tokenizer_class", "")))
-    except Exception as exc:   # tokenizers raises plain Exception for a file it cannot parse
+        return LightTokenizer(
+            directory / "tokenizer.json",
+            verdict,
+            verdict["clean_up_tokenization_spaces"],
+            str(verdict.get("tokenizer_class", "")),
+        )
+    except Exception as exc:  # tokenizers raises plain Exception for a file it cannot parse
         log.warning("tokenizer through transformers: tokenizers cannot read tokenizer.json (%s)", exc)
         return None
 
@@ -299,14 +332,22 @@ def light_tokenizer(directory: Path, raw: dict, trust_remote_code: bool) -> Ligh
 def _run_check(directory: Path, key: str) -> dict | None:
     log.info("checking once that %s's tokenizer reads the same without transformers", directory)
     try:
-        done = subprocess.run([sys.executable, "-m", "completiond.engine.tokenizer_check", str(directory)],
-                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [sys.executable, "-m", "completiond.engine.tokenizer_check", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("tokenizer through transformers: the check did not finish (%s)", exc)
         return None
     if done.returncode != 0:
-        log.warning("tokenizer through transformers: the check failed (exit %d): %s", done.returncode,
-                    done.stderr.strip()[-600:])
+        log.warning(
+            "tokenizer through transformers: the check failed (exit %d): %s",
+            done.returncode,
+            done.stderr.strip()[-600:],
+        )
         return None
     # None when the child saw other files than this key was made of (they changed in between)
     return read_verdict(key)

@@ -4,6 +4,7 @@ the same files and compares them (`differences`): vocabulary, every id's token a
 a probe set (code, whitespace, Unicode, every added token in text). The verdict goes to the user's cache,
 where tokenizer.py reads it; the parent never imports transformers for it.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,20 +21,41 @@ def probe_texts(tokens: Sequence[str]) -> list[str]:
     """Text that exercises a code tokenizer's pipeline: code, whitespace runs, Unicode, digits, and each
     added token alone and inside text; plus seeded random strings over the same characters."""
     texts = [
-        "def f(x):\n    return x + 1\n", "class A:\n\tdef __init__(self):\n\t\tpass\n",
-        "for (int i = 0; i < n; ++i) {\n        sum += a[i];\n}\n", "fn main() { println!(\"{}\", 1_000); }",
-        "const x = `héllo ${name}`;  // ok\r\n", "SELECT * FROM t WHERE a <> 'b';", "<div class=\"x\">&amp;</div>",
-        "    ", "\t\t", "\n\n\n", "\r\n\r\n  ", " " * 17, "\n" + " " * 12 + "x", "a  b   c    d", "  leading",
-        "trailing  ", "", " ", "日本語のテキストと English", "emoji 🙂👍🏽 and e\u0301 and \u00a0nbsp \u200dzwj",
-        "مرحبا", "Ωμέγα", "0123456789 3.14159 -2e10 0xFF 1_000_000", "x=1;y=2\nz=x+y", "'''doc'''\n\"\"\"doc\"\"\"",
-        "don't I'm it's we've you're , . ? !", "hello . world ? yes ! no , maybe", "#!/usr/bin/env python3\n# -*- coding: utf-8 -*-",
+        "def f(x):\n    return x + 1\n",
+        "class A:\n\tdef __init__(self):\n\t\tpass\n",
+        "for (int i = 0; i < n; ++i) {\n        sum += a[i];\n}\n",
+        'fn main() { println!("{}", 1_000); }',
+        "const x = `héllo ${name}`;  // ok\r\n",
+        "SELECT * FROM t WHERE a <> 'b';",
+        '<div class="x">&amp;</div>',
+        "    ",
+        "\t\t",
+        "\n\n\n",
+        "\r\n\r\n  ",
+        " " * 17,
+        "\n" + " " * 12 + "x",
+        "a  b   c    d",
+        "  leading",
+        "trailing  ",
+        "",
+        " ",
+        "日本語のテキストと English",
+        "emoji 🙂👍🏽 and e\u0301 and \u00a0nbsp \u200dzwj",
+        "مرحبا",
+        "Ωμέγα",
+        "0123456789 3.14159 -2e10 0xFF 1_000_000",
+        "x=1;y=2\nz=x+y",
+        "'''doc'''\n\"\"\"doc\"\"\"",
+        "don't I'm it's we've you're , . ? !",
+        "hello . world ? yes ! no , maybe",
+        "#!/usr/bin/env python3\n# -*- coding: utf-8 -*-",
     ]
     for t in tokens:
         texts += [t, f"a{t}b", f" {t} ", f"x = 1\n{t}\n    y"]
     import string
     import textwrap
 
-    for module in (json, textwrap, string):   # real code, present wherever Python is
+    for module in (json, textwrap, string):  # real code, present wherever Python is
         path = Path(module.__file__ or "")
         if path.is_file():
             texts.append(path.read_text(encoding="utf-8", errors="replace")[:20000])
@@ -72,24 +94,33 @@ def differences(ref: Any, light: LightTokenizer, limit: int = 5) -> list[str]:
     for name in [*added, "<|completiond: no such token|>"]:
         differ(f"id of {name!r}", ref.convert_tokens_to_ids(name), light.convert_tokens_to_ids(name))
     for text in probe_texts(added):
-        if (differ(f"tokenizer({text[:40]!r})", list(ref(text)["input_ids"]), light(text).input_ids)
-                | differ(f"encode({text[:40]!r})", ref.encode(text, add_special_tokens=False),
-                         light.encode(text, add_special_tokens=False))):
+        if differ(f"tokenizer({text[:40]!r})", list(ref(text)["input_ids"]), light(text).input_ids) | differ(
+            f"encode({text[:40]!r})",
+            ref.encode(text, add_special_tokens=False),
+            light.encode(text, add_special_tokens=False),
+        ):
             continue
         split = ref.encode(text, add_special_tokens=False, split_special_tokens=True)
-        differ(f"encode({text[:40]!r}, split_special_tokens)", split,
-               light.encode(text, add_special_tokens=False, split_special_tokens=True))
+        differ(
+            f"encode({text[:40]!r}, split_special_tokens)",
+            split,
+            light.encode(text, add_special_tokens=False, split_special_tokens=True),
+        )
         for skip in (False, True):
-            differ(f"decode of {text[:40]!r}", ref.decode(split, skip_special_tokens=skip),
-                   light.decode(split, skip_special_tokens=skip))
+            differ(
+                f"decode of {text[:40]!r}",
+                ref.decode(split, skip_special_tokens=skip),
+                light.decode(split, skip_special_tokens=skip),
+            )
         if len(found) >= limit:
             break
     rng = random.Random(1)
     for _ in range(500):
         seq = [rng.randrange(len(ref)) for _ in range(rng.randint(1, 12))]
         for skip in (False, True):
-            differ(f"decode({seq})", ref.decode(seq, skip_special_tokens=skip),
-                   light.decode(seq, skip_special_tokens=skip))
+            differ(
+                f"decode({seq})", ref.decode(seq, skip_special_tokens=skip), light.decode(seq, skip_special_tokens=skip)
+            )
     return found
 
 
@@ -108,7 +139,7 @@ def check(directory: Path) -> dict:
     """Compare AutoTokenizer's tokenizer of directory with the light one and store the verdict."""
     raw = read_json(directory / "config.json")
     raw = raw if isinstance(raw, dict) else {}
-    key = verdict_key(directory, raw)   # before the load: files changed meanwhile then miss the parent's key
+    key = verdict_key(directory, raw)  # before the load: files changed meanwhile then miss the parent's key
     ref = auto_tokenizer(directory, raw, False)
     ids: dict[str, Any] = {k: getattr(ref, k, None) for k in ID_FIELDS}
     ids["all_special_ids"] = sorted(int(i) for i in ref.all_special_ids)
@@ -122,8 +153,14 @@ def check(directory: Path) -> dict:
         first = first or found
     else:
         clean_up, found = False, first
-    record = {"key": key, "same": not found, "differences": found, "clean_up_tokenization_spaces": clean_up,
-              "tokenizer_class": type(ref).__name__, **ids}
+    record = {
+        "key": key,
+        "same": not found,
+        "differences": found,
+        "clean_up_tokenization_spaces": clean_up,
+        "tokenizer_class": type(ref).__name__,
+        **ids,
+    }
     write_verdict(record)
     return record
 

@@ -21,14 +21,24 @@ from completiond.serving.connection import ConnectionLost, DaemonClient, DaemonU
 from completiond.serving.launcher import REMOTE_FLAGS, connect_or_spawn, daemon_command, spawn_daemon
 from completiond.serving.wire import Code, RemoteError
 
-__all__ = ["CRASH_LOOP_FAILURES", "CRASH_LOOP_MAX_WAIT", "CRASH_WINDOW", "REMOTE_FLAGS", "ConnectionLost",
-           "DaemonClient", "DaemonSession", "DaemonUnavailable", "connect_or_spawn", "daemon_command",
-           "spawn_daemon"]
+__all__ = [
+    "CRASH_LOOP_FAILURES",
+    "CRASH_LOOP_MAX_WAIT",
+    "CRASH_WINDOW",
+    "REMOTE_FLAGS",
+    "ConnectionLost",
+    "DaemonClient",
+    "DaemonSession",
+    "DaemonUnavailable",
+    "connect_or_spawn",
+    "daemon_command",
+    "spawn_daemon",
+]
 
 log = logging.getLogger(__name__)
 
-CRASH_WINDOW = 10.0          # a daemon dying this soon after we connected counts as a failed start
-CRASH_LOOP_FAILURES = 3      # after this many failures in a row, back off before trying again
+CRASH_WINDOW = 10.0  # a daemon dying this soon after we connected counts as a failed start
+CRASH_LOOP_FAILURES = 3  # after this many failures in a row, back off before trying again
 CRASH_LOOP_MAX_WAIT = 60.0
 
 
@@ -49,11 +59,18 @@ class DaemonSession:
     apart from the model reload.
     """
 
-    def __init__(self, settings: Callable[[], dict[str, Any]], documents: Callable[[], dict[str, tuple[int, str, str]]],
-                 directory: Path | None = None, on_notification: Callable[[str, dict], None] | None = None,
-                 on_connect: Callable[[dict[str, Any]], None] | None = None, client_name: str = wire.EDITOR_CLIENT,
-                 connect_timeout: float = 60.0, on_lost: Callable[[str], None] | None = None,
-                 on_notice: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        settings: Callable[[], dict[str, Any]],
+        documents: Callable[[], dict[str, tuple[int, str, str]]],
+        directory: Path | None = None,
+        on_notification: Callable[[str, dict], None] | None = None,
+        on_connect: Callable[[dict[str, Any]], None] | None = None,
+        client_name: str = wire.EDITOR_CLIENT,
+        connect_timeout: float = 60.0,
+        on_lost: Callable[[str], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
+    ):
         self._settings = settings
         # Told once what the user should know but need not act on: the daemon's directory was unsafe and a
         # private one is used instead.
@@ -93,8 +110,10 @@ class DaemonSession:
             return live
         wait = self._retry_at - time.monotonic()
         if wait > 0 and (self._connecting is None or self._connecting.done()):
-            raise DaemonUnavailable(f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
-                                    f"(log: {(self.directory or paths.current_runtime_dir()) / paths.LOG_NAME})")
+            raise DaemonUnavailable(
+                f"the daemon failed {self.failures} times in a row; next try in {wait:.0f} s "
+                f"(log: {(self.directory or paths.current_runtime_dir()) / paths.LOG_NAME})"
+            )
         if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._connect())
         # Shield: one caller giving up (a cancelled completion) must not abort the connect for the others.
@@ -103,9 +122,15 @@ class DaemonSession:
     async def _connect(self) -> DaemonClient:
         settings = self._settings()
         try:
-            client = await connect_or_spawn(settings, self.directory, timeout=self.connect_timeout,
-                                            client_name=self.client_name, on_notification=self.on_notification,
-                                            idle_timeout=settings.get("idleTimeout"), on_close=self._client_closed)
+            client = await connect_or_spawn(
+                settings,
+                self.directory,
+                timeout=self.connect_timeout,
+                client_name=self.client_name,
+                on_notification=self.on_notification,
+                idle_timeout=settings.get("idleTimeout"),
+                on_close=self._client_closed,
+            )
         except paths.InsecureDirectoryError as exc:
             self._failed()
             raise DaemonUnavailable(str(exc)) from None
@@ -184,8 +209,9 @@ class DaemonSession:
                     raise
                 version, text, language_id = docs[params["uri"]]
                 if not _send_open(client, params["uri"], version, text, language_id):
-                    raise RemoteError(Code.BAD_REQUEST, f"{params['uri']} is too large to complete in "
-                                                        f"({len(text)} characters)") from None
+                    raise RemoteError(
+                        Code.BAD_REQUEST, f"{params['uri']} is too large to complete in ({len(text)} characters)"
+                    ) from None
             else:
                 if self.failures and time.monotonic() - self._connected_at >= CRASH_WINDOW:
                     self.failures = 0

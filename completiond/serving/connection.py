@@ -28,9 +28,13 @@ class ConnectionLost(ConnectionError):
 class DaemonClient:
     """One connection to the daemon. Use from a single event loop."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 on_notification: Callable[[str, dict], None] | None = None,
-                 on_close: Callable[["DaemonClient"], None] | None = None):
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_notification: Callable[[str, dict], None] | None = None,
+        on_close: Callable[["DaemonClient"], None] | None = None,
+    ):
         self.reader = reader
         self.writer = writer
         self.on_notification = on_notification
@@ -42,17 +46,33 @@ class DaemonClient:
         self.closed = False
         self.close_reason = ""
         self.directory: Path | None = None  # the runtime directory (connect_or_spawn sets it)
-        self.notice = ""                    # why that directory is a fallback, if it is one
+        self.notice = ""  # why that directory is a fallback, if it is one
 
     @classmethod
-    async def connect(cls, socket: Path, client_name: str = "completiond", settings: dict[str, Any] | None = None,
-                      timeout: float = 10.0, **kwargs: Any) -> "DaemonClient":
+    async def connect(
+        cls,
+        socket: Path,
+        client_name: str = "completiond",
+        settings: dict[str, Any] | None = None,
+        timeout: float = 10.0,
+        **kwargs: Any,
+    ) -> "DaemonClient":
         reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout)
+            asyncio.open_unix_connection(str(socket), limit=wire.MAX_FRAME + 64), timeout
+        )
         self = cls(reader, writer, **kwargs)
         try:
-            writer.write(wire.encode({"t": "hello", "v": wire.VERSION, "client": client_name, "pid": os.getpid(),
-                                      "settings": settings or {}}))
+            writer.write(
+                wire.encode(
+                    {
+                        "t": "hello",
+                        "v": wire.VERSION,
+                        "client": client_name,
+                        "pid": os.getpid(),
+                        "settings": settings or {},
+                    }
+                )
+            )
             welcome = await asyncio.wait_for(wire.read_message(reader), timeout)
         except (wire.FrameError, asyncio.TimeoutError, OSError) as exc:
             writer.close()

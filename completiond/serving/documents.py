@@ -27,8 +27,8 @@ class Documents:
 
     def __init__(self) -> None:
         self.documents: dict[tuple[Hashable, str], Document] = {}
-        self.workspace: Any = None     # completiond.completion.workspace.Workspace, created on first use
-        self._client_folders: dict[Hashable, set[str]] = {}   # workspace folders each editor added
+        self.workspace: Any = None  # completiond.completion.workspace.Workspace, created on first use
+        self._client_folders: dict[Hashable, set[str]] = {}  # workspace folders each editor added
 
     # --- documents -----------------------------------------------------------
 
@@ -106,20 +106,34 @@ class Documents:
             elif edit_start is None:
                 self._ws().did_open(path, doc.text, doc.language_id or None, owner=client)
             else:
-                self._ws().did_change(path, doc.text, edit_line=doc.text.count("\n", 0, edit_start),
-                                      language=doc.language_id or None, owner=client)
+                self._ws().did_change(
+                    path,
+                    doc.text,
+                    edit_line=doc.text.count("\n", 0, edit_start),
+                    language=doc.language_id or None,
+                    owner=client,
+                )
         except (OSError, ValueError) as exc:  # context is a nicety: never fail the edit for it
             log.debug("workspace update for %s failed: %s", uri, exc)
 
     def admission(self, client: Hashable, cfg: Config, path: str | None) -> Any:
         """The privacy gate's verdict on a document of `client` (privacy.classify: its folders, ignore rules
         and contextExclude). Folders the editor announced count before the workspace has set them up."""
-        return self._ws().admission(path, owner=client, exclude=_exclude_patterns(cfg),
-                                    roots=self._client_folders.get(client, ()))
+        return self._ws().admission(
+            path, owner=client, exclude=_exclude_patterns(cfg), roots=self._client_folders.get(client, ())
+        )
 
-    def context(self, client: Hashable, cfg: Config, path: str | None, language: str | None, text: str | None = None,
-                offset: int | None = None, budgets: tuple[int, int, int] | None = None,
-                count: Callable[[str], int] | None = None) -> list[tuple[str, str]]:
+    def context(
+        self,
+        client: Hashable,
+        cfg: Config,
+        path: str | None,
+        language: str | None,
+        text: str | None = None,
+        offset: int | None = None,
+        budgets: tuple[int, int, int] | None = None,
+        count: Callable[[str], int] | None = None,
+    ) -> list[tuple[str, str]]:
         """The context block's files: retrieved for the cursor (contextRetrieval on) or recent snippets.
         budgets: the prompt's (prefix, suffix, context) budgets, where the completer knows them; count: how
         the completer measures text (None: characters)."""
@@ -128,9 +142,18 @@ class Documents:
         prefix_budget, suffix_budget, budget = budgets or (cfg.prefix_tokens, cfg.suffix_tokens, cfg.context_tokens)
         mode = "retrieval" if getattr(cfg, "context_retrieval", "off") == "on" else "recent"
         try:
-            return self.workspace.context(path, language, budget, count, owner=client,
-                                          exclude=_exclude_patterns(cfg), text=text, offset=offset, mode=mode,
-                                          window_tokens=(prefix_budget, suffix_budget))
+            return self.workspace.context(
+                path,
+                language,
+                budget,
+                count,
+                owner=client,
+                exclude=_exclude_patterns(cfg),
+                text=text,
+                offset=offset,
+                mode=mode,
+                window_tokens=(prefix_budget, suffix_budget),
+            )
         except (OSError, ValueError) as exc:
             log.debug("workspace context for %s failed: %s", path, exc)
             return []

@@ -8,11 +8,32 @@ from typing import Any
 # A catalog model that serves every common language, offered when the model in use does not serve a document's.
 RECOMMENDED_FOR_LANGUAGES = "qwen2.5-coder-0.5b"
 # Editors' language ids that name the same language (VS Code, Neovim filetypes, other clients).
-LANGUAGE_ALIASES = {"python3": "python", "py": "python", "pyi": "python", "javascriptreact": "javascript",
-                    "typescriptreact": "typescript", "sh": "shellscript", "bash": "shellscript", "zsh": "shellscript",
-                    "c++": "cpp", "cs": "csharp", "golang": "go", "rs": "rust"}
-LANGUAGE_NAMES = {"python": "Python", "javascript": "JavaScript", "typescript": "TypeScript", "go": "Go",
-                  "rust": "Rust", "cpp": "C++", "csharp": "C#", "shellscript": "shell", "java": "Java", "c": "C"}
+LANGUAGE_ALIASES = {
+    "python3": "python",
+    "py": "python",
+    "pyi": "python",
+    "javascriptreact": "javascript",
+    "typescriptreact": "typescript",
+    "sh": "shellscript",
+    "bash": "shellscript",
+    "zsh": "shellscript",
+    "c++": "cpp",
+    "cs": "csharp",
+    "golang": "go",
+    "rs": "rust",
+}
+LANGUAGE_NAMES = {
+    "python": "Python",
+    "javascript": "JavaScript",
+    "typescript": "TypeScript",
+    "go": "Go",
+    "rust": "Rust",
+    "cpp": "C++",
+    "csharp": "C#",
+    "shellscript": "shell",
+    "java": "Java",
+    "c": "C",
+}
 
 
 def language_unserved(completer: Any, language: str | None, path: str | None) -> str:
@@ -29,9 +50,11 @@ def language_unserved(completer: Any, language: str | None, path: str | None) ->
         return ""
     names = ", ".join(LANGUAGE_NAMES.get(x, x) for x in served)
     model = getattr(completer, "name", "") or getattr(engine, "name", "") or "the model"
-    return (f"{model} serves {names} only: no suggestions in {LANGUAGE_NAMES.get(wanted, wanted)} documents. "
-            f"For those, use a model that serves them: `completiond pull {RECOMMENDED_FOR_LANGUAGES}`, then set "
-            f"model = \"{RECOMMENDED_FOR_LANGUAGES}\" (`completiond pull --list` shows the others)")
+    return (
+        f"{model} serves {names} only: no suggestions in {LANGUAGE_NAMES.get(wanted, wanted)} documents. "
+        f"For those, use a model that serves them: `completiond pull {RECOMMENDED_FOR_LANGUAGES}`, then set "
+        f'model = "{RECOMMENDED_FOR_LANGUAGES}" (`completiond pull --list` shows the others)'
+    )
 
 
 def document_language(language: str | None, path: str | None) -> str | None:

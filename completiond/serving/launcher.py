@@ -22,10 +22,16 @@ log = logging.getLogger(__name__)
 
 LOG_ROTATE_BYTES = 4 * 1024 * 1024
 
-REMOTE_FLAGS = (("backend", "--backend"), ("endpoint", "--endpoint"), ("endpointModel", "--endpoint-model"),
-                ("apiKeyEnv", "--api-key-env"), ("apiKeyFile", "--api-key-file"),
-                ("endpointCaFile", "--endpoint-ca-file"), ("endpointTimeout", "--endpoint-timeout"),
-                ("apiKeyOverHttp", "--api-key-over-http"))
+REMOTE_FLAGS = (
+    ("backend", "--backend"),
+    ("endpoint", "--endpoint"),
+    ("endpointModel", "--endpoint-model"),
+    ("apiKeyEnv", "--api-key-env"),
+    ("apiKeyFile", "--api-key-file"),
+    ("endpointCaFile", "--endpoint-ca-file"),
+    ("endpointTimeout", "--endpoint-timeout"),
+    ("apiKeyOverHttp", "--api-key-over-http"),
+)
 
 
 def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) -> list[str]:
@@ -39,8 +45,13 @@ def daemon_command(settings: dict[str, Any], idle_timeout: float | None = None) 
             # a name, whatever a same-named folder in the editor's working directory (a cloned repository)
             # holds. The daemon runs in /, so a path goes absolute.
             cmd += [flag, config_mod.resolve_local_model(str(model))]
-    for key, flag in (("device", "--device"), ("dtype", "--dtype"), ("weights", "--weights"),
-                      ("cacheMegabytes", "--cache-mb"), ("logLevel", "--log-level")):
+    for key, flag in (
+        ("device", "--device"),
+        ("dtype", "--dtype"),
+        ("weights", "--weights"),
+        ("cacheMegabytes", "--cache-mb"),
+        ("logLevel", "--log-level"),
+    ):
         if settings.get(key) not in (None, ""):
             cmd += [flag, str(settings[key])]
     if settings.get("trustRemoteCode"):
@@ -69,8 +80,9 @@ def spawn_daemon(directory: Path, settings: dict[str, Any], idle_timeout: float 
     log_fd = os.open(directory / paths.LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         log.info("starting daemon: %s", " ".join(cmd))
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True,
-                                start_new_session=True, cwd="/")
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, close_fds=True, start_new_session=True, cwd="/"
+        )
     finally:
         os.close(log_fd)
 
@@ -104,9 +116,15 @@ def _placed(client: DaemonClient, directory: Path, notice: str) -> DaemonClient:
     return client
 
 
-async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Path | None = None, spawn: bool = True,
-                           timeout: float = 60.0, client_name: str = "completiond",
-                           idle_timeout: float | None = None, **client_kwargs: Any) -> DaemonClient:
+async def connect_or_spawn(
+    settings: dict[str, Any] | None = None,
+    directory: Path | None = None,
+    spawn: bool = True,
+    timeout: float = 60.0,
+    client_name: str = "completiond",
+    idle_timeout: float | None = None,
+    **client_kwargs: Any,
+) -> DaemonClient:
     """Connect to the user's daemon, starting it first if there is none (one starter at a time)."""
     settings = settings or {}
     # The default directory, if squatted or unsafe, is replaced by a private one (the notice says so).
@@ -122,8 +140,9 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
     try:
         while True:
             try:
-                return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
-                               directory, notice)
+                return _placed(
+                    await DaemonClient.connect(socket, client_name, settings, **client_kwargs), directory, notice
+                )
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 last_error = exc
             except DaemonUnavailable as exc:  # e.g. the daemon is exiting: try again
@@ -135,8 +154,11 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
                 lock_fd = _try_lock(directory / paths.SPAWN_LOCK_NAME)
                 if lock_fd is not None:
                     try:
-                        return _placed(await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
-                                       directory, notice)
+                        return _placed(
+                            await DaemonClient.connect(socket, client_name, settings, **client_kwargs),
+                            directory,
+                            notice,
+                        )
                     except (FileNotFoundError, ConnectionRefusedError, DaemonUnavailable):
                         pass
                     proc = spawn_daemon(directory, settings, idle_timeout)
@@ -144,7 +166,8 @@ async def connect_or_spawn(settings: dict[str, Any] | None = None, directory: Pa
                 # 3 = another daemon won the race: keep polling for its socket.
                 raise DaemonUnavailable(
                     f"the daemon exited with status {proc.returncode} during start-up: "
-                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})")
+                    f"{_log_tail(directory / paths.LOG_NAME)} (log: {directory / paths.LOG_NAME})"
+                )
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"could not reach the daemon at {socket} within {timeout:g} s: {last_error}")
             await asyncio.sleep(delay)

@@ -24,12 +24,18 @@ log = logging.getLogger(__name__)
 # Load phases: the share of the load done when each starts (about, for the bundled model on a CPU) and
 # what users read. Engine.load reports up to "engine"; the warm-up is ours. Editors show them as
 # `$/progress` percentages, `completiond complete` as lines.
-LOAD_PHASES = {"starting": (0, "starting"), "download": (0, "downloading the model"),
-               "compile": (0, "compiling the native CPU step (once per machine and version, about 10-30 s)"),
-               "tokenizer": (2, "loading the tokenizer"),
-               "weights": (10, "loading the weights"), "device": (70, "moving the weights to the device"),
-               "engine": (80, "preparing the engine"), "draft model": (85, "loading the draft model"),
-               "warm-up": (90, "warming up"), "ready": (100, "ready")}
+LOAD_PHASES = {
+    "starting": (0, "starting"),
+    "download": (0, "downloading the model"),
+    "compile": (0, "compiling the native CPU step (once per machine and version, about 10-30 s)"),
+    "tokenizer": (2, "loading the tokenizer"),
+    "weights": (10, "loading the weights"),
+    "device": (70, "moving the weights to the device"),
+    "engine": (80, "preparing the engine"),
+    "draft model": (85, "loading the draft model"),
+    "warm-up": (90, "warming up"),
+    "ready": (100, "ready"),
+}
 
 ProgressFn = Callable[..., None]  # (phase, percentage, message=None)
 
@@ -37,8 +43,10 @@ ProgressFn = Callable[..., None]  # (phase, percentage, message=None)
 class Loader(Protocol):
     """Makes the Completer for the settings, on the worker thread, reporting load phases as it goes."""
 
-    def __call__(self, cfg: Config, *, progress: ProgressFn | None = None,
-                 warn: Callable[[str], None] | None = None) -> Completer: ...
+    def __call__(
+        self, cfg: Config, *, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None
+    ) -> Completer: ...
+
 
 # Of the progress bar, when the model is downloaded first (a hub model not yet in the cache): the
 # download dominates then, and the load phases share the rest, so the percentage only rises.
@@ -47,12 +55,12 @@ DOWNLOAD_SHARE = 80
 
 def progress_report(phase: str, percentage: int, message: str | None = None) -> dict[str, Any]:
     """How status() shows a load phase."""
-    return {"phase": phase, "percentage": percentage,
-            "message": message or LOAD_PHASES.get(phase, (0, phase))[1]}
+    return {"phase": phase, "percentage": percentage, "message": message or LOAD_PHASES.get(phase, (0, phase))[1]}
 
 
-def load_completer(cfg: Config, progress: ProgressFn | None = None,
-                   warn: Callable[[str], None] | None = None) -> Completer:
+def load_completer(
+    cfg: Config, progress: ProgressFn | None = None, warn: Callable[[str], None] | None = None
+) -> Completer:
     """What completes for the settings `cfg`, ready to serve (the Service's loader; call off the event loop).
 
     A team server replaces the engine: it loads nothing and imports no torch; the server is first asked
@@ -107,10 +115,18 @@ def load_engine(cfg: Config, progress: ProgressFn | None = None, warn: Callable[
             progress("download", pct, f"downloading {cfg.model}: {done / 1e6:.0f} of {total / 1e6:.0f} MB")
 
     prepare_native(cfg, phase if progress is not None else None)
-    engine = Engine.load(model=cfg.model or None, device=cfg.device, dtype=cfg.dtype, weights=cfg.weights,
-                         trust_remote_code=cfg.trust_remote_code, cache_bytes=cache,
-                         draft_model=cfg.draft_model or None,
-                         progress=phase if progress is not None else None, download_progress=download, warn=warn)
+    engine = Engine.load(
+        model=cfg.model or None,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        weights=cfg.weights,
+        trust_remote_code=cfg.trust_remote_code,
+        cache_bytes=cache,
+        draft_model=cfg.draft_model or None,
+        progress=phase if progress is not None else None,
+        download_progress=download,
+        warn=warn,
+    )
     phase("warm-up")
     engine.generate([0], SamplingParams(max_tokens=2, speculative=True), history=None)
     engine.cache.clear()  # the warm-up's sequence is no prefix of anything real
@@ -131,8 +147,11 @@ def prepare_native(cfg: Config, phase: Callable[[str], None] | None = None) -> b
         return False
     import torch
 
-    if cfg.device == "auto" and (torch.cuda.is_available() or getattr(torch.backends, "mps", None) is not None
-                                 and torch.backends.mps.is_available()):
+    if cfg.device == "auto" and (
+        torch.cuda.is_available()
+        or getattr(torch.backends, "mps", None) is not None
+        and torch.backends.mps.is_available()
+    ):
         return False
     from completiond.engine import native
 
@@ -170,8 +189,15 @@ class Lifecycle:
     thread (`call_soon` brings worker-side news there); `changed` is told after every change worth a
     status broadcast, `loaded` after each successful load."""
 
-    def __init__(self, cfg: Callable[[], Config], loader: Loader, scheduler: Scheduler,
-                 changed: Callable[[], None], loaded: Callable[[], None], calibrate_min_params: int | None = None):
+    def __init__(
+        self,
+        cfg: Callable[[], Config],
+        loader: Loader,
+        scheduler: Scheduler,
+        changed: Callable[[], None],
+        loaded: Callable[[], None],
+        calibrate_min_params: int | None = None,
+    ):
         self._cfg = cfg
         self._loader = loader
         self.scheduler = scheduler
@@ -179,10 +205,10 @@ class Lifecycle:
         self._on_loaded = loaded
         self.loop: asyncio.AbstractEventLoop | None = None
         self.completer: Completer | None = None
-        self.state = "idle"            # idle | loading | ready | busy | error
+        self.state = "idle"  # idle | loading | ready | busy | error
         self.error = ""
         self.model_id = ""
-        self.model_name = ""           # what users read: directory, or hub id@revision (engine.name)
+        self.model_name = ""  # what users read: directory, or hub id@revision (engine.name)
         self.load_warnings: list[str] = []  # told before the load went on (a model that may not fit)
         self.load_progress: dict[str, Any] | None = None  # progress_report() while loading
         # A team server that failed the last request: the status says "error" with its words until a request
@@ -244,8 +270,11 @@ class Lifecycle:
             self.set_state("ready")
             self._maybe_calibrate()
         else:
-            what = (f"backend {cfg.backend} ({cfg.endpoint or 'no endpoint'})" if cfg.backend != "local"
-                    else f"model {config_mod.model_label(cfg.model)}")
+            what = (
+                f"backend {cfg.backend} ({cfg.endpoint or 'no endpoint'})"
+                if cfg.backend != "local"
+                else f"model {config_mod.model_label(cfg.model)}"
+            )
             self.error = f"cannot load {what}: {outcome.value}"
             log.error("%s", self.error)
             self.set_state("error")
@@ -297,7 +326,8 @@ class Lifecycle:
         if self.completer is None:
             return
         job = self.completer.background_calibration(
-            self.calibrate_min_params, on_done=lambda message: self.call_soon(self._calibrated, job, message))
+            self.calibrate_min_params, on_done=lambda message: self.call_soon(self._calibrated, job, message)
+        )
         if job is None:
             return
         self.calibration_job = job

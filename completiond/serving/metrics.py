@@ -9,11 +9,35 @@ from typing import Any
 from completiond.engine.draft_kind import DraftKind
 from completiond.serving.scheduler import CANCELLED, OK, Outcome
 
-COUNTERS = ("requests", "completed", "empty", "superseded", "cancelled", "errors", "rejected", "expired",
-            "wasted_rounds", "rounds_after_cancel", "rounds", "latency_ms_sum", "prompt_tokens", "reused_tokens",
-            "generated_tokens", "loads", "draft_accepted", "draft_rejected", "history_accepted", "withheld_syntax")
-SUGGESTION_EVENTS = {("shown", None): "shown", ("dismissed", None): "dismissed", ("accepted", "full"): "accepted_full",
-                     ("accepted", "word"): "accepted_word", ("accepted", "line"): "accepted_line"}
+COUNTERS = (
+    "requests",
+    "completed",
+    "empty",
+    "superseded",
+    "cancelled",
+    "errors",
+    "rejected",
+    "expired",
+    "wasted_rounds",
+    "rounds_after_cancel",
+    "rounds",
+    "latency_ms_sum",
+    "prompt_tokens",
+    "reused_tokens",
+    "generated_tokens",
+    "loads",
+    "draft_accepted",
+    "draft_rejected",
+    "history_accepted",
+    "withheld_syntax",
+)
+SUGGESTION_EVENTS = {
+    ("shown", None): "shown",
+    ("dismissed", None): "dismissed",
+    ("accepted", "full"): "accepted_full",
+    ("accepted", "word"): "accepted_word",
+    ("accepted", "line"): "accepted_line",
+}
 
 
 class Metrics:
@@ -33,8 +57,10 @@ class Metrics:
         """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion; the counter's name."""
         key = SUGGESTION_EVENTS.get((event, kind))
         if key is None:
-            raise ValueError(f"unknown suggestion event {event!r} (kind {kind!r}); expected shown, dismissed, "
-                             "or accepted with kind full, word or line")
+            raise ValueError(
+                f"unknown suggestion event {event!r} (kind {kind!r}); expected shown, dismissed, "
+                "or accepted with kind full, word or line"
+            )
         self.suggestions[key] += 1
         return key
 
@@ -60,10 +86,12 @@ class Metrics:
                 if value and value.get("withheld"):
                     c["withheld_syntax"] += 1
                 measured = stats.get("generated_tokens") and stats.get("decode_ms")
-                self.last = {"latency_ms": value.get("latency_ms") if value else None,
-                             "draft_acceptance": stats.get("alpha") if stats.get("drafted") else None,
-                             "tokens_per_s": stats.get("tokens_per_s") if measured else None,
-                             "draft": _last_draft(stats)}
+                self.last = {
+                    "latency_ms": value.get("latency_ms") if value else None,
+                    "draft_acceptance": stats.get("alpha") if stats.get("drafted") else None,
+                    "tokens_per_s": stats.get("tokens_per_s") if measured else None,
+                    "draft": _last_draft(stats),
+                }
             elif outcome.status == CANCELLED:
                 # Rounds run for a request nobody will see: superseded by a newer one, or
                 # cancelled by the editor (which, while typing, is the same thing).
@@ -75,8 +103,12 @@ class Metrics:
 
     def last_request(self) -> dict[str, Any]:
         """The last completed request's figures, as status() shows them (None: not measured, not 0)."""
-        return {"last_latency_ms": self.last.get("latency_ms"), "draft_acceptance": self.last.get("draft_acceptance"),
-                "tokens_per_s": self.last.get("tokens_per_s"), "last_draft": self.last.get("draft")}
+        return {
+            "last_latency_ms": self.last.get("latency_ms"),
+            "draft_acceptance": self.last.get("draft_acceptance"),
+            "tokens_per_s": self.last.get("tokens_per_s"),
+            "last_draft": self.last.get("draft"),
+        }
 
     def summary(self) -> dict[str, Any]:
         """The counters and the rates derived from them (stats())."""

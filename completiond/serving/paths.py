@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 SOCKET_NAME = "daemon.sock"
-LOCK_NAME = "daemon.lock"        # held by the running daemon for its lifetime
-SPAWN_LOCK_NAME = "spawn.lock"   # held by an LSP process while it starts a daemon
+LOCK_NAME = "daemon.lock"  # held by the running daemon for its lifetime
+SPAWN_LOCK_NAME = "spawn.lock"  # held by an LSP process while it starts a daemon
 PID_NAME = "daemon.pid"
 LOG_NAME = "daemon.log"
 
@@ -36,8 +36,10 @@ def daemon_unsupported() -> str:
     socket module; there the LSP server runs the model in its own process instead (`--no-daemon`).
     """
     if not hasattr(socket, "AF_UNIX") or not hasattr(os, "getuid"):
-        return (f"the shared daemon needs Unix domain sockets and user ids, which this platform ({sys.platform}) "
-                "does not offer")
+        return (
+            f"the shared daemon needs Unix domain sockets and user ids, which this platform ({sys.platform}) "
+            "does not offer"
+        )
     return ""
 
 
@@ -110,11 +112,13 @@ def check_private_dir(path: Path) -> None:
     if st.st_uid != os.getuid():
         raise InsecureDirectoryError(
             f"{path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}); refusing to use it. "
-            "Remove it or set XDG_RUNTIME_DIR to a private directory.")
+            "Remove it or set XDG_RUNTIME_DIR to a private directory."
+        )
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise InsecureDirectoryError(
             f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); refusing to use it. "
-            f"Run `chmod 700 {path}`.")
+            f"Run `chmod 700 {path}`."
+        )
 
 
 def ensure_private_dir(path: Path | None = None) -> Path:

@@ -35,17 +35,23 @@ from completiond.serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-MAX_DOCUMENTS = 8   # documents waiting for a warm-up; the oldest note is dropped first
-REST_S = 0.3        # quiet time after an edit or a request in a document before it is warmed there
+MAX_DOCUMENTS = 8  # documents waiting for a warm-up; the oldest note is dropped first
+REST_S = 0.3  # quiet time after an edit or a request in a document before it is warmed there
 
-Key = tuple[Hashable, str]   # (client, uri)
+Key = tuple[Hashable, str]  # (client, uri)
 # make(key, offset) on the worker: the document's warm-up (an object with step(cancel) -> more to do and a
 # `warmed` token count), or None where it may not or cannot be warmed. offset None: from the top.
 MakeWarmup = Callable[[Key, "int | None"], Any]
 
 
-def make_warmup(docs: Documents, completer: Completer | None, cfg: Config, key: Key, offset: int | None,
-                unserved: Callable[[Completer, str | None, str | None], str]) -> Any:
+def make_warmup(
+    docs: Documents,
+    completer: Completer | None,
+    cfg: Config,
+    key: Key,
+    offset: int | None,
+    unserved: Callable[[Completer, str | None, str | None], str],
+) -> Any:
     """Worker thread: the warm-up of `key` (completion/warmup.py) for the settings `cfg`, with the context block a
     request there would get; None where it may not (the privacy gate; a language the model does not serve:
     `unserved` says why) or cannot run (a team server keeps its own cache)."""
@@ -57,7 +63,9 @@ def make_warmup(docs: Documents, completer: Completer | None, cfg: Config, key: 
     if not docs.admission(client, cfg, gate_path(uri) or path).local_ok or unserved(completer, language, path):
         return None
     at = None if offset is None else min(offset, len(text))
-    context = docs.context(client, cfg, path, language, text, at or 0, completer.budgets(cfg), completer.token_counter())
+    context = docs.context(
+        client, cfg, path, language, text, at or 0, completer.budgets(cfg), completer.token_counter()
+    )
     return completer.warmup(text, at, cfg, path=path, language=language, context=context)
 
 
@@ -69,8 +77,13 @@ class Prefetcher:
     """Notes documents and warms the newest. `note`, `touch`, `forget` run on the event loop thread (`note`
     and `forget` from any thread); `step` runs on the engine's worker thread."""
 
-    def __init__(self, scheduler: Scheduler, make: MakeWarmup, loop: Callable[[], asyncio.AbstractEventLoop | None],
-                 on: bool | None = None):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        make: MakeWarmup,
+        loop: Callable[[], asyncio.AbstractEventLoop | None],
+        on: bool | None = None,
+    ):
         self.scheduler = scheduler
         self._make = make
         self._loop = loop
@@ -79,8 +92,15 @@ class Prefetcher:
         self._queue: OrderedDict[Key, int | None] = OrderedDict()
         self._current: tuple[Key, int | None, Any] | None = None
         self._timers: dict[Key, asyncio.TimerHandle] = {}
-        self.counts = {"notes": 0, "started": 0, "finished": 0, "preempted": 0, "failed": 0, "dropped": 0,
-                       "warmed_tokens": 0}
+        self.counts = {
+            "notes": 0,
+            "started": 0,
+            "finished": 0,
+            "preempted": 0,
+            "failed": 0,
+            "dropped": 0,
+            "warmed_tokens": 0,
+        }
 
     # --- what is noted (event loop) ------------------------------------------------
 
@@ -159,8 +179,13 @@ class Prefetcher:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self.counts, on=self.on, queued=len(self._queue), running=self._current is not None,
-                        resting=len(self._timers))
+            return dict(
+                self.counts,
+                on=self.on,
+                queued=len(self._queue),
+                running=self._current is not None,
+                resting=len(self._timers),
+            )
 
     # --- the warming (worker thread) ------------------------------------------------
 
@@ -171,7 +196,7 @@ class Prefetcher:
             if current is None:
                 if not self._queue:
                     return False
-                key, offset = self._queue.popitem(last=True)   # the newest note first
+                key, offset = self._queue.popitem(last=True)  # the newest note first
         if current is None:
             try:
                 warmup = self._make(key, offset)
@@ -185,7 +210,7 @@ class Prefetcher:
             current = (key, offset, warmup)
             with self._lock:
                 self.counts["started"] += 1
-                if key in self._queue:   # noted again meanwhile: that note's walk replaces this one
+                if key in self._queue:  # noted again meanwhile: that note's walk replaces this one
                     return True
                 self._current = current
         warmup = current[2]

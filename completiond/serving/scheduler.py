@@ -57,44 +57,49 @@ class ShuttingDown(RuntimeError):
 
 @dataclass
 class Outcome:
-    status: str                  # OK | CANCELLED | ERROR
-    value: Any = None            # result for OK, exception for ERROR
-    reason: str = ""             # for CANCELLED: "superseded" | "cancelled" | "shutdown"
+    status: str  # OK | CANCELLED | ERROR
+    value: Any = None  # result for OK, exception for ERROR
+    reason: str = ""  # for CANCELLED: "superseded" | "cancelled" | "shutdown"
 
 
 @dataclass(eq=False)
 class Job:
-    key: Hashable                          # the document: newer jobs with the same key supersede
-    client: Hashable                       # fairness unit
-    request_id: Hashable                   # unique across the scheduler
-    run: Callable[[Any], Any]              # run(token) on the worker thread
-    done: Callable[[Outcome], None]        # exactly once
+    key: Hashable  # the document: newer jobs with the same key supersede
+    client: Hashable  # fairness unit
+    request_id: Hashable  # unique across the scheduler
+    run: Callable[[Any], Any]  # run(token) on the worker thread
+    done: Callable[[Outcome], None]  # exactly once
     token: Any = None
-    state: str = "new"                     # new | queued | running | finished
+    state: str = "new"  # new | queued | running | finished
     cancel_reason: str = ""
-    queued_at: float = 0.0                 # scheduler clock when it entered the queue
+    queued_at: float = 0.0  # scheduler clock when it entered the queue
     _finished: bool = field(default=False, repr=False)
 
 
 class Scheduler:
-    def __init__(self, token_factory: Callable[[], Any] = CancelToken, max_pending_per_client: int = 16,
-                 queue_deadline: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                 name: str = "completiond-engine"):
+    def __init__(
+        self,
+        token_factory: Callable[[], Any] = CancelToken,
+        max_pending_per_client: int = 16,
+        queue_deadline: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "completiond-engine",
+    ):
         self._token_factory = token_factory
         self.max_pending_per_client = max_pending_per_client
         self.queue_deadline = queue_deadline
         self._clock = clock
         self._lock = threading.Condition()
-        self._pending: dict[Hashable, Job] = {}                         # key -> queued job
-        self._by_id: dict[Hashable, Job] = {}                           # request id -> queued/running job
-        self._order: dict[Hashable, collections.deque] = {}              # client -> keys in arrival order
-        self._ring: collections.deque = collections.deque()              # clients with queued work
-        self._control: collections.deque = collections.deque()           # (fn, done) run before any job
+        self._pending: dict[Hashable, Job] = {}  # key -> queued job
+        self._by_id: dict[Hashable, Job] = {}  # request id -> queued/running job
+        self._order: dict[Hashable, collections.deque] = {}  # client -> keys in arrival order
+        self._ring: collections.deque = collections.deque()  # clients with queued work
+        self._control: collections.deque = collections.deque()  # (fn, done) run before any job
         self._running: Job | None = None
-        self._in_call = False                                            # a control call (model load) runs
-        self._idle: dict[str, Callable[[Any], bool]] = {}                # slot -> background step(token) -> more
-        self._idle_token: Any = None                                     # the running background step's token
-        self._idle_slot = ""                                             # and its slot
+        self._in_call = False  # a control call (model load) runs
+        self._idle: dict[str, Callable[[Any], bool]] = {}  # slot -> background step(token) -> more
+        self._idle_token: Any = None  # the running background step's token
+        self._idle_slot = ""  # and its slot
         self._stopping = False
         self.counts: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -118,7 +123,8 @@ class Scheduler:
                     self.counts["rejected"] += 1
                     raise Overloaded(
                         f"this editor's completion queue is full ({client_pending} of its documents waiting, "
-                        f"at most {self.max_pending_per_client}); try again")
+                        f"at most {self.max_pending_per_client}); try again"
+                    )
             else:
                 # Take the old job's place in the queue: it was waiting longer.
                 self._by_id.pop(old.request_id, None)

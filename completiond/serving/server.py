@@ -30,9 +30,8 @@ from completiond.serving.wire import Code
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
-FRAME_TIMEOUT = 10.0     # seconds for the rest of a frame once its first byte arrived (a local peer needs milliseconds)
-MAX_CONNECTIONS = 64     # editors are a handful; far below the fd limit, where accept() starts failing
-
+FRAME_TIMEOUT = 10.0  # seconds for the rest of a frame once its first byte arrived (a local peer needs milliseconds)
+MAX_CONNECTIONS = 64  # editors are a handful; far below the fd limit, where accept() starts failing
 
 
 class AlreadyRunning(RuntimeError):
@@ -66,8 +65,14 @@ class _Conn:
 
 
 class DaemonServer:
-    def __init__(self, service: Service, directory: Path | None = None, idle_timeout: float = 900.0,
-                 max_connections: int = MAX_CONNECTIONS, frame_timeout: float = FRAME_TIMEOUT):
+    def __init__(
+        self,
+        service: Service,
+        directory: Path | None = None,
+        idle_timeout: float = 900.0,
+        max_connections: int = MAX_CONNECTIONS,
+        frame_timeout: float = FRAME_TIMEOUT,
+    ):
         self.service = service
         self.directory = Path(directory) if directory else paths.runtime_dir()
         self.idle_timeout = idle_timeout
@@ -96,7 +101,9 @@ class DaemonServer:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise AlreadyRunning(f"another completiond daemon is running (lock {self.directory / paths.LOCK_NAME})") from None
+            raise AlreadyRunning(
+                f"another completiond daemon is running (lock {self.directory / paths.LOCK_NAME})"
+            ) from None
         self._lock_fd = fd
 
     async def start(self) -> None:
@@ -108,8 +115,9 @@ class DaemonServer:
             pass
         old = os.umask(0o177)  # the socket is born 0600: no window where others could connect
         try:
-            self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path),
-                                                           limit=wire.MAX_FRAME + 64)
+            self._server = await asyncio.start_unix_server(
+                self._handle, path=str(self.socket_path), limit=wire.MAX_FRAME + 64
+            )
         finally:
             os.umask(old)
         os.chmod(self.socket_path, 0o600)
@@ -182,8 +190,11 @@ class DaemonServer:
             writer.close()
             return
         if len(self._handlers) > self.max_connections:
-            await self._refuse(conn, f"too many connections to the completiond daemon ({self.max_connections} open); "
-                                     "close unused editors, or run `completiond stop` to restart it")
+            await self._refuse(
+                conn,
+                f"too many connections to the completiond daemon ({self.max_connections} open); "
+                "close unused editors, or run `completiond stop` to restart it",
+            )
             return
         try:
             if not await self._handshake(conn):
@@ -227,10 +238,16 @@ class DaemonServer:
         if hello.get("t") != "hello":
             raise wire.FrameError(f"expected a hello message first, got {_describe(hello)}")
         if hello.get("v") != wire.VERSION:
-            conn.send({"t": "error", "e": wire.error_body(
-                Code.VERSION_MISMATCH,
-                f"protocol version {hello.get('v')!r} not supported (daemon speaks {wire.VERSION}); "
-                "restart the daemon with `completiond stop`")})
+            conn.send(
+                {
+                    "t": "error",
+                    "e": wire.error_body(
+                        Code.VERSION_MISMATCH,
+                        f"protocol version {hello.get('v')!r} not supported (daemon speaks {wire.VERSION}); "
+                        "restart the daemon with `completiond stop`",
+                    ),
+                }
+            )
             log.warning("%s: refused: protocol version %r", conn.name, hello.get("v"))
             await _drain(conn)
             conn.writer.close()
@@ -238,7 +255,12 @@ class DaemonServer:
         client = hello.get("client")
         conn.name = f"client#{conn.id} ({client if isinstance(client, str) else '?'}, pid {hello.get('pid')})"
         conn.client = client if isinstance(client, str) else ""
-        welcome: dict[str, Any] = {"t": "welcome", "v": wire.VERSION, "pid": os.getpid(), "status": self.service.status()}
+        welcome: dict[str, Any] = {
+            "t": "welcome",
+            "v": wire.VERSION,
+            "pid": os.getpid(),
+            "status": self.service.status(),
+        }
         wanted = hello.get("settings")
         if isinstance(wanted, dict):
             mismatch = self._engine_mismatch(wanted, editor=conn.client == wire.EDITOR_CLIENT)
@@ -250,7 +272,9 @@ class DaemonServer:
 
     def _engine_mismatch(self, wanted: dict[str, Any], editor: bool = True) -> str:
         cfg, _ = config_mod.merge(config_mod.Config(), {k: wanted.get(k) for k in config_mod.ENGINE_KEYS})
-        diff = config_mod.engine_differences(config_mod.engine_settings(cfg), config_mod.engine_settings(self.service.cfg))
+        diff = config_mod.engine_differences(
+            config_mod.engine_settings(cfg), config_mod.engine_settings(self.service.cfg)
+        )
         # The daemon's own settings, fixed when it started: an editor window asking for others would otherwise
         # be ignored without a word (a command-line client's are its defaults, not a wish).
         served = {"idleTimeout": self.idle_timeout, "logLevel": self.service.cfg.log_level} if editor else {}
@@ -265,9 +289,17 @@ class DaemonServer:
         if not diff:
             return ""
         refused = config_mod.route_refusal(wanted, self.service.cfg)
-        return ("the shared daemon runs with different settings: " + ", ".join(diff) + "; "
-                + ("it will not complete your documents (it would send them to a server your settings did not "
-                   "choose); " if refused else "") + config_mod.RESTART_HINT)
+        return (
+            "the shared daemon runs with different settings: "
+            + ", ".join(diff)
+            + "; "
+            + (
+                "it will not complete your documents (it would send them to a server your settings did not choose); "
+                if refused
+                else ""
+            )
+            + config_mod.RESTART_HINT
+        )
 
     async def _dispatch(self, conn: _Conn, message: dict[str, Any]) -> None:
         method = message.get("m")
@@ -277,7 +309,9 @@ class DaemonServer:
         if not isinstance(method, str) or not isinstance(params, dict) or (has_id and not isinstance(rid, int)):
             log.warning("%s: malformed message %s", conn.name, _describe(message))
             if has_id:  # echo the id as sent, whatever its type, so the client can match the error to its request
-                conn.send({"id": rid, "e": wire.error_body(Code.BAD_REQUEST, f"malformed message {_describe(message)}")})
+                conn.send(
+                    {"id": rid, "e": wire.error_body(Code.BAD_REQUEST, f"malformed message {_describe(message)}")}
+                )
             return
         if not has_id:
             try:
@@ -334,7 +368,7 @@ class RateLimitFilter(logging.Filter):
         self.burst = burst
         self.window = window
         self._clock = clock
-        self._kinds: dict[tuple, list] = {}   # kind -> [window start, records let through, records dropped]
+        self._kinds: dict[tuple, list] = {}  # kind -> [window start, records let through, records dropped]
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -396,8 +430,9 @@ async def _drain(conn: _Conn) -> None:
         pass
 
 
-async def serve(cfg: Config, directory: Path | None = None, idle_timeout: float | None = None,
-                loader: Loader = load_completer) -> int:
+async def serve(
+    cfg: Config, directory: Path | None = None, idle_timeout: float | None = None, loader: Loader = load_completer
+) -> int:
     """Run the daemon until stopped (signal, `stop` request or idle timeout); the process exit code."""
     service = Service(cfg, loader=loader)
     server = DaemonServer(service, directory, idle_timeout if idle_timeout is not None else cfg.idle_timeout)

@@ -49,14 +49,26 @@ class ServiceError(CompletionError):
 class Service:
     """Lifecycle + documents + metrics behind one dispatch. All public methods run on the event loop thread."""
 
-    def __init__(self, cfg: Config, loader: Loader = load_completer, max_pending_per_client: int = 16,
-                 queue_deadline: float = QUEUE_DEADLINE, calibrate_min_params: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        loader: Loader = load_completer,
+        max_pending_per_client: int = 16,
+        queue_deadline: float = QUEUE_DEADLINE,
+        calibrate_min_params: int | None = None,
+    ):
         self.cfg = cfg
         self.scheduler = Scheduler(max_pending_per_client=max_pending_per_client, queue_deadline=queue_deadline)
         self.metrics = Metrics()
         self.docs = Documents()
-        self.lifecycle = Lifecycle(lambda: self.cfg, loader, self.scheduler, changed=self._broadcast,
-                                   loaded=lambda: self.metrics.add("loads"), calibrate_min_params=calibrate_min_params)
+        self.lifecycle = Lifecycle(
+            lambda: self.cfg,
+            loader,
+            self.scheduler,
+            changed=self._broadcast,
+            loaded=lambda: self.metrics.add("loads"),
+            calibrate_min_params=calibrate_min_params,
+        )
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.started = time.time()
         # Background prefills of what documents' next requests start with (prefetch.py), with the settings of
@@ -183,7 +195,7 @@ class Service:
         except OutOfSync as exc:
             self.prefetch.forget((client, uri))
             raise ServiceError(Code.UNKNOWN_DOCUMENT, str(exc)) from None
-        last = edits[-1] if edits else None   # [start, end, text]: the cursor is after the last edit's text
+        last = edits[-1] if edits else None  # [start, end, text]: the cursor is after the last edit's text
         if isinstance(last, (list, tuple)) and len(last) == 3 and isinstance(last[0], int) and isinstance(last[2], str):
             self.prefetch.touch((client, uri), last[0] + len(last[2]))
 
@@ -197,7 +209,8 @@ class Service:
             if config_mod.route_refusal(settings, self.cfg):
                 return
             self._last_cfg[client] = config_mod.merge(
-                self.cfg, {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS})[0]
+                self.cfg, {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS}
+            )[0]
         self.prefetch.note((client, uri), offset)
 
     def close(self, client: Hashable, uri: str) -> None:
@@ -212,8 +225,9 @@ class Service:
 
     def _warmup(self, key: Key, offset: int | None) -> Any:
         """Worker thread: the prefetch of `key` with the settings of its editor's last request (or rest)."""
-        return make_warmup(self.docs, self.completer, self._last_cfg.get(key[0], self.cfg), key, offset,
-                           language_unserved)
+        return make_warmup(
+            self.docs, self.completer, self._last_cfg.get(key[0], self.cfg), key, offset, language_unserved
+        )
 
     def count_suggestion(self, event: str, kind: Any = None) -> None:
         """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion."""
@@ -231,7 +245,9 @@ class Service:
                 language = params.get("languageId") or ""
                 if not isinstance(language, str):
                     raise TypeError("languageId must be a string")
-                self.open(client, str_param(params, "uri"), int_param(params, "version"), str_param(params, "text"), language)
+                self.open(
+                    client, str_param(params, "uri"), int_param(params, "version"), str_param(params, "text"), language
+                )
             elif method == "change":
                 edits = params.get("edits")
                 if not isinstance(edits, list):
@@ -240,8 +256,13 @@ class Service:
             elif method == "close":
                 self.close(client, str_param(params, "uri"))
             elif method == "rest":
-                self.rest(client, str_param(params, "uri"), int_param(params, "version"), int_param(params, "offset"),
-                          params.get("settings"))
+                self.rest(
+                    client,
+                    str_param(params, "uri"),
+                    int_param(params, "version"),
+                    int_param(params, "offset"),
+                    params.get("settings"),
+                )
             elif method == "suggestion":
                 self.count_suggestion(str_param(params, "event"), params.get("kind"))
             elif method == "workspace":
@@ -259,7 +280,11 @@ class Service:
         """A request; its answer, or ServiceError (bad params included) with the code the client sees."""
         if method == "complete":
             try:
-                uri, version, offset = str_param(params, "uri"), int_param(params, "version"), int_param(params, "offset")
+                uri, version, offset = (
+                    str_param(params, "uri"),
+                    int_param(params, "version"),
+                    int_param(params, "offset"),
+                )
             except (KeyError, TypeError) as exc:
                 raise ServiceError(Code.BAD_REQUEST, f"complete: bad params: {reason(exc)}") from None
             settings = params.get("settings")
@@ -267,8 +292,9 @@ class Service:
             refusal = config_mod.route_refusal(settings if isinstance(settings, dict) else None, self.cfg)
             if refusal:
                 raise ServiceError(Code.NOT_READY, refusal)
-            return await self.complete(client, request_id, uri, version, offset,
-                                       settings if isinstance(settings, dict) else None)
+            return await self.complete(
+                client, request_id, uri, version, offset, settings if isinstance(settings, dict) else None
+            )
         if method == "ping":
             return "pong"
         if method == "status":
@@ -285,8 +311,15 @@ class Service:
     def cancel(self, client: Hashable, request_id: Hashable) -> None:
         self.scheduler.cancel((client, request_id))
 
-    async def complete(self, client: Hashable, request_id: Hashable, uri: str, version: int, offset: int,
-                       settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def complete(
+        self,
+        client: Hashable,
+        request_id: Hashable,
+        uri: str,
+        version: int,
+        offset: int,
+        settings: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         loop = self.lifecycle.loop = self.lifecycle.loop or asyncio.get_running_loop()
         self.metrics.add("requests")
         doc = self.docs.get(client, uri)
@@ -297,10 +330,12 @@ class Service:
             raise ServiceError(Code.BAD_REQUEST, f"offset {offset} outside {uri} ({len(doc.text)} characters)")
         if self.state == "error" and not self.lifecycle.remote_down:
             raise ServiceError(Code.NOT_READY, self.error)
-        cfg, _errors = config_mod.merge(self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS})
+        cfg, _errors = config_mod.merge(
+            self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS}
+        )
         text, path, language = doc.text, uri_path(uri), doc.language_id or None
         gated = gate_path(uri)
-        tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None   # parsed on the worker, incrementally
+        tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None  # parsed on the worker, incrementally
         future: asyncio.Future = loop.create_future()
 
         def deliver(outcome: Outcome) -> None:
@@ -313,12 +348,15 @@ class Service:
             if not future.done():
                 future.set_result(outcome)
 
-        job = Job(key=(client, uri), client=client, request_id=(client, request_id),
-                  run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gated,
-                                              tree=tree),
-                  done=deliver)
+        job = Job(
+            key=(client, uri),
+            client=client,
+            request_id=(client, request_id),
+            run=lambda token: self._run(text, offset, cfg, token, path, language, client, gate_path=gated, tree=tree),
+            done=deliver,
+        )
         self._last_cfg[client] = cfg
-        self.prefetch.touch((client, uri), offset)   # stale now; warmed around here once the user rests
+        self.prefetch.touch((client, uri), offset)  # stale now; warmed around here once the user rests
         try:
             self.scheduler.submit(job)
         except Overloaded as exc:
@@ -335,13 +373,18 @@ class Service:
             raise
         finally:
             expiry.cancel()
-            self.prefetch.touch((client, uri), offset)   # the timer runs from the answer: not while typing on
+            self.prefetch.touch((client, uri), offset)  # the timer runs from the answer: not while typing on
         if outcome.status == CANCELLED and outcome.reason == "expired":
-            raise ServiceError(Code.OVERLOADED, f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
-                                                "behind other requests and was dropped; the daemon is busy, try again")
+            raise ServiceError(
+                Code.OVERLOADED,
+                f"the request waited {self.scheduler.queue_deadline:g} s in the queue "
+                "behind other requests and was dropped; the daemon is busy, try again",
+            )
         if outcome.status == CANCELLED:
-            reason = {"superseded": "superseded by a newer request for this document",
-                      "shutdown": "the daemon is shutting down"}.get(outcome.reason, "cancelled")
+            reason = {
+                "superseded": "superseded by a newer request for this document",
+                "shutdown": "the daemon is shutting down",
+            }.get(outcome.reason, "cancelled")
             raise ServiceError(Code.CANCELLED, reason)
         if outcome.status == ERROR:
             failure = outcome.value
@@ -354,9 +397,18 @@ class Service:
         result["version"] = version
         return result
 
-    def _run(self, text: str, offset: int, cfg: Config, token: Any, path: str | None = None,
-             language: str | None = None, client: Hashable = None, gate_path: str | None = None,
-             tree: Any = None) -> dict[str, Any]:
+    def _run(
+        self,
+        text: str,
+        offset: int,
+        cfg: Config,
+        token: Any,
+        path: str | None = None,
+        language: str | None = None,
+        client: Hashable = None,
+        gate_path: str | None = None,
+        tree: Any = None,
+    ) -> dict[str, Any]:
         """On the worker thread: one completion from whatever completes (the one pipeline, completion/completer.py)."""
         from completiond.completion.completer import suggest
 
@@ -372,21 +424,25 @@ class Service:
             return _withheld(unserved, reason="language")
         if completer.backend is not Backend.LOCAL and not verdict.remote_ok:
             # Said as it is: this daemon has no local model, so the file gets no completion at all here.
-            return _withheld(f"no completions for this file: {verdict.reason}, and such files are never sent to the "
-                             f"completion server ({cfg.backend}); this daemon has no local model for them "
-                             "(with backend = local they are completed on this machine)")
+            return _withheld(
+                f"no completions for this file: {verdict.reason}, and such files are never sent to the "
+                f"completion server ({cfg.backend}); this daemon has no local model for them "
+                "(with backend = local they are completed on this machine)"
+            )
         start = time.perf_counter()
         remote = completer.backend is not Backend.LOCAL
         self.lifecycle.call_soon(self.lifecycle.mark_busy)
-        context = self.docs.context(client, cfg, path, language, text, offset, completer.budgets(cfg),
-                                    completer.token_counter())
+        context = self.docs.context(
+            client, cfg, path, language, text, offset, completer.budgets(cfg), completer.token_counter()
+        )
         # tree: the document's DocumentTree. A request uses it as the edits left it (shifted by tree-sitter's
         # edit API, not reparsed: enough to find the construct around the cursor); it is reparsed, incrementally,
         # once edits pile up (DocumentTree.shifted).
         shifted = (tree.shifted(text) or tree.tree(text)) if tree is not None else None
         try:
-            done = suggest(completer, text, offset, cfg, cancel=token, path=path, language=language, context=context,
-                           tree=shifted)
+            done = suggest(
+                completer, text, offset, cfg, cancel=token, path=path, language=language, context=context, tree=shifted
+            )
         except TeamServerError as exc:
             if remote and exc.kind != "config":
                 self.lifecycle.call_soon(self.lifecycle.remote_failed, str(exc))
@@ -395,10 +451,17 @@ class Service:
             self.lifecycle.call_soon(self.lifecycle.remote_answered)
         latency = round((time.perf_counter() - start) * 1000, 2)
         if done.skipped:  # nothing to complete here (e.g. a minified line): no engine work
-            return {"suggestion": None, "suggestions": [], "finish_reason": "skipped", "stats": {},
-                    "latency_ms": latency, "warnings": done.warnings}
-        suggestions = [{"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline}
-                       for s in done.suggestions]
+            return {
+                "suggestion": None,
+                "suggestions": [],
+                "finish_reason": "skipped",
+                "stats": {},
+                "latency_ms": latency,
+                "warnings": done.warnings,
+            }
+        suggestions = [
+            {"text": s.text, "start": s.start, "end": s.end, "multiline": s.multiline} for s in done.suggestions
+        ]
         result = {
             "warnings": done.warnings,
             "suggestion": suggestions[0] if suggestions else None,  # the best; older clients read only this
@@ -408,12 +471,18 @@ class Service:
             "latency_ms": latency,
         }
         if done.withheld and not suggestions:
-            result["withheld"] = done.withheld   # the model made one; the syntax check kept it back, and why
+            result["withheld"] = done.withheld  # the model made one; the syntax check kept it back, and why
         return result
 
 
 def _withheld(message: str, reason: str = "excluded") -> dict[str, Any]:
     """The answer for a document the privacy gate keeps from the model in use (or one in a language the model
     does not serve): no suggestion, and why (the editor tells the user once per message)."""
-    return {"suggestion": None, "suggestions": [], "finish_reason": reason, "stats": {}, "latency_ms": 0.0,
-            "warnings": [message]}
+    return {
+        "suggestion": None,
+        "suggestions": [],
+        "finish_reason": reason,
+        "stats": {},
+        "latency_ms": 0.0,
+        "warnings": [message],
+    }

@@ -42,14 +42,14 @@ UNPACK_LIMITS = dict(
 
 # Error codes carried in {"e": {"code": ...}}.
 class Code:
-    BAD_REQUEST = 1        # malformed params
+    BAD_REQUEST = 1  # malformed params
     UNKNOWN_METHOD = 2
-    CANCELLED = 3          # cancelled by the client, or superseded by a newer request for the document
-    OVERLOADED = 4         # this editor's queue is full, a request waited past the deadline, or too many connections
-    ENGINE_ERROR = 5       # the engine refused the input (message is for the user)
-    NOT_READY = 6          # model failed to load
+    CANCELLED = 3  # cancelled by the client, or superseded by a newer request for the document
+    OVERLOADED = 4  # this editor's queue is full, a request waited past the deadline, or too many connections
+    ENGINE_ERROR = 5  # the engine refused the input (message is for the user)
+    NOT_READY = 6  # model failed to load
     VERSION_MISMATCH = 7
-    UNKNOWN_DOCUMENT = 8   # not open, or the version does not match: resend the document
+    UNKNOWN_DOCUMENT = 8  # not open, or the version does not match: resend the document
     INTERNAL = 9
     SHUTTING_DOWN = 10
 
@@ -109,8 +109,9 @@ def check_length(length: int, limit: int = MAX_FRAME) -> None:
         raise FrameError(f"frame of {length} bytes exceeds the {limit}-byte limit")
 
 
-async def read_message(reader: asyncio.StreamReader, limit: int = MAX_FRAME,
-                       frame_timeout: float | None = None) -> dict[str, Any] | None:
+async def read_message(
+    reader: asyncio.StreamReader, limit: int = MAX_FRAME, frame_timeout: float | None = None
+) -> dict[str, Any] | None:
     """Next message, or None on a clean EOF between frames. Raises FrameError on bad input.
 
     The wait for a frame's first byte is unbounded (an idle editor is fine); with

@@ -72,10 +72,20 @@ class Workspace:
     close) runs on one background thread, never on the caller's.
     """
 
-    def __init__(self, folders: Iterable[str | os.PathLike] = (), max_bytes: int = 8 << 20,
-                 max_file_bytes: int = 256 << 10, scan: bool = True, max_scan_files: int = 5000,
-                 snippet_lines: int = 60, max_files: int = 4, max_watched_dirs: int | None = None,
-                 max_watched_folders: int = 32, max_scan_dirs: int = 20000, max_index_chunks: int = 200_000):
+    def __init__(
+        self,
+        folders: Iterable[str | os.PathLike] = (),
+        max_bytes: int = 8 << 20,
+        max_file_bytes: int = 256 << 10,
+        scan: bool = True,
+        max_scan_files: int = 5000,
+        snippet_lines: int = 60,
+        max_files: int = 4,
+        max_watched_dirs: int | None = None,
+        max_watched_folders: int = 32,
+        max_scan_dirs: int = 20000,
+        max_index_chunks: int = 200_000,
+    ):
         self.scan_on_start = scan
         self._lock = threading.RLock()
         self._folders = Folders()
@@ -200,12 +210,19 @@ class Workspace:
         return self.watcher.submit(lambda: None).wait(timeout)
 
     # -- editor events ------------------------------------------------------
-    def did_open(self, path: str | os.PathLike, text: str, language: str | None = None,
-                 owner: Hashable = LOCAL) -> None:
+    def did_open(
+        self, path: str | os.PathLike, text: str, language: str | None = None, owner: Hashable = LOCAL
+    ) -> None:
         self.store.put(owner, os.path.abspath(os.fspath(path)), text, language, edit_line=None)
 
-    def did_change(self, path: str | os.PathLike, text: str, edit_line: int | None = None,
-                   language: str | None = None, owner: Hashable = LOCAL) -> None:
+    def did_change(
+        self,
+        path: str | os.PathLike,
+        text: str,
+        edit_line: int | None = None,
+        language: str | None = None,
+        owner: Hashable = LOCAL,
+    ) -> None:
         self.store.put(owner, os.path.abspath(os.fspath(path)), text, language, edit_line=edit_line)
 
     def did_close(self, path: str | os.PathLike, owner: Hashable = LOCAL) -> None:
@@ -244,10 +261,19 @@ class Workspace:
         """Block until predicate() holds (re-checked on every change) or timeout."""
         return self.store.wait_for(predicate, timeout)
 
-    def context(self, current_path: str | os.PathLike | None, language: str | None, budget_tokens: int,
-                count_tokens: Callable[[str], int] | None = None, owner: Hashable = LOCAL,
-                exclude: Iterable[str] = (), text: str | None = None, offset: int | None = None,
-                mode: str = "recent", window_tokens: tuple[int, int] = (1024, 256)) -> list[tuple[str, str]]:
+    def context(
+        self,
+        current_path: str | os.PathLike | None,
+        language: str | None,
+        budget_tokens: int,
+        count_tokens: Callable[[str], int] | None = None,
+        owner: Hashable = LOCAL,
+        exclude: Iterable[str] = (),
+        text: str | None = None,
+        offset: int | None = None,
+        mode: str = "recent",
+        window_tokens: tuple[int, int] = (1024, 256),
+    ) -> list[tuple[str, str]]:
         """(relative path, snippet) pairs for the prompt's context block.
 
         mode "retrieval" (with the document's `text` and cursor `offset`): the chunks the code
@@ -270,15 +296,30 @@ class Workspace:
             return self.retrieve(current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens)
         return self.picker.recent(current, language, budget_tokens, count, owner, exclude)
 
-    def retrieve(self, current: str | None, language: str | None, text: str, offset: int, budget_tokens: int,
-                 count: Callable[[str], int], owner: Hashable = LOCAL, exclude: tuple[str, ...] = (),
-                 window_tokens: tuple[int, int] = (1024, 256)) -> list[tuple[str, str]]:
+    def retrieve(
+        self,
+        current: str | None,
+        language: str | None,
+        text: str,
+        offset: int,
+        budget_tokens: int,
+        count: Callable[[str], int],
+        owner: Hashable = LOCAL,
+        exclude: tuple[str, ...] = (),
+        window_tokens: tuple[int, int] = (1024, 256),
+    ) -> list[tuple[str, str]]:
         """(relative path, chunk) pairs for the cursor at `offset` in `text` (ContextPicker.retrieve)."""
-        return self.picker.retrieve(current, language, text, offset, budget_tokens, count, owner, exclude,
-                                    window_tokens)
+        return self.picker.retrieve(
+            current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens
+        )
 
-    def admission(self, path: str | os.PathLike | None, owner: Hashable = LOCAL, exclude: Iterable[str] = (),
-                  roots: Iterable[str] = ()) -> Verdict:
+    def admission(
+        self,
+        path: str | os.PathLike | None,
+        owner: Hashable = LOCAL,
+        exclude: Iterable[str] = (),
+        roots: Iterable[str] = (),
+    ) -> Verdict:
         """The privacy gate's verdict (privacy.classify) on `path` for `owner`: its workspace folders (plus
         `roots`, folders the caller knows of that may not be registered yet) and their ignore rules."""
         if path is None:
@@ -297,5 +338,10 @@ class Workspace:
         source files the scans found and loaded so far, and whether a scan is running."""
         with self._lock:
             progress = self.disk.scan_progress
-            return {"files": self.index.files(), "chunks": len(self.index), "found": progress["found"],
-                    "loaded": progress["loaded"], "scanning": progress["scanning"] > 0}
+            return {
+                "files": self.index.files(),
+                "chunks": len(self.index),
+                "found": progress["found"],
+                "loaded": progress["loaded"],
+                "scanning": progress["scanning"] > 0,
+            }

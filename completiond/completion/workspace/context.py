@@ -31,15 +31,14 @@ MAX_BLOCK_STATES = 256
 class ContextPicker:
     """snippet_lines: lines of a recent file's snippet; max_files: recent files per block."""
 
-    def __init__(self, store: DocumentStore, folders: Folders, gate: Gate, snippet_lines: int = 60,
-                 max_files: int = 4):
+    def __init__(self, store: DocumentStore, folders: Folders, gate: Gate, snippet_lines: int = 60, max_files: int = 4):
         self.store = store
         self.folders = folders
         self.gate = gate
         self.snippet_lines = snippet_lines
         self.max_files = max_files
         self.selector = Selector()
-        self.block_changes = 0          # retrieval blocks that differed from the last one for the same file
+        self.block_changes = 0  # retrieval blocks that differed from the last one for the same file
         self._last_block: dict[tuple, tuple] = {}
         self._token_counts: OrderedDict[str, int] = OrderedDict()
 
@@ -58,11 +57,19 @@ class ContextPicker:
             else:
                 self._token_counts.move_to_end(s)
             return n
+
         return cached
 
     # -- recent files ------------------------------------------------------
-    def recent(self, current: str | None, language: str | None, budget_tokens: int, count: Callable[[str], int],
-               owner: Hashable, exclude: tuple[str, ...]) -> list[tuple[str, str]]:
+    def recent(
+        self,
+        current: str | None,
+        language: str | None,
+        budget_tokens: int,
+        count: Callable[[str], int],
+        owner: Hashable,
+        exclude: tuple[str, ...],
+    ) -> list[tuple[str, str]]:
         """Among `owner`'s open documents and the disk files under `owner`'s folders, the most recently
         touched files of `language` other than the current one (open documents first) that the gate
         admits (contextExclude `exclude` included): a snippet of each (around the last edit, else the
@@ -75,7 +82,7 @@ class ContextPicker:
                 if path == current or (language is not None and e.language != language):
                     continue
                 if who == owner and who is not DISK:
-                    visible[path] = e                       # the editor's own copy wins over the disk's
+                    visible[path] = e  # the editor's own copy wins over the disk's
                 elif who is DISK and path not in visible and any(_inside(path, root) for root in mine):
                     visible[path] = e
             candidates = sorted(visible.values(), key=lambda e: (not e.open, -e.touched, e.path))
@@ -100,8 +107,14 @@ class ContextPicker:
                 cost = count(f"{rel}\n{snippet}") + 2
             chosen.append((rel, snippet))
             used += cost
-            log.debug("context for %s (editor %s): %s, %s copy, %d characters", current, owner, e.path,
-                      "editor's" if e.open else "disk", len(snippet))
+            log.debug(
+                "context for %s (editor %s): %s, %s copy, %d characters",
+                current,
+                owner,
+                e.path,
+                "editor's" if e.open else "disk",
+                len(snippet),
+            )
         chosen.sort()
         return chosen
 
@@ -115,12 +128,21 @@ class ContextPicker:
             # small cursor moves in that file do not change the snippet.
             half = max(1, n // 2)
             start = max(0, min(len(lines) - n, (e.edit_line // half) * half - half // 2))
-        return "".join(lines[start:start + n])
+        return "".join(lines[start : start + n])
 
     # -- retrieval ---------------------------------------------------------
-    def retrieve(self, current: str | None, language: str | None, text: str, offset: int, budget_tokens: int,
-                 count: Callable[[str], int], owner: Hashable, exclude: tuple[str, ...],
-                 window_tokens: tuple[int, int]) -> list[tuple[str, str]]:
+    def retrieve(
+        self,
+        current: str | None,
+        language: str | None,
+        text: str,
+        offset: int,
+        budget_tokens: int,
+        count: Callable[[str], int],
+        owner: Hashable,
+        exclude: tuple[str, ...],
+        window_tokens: tuple[int, int],
+    ) -> list[tuple[str, str]]:
         """(relative path, chunk) pairs for the cursor at `offset` in `text` (the current document).
 
         Candidates are the index's chunks of `language` that `owner` may see: its own open
@@ -163,8 +185,15 @@ class ContextPicker:
                 log.debug("context for %s (editor %s): %s lines %d-%d", current, owner, c.path, c.start + 1, c.end)
         return out
 
-    def _retrievable(self, c: retrieval.Chunk, owner: Hashable, current: str | None, language: str | None,
-                     mine: list[str], exclude: tuple[str, ...]) -> bool:
+    def _retrievable(
+        self,
+        c: retrieval.Chunk,
+        owner: Hashable,
+        current: str | None,
+        language: str | None,
+        mine: list[str],
+        exclude: tuple[str, ...],
+    ) -> bool:
         who, path = cast(tuple[Hashable, str], c.key)
         if language is not None and c.language != language:
             return False

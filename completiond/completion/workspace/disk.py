@@ -25,8 +25,7 @@ class DiskSync:
     """max_scan_files / max_scan_dirs: how far one scan looks; it loads the most recently modified
     files it found, up to the store's max_bytes of text."""
 
-    def __init__(self, store: DocumentStore, folders: Folders, max_scan_files: int = 5000,
-                 max_scan_dirs: int = 20000):
+    def __init__(self, store: DocumentStore, folders: Folders, max_scan_files: int = 5000, max_scan_dirs: int = 20000):
         self.store = store
         self.folders = folders
         self.max_scan_files = max_scan_files
@@ -46,8 +45,12 @@ class DiskSync:
             return
         with store.lock:
             rules = self.folders.rules_for(path)
-        if rules is None or language_of(path) is None or rules.ignored(path) \
-                or secret_match(path, rules.root) is not None:
+        if (
+            rules is None
+            or language_of(path) is None
+            or rules.ignored(path)
+            or secret_match(path, rules.root) is not None
+        ):
             return
         text, mtime = read_source(path, store.max_file_bytes, rules.real_root)
         if text is None:
@@ -102,8 +105,11 @@ class DiskSync:
                                     stack.append(de.path)
                             elif de.is_file(follow_symlinks=False) and language_of(de.name) is not None:
                                 st = de.stat(follow_symlinks=False)
-                                if (st.st_size <= max_file_bytes and not rules.ignored(de.path)
-                                        and secret_match(de.path, rules.root) is None):
+                                if (
+                                    st.st_size <= max_file_bytes
+                                    and not rules.ignored(de.path)
+                                    and secret_match(de.path, rules.root) is None
+                                ):
                                     found.append((st.st_mtime, de.path))
                         except OSError:
                             continue  # vanished or unreadable entry: skip it, keep scanning

@@ -16,8 +16,8 @@ from completiond.completion.workspace.gitignore import IgnoreRules
 
 class Folders:
     def __init__(self) -> None:
-        self.rules: dict[str, IgnoreRules] = {}       # folder -> its ignore rules
-        self.owners: dict[str, set] = {}              # folder -> editors that added it
+        self.rules: dict[str, IgnoreRules] = {}  # folder -> its ignore rules
+        self.owners: dict[str, set] = {}  # folder -> editors that added it
 
     def __iter__(self):
         return iter(list(self.rules))

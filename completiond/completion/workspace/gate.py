@@ -20,15 +20,17 @@ MAX_VERDICTS = 50_000
 class Gate:
     def __init__(self, folders: Folders):
         self.folders = folders
-        self._verdicts: dict[tuple, bool] = {}   # (path, owner's folders, exclude) -> the gate's remote_ok
+        self._verdicts: dict[tuple, bool] = {}  # (path, owner's folders, exclude) -> the gate's remote_ok
 
     def admit(self, path: str, roots: list[str], exclude: Iterable[str], read_from_disk: bool = False) -> Verdict:
         """classify() with the folders' ignore rules. read_from_disk: an entry read from disk passed those
         rules when it was read, and leaves when a .gitignore change ignores it (the disk sync's recheck),
         so its (deep paths: costly) ignore check is skipped; every other rule is applied as for any file."""
+
         def ignored(root: str, p: str) -> bool:
             rules = self.folders.rules.get(root) or IgnoreRules(root)  # a folder still being set up: read its rules now
             return rules.ignored(p)
+
         return classify(path, roots, exclude=exclude, ignored=None if read_from_disk else ignored)
 
     def context_ok(self, path: str, roots: list[str], exclude: tuple[str, ...] = ()) -> bool:

@@ -61,7 +61,8 @@ class IgnoreRules:
             return True
         parts = rel.split(os.sep)
         if any(p in ALWAYS_SKIPPED_DIRS or p.startswith(".") for p in parts[:-1]) or (
-                is_dir and (parts[-1] in ALWAYS_SKIPPED_DIRS or parts[-1].startswith("."))):
+            is_dir and (parts[-1] in ALWAYS_SKIPPED_DIRS or parts[-1].startswith("."))
+        ):
             return True
         # Check every ancestor directory, then the path itself; at each level
         # the deepest .gitignore with a matching pattern decides.

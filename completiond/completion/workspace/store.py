@@ -21,19 +21,19 @@ from completiond.completion.privacy import secret_match
 from completiond.completion.workspace.folders import Folders
 from completiond.completion.workspace.gate import Gate
 
-DISK = None   # owner of the entries read from disk: visible to every editor whose folders contain them
-LOCAL = 0     # the owner when one editor uses the workspace alone (in-process LSP, eval, tests)
+DISK = None  # owner of the entries read from disk: visible to every editor whose folders contain them
+LOCAL = 0  # the owner when one editor uses the workspace alone (in-process LSP, eval, tests)
 
 
 @dataclass
 class Entry:
-    owner: Hashable         # DISK, or the editor that has the document open
+    owner: Hashable  # DISK, or the editor that has the document open
     path: str
     language: str
     text: str
     nbytes: int
-    touched: float          # last edit (editor) or modification (disk), for recency
-    edit_line: int | None   # line of the last edit in the editor, if known
+    touched: float  # last edit (editor) or modification (disk), for recency
+    edit_line: int | None  # line of the last edit in the editor, if known
 
     @property
     def open(self) -> bool:
@@ -47,8 +47,15 @@ class DocumentStore:
 
     Methods that do not take the lock themselves say so: their caller holds it."""
 
-    def __init__(self, lock: threading.RLock, folders: Folders, gate: Gate, index: retrieval.RetrievalIndex,
-                 max_bytes: int, max_file_bytes: int):
+    def __init__(
+        self,
+        lock: threading.RLock,
+        folders: Folders,
+        gate: Gate,
+        index: retrieval.RetrievalIndex,
+        max_bytes: int,
+        max_file_bytes: int,
+    ):
         self.lock = lock
         self.changed = threading.Condition(lock)
         self.folders = folders
@@ -84,7 +91,7 @@ class DocumentStore:
         read (inside a folder, not ignored or hidden, not on the deny-list); an editor's document
         only under the same rules (an open hidden, ignored or outside file stays out of the index)."""
         if os.path.basename(path).startswith("."):
-            return False      # a hidden file (.dotfile.py), wherever it is, like a hidden folder's
+            return False  # a hidden file (.dotfile.py), wherever it is, like a hidden folder's
         if owner is DISK:
             return True
         # Asked on every didChange: cached until folders or ignore rules change.
@@ -109,8 +116,15 @@ class DocumentStore:
             self.drop(victim)
 
     # -- taking the lock -------------------------------------------------------
-    def put(self, owner: Hashable, path: str, text: str, language: str | None, edit_line: int | None,
-            touched: float | None = None) -> None:
+    def put(
+        self,
+        owner: Hashable,
+        path: str,
+        text: str,
+        language: str | None,
+        edit_line: int | None,
+        touched: float | None = None,
+    ) -> None:
         """Keep `text` as (owner, path), or drop that entry where the text may not be kept (no source
         language, too big, on the deny-list)."""
         language = language or language_of(path)
@@ -120,13 +134,17 @@ class DocumentStore:
         prepared = None
         with self.lock:
             old = self.entries.get(key)
-            edit = old is not None and key in self.index.by_key   # a keystroke, or a file saved again
+            edit = old is not None and key in self.index.by_key  # a keystroke, or a file saved again
         if language is not None and nbytes <= self.max_file_bytes and not edit:
             prepared = retrieval.prepare(text, self.index.max_chunks_per_file, parse=owner is DISK, language=language)
         with self.lock:
             old = self.entries.get(key)
-            if (language is None or nbytes > self.max_file_bytes or nbytes > self.max_bytes
-                    or secret_match(path, self.folders.root_of(path)) is not None):
+            if (
+                language is None
+                or nbytes > self.max_file_bytes
+                or nbytes > self.max_bytes
+                or secret_match(path, self.folders.root_of(path)) is not None
+            ):
                 if old is not None:
                     self.drop(key)
                     self.bump()
@@ -135,13 +153,17 @@ class DocumentStore:
                 if edit_line is None and old.text == text:
                     edit_line = old.edit_line
                 self.drop(key, index=False)
-            self.entries[key] = Entry(owner, path, language, text, nbytes,
-                                      touched if touched is not None else time.time(), edit_line)
+            self.entries[key] = Entry(
+                owner, path, language, text, nbytes, touched if touched is not None else time.time(), edit_line
+            )
             self.bytes += nbytes
             if not self.indexable(owner, path):
                 self.index.remove(key)
-            elif not (old is not None and key in self.index.by_key
-                      and self.index.update_edit(key, path, language, old.text, text)):
+            elif not (
+                old is not None
+                and key in self.index.by_key
+                and self.index.update_edit(key, path, language, old.text, text)
+            ):
                 self.index.update(key, path, language, text, prepared, keep_outline=owner is not DISK)
             self._evict()
             self.bump()

@@ -88,16 +88,22 @@ class FolderWatcher:
     """The observer, its watches, and the I/O thread. `lock` is the workspace's: the observer and the
     closed flag change under it; the watches change on the I/O thread only (and are cleared by stop)."""
 
-    def __init__(self, lock: threading.RLock, folders: Folders, disk: DiskSync,
-                 max_watched_dirs: int | None = None, max_watched_folders: int = 32):
+    def __init__(
+        self,
+        lock: threading.RLock,
+        folders: Folders,
+        disk: DiskSync,
+        max_watched_dirs: int | None = None,
+        max_watched_folders: int = 32,
+    ):
         self.lock = lock
         self.folders = folders
         self.disk = disk
         self.max_watched_dirs = default_watch_budget() if max_watched_dirs is None else max_watched_dirs
         self.max_watched_folders = max_watched_folders
         self.observer: Any = None
-        self.watches: dict[str, tuple[object, int]] = {}    # folder -> (watch, directories)
-        self.unwatched: set[str] = set()                    # folders refused a watch (logged once)
+        self.watches: dict[str, tuple[object, int]] = {}  # folder -> (watch, directories)
+        self.unwatched: set[str] = set()  # folders refused a watch (logged once)
         self.closed = False
         self._io: queue.SimpleQueue = queue.SimpleQueue()
         self._io_thread: threading.Thread | None = None
@@ -131,8 +137,9 @@ class FolderWatcher:
             io_thread = self._io_thread
         self._io.put(None)
         if obs is not None:
-            stopper = threading.Thread(target=lambda: (obs.stop(), obs.join(timeout)), daemon=True,
-                                       name="workspace-stop")
+            stopper = threading.Thread(
+                target=lambda: (obs.stop(), obs.join(timeout)), daemon=True, name="workspace-stop"
+            )
             stopper.start()
             stopper.join(timeout)
             if stopper.is_alive():
@@ -198,8 +205,9 @@ class FolderWatcher:
                 continue
             dirs = _count_dirs(root, budget + 1)
             if dirs > budget:
-                self._not_watched(root, f"it holds over {budget} directories, the watch budget left "
-                                        f"({self.max_watched_dirs} in all)")
+                self._not_watched(
+                    root, f"it holds over {budget} directories, the watch budget left ({self.max_watched_dirs} in all)"
+                )
                 continue
             try:
                 self.watches[root] = (obs.schedule(_Handler(self), root, recursive=True), dirs)
@@ -211,5 +219,9 @@ class FolderWatcher:
     def _not_watched(self, root: str, why: str) -> None:
         if root not in self.unwatched:
             self.unwatched.add(root)
-            log.warning("not watching workspace folder %s: %s; its context comes from the start-up scan and "
-                        "open documents only", root, why)
+            log.warning(
+                "not watching workspace folder %s: %s; its context comes from the start-up scan and "
+                "open documents only",
+                root,
+                why,
+            )

@@ -15,17 +15,40 @@ from completiond.errors import EngineError
 
 ABI = 14
 # step.c's negative return codes
-_ERRORS = {-1: "no scratch memory", -2: "a row count, layer range or size out of range",
-           -3: "a slot outside the KV cache's capacity", -4: "a token id outside the vocabulary",
-           -5: "a rotary position outside the rope tables"}
+_ERRORS = {
+    -1: "no scratch memory",
+    -2: "a row count, layer range or size out of range",
+    -3: "a slot outside the KV cache's capacity",
+    -4: "a token id outside the vocabulary",
+    -5: "a rotary position outside the rope tables",
+}
 
 
 class NativeError(EngineError):
     """step.c refused its arguments (or had no memory)."""
 
 
-_LAYER_FIELDS = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate", "gate_b", "up", "up_b", "down", "down_b",
-                 "q_norm", "k_norm", "qkv_s", "o_s", "gate_s", "up_s", "down_s")
+_LAYER_FIELDS = (
+    "ln1",
+    "qkv",
+    "qkv_b",
+    "o",
+    "o_b",
+    "ln2",
+    "gate",
+    "gate_b",
+    "up",
+    "up_b",
+    "down",
+    "down_b",
+    "q_norm",
+    "k_norm",
+    "qkv_s",
+    "o_s",
+    "gate_s",
+    "up_s",
+    "down_s",
+)
 
 
 class _Layer(ctypes.Structure):
@@ -33,11 +56,19 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("d", ctypes.c_int32), ("H", ctypes.c_int32), ("KV", ctypes.c_int32), ("hd", ctypes.c_int32),
-                ("I", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("vocab", ctypes.c_int32),
-                ("rope_len", ctypes.c_int32)]
-
+    _fields_ = [
+        ("d", ctypes.c_int32),
+        ("H", ctypes.c_int32),
+        ("KV", ctypes.c_int32),
+        ("hd", ctypes.c_int32),
+        ("I", ctypes.c_int32),
+        ("n_layers", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("vocab", ctypes.c_int32),
+        ("rope_len", ctypes.c_int32),
+    ]
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -56,11 +87,59 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cd_layers.restype = i32
     lib.cd_head.argtypes = [vp, i32, i32, vp, f32, vp, i32, vp, i32, vp, vp, i32]
     lib.cd_head.restype = i32
-    lib.cd_draft_greedy.argtypes = [ctypes.POINTER(_Model), vp, i32, i64, i32, i32, i32, f32, vp, f32, vp, i32, vp,
-                                    i32, vp, vp, vp, i32, vp, vp, i32, vp, vp, i32, vp, vp, ctypes.POINTER(ctypes.c_int)]
+    lib.cd_draft_greedy.argtypes = [
+        ctypes.POINTER(_Model),
+        vp,
+        i32,
+        i64,
+        i32,
+        i32,
+        i32,
+        f32,
+        vp,
+        f32,
+        vp,
+        i32,
+        vp,
+        i32,
+        vp,
+        vp,
+        vp,
+        i32,
+        vp,
+        vp,
+        i32,
+        vp,
+        vp,
+        i32,
+        vp,
+        vp,
+        ctypes.POINTER(ctypes.c_int),
+    ]
     lib.cd_draft_greedy.restype = i32
-    lib.cd_verify_greedy.argtypes = [ctypes.POINTER(_Model), vp, i32, vp, i32, i32, i32, vp, f32, vp, i32, vp, i32,
-                                     vp, vp, vp, i32, vp, vp, i32, vp]
+    lib.cd_verify_greedy.argtypes = [
+        ctypes.POINTER(_Model),
+        vp,
+        i32,
+        vp,
+        i32,
+        i32,
+        i32,
+        vp,
+        f32,
+        vp,
+        i32,
+        vp,
+        i32,
+        vp,
+        vp,
+        vp,
+        i32,
+        vp,
+        vp,
+        i32,
+        vp,
+    ]
     lib.cd_verify_greedy.restype = i32
     return lib
 
@@ -80,5 +159,3 @@ def _check(rc: int, what: str) -> int:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-

@@ -131,8 +131,23 @@ class NativeStep:
         bound = {}
         for i, L in enumerate(fwd.layers):
             _, mats, scales, gate_b, up_b, fmt, inter = bound[id(L)] = self._packed_layer(i, L)
-            values = (L.ln1, mats[0], L.qkv_bias, mats[1], L.o_bias, L.ln2, mats[2], gate_b, mats[3], up_b,
-                      mats[4], L.down_bias, L.q_norm, L.k_norm, *scales)
+            values = (
+                L.ln1,
+                mats[0],
+                L.qkv_bias,
+                mats[1],
+                L.o_bias,
+                L.ln2,
+                mats[2],
+                gate_b,
+                mats[3],
+                up_b,
+                mats[4],
+                L.down_bias,
+                L.q_norm,
+                L.k_norm,
+                *scales,
+            )
             for name, t in zip(_LAYER_FIELDS, values):
                 if t is not None and not (t.is_contiguous() and t.dtype in (torch.float32, torch.int16, torch.int8)):
                     raise ValueError(f"layer {i}: {name} is not a contiguous float32 (or packed) tensor")
@@ -142,9 +157,19 @@ class NativeStep:
         L0 = bound[id(fwd.layers[0])]
         self._bound = bound  # the packed copies the struct points into (a replaced adapter's are dropped)
         self._layers = layers
-        self.model = _Model(d=fwd.layers[0].ln1.shape[0], H=fwd.H, KV=fwd.KV, hd=fwd.hd, I=L0[6],
-                            n_layers=len(fwd.layers), eps=fwd.layers[0].eps, scale=float(fwd.scaling), layers=layers,
-                            vocab=fwd.embed_w.shape[0], rope_len=0)
+        self.model = _Model(
+            d=fwd.layers[0].ln1.shape[0],
+            H=fwd.H,
+            KV=fwd.KV,
+            hd=fwd.hd,
+            I=L0[6],
+            n_layers=len(fwd.layers),
+            eps=fwd.layers[0].eps,
+            scale=float(fwd.scaling),
+            layers=layers,
+            vocab=fwd.embed_w.shape[0],
+            rope_len=0,
+        )
         self.n_layers = len(fwd.layers)
 
     def weights(self) -> str:
@@ -169,8 +194,9 @@ class NativeStep:
             out[fmt] = out.get(fmt, 0) + size
         return out
 
-    def arithmetic_rate(self, fmt: int, rows: int, seconds: float = 0.1, repeats: int = 5,
-                        cache_bytes: int = 128 << 10) -> float:
+    def arithmetic_rate(
+        self, fmt: int, rows: int, seconds: float = 0.1, repeats: int = 5, cache_bytes: int = 128 << 10
+    ) -> float:
         """Weight bytes per second this build's kernels for format fmt consume at `rows` rows, on all of
         torch's threads at once, from a random [cols, d] matrix of about cache_bytes per thread, which
         stays in cache: the arithmetic alone, with no memory stream to wait on (step.c's cd_arith). The
@@ -189,8 +215,12 @@ class NativeStep:
 
         def timed(reps: int) -> float:
             t0 = time.perf_counter()
-            _check(self.lib.cd_arith(x.data_ptr(), rows, d, packed.data_ptr(), fmt, _ptr(scales), cols, y.data_ptr(),
-                                     reps, threads), f"arithmetic timing at {rows} rows")
+            _check(
+                self.lib.cd_arith(
+                    x.data_ptr(), rows, d, packed.data_ptr(), fmt, _ptr(scales), cols, y.data_ptr(), reps, threads
+                ),
+                f"arithmetic timing at {rows} rows",
+            )
             return time.perf_counter() - t0
 
         reps = 4
@@ -208,13 +238,24 @@ class NativeStep:
         e = self.fwd.embed_w
         return e.data_ptr(), int(e.dtype == torch.bfloat16)
 
-    def layers(self, h: torch.Tensor, first: int, last: int, pos: int, seq: Any, write: bool,
-               rope_pos: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def layers(
+        self,
+        h: torch.Tensor,
+        first: int,
+        last: int,
+        pos: int,
+        seq: Any,
+        write: bool,
+        rope_pos: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Forward.layers_range's contract on h [1, t, d]; returns new states (h is not modified)."""
         t = h.shape[1]
         self._check_args("layers", seq, pos, t, first, last)
         if h.dim() != 3 or h.shape[0] != 1 or h.shape[2] != self.model.d:
-            raise NativeError(f"native layers: hidden states of shape {tuple(h.shape)}, expected [1, t, {self.model.d}]")
+            raise NativeError(
+                f"native layers: hidden states of shape {tuple(h.shape)}, expected [1, t, {self.model.d}]"
+            )
         out = h.to(torch.float32).clone(memory_format=torch.contiguous_format)  # [1, t, d]: step.c works in place
         if rope_pos is not None:
             rope_pos = rope_pos.to(torch.int64).contiguous()
@@ -226,14 +267,31 @@ class NativeStep:
                 raise NativeError(f"native layers: a mask of shape {tuple(mask.shape)}, expected [{t}, {pos + t}]")
         self._check_cache(seq, last)
         self._rope()
-        _check(self.lib.cd_layers(ctypes.byref(self.model), out.data_ptr(), t, first, last, pos, _ptr(rope_pos),
-                                  _ptr(mask), int(write), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
-                                  self.fwd._cos.data_ptr(), self.fwd._sin.data_ptr(), torch.get_num_threads()),
-               f"step of {t} rows at slot {pos}, layers [{first}, {last})")
+        _check(
+            self.lib.cd_layers(
+                ctypes.byref(self.model),
+                out.data_ptr(),
+                t,
+                first,
+                last,
+                pos,
+                _ptr(rope_pos),
+                _ptr(mask),
+                int(write),
+                seq.k.data_ptr(),
+                seq.v.data_ptr(),
+                seq.k.shape[2],
+                self.fwd._cos.data_ptr(),
+                self.fwd._sin.data_ptr(),
+                torch.get_num_threads(),
+            ),
+            f"step of {t} rows at slot {pos}, layers [{first}, {last})",
+        )
         return out
 
-    def _check_args(self, what: str, seq: Any, pos: int, t: int, first: int, last: int,
-                    tokens: list[int] | None = None) -> None:
+    def _check_args(
+        self, what: str, seq: Any, pos: int, t: int, first: int, last: int, tokens: list[int] | None = None
+    ) -> None:
         """The checks step.c repeats, made before anything is converted for C (ctypes would truncate an int
         past 32 bits silently, and the rope tables would grow to an absurd position first)."""
         cap = seq.k.shape[2]
@@ -252,14 +310,23 @@ class NativeStep:
     def _check_cache(self, seq: Any, last: int) -> None:
         """seq's K/V must hold slots for layers [0, last) of this model's shape, in float32, contiguous."""
         k, v = seq.k, seq.v
-        if k.dim() != 4 or k.shape[0] < last or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.model.KV, self.model.hd) \
-                or k.shape != v.shape or k.dtype != torch.float32 or v.dtype != torch.float32 \
-                or not (k.is_contiguous() and v.is_contiguous()):
-            raise NativeError(f"native step: a KV cache of shape {tuple(k.shape)} {k.dtype}, expected "
-                              f"[>= {last}, {self.model.KV}, capacity, {self.model.hd}] float32, contiguous")
+        if (
+            k.dim() != 4
+            or k.shape[0] < last
+            or tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.model.KV, self.model.hd)
+            or k.shape != v.shape
+            or k.dtype != torch.float32
+            or v.dtype != torch.float32
+            or not (k.is_contiguous() and v.is_contiguous())
+        ):
+            raise NativeError(
+                f"native step: a KV cache of shape {tuple(k.shape)} {k.dtype}, expected "
+                f"[>= {last}, {self.model.KV}, capacity, {self.model.hd}] float32, contiguous"
+            )
 
-    def head(self, h: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-             bias: torch.Tensor | None) -> torch.Tensor:
+    def head(
+        self, h: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """Final norm + LM head rows w [V, d] (packed on first use): h [1, t, d] -> logits [t, V] float32."""
         x = h[0].to(torch.float32).contiguous()  # [t, d]
         t, d = x.shape
@@ -268,13 +335,38 @@ class NativeStep:
             raise NativeError(f"native head: rows of width {w.shape[1]} for states of width {d}")
         packed, fmt, scales = self._pack(w)
         out = torch.empty(t, V, dtype=torch.float32)
-        _check(self.lib.cd_head(x.data_ptr(), t, d, norm_w.data_ptr(), eps, packed.data_ptr(), fmt, _ptr(scales), V,
-                                _ptr(bias), out.data_ptr(), torch.get_num_threads()), f"head over {t} rows")
+        _check(
+            self.lib.cd_head(
+                x.data_ptr(),
+                t,
+                d,
+                norm_w.data_ptr(),
+                eps,
+                packed.data_ptr(),
+                fmt,
+                _ptr(scales),
+                V,
+                _ptr(bias),
+                out.data_ptr(),
+                torch.get_num_threads(),
+            ),
+            f"head over {t} rows",
+        )
         return out
 
-    def draft_greedy(self, token: int, exit_layer: int, pos: int, k_max: int, threshold: float, seq: Any,
-                     head_w: torch.Tensor, head_b: torch.Tensor | None, ids: torch.Tensor | None,
-                     eos: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    def draft_greedy(
+        self,
+        token: int,
+        exit_layer: int,
+        pos: int,
+        k_max: int,
+        threshold: float,
+        seq: Any,
+        head_w: torch.Tensor,
+        head_b: torch.Tensor | None,
+        ids: torch.Tensor | None,
+        eos: torch.Tensor,
+    ) -> tuple[list[int], torch.Tensor]:
         """Up to k_max greedy early-exit draft tokens after token (step.c's cd_draft_greedy: no Python between
         the draft's steps); returns them and the layer-E states [1, n_fed, d] of the tokens it fed."""
         fwd = self.fwd
@@ -293,16 +385,43 @@ class NativeStep:
         self._check_cache(seq, exit_layer)
         self._rope()
         embed, ebf16 = self._embed()
-        k = _check(self.lib.cd_draft_greedy(
-            ctypes.byref(self.model), embed, ebf16, int(token), exit_layer, pos, k_max, float(threshold),
-            fwd.norm_w.data_ptr(), fwd.norm_eps, packed.data_ptr(), fmt, _ptr(scales), head_w.shape[0], _ptr(head_b),
-            _ptr(ids), eos.data_ptr(), eos.numel(), seq.k.data_ptr(), seq.v.data_ptr(), seq.k.shape[2],
-            fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), tokens.data_ptr(), states.data_ptr(),
-            ctypes.byref(fed)), f"draft of {k_max} tokens at slot {pos}")
-        return tokens[:k].tolist(), states[:fed.value][None]  # [1, n_fed, d]
+        k = _check(
+            self.lib.cd_draft_greedy(
+                ctypes.byref(self.model),
+                embed,
+                ebf16,
+                int(token),
+                exit_layer,
+                pos,
+                k_max,
+                float(threshold),
+                fwd.norm_w.data_ptr(),
+                fwd.norm_eps,
+                packed.data_ptr(),
+                fmt,
+                _ptr(scales),
+                head_w.shape[0],
+                _ptr(head_b),
+                _ptr(ids),
+                eos.data_ptr(),
+                eos.numel(),
+                seq.k.data_ptr(),
+                seq.v.data_ptr(),
+                seq.k.shape[2],
+                fwd._cos.data_ptr(),
+                fwd._sin.data_ptr(),
+                torch.get_num_threads(),
+                tokens.data_ptr(),
+                states.data_ptr(),
+                ctypes.byref(fed),
+            ),
+            f"draft of {k_max} tokens at slot {pos}",
+        )
+        return tokens[:k].tolist(), states[: fed.value][None]  # [1, n_fed, d]
 
-    def verify_greedy(self, tokens: list[int], last: int, pos: int, seq: Any, head_w: torch.Tensor,
-                      head_b: torch.Tensor | None) -> list[int]:
+    def verify_greedy(
+        self, tokens: list[int], last: int, pos: int, seq: Any, head_w: torch.Tensor, head_b: torch.Tensor | None
+    ) -> list[int]:
         """The argmax after each of tokens (pending, then the drafts) fed at slots pos.. through layers
         [0, last), their K/V written (step.c's cd_verify_greedy: one call for embed, layers, head and argmax)."""
         fwd = self.fwd
@@ -315,11 +434,32 @@ class NativeStep:
         self._check_cache(seq, last)
         self._rope()
         embed, ebf16 = self._embed()
-        _check(self.lib.cd_verify_greedy(
-            ctypes.byref(self.model), embed, ebf16, ids.data_ptr(), t, last, pos, fwd.norm_w.data_ptr(), fwd.norm_eps,
-            packed.data_ptr(), fmt, _ptr(scales), head_w.shape[0], _ptr(head_b), seq.k.data_ptr(), seq.v.data_ptr(),
-            seq.k.shape[2], fwd._cos.data_ptr(), fwd._sin.data_ptr(), torch.get_num_threads(), out.data_ptr()),
-            f"verify of {t} tokens at slot {pos}")
+        _check(
+            self.lib.cd_verify_greedy(
+                ctypes.byref(self.model),
+                embed,
+                ebf16,
+                ids.data_ptr(),
+                t,
+                last,
+                pos,
+                fwd.norm_w.data_ptr(),
+                fwd.norm_eps,
+                packed.data_ptr(),
+                fmt,
+                _ptr(scales),
+                head_w.shape[0],
+                _ptr(head_b),
+                seq.k.data_ptr(),
+                seq.v.data_ptr(),
+                seq.k.shape[2],
+                fwd._cos.data_ptr(),
+                fwd._sin.data_ptr(),
+                torch.get_num_threads(),
+                out.data_ptr(),
+            ),
+            f"verify of {t} tokens at slot {pos}",
+        )
         return out.tolist()
 
 

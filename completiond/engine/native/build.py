@@ -30,16 +30,21 @@ KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
     # AVX2 plus AVX-VNNI (vpdpbusd on ymm; Intel since Alder Lake, where AVX-512 is off): int8 as w8a8 on
     # 8-bit activations
     "avx2-vnni": (("avx2", "fma", "avx_vnni"), ["-mavx2", "-mfma", "-mavxvnni"]),
-    "avx512": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
-               ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"]),
+    "avx512": (
+        ("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
+        ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
+    ),
     # AVX-512 plus vpdpbusd: int8 matrices as w8a8 (activation rows quantised per row), the rest as avx512
-    "avx512-vnni": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
-                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+    "avx512-vnni": (
+        ("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
+        ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    ),
     # avx512-vnni plus vdpbf16ps: bf16 matrices times bf16-rounded activations (every CPU with AVX512_BF16
     # so far has VNNI too: Cooper Lake, Sapphire Rapids, Zen 4)
-    "avx512-bf16": (("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
-                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                     "-mavx512bf16"]),
+    "avx512-bf16": (
+        ("avx2", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"),
+        ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"],
+    ),
 }
 
 _libs: dict[str, ctypes.CDLL | None] = {}  # kernel -> loaded library (None: failed, _reasons says why)
@@ -182,8 +187,9 @@ def _target(cc: str, kernel: str) -> Path:
         raise RuntimeError(f"C compiler {cc!r} does not run: {exc}") from None
     source = SOURCE.read_bytes()
     flags = KERNELS[kernel][1]
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(), platform.machine().encode()])
+    ).hexdigest()[:16]
     return _cache_for(kernel) / f"step-{kernel}-{key}.so"
 
 
@@ -293,7 +299,7 @@ def library(kernel: str | None = None) -> ctypes.CDLL | None:
 def _order() -> list[str]:
     """The builds library() tries: kernel_name()'s, then the narrower ones this CPU runs, widest first."""
     chosen, usable = kernel_name(), supported_kernels()
-    return [chosen] + (usable[:usable.index(chosen)][::-1] if chosen in usable else [])
+    return [chosen] + (usable[: usable.index(chosen)][::-1] if chosen in usable else [])
 
 
 def _load(kernel: str) -> ctypes.CDLL | None:
@@ -349,5 +355,3 @@ def _reset_for_tests() -> None:
     _libs.clear()
     _reasons.clear()
     _logged.clear()
-
-

@@ -39,14 +39,14 @@ def _quantize_rows(w: torch.Tensor, sums: bool) -> tuple[torch.Tensor, torch.Ten
     row_sums = torch.empty(out, dtype=torch.int32) if sums and inp * 127 < 1 << 24 else None
     step = max(1, (4 << 20) // (4 * max(inp, 1)))
     for a in range(0, out, step):
-        x = w[a:a + step].to(torch.float32, copy=True)  # [rows, in], its own copy: rounded in place
-        amax = x.abs().amax(dim=1)                      # [rows]
+        x = w[a : a + step].to(torch.float32, copy=True)  # [rows, in], its own copy: rounded in place
+        amax = x.abs().amax(dim=1)  # [rows]
         sc = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         torch.round(x.div_(sc[:, None]), out=x).clamp_(-127, 127)
-        q[a:a + step] = x                               # integers within +-127: exact in int8
-        scale[a:a + step] = sc
+        q[a : a + step] = x  # integers within +-127: exact in int8
+        scale[a : a + step] = sc
         if row_sums is not None:
-            row_sums[a:a + step] = x.sum(dim=1)
+            row_sums[a : a + step] = x.sum(dim=1)
     if sums and row_sums is None:
         row_sums = q.sum(dim=1, dtype=torch.int32)
     return q, scale, row_sums
@@ -65,8 +65,9 @@ def pack(w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
     return pack_as(w, FMT_BF16 if bf16 else FMT_F32)[0]
 
 
-def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False,
-            quads: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_as(
+    w: torch.Tensor, fmt: int, pairs: bool = False, quads: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w [out, in] packed in format fmt: (panels, column scales padded to whole panels, int8 only).
     pairs (bf16, the AVX-512 build's layout): each panel as [ceil(in/2), PANEL, 2], column c's weights at
     k and k + 1 side by side (an odd in is padded with a zero k).
@@ -99,7 +100,7 @@ def pack_as(w: torch.Tensor, fmt: int, pairs: bool = False,
         pairs_ = _padded(src, panels * PANEL, in2).view(panels, PANEL, in2 // 2, 2).transpose(1, 2)
         return pairs_.contiguous().view(torch.int16), None  # [panels, in/2, PANEL, 2]
     rows = _padded(src, panels * PANEL, inp).view(panels, PANEL, inp)[:, _BF16_ORDER]  # each panel's rows in
-    return rows.transpose(1, 2).contiguous().view(torch.int16), None                  # LOAD_BF16's order
+    return rows.transpose(1, 2).contiguous().view(torch.int16), None  # LOAD_BF16's order
 
 
 def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -107,7 +108,7 @@ def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     if t.shape == (rows, cols):
         return t.contiguous()
     out = torch.zeros(rows, cols, dtype=t.dtype)
-    out[:t.shape[0], :t.shape[1]] = t
+    out[: t.shape[0], : t.shape[1]] = t
     return out
 
 
@@ -121,5 +122,3 @@ def _format_for(weights: str, mats: tuple[torch.Tensor, ...]) -> int:
     if weights == "bf16" or all(w.dtype == torch.bfloat16 or bf16_exact(w) for w in mats):
         return FMT_BF16
     return FMT_F32
-
-
