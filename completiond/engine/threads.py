@@ -30,6 +30,35 @@ def runnable_tasks(path: str = LOADAVG) -> int | None:
         return None
 
 
+def own_runnable_threads(task_dir: str = "/proc/self/task") -> int:
+    """This process's threads runnable right now. After a parallel region torch's pool threads spin for a while
+    (OpenMP's wait policy): /proc/loadavg counts them, but they are ours, and leave as soon as we run again."""
+    n = 0
+    try:
+        tasks = os.listdir(task_dir)
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"{task_dir}/{task}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        end = stat.rfind(b")")  # the name may hold spaces and parentheses: the state follows the last ")"
+        if end >= 0 and stat[end + 2 : end + 3] == b"R":
+            n += 1
+    return n
+
+
+def other_runnable_tasks(path: str = LOADAVG, task_dir: str = "/proc/self/task") -> int | None:
+    """Tasks runnable right now on the machine that are not this process's threads, plus one for the caller
+    (runnable_tasks' convention); None where the kernel does not say."""
+    total = runnable_tasks(path)
+    if total is None:
+        return None
+    return max(1, total - own_runnable_threads(task_dir) + 1)
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -43,7 +72,10 @@ class ThreadGovernor:
     `most`: the configured count (Engine.load's threads, else torch's default), never exceeded."""
 
     def __init__(
-        self, most: int | None = None, cores: int | None = None, runnable: Callable[[], int | None] = runnable_tasks
+        self,
+        most: int | None = None,
+        cores: int | None = None,
+        runnable: Callable[[], int | None] = other_runnable_tasks,
     ):
         self.most = max(1, most or torch.get_num_threads())
         self.cores = max(1, cores or _cores())
