@@ -1010,6 +1010,36 @@ def test_the_first_run_offer_waits_for_the_menu_and_its_answer_reaches_the_serve
     assert n.lua("return #require('completiond.menu').questions") == 0
 
 
+@pytest.mark.slow
+def test_the_offer_answered_download_offline_brings_the_bundled_model_back(nvim, tmp_path):
+    """The real `completiond lsp` with no model set, on an offline machine: the offer waits in the menu,
+    "Download" is answered there, the download fails, and Neovim gets one warning saying how to pull the
+    model later (no error), the answer kept in first-run.json, and the bundled model serving again."""
+    n = nvim({"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")})
+    n.lua("""_G.told = {}
+             local notify = vim.notify
+             vim.notify = function(msg, level, opts) table.insert(_G.told, { msg = msg, level = level or 0 }); notify(msg, level, opts) end""")
+    opts = {"cmd": server_cmd(), "debounce_ms": 30, "settings": {"device": "cpu", "workspaceContext": False}}
+    n.lua(f"require('completiond').setup({lua_literal(opts)})")
+    source = tmp_path / "offer.py"
+    source.write_text("x = 1\n")
+    n.request("nvim_command", f"edit {source}")
+    n.wait_for("return #require('completiond.menu').questions > 0", SERVER_TIMEOUT, "the first-run offer")
+    assert n.lua("return require('completiond.menu').answer('Download')")
+    state_file = tmp_path / "config" / "completiond" / "first-run.json"
+    n.wait_for("for _, t in ipairs(_G.told) do if t.msg:find('could not be downloaded', 1, true) then return true end end",
+               SERVER_TIMEOUT, "the one notice that the download failed")
+    state = json.loads(state_file.read_text())
+    assert state["answer"] == "Download" and "failed" in state and "model" not in state, state
+    n.wait_for("local s = require('completiond').status[require('completiond').clients(0)[1].id] or {} "
+               "return s.state == 'ready' and tostring(s.model):find('bundled') ~= nil", SERVER_TIMEOUT,
+               "the bundled model again")
+    told = n.lua("return _G.told")
+    failed = [t for t in told if "could not be downloaded" in t["msg"]]
+    assert len(failed) == 1 and "completiond pull" in failed[0]["msg"], told
+    assert not [t for t in told if t["level"] == 4], told  # vim.log.levels.ERROR
+
+
 def test_snooze_pauses_suggestions_and_resumes(nvim, tmp_path):
     n = nvim()
     _scripted_buffer(n, tmp_path, "snooze.py", "x = f(\n")
