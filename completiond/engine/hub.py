@@ -139,13 +139,17 @@ def _hub_errors():
     return errors
 
 
+def _gated(repo: str) -> HubError:
+    return HubError(
+        f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
+        "here (`hf auth login`, or set HF_TOKEN) and pull again"
+    )
+
+
 def _describe(repo: str, exc: BaseException) -> HubError:
     errors = _hub_errors()
     if isinstance(exc, errors.GatedRepoError):
-        return HubError(
-            f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log in "
-            "here (`hf auth login`, or set HF_TOKEN) and pull again"
-        )
+        return _gated(repo)
     if isinstance(exc, errors.RevisionNotFoundError):
         return HubError(f"{repo} has no such revision on the hub: {exc}")
     if isinstance(exc, errors.RepositoryNotFoundError):
@@ -281,7 +285,7 @@ def _fetch_resumable(repo: str, commit: str, filename: str, sha256: str, size: i
 
     url = f"{endpoint()}/{repo}/resolve/{commit}/{quote(filename)}"
     try:
-        resumable.fetch_blob(
+        path = resumable.fetch_blob(
             url,
             repo_folder(repo),
             commit,
@@ -292,14 +296,9 @@ def _fetch_resumable(repo: str, commit: str, filename: str, sha256: str, size: i
             timeout=RESUME_READ_TIMEOUT,
             progress=add,
         )
-    except ValueError:
-        raise HubError(f"{repo}: {filename} does not match the hub's sha256; it was removed, pull again") from None
     except resumable.DownloadError as exc:
         if exc.status in (401, 403):
-            raise HubError(
-                f"{repo} is gated: accept its licence at {endpoint()}/{repo} while logged in, then log "
-                "in here (`hf auth login`, or set HF_TOKEN) and pull again"
-            ) from None
+            raise _gated(repo) from None
         raise HubError(
             f"{repo}: downloading {filename} failed ({exc}); pull again: it continues where it stopped"
         ) from None
@@ -308,6 +307,7 @@ def _fetch_resumable(repo: str, commit: str, filename: str, sha256: str, size: i
             f"cannot reach the Hugging Face hub ({endpoint()}) for {repo}: {exc}. The part already "
             f"downloaded is kept: pull again to continue. " + _where_to_copy(repo) + "."
         ) from None
+    check_digest(repo, filename, path, ("sha256", sha256))
 
 
 def _digest(sibling) -> tuple[str, str] | None:

@@ -10,7 +10,6 @@ the snapshot's entry a relative link to it), so offline loads find it like any o
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import os
 import urllib.error
@@ -54,17 +53,14 @@ def fetch_blob(
     progress: Callable[[int], None],
 ) -> Path:
     """Download `filename` (whose sha256 the hub gave) into the cache `folder` of its repository, resuming a
-    partial download; returns the snapshot path. Raises DownloadError, or ValueError when the assembled
-    file does not hash to `sha256` (the partial file is removed then: the next pull starts afresh)."""
+    partial download; returns the snapshot path. Raises DownloadError. The caller checks the file against
+    `sha256` (hub.check_digest, which removes a blob that does not match: the next pull starts afresh)."""
     blobs = folder / "blobs"
     blob = blobs / sha256
     blobs.mkdir(parents=True, exist_ok=True)
     if not blob.is_file():
         partial = blobs / (sha256 + PARTIAL_SUFFIX)
         _download(url, partial, size, token=token, timeout=timeout, progress=progress)
-        if _sha256(partial) != sha256:
-            partial.unlink(missing_ok=True)
-            raise ValueError(f"{filename} does not match the hub's sha256")
         os.replace(partial, blob)
     else:
         progress(size)
@@ -122,11 +118,3 @@ def _download(
                     f"the download stopped at {out.tell()} of {size} bytes ({type(exc).__name__})"
                 ) from None
     # A whole response that still differs from the hub's size fails the sha256 check next.
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
