@@ -10,6 +10,14 @@ end
 M.snoozed_until = nil
 local snooze_timer = nil
 
+local function stop_snooze_timer()
+  if snooze_timer then
+    snooze_timer:stop()
+    snooze_timer:close()
+    snooze_timer = nil
+  end
+end
+
 --- Questions from a server (window/showMessageRequest) waiting for the user's answer.
 ---@type { message: string, actions: table[], answer: fun(choice: table|nil), client_id: integer }[]
 M.questions = {}
@@ -107,11 +115,7 @@ end
 
 --- Pause suggestions for `minutes` (nil: until Neovim restarts); they resume by themselves.
 function M.snooze(minutes)
-  if snooze_timer then
-    snooze_timer:stop()
-    snooze_timer:close()
-    snooze_timer = nil
-  end
+  stop_snooze_timer()
   if minutes then
     M.snoozed_until = os.time() + math.floor(minutes * 60 + 0.5)
     snooze_timer = vim.uv.new_timer()
@@ -128,11 +132,7 @@ end
 
 --- End a snooze (`by_timer`: it ran out).
 function M.resume(by_timer)
-  if snooze_timer then
-    snooze_timer:stop()
-    snooze_timer:close()
-    snooze_timer = nil
-  end
+  stop_snooze_timer()
   local was = M.snoozed_until ~= nil
   M.snoozed_until = nil
   core().refresh_buffers()
