@@ -179,7 +179,8 @@ async def test_editor_is_told_when_the_server_goes_and_recovers_when_it_is_back(
         await inline_at(s, uri)  # within the backoff: answered at once, and the editor is not told again
         assert len([m for m in s.client.messages if "cannot reach" in m.message]) == 1
         stats = await s.stats()
-        assert stats["status"]["state"] in ("ready", "busy") and stats["errors"] >= 1
+        # Down, the status says so (not "ready" while every request fails), and it counts the failures.
+        assert stats["status"]["state"] == "error" and stats["errors"] >= 1
         # The server comes back on the same port; after the backoff, completions work again.
         server = LlamaServer(binary, gguf, tmp_path / "second.log", port=port)
         for _ in range(200):
@@ -190,6 +191,7 @@ async def test_editor_is_told_when_the_server_goes_and_recovers_when_it_is_back(
             await asyncio.sleep(0.1)
         assert (await s.stats())["completed"] > stats["completed"], "completions never came back"
         assert isinstance(back, types.InlineCompletionList)
+        assert (await s.stats())["status"]["state"] in ("ready", "busy"), "the status stayed on the error"
     finally:
         server.stop()
 
