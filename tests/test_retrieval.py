@@ -289,6 +289,32 @@ def test_selector_state_is_bounded():
     assert len(sel._last) == 2
 
 
+def test_a_held_block_survives_its_file_opened_in_the_editor_and_edited_back(tmp_path):
+    # The block's chunks came from a.py on disk, in an order the query no longer ranks them in. Opening a.py
+    # in the editor (its chunks get the editor copy's ids), and an edit there put back, used to drop the held
+    # block for a fresh pick in rank order: another text, and the KV cache of main.py's prompt with it.
+    two = (
+        "def first_helper(path):\n    return alpha_term(path) + beta_term\n\n\n"
+        "def second_helper(path):\n    return gamma_term(path) + beta_term\n"
+    )
+    (tmp_path / "a.py").write_text(two)
+    w = _ws(tmp_path)
+    main = tmp_path / "main.py"
+
+    def block(text):
+        return w.context(main, "python", 400, text=text, offset=len(text), mode="retrieval")
+
+    first = block("x = alpha_term(p) + gamma_term(q) + first_helper")
+    assert [t.split("(")[0] for t in _chunk_texts(first)] == ["def first_helper", "def second_helper"]
+    ask = "x = alpha_term(p) + gamma_term(q) + second_helper"   # the same two chunks, ranked the other way
+    assert block(ask) == first
+    w.did_open(tmp_path / "a.py", two)
+    assert block(ask) == first
+    w.did_change(tmp_path / "a.py", two.replace("beta_term\n", "beta_term + 1\n", 1))
+    w.did_change(tmp_path / "a.py", two)
+    assert block(ask) == first
+
+
 # -- eval: the modes side by side ------------------------------------------------------
 
 def test_eval_runs_the_context_modes_side_by_side(tiny_model_dir, tmp_path, capsys):

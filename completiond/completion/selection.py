@@ -34,7 +34,9 @@ class Selector:
         self.best_last = False  # new chunks enter in reverse rank order: the best one nearest the file
         self.margin = margin  # a held block gives way to a fresh pick worth more than (1 + margin) times it
         self.in_file = True  # the current file's own chunks (outside the window) are candidates
-        self._last: OrderedDict[Hashable, list[int]] = OrderedDict()
+        # state -> the last block, each chunk as (id, path, digest): a chunk whose id went (its file was opened
+        # in the editor, or edited and put back) is held on by its text.
+        self._last: OrderedDict[Hashable, list[tuple[int, str, bytes]]] = OrderedDict()
         self.max_states = max_states
 
     def select(
@@ -68,8 +70,8 @@ class Selector:
         must = set(defs)
         wanted = list(dict.fromkeys(defs + ranked[: self.max_chunks]))
         fresh = self._fill([index.chunks[cid] for cid in wanted], must, cost, budget)
-        held = [index.chunks.get(cid) for cid in self._last.get(state, ())]
-        kept = [c for c in held if c is not None and admitted(c)]
+        held = self._held(index, self._last.get(state, ()), admitted)
+        kept = [c for c in held if c is not None]
         chosen = fresh
         if held and len(kept) == len(held) and sum(cost(c) for c in kept) <= budget:
             # Hysteresis: the block the last request had stays, whole and in its order, until the
@@ -90,11 +92,44 @@ class Selector:
             old = sorted((c for c in fresh if c.id in before), key=lambda c: before[c.id])
             new = [c for c in fresh if c.id not in before]
             chosen = old + (new[::-1] if self.best_last else new)
-        self._last[state] = [c.id for c in chosen]
+        self._last[state] = [(c.id, c.path, c.digest) for c in chosen]
         self._last.move_to_end(state)
         while len(self._last) > self.max_states:
             self._last.popitem(last=False)
         return chosen
+
+    @staticmethod
+    def _held(
+        index: RetrievalIndex, last: Iterable[tuple[int, str, bytes]], admitted: Callable[[Chunk], bool]
+    ) -> list[Chunk | None]:
+        """The last block's chunks as they are now (None: gone or not admitted). One whose id went is found
+        again by its path and text: a file opened in the editor (its disk copy's chunks give way to the
+        editor's), or edited and put back, re-chunks it with new ids, and without this the block of every
+        other file that held a chunk of it changed, and the KV cache of those files' prompts with it (a
+        switch back to such a file prefilled nearly everything again)."""
+        out: list[Chunk | None] = []
+        taken: set[int] = set()
+        by_path: dict[str, list[int]] | None = None
+        for cid, path, digest in last:
+            c = index.chunks.get(cid)
+            if c is None or not admitted(c):
+                if by_path is None:  # only when something went: one pass over the files
+                    by_path = {}
+                    for ids in index.by_key.values():
+                        if ids:
+                            by_path.setdefault(index.chunks[ids[0]].path, []).extend(ids)
+                c = next(
+                    (
+                        index.chunks[k]
+                        for k in by_path.get(path, ())
+                        if k not in taken and index.chunks[k].digest == digest and admitted(index.chunks[k])
+                    ),
+                    None,
+                )
+            if c is not None:
+                taken.add(c.id)
+            out.append(c)
+        return out
 
     def _fill(self, candidates: list[Chunk], must: set[int], cost: Callable[[Chunk], int], budget: int) -> list[Chunk]:
         """The candidates, in order, that fit the budget (near-duplicates of one already taken skipped);
