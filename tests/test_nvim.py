@@ -768,11 +768,15 @@ def test_next_prev_cycle_through_the_servers_alternatives(nvim, tmp_path, render
     n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, 1, false)[1] == 'pick(3)'", 10, "the third alternative accepted")
 
 
-def test_cycling_a_single_suggestion_fetches_alternatives(nvim, tmp_path):
+@pytest.mark.parametrize("renderer", ["builtin", "fallback"])
+def test_cycling_a_single_suggestion_fetches_alternatives(nvim, tmp_path, renderer):
     """Typing asks for one suggestion; the next/previous keys then ask the server for alternatives (an
-    invoked request) and move to one that differs, as Copilot does."""
+    invoked request) and move to one that differs, as Copilot does: with completiond's own renderer and
+    with Neovim's, which on its own only cycles the one item it holds."""
     n = nvim()
-    opts = {"cmd": scripted_cmd(tmp_path), "renderer": "fallback", "debounce_ms": 10}
+    if renderer == "builtin" and not n.lua("return vim.lsp.inline_completion ~= nil"):
+        pytest.skip("vim.lsp.inline_completion needs Neovim >= 0.12")
+    opts = {"cmd": scripted_cmd(tmp_path), "renderer": renderer, "debounce_ms": 10}
     n.lua(f"require('completiond').setup({lua_literal(opts)})")
     source = tmp_path / "choose.py"
     source.write_text("choose(\n")
@@ -781,14 +785,21 @@ def test_cycling_a_single_suggestion_fetches_alternatives(nvim, tmp_path):
     n.input("A")
     text = "return require('completiond').suggestion_text(0) == ..."
     n.wait_for(text, SERVER_TIMEOUT, "the typed suggestion", "a)")
-    assert n.lua("return #require('completiond.ghost').state(0).ghost.items") == 1
+    if renderer == "fallback":
+        assert n.lua("return #require('completiond.ghost').state(0).ghost.items") == 1
     n.input("<M-]>")
     n.wait_for(text, 10, "the fetched alternative", "b)")
+    asked = scripted_stats(n)["requests"]
     n.input("<M-]>")
     n.wait_for(text, 10, "the next one", "c)")
     n.input("<M-[>")
     n.input("<M-[>")
     n.wait_for(text, 10, "back to the first", "a)")
+    n.input("<M-[>")
+    n.wait_for(text, 10, "round to the last", "c)")
+    assert scripted_stats(n)["requests"] == asked  # cycling what was fetched asks nothing more
+    n.input("<Tab>")
+    n.wait_for("return vim.api.nvim_buf_get_lines(0, 0, 1, false)[1] == 'choose(c)'", 10, "the alternative accepted")
 
 
 @pytest.mark.parametrize("renderer", ["builtin", "fallback"])

@@ -456,15 +456,89 @@ function M.trigger(bufnr)
   return true
 end
 
+--- Neovim's renderer for a buffer: it holds the items of its last request, one while typing (an automatic
+--- request). Not public API (vim.lsp._capability, Neovim 0.12): where it is missing or shaped otherwise,
+--- cycling goes back to moving through what Neovim holds.
+local function builtin_completor(bufnr, client)
+  local active = vim.tbl_get(vim.lsp, "_capability", "all", "inline_completion", "active")
+  local c = type(active) == "table" and active[bufnr] or nil
+  if type(c) == "table" and type(c.count_items) == "function" and type(c.handler) == "function"
+    and type(c.client_state) == "table" and c.client_state[client.id] ~= nil then
+    return c
+  end
+end
+
+--- bufnr -> { at = "changedtick:row:col", result = the invoked answer, or nil while it is on its way }
+local fetched = {}
+
+--- Give Neovim's renderer the server's alternatives and show the one `step` away from what showed
+--- (the first that differs, as completiond's own renderer does).
+local function show_alternatives(bufnr, completor, client, result, step)
+  local items = result.items or result
+  local before = completor.current and completor.current.insert_text
+  completor:handler(nil, result, { client_id = client.id, bufnr = bufnr, method = "textDocument/inlineCompletion" })
+  local same = #items > 1 and vim.deep_equal(items[1].insertText, before)
+  -- count 0 shows the first with Neovim's " (1/3)" hint.
+  vim.lsp.inline_completion.select({ bufnr = bufnr, count = same and step or 0 })
+end
+
+--- Cycling one suggestion with Neovim's renderer: ask the server for alternatives now (an invoked request,
+--- as Copilot does; typing asks for one) and hand them to Neovim. False where there is nothing to fetch.
+local function fetch_alternatives(bufnr, step)
+  local client = M.clients(bufnr)[1]
+  local completor = client and builtin_completor(bufnr, client)
+  if not completor or not completor.current or completor:count_items() > 1 then
+    return false
+  end
+  local tick = vim.api.nvim_buf_get_changedtick(bufnr)
+  local cursor = vim.api.nvim_win_get_cursor(0)
+  local at = table.concat({ tick, cursor[1], cursor[2] }, ":")
+  local done = fetched[bufnr]
+  if done and done.at == at then
+    -- Asked here already: still on its way, or Neovim's own answer came after it and put back one item.
+    local items = done.result and (done.result.items or done.result)
+    if items and #items > 1 then
+      show_alternatives(bufnr, completor, client, done.result, step)
+    end
+    return done.result == nil or (items ~= nil and #items > 1)
+  end
+  fetched[bufnr] = { at = at }
+  local params = vim.lsp.util.make_position_params(0, client.offset_encoding)
+  params.context = { triggerKind = 1 } -- Invoked: the server generates alternatives
+  local ok = util.request(client, "textDocument/inlineCompletion", params, function(err, result)
+    if fetched[bufnr] == nil or fetched[bufnr].at ~= at then
+      return
+    end
+    fetched[bufnr].result = (not err and result) and result or {}
+    if err or not result or not vim.api.nvim_buf_is_valid(bufnr) or vim.api.nvim_get_current_buf() ~= bufnr then
+      return
+    end
+    local now = vim.api.nvim_win_get_cursor(0)
+    if vim.api.nvim_buf_get_changedtick(bufnr) ~= tick or now[1] ~= cursor[1] or now[2] ~= cursor[2]
+      or not vim.api.nvim_get_mode().mode:match("^i") or builtin_completor(bufnr, client) ~= completor then
+      return -- stale: the user typed or moved on
+    end
+    if #(result.items or result) > 0 then
+      show_alternatives(bufnr, completor, client, result, step)
+    end
+  end, bufnr)
+  if not ok then
+    fetched[bufnr] = nil
+  end
+  return ok and true or false
+end
+
 --- Show the next (step 1) or previous (-1) of the server's suggestions (`completiond.suggestions`
---- alternatives). False when none shows.
+--- alternatives); with one, fetch alternatives first. False when none shows.
 function M.cycle(step, bufnr)
   bufnr = (bufnr == nil or bufnr == 0) and vim.api.nvim_get_current_buf() or bufnr
   if not M.visible(bufnr) then
     return false
   end
   if M.renderer == "builtin" then
-    vim.lsp.inline_completion.select({ bufnr = bufnr, count = step })
+    if not fetch_alternatives(bufnr, step) then
+      vim.lsp.inline_completion.select({ bufnr = bufnr, count = step })
+    end
     return true
   end
   require("completiond.ghost").cycle(bufnr, step)
