@@ -74,7 +74,36 @@ def test_a_bracket_the_user_is_inside_passes_and_garbage_after_it_does_not():
     assert at_cursor("f, other) x = [[", before=CLASS + "    def __eq__(sel", after=NEXT_METHOD) in ("", "f, other)")
     before = "def f(x):\n    y = compute(x, "
     assert at_cursor("1) +", before=before) == "1)"
-    assert at_cursor("1, 2", before=before) == "1, 2"
+    # The model went on past the suggestion's end on the cursor line (a wrong closer cut off): the user is
+    # still inside the bracket.
+    assert at_cursor("1, 2]", before=before) == "1, 2"
+
+
+def test_a_line_the_model_ends_inside_a_bracket_the_lines_below_do_not_close_is_dropped():
+    before = "def f(x):\n    y = compute(x, "
+    # The model ended the line there (issue 44: every such suggestion in the Go / TS / Python evals broke
+    # the file); its cuts leave the bracket open too.
+    assert at_cursor("1, 2", before=before) == ""
+    verdict = check(site_at(before + AFTER, len(before), "python"), "1, 2", ends_line=True)
+    assert verdict.outcome == "dropped" and "bracket" in verdict.reason
+    # Cut short by the token limit, it is the user's part of the way.
+    assert check(site_at(before + AFTER, len(before), "python"), "1, 2").text == "1, 2"
+    go = "package p\n\nfunc f() {\n\tc := &Command{Use: "
+    go_after = "\n\n\tbuf := new(bytes.Buffer)\n\t_ = buf\n}\n"
+    assert shown(go + go_after, '"t"', language="go", cursor=len(go)) == ""
+    assert shown(go + go_after, '"t"}', language="go", cursor=len(go)) == '"t"}'
+    # Lines below that continue the bracket: the line may end inside it.
+    assert shown(go + "\n\t\tRun: emptyRun}\n}\n", '"t",', language="go", cursor=len(go)) == '"t",'
+
+
+def test_a_label_with_a_block_is_no_header():
+    go = "package p\n\nfunc f() {\n\tcomp"
+    after = "\n\tcomps = append(comps, \"x\")\n}\n"
+    assert shown(go + after, "s: {", language="go", cursor=len(go)) != "s: {"
+    assert shown(go + after, "s := []string{}", language="go", cursor=len(go)) == "s := []string{}"
+    js = "function f(x) {\n  "
+    assert shown(js + "\n  return x;\n}\n", "if (x) {", language="javascript", cursor=len(js)) == "if (x) {"
+    assert shown(js + "\n  return x;\n}\n", "a: {", language="javascript", cursor=len(js)) != "a: {"
 
 
 def test_a_brace_the_suggestion_supplies_passes():

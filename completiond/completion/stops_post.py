@@ -155,6 +155,6 @@ def postprocess(s: str, rules: TextRules, truncated: bool = False) -> str:
             s = s[:end].rstrip()
     if rules.site is not None and rules.check_syntax:
         # The longest part that adds no syntax error (syntax.py; bounded, never raises).
-        rules.syntax = check(rules.site, s)
+        rules.syntax = check(rules.site, s, ends_line=not truncated and not rules.went_on)
         s = rules.syntax.text
     return s

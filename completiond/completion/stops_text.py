@@ -156,13 +156,23 @@ class TextRules:
         self.next_line = next((ln.strip() for ln in following.split("\n") if ln.strip()), "")
         # Token healing made the model regenerate the whitespace at the end of line_prefix (StopRules sets it).
         self.whitespace_healed = False
+        # A cut was found inside a line of the stream: the model's text went on past where the suggestion
+        # ends (in the loop or after it; the syntax check then excuses a bracket left open there).
+        self.went_on = False
 
     def find_cut(self, s: str, final: bool = False) -> Cut | None:
-        """Where the suggestion `s` must end, using only evidence already in `s`.
+        """Where the suggestion `s` must end, using only evidence already in `s` (and whether the text went
+        on past it on the same line: `went_on`).
 
         final=True: generation is over, so the last (unterminated) line
         counts as complete.
         """
+        cut = self._find_cut(s, final)
+        if cut is not None and s[cut.pos :].split("\n", 1)[0].strip():
+            self.went_on = True
+        return cut
+
+    def _find_cut(self, s: str, final: bool) -> Cut | None:
         cut = self._bracket_cut(s)
         for other in (find_loop(s), self._retype_cut(s)):
             if other is not None and (cut is None or other.pos < cut.pos):

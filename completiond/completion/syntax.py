@@ -12,8 +12,10 @@ are someone else's unfinished edit, elsewhere; every other error after inserting
 suggestion's, the unfinished cursor line's own included: the suggestion must finish the line so that the
 lines below read as written. What passes besides: a header without its body at the suggestion's end (the
 user goes on to fill it), a bracket the user is still inside (judged with its closer appended, when the
-suggestion is balanced within it), a `{` / `(` / `[` the suggestion opens at the end of one of its lines
-(judged with its closer appended), and a Python header whose colon is still to come. A suggestion with
+suggestion is balanced within it) unless the model's own text ends the line there (`ends_line`: the line
+then ends inside the bracket, and the lines below must close it), a `{` / `(` / `[` the suggestion opens at
+the end of one of its lines when it opens a body (judged with its closer appended; a block of its own, such
+as Go's `comps: {` label, is no header), and a Python header whose colon is still to come. A suggestion with
 errors is cut at the last clean point (line ends, then token boundaries of its first line) or dropped;
 the verdict says why.
 
@@ -57,6 +59,8 @@ LAYOUT_REACH = 600  # bytes past the cursor line whose Python layout is judged (
 _TOKEN = re.compile(r"\w+|\S")
 _BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")  # Bash: a header waiting for fi / done / esac
 _KEYWORD_CLOSERS = frozenset({"fi", "done", "esac", "}", "end"})
+# Parents of a block that is a statement of its own, heading nothing (Go / JS labels, Rust / C statements).
+_BARE_BLOCK_HOLDERS = frozenset({"labeled_statement", "expression_statement", "statement_list"})
 _BLOCK_KEYWORDS = re.compile(
     r"\s*(?:async\s+)?(?:def|class|if|elif|else|for|while|with|try|except|finally|match|case)\b"
 )
@@ -223,13 +227,14 @@ class _Judge:
         # A header left without its body where the cursor line ends (the suggestion ends with it): the user
         # goes on to fill it.
         line_end = self.le + grow
+        opens = _open_at_line_ends(site.spec, insert + tail) != ""  # the text may owe a closer of its own
         out: list[Error] = []
         baseline: list[Error] | None = None
         for e in after:
             s, t, missing, kind = e
             if kind == "body" and a1 - 1 <= s <= line_end:
                 continue
-            if missing and s >= len(data):
+            if missing and s >= len(data) and not opens:
                 continue  # a closer owed at the region's very end, by a construct opened above the line
             inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and len(raw) > 0)
             if not inside:
@@ -244,15 +249,17 @@ class _Judge:
         self._probes[key] = out
         return out
 
-    def fine(self, insert: str) -> bool:
+    def fine(self, insert: str, ends_line: bool = False) -> bool:
         """`insert` adds no error, as it is or as the user goes on: with the brackets the user is inside
         closed after the cursor line (when it is balanced within them), with the bodies it opens at its
-        lines' ends closed, and (Python) with the colon of the header it writes."""
+        lines' ends closed, and (Python) with the colon of the header it writes. ends_line: the model's
+        own text ends the cursor line where `insert` ends; the brackets the user is inside then stay open
+        past the line's end, so they must be ones the lines below close (no closers are appended)."""
         site = self.site
         suffix = site.line_suffix
         probes = [(insert, "", "")]  # (insert, tail after the cursor line, closers of its own bodies)
         inside = _closers(site, suffix)
-        if inside and _closers(site, insert + suffix) == inside:
+        if inside and _closers(site, insert + suffix) == inside and not (ends_line and not suffix.strip()):
             probes.append((insert, inside, ""))
         own = _open_at_line_ends(site.spec, insert) if not suffix.strip() else None
         if own:
@@ -279,15 +286,24 @@ class _Judge:
         bracket: a header the user goes on to fill, where an open `[` or `(` is a line cut short."""
         tree = self._trees[key]
         at = self.site.cursor + len(encode(key[0]))
+        blocks = self.site.spec.blocks
         for i in range(len(encode(closers))):
             leaf = tree.root_node.descendant_for_byte_range(at + i, at + i + 1)
-            if leaf is None or leaf.parent is None or leaf.parent.type not in self.site.spec.blocks:
+            body = leaf.parent if leaf is not None else None
+            if body is None or body.type not in blocks:
+                return False
+            # A block of its own (`{` alone, or after a label: Go's `comps: {` for `comps := ...`) heads
+            # nothing: a name cut short, not a header.
+            holder = body.parent
+            if holder is None or holder.type in blocks or holder.type in _BARE_BLOCK_HOLDERS:
                 return False
         return True
 
 
-def check(site: Site, s: str) -> Verdict:
-    """What of suggestion `s` to show at `site` (see the module doc). Never raises for any text."""
+def check(site: Site, s: str, ends_line: bool = False) -> Verdict:
+    """What of suggestion `s` to show at `site` (see the module doc). Never raises for any text.
+    ends_line: `s` ends where the model's own text ended the cursor line (it stopped, or went on to a
+    newline): no bracket the user is inside is excused at the end of the line then, only in its cuts."""
     t0 = time.perf_counter()
     judge = _Judge(site)
 
@@ -300,8 +316,13 @@ def check(site: Site, s: str) -> Verdict:
             return done(s, "parses")
         if not site.checkable:
             return done(s, "unjudged")
-        if judge.fine(s):
+        if judge.fine(s, ends_line):
             return done(s, "parses")
+        if ends_line and judge.fine(s):
+            # Fine but for the brackets it leaves open where the model ended the line (`&T{Use: "t"`, then a
+            # newline): every cut leaves them open too.
+            judge.reasons.insert(0, "ends the line inside a bracket that the lines below do not close")
+            return done("", "dropped")
         # A cut keeping a token the parser could not place (an error past the start of the suggestion) cannot
         # be clean: those are not tried.
         first_new = min((e[0] for e in judge.unexcused(s) if not e[2] and e[0] > site.cursor), default=None)
