@@ -91,6 +91,10 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._queue: OrderedDict[Key, int | None] = OrderedDict()
         self._current: tuple[Key, int | None, Any] | None = None
+        # The note whose warm-up the worker is making (outside the lock: the context block may take a while).
+        # It counts as running: between the note leaving the queue and its walk starting, nothing looked under
+        # way, and a caller that waited for the prefetch to settle read the counters before the walk began.
+        self._making: tuple[Key, int | None] | None = None
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self.counts = {
             "notes": 0,
@@ -110,7 +114,8 @@ class Prefetcher:
             return
         with self._lock:
             current = self._current
-            if current is not None and current[0] == key and current[1] == offset and key not in self._queue:
+            under_way = (current[0], current[1]) if current is not None else self._making
+            if under_way == (key, offset) and key not in self._queue:
                 return  # that very walk is under way
             self.counts["notes"] += 1
             self._drop(key)
@@ -171,11 +176,13 @@ class Prefetcher:
         self._queue.pop(key, None)
         if self._current is not None and self._current[0] == key:
             self._current = None
+        if self._making is not None and self._making[0] == key:
+            self._making = None
 
     @property
     def pending(self) -> bool:
         with self._lock:
-            return self._current is not None or bool(self._queue)
+            return self._current is not None or self._making is not None or bool(self._queue)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -183,7 +190,7 @@ class Prefetcher:
                 self.counts,
                 on=self.on,
                 queued=len(self._queue),
-                running=self._current is not None,
+                running=self._current is not None or self._making is not None,
                 resting=len(self._timers),
             )
 
@@ -197,6 +204,7 @@ class Prefetcher:
                 if not self._queue:
                     return False
                 key, offset = self._queue.popitem(last=True)  # the newest note first
+                making = self._making = (key, offset)
         if current is None:
             try:
                 warmup = self._make(key, offset)
@@ -205,14 +213,16 @@ class Prefetcher:
                 warmup = None
                 with self._lock:
                     self.counts["failed"] += 1
-            if warmup is None:
-                return self.pending
-            current = (key, offset, warmup)
             with self._lock:
+                still = self._making is making  # not noted again, edited or closed meanwhile
+                if still:
+                    self._making = None
+                if warmup is None:
+                    return self._current is not None or bool(self._queue)
                 self.counts["started"] += 1
-                if key in self._queue:  # noted again meanwhile: that note's walk replaces this one
-                    return True
-                self._current = current
+                if not still:  # a newer note's walk replaces this one; a closed document has none
+                    return self._current is not None or bool(self._queue)
+                current = self._current = (key, offset, warmup)
         warmup = current[2]
         before = int(warmup.warmed)
         failed = False
