@@ -69,6 +69,9 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
     # The daemon's prefetch noted the opens (and the rests after requests) ...
     assert result["prefetch"]["on"] and result["prefetch"]["notes"] >= 2 and result["prefetch"]["failed"] == 0
     assert result["prefetch"] is not None and result["kv_cache"]["budget_bytes"] > 0
+    memory = result["memory"]
+    assert memory["cache_ok"] is True and memory["weights_mb"] > 0 and memory["bound_mb"] > memory["weights_mb"]
+    assert memory["rss_ok"] is not None and memory["rss_mb"] == result["daemon_rss_mb"]
     # ... and `--prefetch off` runs the same session without it (what it brings: compare the two).
     off = run_editing_bench(str(tiny_model_dir), files[:1], rounds=1, jumps=1, keystrokes=2, timeout_s=180,
                             settings={"device": "cpu"}, prefetch=False)
@@ -100,3 +103,29 @@ def test_a_qwen_shape_prompts_in_the_real_models_layout():
     # random weights carry the bundled tokenizer (suffix-first); a real Qwen2.5-Coder prompts prefix-first
     assert shape_settings("shape:qwen2.5-coder-0.5b") == {"fimTemplate": "qwen2.5-coder"}
     assert shape_settings(None) == shape_settings("bundled") == shape_settings("/models/x") == {}
+
+
+def test_the_memory_check_fails_past_its_bounds(tmp_path):
+    from completiond.commands.bench_editing import MEMORY_SLACK_MB, memory_check, weights_mb
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    assert weights_mb(str(tmp_path)) == 3.0 and weights_mb(str(tmp_path / "absent")) is None
+    assert weights_mb("") > 0                         # the bundled model
+    cache = {"bytes": 10 << 20, "budget_bytes": 64 << 20}
+    ok = memory_check(300.0, 3.0, cache)
+    assert ok["bound_mb"] == 3.0 + 64 + MEMORY_SLACK_MB and ok["cache_ok"] and ok["rss_ok"]
+    assert memory_check(3.0 + 64 + MEMORY_SLACK_MB + 1, 3.0, cache)["rss_ok"] is False
+    assert memory_check(300.0, 3.0, {"bytes": 65 << 20, "budget_bytes": 64 << 20})["cache_ok"] is False
+    unknown = memory_check(None, None, None)          # what cannot be checked is not a pass
+    assert unknown["rss_ok"] is None and unknown["cache_ok"] is None
+
+
+def test_the_session_can_open_twenty_files():
+    import argparse
+
+    from completiond.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args(["--editing", "--file-count", "20"]).file_count == 20
+    assert len(set(default_files(20))) == 20          # issue 45's memory check opens 20 held-out files

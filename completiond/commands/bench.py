@@ -79,6 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
     p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
     p.add_argument(
+        "--file-count",
+        type=int,
+        default=4,
+        help="with --editing and no --files: how many held-out files the session opens (20: issue 45's memory check)",
+    )
+    p.add_argument(
         "--threads", type=int, default=None, help="with --editing: the daemon's threads (COMPLETIOND_THREADS)"
     )
     p.add_argument(
@@ -776,6 +782,7 @@ def run(args: argparse.Namespace) -> int:
             result = run_editing_bench(
                 args.model,
                 [Path(f) for f in args.files] if args.files else None,
+                file_count=args.file_count,
                 rounds=args.rounds,
                 jumps=args.jumps,
                 weights=args.weights if args.weights != "auto" else None,

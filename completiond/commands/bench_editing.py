@@ -18,7 +18,9 @@ prefill plus one step, so random weights of a real shape time exactly what a use
 
 Reported, as JSON: per event kind p50 / p95 / max / count (ms, answered requests only) and the share of
 prompt tokens served from the KV cache (from the daemon's counters around each measured request), the
-overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files).
+overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files). `memory` checks
+issue 45's bound: the kept prefixes within cacheMegabytes (`cache_ok`), and the daemon's RSS within the weights
+(their size on disk) + cacheMegabytes + MEMORY_SLACK_MB (`rss_ok`); `file_count=20` opens 20 files.
 
 Default files: held-out third-party Python (modules of the installed pygls and watchdog packages, neither in
 models/training/train_packages.txt), 4-40 kB each.
@@ -51,6 +53,9 @@ KEY_INTERVAL_S = 0.1
 # Packages installed with completiond (pygls is the LSP's own dependency) and absent from the bundled
 # model's training list: held-out third-party code on every machine that runs the LSP.
 HELDOUT_PACKAGES = ("pygls", "watchdog", "lsprotocol")
+# What the daemon may hold besides the weights and the KV cache budget (issue 45: with 20 files opened, RSS within
+# weights + cacheMegabytes + this): the interpreter, torch, the tokenizer, the workspace index, the documents.
+MEMORY_SLACK_MB = 300
 
 
 def default_files(count: int = 4) -> list[Path]:
@@ -425,10 +430,47 @@ def _daemon_rss_mb(xdg_dir: Path) -> float | None:
     return None
 
 
+def weights_mb(model_setting: str) -> float | None:
+    """The model's weight files on disk, MiB (the bundled model for ''); None where they are not a local folder."""
+    if model_setting:
+        folder = Path(model_setting)
+    else:
+        from completiond.models import default_model_dir
+
+        folder = default_model_dir()
+    if not folder.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in folder.glob("*.bin")
+    )
+    return round(size / 2**20, 1) if size else None
+
+
+def memory_check(rss_mb: float | None, weights: float | None, kv_cache: dict[str, Any] | None) -> dict[str, Any]:
+    """Issue 45's memory bound on the session's end state: the KV cache's kept prefixes within its budget
+    (cacheMegabytes), and the daemon's RSS within weights + that budget + MEMORY_SLACK_MB. A check that cannot be
+    made (no RSS, weights not on disk) is None, never a pass."""
+    cache = kv_cache or {}
+    budget = cache.get("budget_bytes")
+    held = cache.get("bytes")
+    budget_mb = round(budget / 2**20, 1) if isinstance(budget, (int, float)) else None
+    bound = round(weights + budget_mb + MEMORY_SLACK_MB, 1) if weights is not None and budget_mb is not None else None
+    return {
+        "rss_mb": rss_mb,
+        "weights_mb": weights,
+        "cache_mb": round(held / 2**20, 1) if isinstance(held, (int, float)) else None,
+        "cache_budget_mb": budget_mb,
+        "bound_mb": bound,
+        "cache_ok": None if budget is None or held is None else held <= budget,
+        "rss_ok": None if rss_mb is None or bound is None else rss_mb <= bound,
+    }
+
+
 def run_editing_bench(
     model: str | None = None,
     files: list[Path] | None = None,
     *,
+    file_count: int = 4,
     rounds: int = 2,
     jumps: int = 3,
     keystrokes: int = 8,
@@ -444,10 +486,11 @@ def run_editing_bench(
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
     model: None / "bundled", a model directory, a hub id, or `shape:` and a bench-device shape (random weights,
-    e.g. shape:qwen2.5-coder-0.5b, prompted in the real model's layout: shape_settings). weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
+    e.g. shape:qwen2.5-coder-0.5b, prompted in the real model's layout: shape_settings). file_count: how many
+    default files when `files` is not given. weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
     daemon. settings: more editor settings (camelCase, as in initializationOptions). prefetch: False runs the daemon
     without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default."""
-    files = [Path(f) for f in files] if files else default_files()
+    files = [Path(f) for f in files] if files else default_files(file_count)
     base = Path(tempfile.mkdtemp(prefix="completiond-editing-"))
     # The daemon inherits these through the LSP.
     env = {
@@ -467,6 +510,7 @@ def run_editing_bench(
             )
         )
         result["daemon_rss_mb"] = _daemon_rss_mb(base)
+        result["memory"] = memory_check(result["daemon_rss_mb"], weights_mb(model_setting), result.get("kv_cache"))
         result.update(
             model_label=label,
             weights=weights or "auto",
