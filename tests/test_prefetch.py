@@ -95,6 +95,34 @@ async def test_a_request_after_a_prefetch_equals_a_cold_one_and_reuses_it():
         cold.shutdown()
 
 
+async def test_twenty_opened_files_keep_their_prefixes_within_the_cache_budget():
+    # Issue 45's memory bound: the prefixes the prefetch keeps for opened files are one LRU within cacheMegabytes
+    # (a few files' prefixes, never all twenty). The notes are walked newest first, and an older note's walk only
+    # fills free room: it used to evict the newest file's prefixes, the one the user is in.
+    from completiond.serving.service import Service
+
+    cfg = config.merge(config.Config(), dict(SETTINGS, cacheMegabytes=24))[0]
+    service = Service(cfg)
+    service.start_loading()
+    await _until(lambda: service.state not in ("idle", "loading"))
+    assert service.state == "ready", service.error
+    try:
+        texts = ["".join(TEXT.replace("handler_", f"file{k}_handler_").splitlines(keepends=True)[:40])
+                 for k in range(20)]
+        for k, text in enumerate(texts):
+            service.open("c", f"file:///work/f{k}.py", 1, text, "python")
+        await _until(lambda: _idle(service))
+        cache = service.stats()["kv_cache"]
+        assert cache["budget_bytes"] == 24 << 20 and cache["bytes"] <= cache["budget_bytes"], cache
+        assert 2 <= cache["sequences"] < 20, cache
+        assert service.prefetch.counts["warmed_tokens"] > 0 and service.prefetch.counts["failed"] == 0
+        offset = _line_end(texts[19], 30)        # the newest file's prefix is kept: served from the cache
+        got = await service.complete("c", 1, "file:///work/f19.py", 1, offset)
+        assert got["stats"]["reused_tokens"] > 0.5 * got["stats"]["prompt_tokens"], (got["stats"], cache)
+    finally:
+        service.shutdown()
+
+
 async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
     service = await _service()
     loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 WALK_WINDOWS = 4  # prefix windows' worth of tokens one warm-up prefills at most
+CAPACITY_SLACK = 256  # tokens a sequence may grow by beyond what is prefilled (its capacity steps)
 
 
 class Warmup:
@@ -42,6 +43,10 @@ class Warmup:
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
         self.warmed = 0  # tokens prefilled
         self.done_targets = 0
+        # False (the prefetcher says: a note older than one walked before): prefill only into the prefix cache's
+        # free room, never evicting a newer document's prefixes for this one's.
+        self.may_evict = True
+        self.stopped_full = False
 
     def step(self, cancel: Any = None) -> bool:
         while self.lines and not self.targets:
@@ -54,13 +59,27 @@ class Warmup:
         if not self.targets or self.budget <= 0:
             return False
         ids = self.targets[0]
-        warmed, cached = self.engine.warm(ids, cancel, limit=min(self.budget, 4 * self.engine.prefill_chunk))
+        limit = min(self.budget, 4 * self.engine.prefill_chunk)
+        if not self.may_evict and not has_room(getattr(self.engine, "cache", None), min(limit, len(ids))):
+            self.stopped_full = True
+            return False
+        warmed, cached = self.engine.warm(ids, cancel, limit=limit)
         if cached >= len(ids):
             self.targets.pop(0)
             self.done_targets += 1
         self.budget -= warmed
         self.warmed += warmed
         return bool(self.targets or self.lines) and self.budget > 0
+
+
+def has_room(cache: Any, tokens: int) -> bool:
+    """Whether the prefix cache holds `tokens` more (and a capacity step) without evicting anything, at the bytes
+    per token its sequences take now (an empty cache, or one without stats: yes, nothing there to evict)."""
+    stats = cache.stats() if cache is not None and hasattr(cache, "stats") else None
+    if not stats or not stats.get("tokens"):
+        return True
+    per_token = stats["bytes"] / stats["tokens"]
+    return stats["bytes"] + (tokens + CAPACITY_SLACK) * per_token <= stats["budget_bytes"]
 
 
 def head_ids(prompt: Any) -> list[int]:

@@ -7,7 +7,9 @@ When a document is noted, and where:
 * edited or asked about: REST_S after the last edit or request in it, where that was. A plain LSP client
   thus gets prefetches too, and while the user types nothing is warmed between keystrokes.
 The newest note goes first; a document's older note is replaced, and its running walk dropped when it
-is edited or noted elsewhere.
+is edited or noted elsewhere. The prefix cache is one LRU within cacheMegabytes: a walk may evict only when its
+note is newer than every walk before it; an older note's walk (the rest of a burst of opens) fills free room and
+stops there, so the newest document's prefixes stay.
 
 The scheduler runs `step` in its "prefetch" slot, before a new model's calibration, only when no request
 waits (serving/scheduler.py). A request that arrives cancels the running piece's token; the warm-up checks
@@ -95,6 +97,12 @@ class Prefetcher:
         # It counts as running: between the note leaving the queue and its walk starting, nothing looked under
         # way, and a caller that waited for the prefetch to settle read the counters before the walk began.
         self._making: tuple[Key, int | None] | None = None
+        # Each note's serial: a walk may make room in the KV cache (evict) only when its note is newer than every
+        # walk before it. Notes walked newest first would otherwise evict the newest document's prefixes for
+        # older ones' (20 files opened at once kept the oldest few).
+        self._serial = 0
+        self._serials: dict[Key, int] = {}
+        self._walked = 0  # the newest serial walked
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self.counts = {
             "notes": 0,
@@ -120,8 +128,11 @@ class Prefetcher:
             self.counts["notes"] += 1
             self._drop(key)
             self._queue[key] = offset
+            self._serial += 1
+            self._serials[key] = self._serial
             while len(self._queue) > MAX_DOCUMENTS:
-                self._queue.popitem(last=False)
+                old, _ = self._queue.popitem(last=False)
+                self._serials.pop(old, None)
                 self.counts["dropped"] += 1
         timer = self._timers.pop(key, None)
         if timer is not None:
@@ -174,6 +185,7 @@ class Prefetcher:
     def _drop(self, key: Key) -> None:
         """Under the lock: `key`'s queued note and running walk go (the worker finishes its piece)."""
         self._queue.pop(key, None)
+        self._serials.pop(key, None)
         if self._current is not None and self._current[0] == key:
             self._current = None
         if self._making is not None and self._making[0] == key:
@@ -205,6 +217,9 @@ class Prefetcher:
                     return False
                 key, offset = self._queue.popitem(last=True)  # the newest note first
                 making = self._making = (key, offset)
+                serial = self._serials.pop(key, 0)
+                newest = serial > self._walked
+                self._walked = max(self._walked, serial)
         if current is None:
             try:
                 warmup = self._make(key, offset)
@@ -223,6 +238,8 @@ class Prefetcher:
                 if not still:  # a newer note's walk replaces this one; a closed document has none
                     return self._current is not None or bool(self._queue)
                 current = self._current = (key, offset, warmup)
+            if hasattr(warmup, "may_evict"):
+                warmup.may_evict = newest  # an older note's walk only fills the cache's free room
         warmup = current[2]
         before = int(warmup.warmed)
         failed = False
