@@ -227,14 +227,16 @@ class _Judge:
         # A header left without its body where the cursor line ends (the suggestion ends with it): the user
         # goes on to fill it.
         line_end = self.le + grow
-        opens = _open_at_line_ends(site.spec, insert + tail) != ""  # the text may owe a closer of its own
+        # A `{` the text ends with owes its own closer, at the region's end too (the own-closers probe
+        # appends it; Go's `comps: {` label block must not pass as the code above's debt).
+        opens_body = not tail and site.spec.body_opener == "{" and insert.rstrip().endswith("{")
         out: list[Error] = []
         baseline: list[Error] | None = None
         for e in after:
             s, t, missing, kind = e
             if kind == "body" and a1 - 1 <= s <= line_end:
                 continue
-            if missing and s >= len(data) and not opens:
+            if missing and s >= len(data) and not opens_body:
                 continue  # a closer owed at the region's very end, by a construct opened above the line
             inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and len(raw) > 0)
             if not inside:
