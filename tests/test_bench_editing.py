@@ -66,6 +66,7 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
         assert 0 < e["p50_ms"] <= e["p95_ms"] <= e["max_ms"]
     assert 0.0 <= result["cache_served_fraction"] <= 1.0
     assert result["events"]["switch"]["cache_served_fraction"] > 0.5   # the file's prompt is still cached
+    assert result["rest_notes"] is True    # a rested jump is reported as our plugins report it
     # The daemon's prefetch noted the opens (and the rests after requests) ...
     assert result["prefetch"]["on"] and result["prefetch"]["notes"] >= 2 and result["prefetch"]["failed"] == 0
     assert result["prefetch"] is not None and result["kv_cache"]["budget_bytes"] > 0
@@ -128,4 +129,6 @@ def test_the_session_can_open_twenty_files():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert parser.parse_args(["--editing", "--file-count", "20"]).file_count == 20
+    assert parser.parse_args(["--editing"]).rest_notes == "on"
+    assert parser.parse_args(["--editing", "--rest-notes", "off"]).rest_notes == "off"
     assert len(set(default_files(20))) == 20          # issue 45's memory check opens 20 held-out files

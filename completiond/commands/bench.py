@@ -79,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="with --editing: times the session is repeated")
     p.add_argument("--jumps", type=int, default=3, help="with --editing: jumps (and as many rested jumps) per file")
     p.add_argument(
+        "--rest-notes",
+        choices=("on", "off"),
+        default="on",
+        help="with --editing: report the resting cursor before a rested jump's request (completiond/cursorRest, as "
+        "our plugins do; off: a plain LSP client)",
+    )
+    p.add_argument(
         "--file-count",
         type=int,
         default=4,
@@ -783,6 +790,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model,
                 [Path(f) for f in args.files] if args.files else None,
                 file_count=args.file_count,
+                rest_notes=args.rest_notes == "on",
                 rounds=args.rounds,
                 jumps=args.jumps,
                 weights=args.weights if args.weights != "auto" else None,

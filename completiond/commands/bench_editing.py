@@ -7,7 +7,9 @@ private runtime directory, as `bench --typing` does), the way an editor session 
   keystroke   a line retyped in place, a character per 100 ms (a didChange and a request each, the previous
               one cancelled when still unanswered, as editors do); the line's last request is awaited
   jump        the cursor moves to a line end at least 40 lines away and asks at once (no rest)
-  jump_rest   the same after a second of rest
+  jump_rest   the cursor moves there and rests a second before it asks; as our plugins do (editors/nvim rest.lua,
+              vscode rest.ts), the client reports the rest with `completiond/cursorRest` PLUGIN_REST_S after
+              the move (rest_notes=False: a plain LSP client, which sends none)
   switch      back to a file used in the last minute, at the cursor it was left at, after 0.3 s
 
 Each file gets an open, a retyped line, `jumps` jumps, `jumps` rested jumps; then every file but the last is
@@ -48,6 +50,7 @@ EVENTS = ("open", "keystroke", "jump", "jump_rest", "switch")
 MIN_JUMP_LINES = 40
 OPEN_DELAY_S = 0.3
 REST_S = 1.0
+PLUGIN_REST_S = 0.3  # our plugins' delay before they report a resting cursor (rest.lua's delay_ms)
 SWITCH_DELAY_S = 0.3
 KEY_INTERVAL_S = 0.1
 # Packages installed with completiond (pygls is the LSP's own dependency) and absent from the bundled
@@ -171,6 +174,7 @@ async def _session(
     seed: int,
     progress: Callable[[str], None] | None,
     lsp_command: list[str] | None,
+    rest_notes: bool = True,
 ) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
@@ -344,8 +348,16 @@ async def _session(
                     line = far_line(candidates, line, rng)
                     await measured("jump", f, line)
                 for _ in range(jumps):
-                    await asyncio.sleep(REST_S)
-                    line = far_line(candidates, line, rng)
+                    line = far_line(candidates, line, rng)  # the cursor moves there, then rests
+                    if rest_notes:
+                        await asyncio.sleep(PLUGIN_REST_S)
+                        position = {"line": line, "character": _utf16_len(texts[f].split("\n")[line])}
+                        client.protocol.notify(
+                            "completiond/cursorRest", {"textDocument": {"uri": uris[f]}, "position": position}
+                        )
+                        await asyncio.sleep(REST_S - PLUGIN_REST_S)
+                    else:
+                        await asyncio.sleep(REST_S)
                     await measured("jump_rest", f, line)
                 cursor[f] = line
                 if progress is not None:
@@ -482,6 +494,7 @@ def run_editing_bench(
     progress: Callable[[str], None] | None = None,
     lsp_command: list[str] | None = None,
     prefetch: bool | None = None,
+    rest_notes: bool = True,
 ) -> dict[str, Any]:
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
@@ -489,7 +502,8 @@ def run_editing_bench(
     e.g. shape:qwen2.5-coder-0.5b, prompted in the real model's layout: shape_settings). file_count: how many
     default files when `files` is not given. weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
     daemon. settings: more editor settings (camelCase, as in initializationOptions). prefetch: False runs the daemon
-    without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default."""
+    without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default.
+    rest_notes: report the rested cursor before jump_rest's request as our plugins do (False: a plain LSP client)."""
     files = [Path(f) for f in files] if files else default_files(file_count)
     base = Path(tempfile.mkdtemp(prefix="completiond-editing-"))
     # The daemon inherits these through the LSP.
@@ -506,7 +520,18 @@ def run_editing_bench(
             extra["weights"] = weights
         result = asyncio.run(
             _session(
-                model_setting, files, rounds, jumps, keystrokes, extra, base, timeout_s, seed, progress, lsp_command
+                model_setting,
+                files,
+                rounds,
+                jumps,
+                keystrokes,
+                extra,
+                base,
+                timeout_s,
+                seed,
+                progress,
+                lsp_command,
+                rest_notes,
             )
         )
         result["daemon_rss_mb"] = _daemon_rss_mb(base)
@@ -517,6 +542,7 @@ def run_editing_bench(
             threads=threads,
             settings=extra,
             prefetch_setting="default" if prefetch is None else ("on" if prefetch else "off"),
+            rest_notes=rest_notes,
         )
         return result
     finally:
