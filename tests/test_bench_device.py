@@ -58,6 +58,8 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert m["rss_after_warmup_bytes"] > 0 and m["rss_vs_weight_bytes"] > 0
         assert m["weights_in_use"] and m["kernel"] and m["load_s"] >= 0
         assert m["prefill_ms"] > 0 and m["prefill_tokens_per_s"] == pytest.approx(64_000 / m["prefill_ms"], rel=0.01)
+        assert m["prefill_ms_per_token"] == pytest.approx(m["prefill_ms"] / 64, rel=0.01, abs=0.002)
+        assert m["prefill_rate_in_use"] > 0  # the engine's measured rate (CPU)
         assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
         assert all(v > 0 for v in m["verify_cost_by_k"].values())
         assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]

@@ -34,15 +34,15 @@ def _vnni_lib():
 
 # the builds that compute int8 matrices as w8a8 (avx512-bf16 is avx512-vnni's int8 code), and their
 # activation levels
-LEVELS = {"avx2": 63, "avx2-vnni": 127, VNNI: 127, "avx512-bf16": 127}
+LEVELS = {"avx2": 63, "avx2-vnni": 127, VNNI: 127, "avx512-bf16": 127, "avx512-amx": 127}
 
 
 def test_the_vnni_kernel_is_chosen_exactly_where_the_cpu_has_it(monkeypatch):
     monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
     flags = set(native.build._cpu_flags().split())
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        # the widest build this CPU runs is the VNNI one or the one above it (avx512-bf16), w8a8 in both
-        assert native.kernel_name() in (VNNI, "avx512-bf16") and native.library().cd_i8_quads() == 1
+        # the widest build this CPU runs is the VNNI one or one above it (avx512-bf16, avx512-amx), w8a8 in all
+        assert native.kernel_name() in (VNNI, "avx512-bf16", "avx512-amx") and native.library().cd_i8_quads() == 1
         lib = _vnni_lib()
         assert lib.cd_kernel().decode() == VNNI and lib.cd_i8_quads() == 1
         assert native.library("avx512").cd_i8_quads() == 0  # the plain AVX-512 build keeps weight-only int8

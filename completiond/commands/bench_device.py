@@ -457,8 +457,17 @@ def report_model(
         out["native_verify_cost_by_k"] = native_by_k
     log(f"  verify_cost_by_k {by_k}" + (f"; native (one call) {native_by_k}" if native_by_k else ""))
     pf_ms = cold_prefill_ms(engine, prompts[0], repeats)
-    out.update(prefill_ms=round(pf_ms, 2), prefill_tokens_per_s=round(1000 * len(prompts[0]) / pf_ms, 1))
-    log(f"  cold prefill of {len(prompts[0])} tokens: {pf_ms:.1f} ms ({out['prefill_tokens_per_s']} tokens/s)")
+    out.update(
+        prefill_ms=round(pf_ms, 2),
+        prefill_tokens_per_s=round(1000 * len(prompts[0]) / pf_ms, 1),
+        prefill_ms_per_token=round(pf_ms / len(prompts[0]), 3),
+    )
+    if engine.prefill_tokens_per_s is not None:  # the rate the engine sizes chunks and suffixes by (measured)
+        out["prefill_rate_in_use"] = round(engine.prefill_tokens_per_s, 1)
+    log(
+        f"  cold prefill of {len(prompts[0])} tokens: {pf_ms:.1f} ms ({out['prefill_tokens_per_s']} tokens/s, "
+        f"{out['prefill_ms_per_token']} ms/token)"
+    )
     if engine.fwd.native is not None:
         out.update(matmul_arithmetic(engine.fwd.native, max_k, plain_ms))
         log(

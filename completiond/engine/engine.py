@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -43,7 +44,8 @@ from completiond.engine.load_plan import (
 )
 from completiond.engine.loader import pick_device, pick_dtype
 from completiond.engine.lookup import OutputHistory
-from completiond.engine.model_facts import PREFILL_CHUNK, cpu_prefill, eos_ids
+from completiond.engine import model_facts
+from completiond.engine.model_facts import MEASURE_MIN_TOKENS, MEASURE_WEIGHT, PREFILL_CHUNK, cpu_prefill, eos_ids
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.params import (
     ConstraintFn,
@@ -122,10 +124,12 @@ class Engine:
         self.history = OutputHistory()  # what greedy requests generated, for later requests' lookup drafts
         # CPU: no more threads per request than the cores other runnable tasks leave (engine/threads.py)
         self.threads = ThreadGovernor() if torch.device(device).type == "cpu" else None
-        # An estimate from the model's size (None on accelerators, where prefill is cheap): prompt builders
-        # size the suffix by it, and prefill chunks take about PREFILL_CHUNK_S at it.
+        # The CPU's prefill rate (None on accelerators, where prefill is cheap): prompt builders size the
+        # suffix by it, and prefill chunks take about PREFILL_CHUNK_S at it. First estimated from the model's
+        # size, then measured: a short timed prefill below, then every real prefill chunk (_observe_prefill).
         self.prefill_tokens_per_s: float | None = None
         self.prefill_chunk = PREFILL_CHUNK
+        self.prefill_measured = False  # whether prefill_tokens_per_s is a measurement (else the size's estimate)
         if torch.device(device).type == "cpu":
             self.prefill_tokens_per_s, self.prefill_chunk = cpu_prefill(self.adapter, model.config)
         self.weights = weights  # the weights setting: auto, bf16 or int8 (native.WEIGHT_FORMATS)
@@ -141,6 +145,8 @@ class Engine:
         self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
         self.vocab_size = self.fwd.head_w.shape[0]  # (the module's own copy may have been dropped after packing)
         self.set_draft_vocab(self.calibration.draft_vocab)
+        if self.prefill_tokens_per_s is not None:
+            self._measure_prefill()
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -303,13 +309,15 @@ class Engine:
         """Feed tokens through every layer in chunks; False if cancelled between chunks.
 
         A draft with a tap layer is shown each chunk's states there (the layer range split in two
-        calls: the same arithmetic)."""
+        calls: the same arithmetic). On a CPU each chunk of MEASURE_MIN_TOKENS or more is timed into the
+        measured prefill rate."""
         tap = None if draft is None else draft.tap_layer
         for i in range(0, len(tokens), chunk_size):
             if cancel is not None and cancel.cancelled:
                 return False
             chunk = list(tokens[i : i + chunk_size])
             pos = seq.length
+            t0 = time.perf_counter()
             if draft is None or tap is None:
                 self.run_layers(self.embed(chunk), 0, self.num_layers, pos, seq)
                 seq.commit(chunk)
@@ -318,7 +326,25 @@ class Engine:
                 self.run_layers(h_tap, tap, self.num_layers, pos, seq)
                 seq.commit(chunk)
                 draft.observe(seq, pos, h_tap, eager=True)
+            if len(chunk) >= MEASURE_MIN_TOKENS:
+                self._observe_prefill(len(chunk), time.perf_counter() - t0)
         return True
+
+    def _observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of `tokens` took `seconds` (CPU only: an accelerator's clock would time the launch): the
+        first measurement replaces the size's estimate, later ones move the rate MEASURE_WEIGHT of the way;
+        the prefill chunk follows it."""
+        if self.prefill_tokens_per_s is None or seconds <= 0:
+            return
+        rate = tokens / seconds
+        if self.prefill_measured:
+            rate = (1 - MEASURE_WEIGHT) * self.prefill_tokens_per_s + MEASURE_WEIGHT * rate
+        self.prefill_tokens_per_s, self.prefill_chunk = rate, model_facts.chunk_for(rate)
+        self.prefill_measured = True
+
+    @torch.inference_mode()
+    def _measure_prefill(self) -> None:
+        model_facts.measure_prefill(self)
 
     @torch.inference_mode()
     def warm(

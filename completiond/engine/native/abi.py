@@ -13,7 +13,7 @@ import torch
 
 from completiond.errors import EngineError
 
-ABI = 14
+ABI = 15
 # step.c's negative return codes
 _ERRORS = {
     -1: "no scratch memory",
@@ -79,6 +79,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cd_i8_quads.restype = ctypes.c_int
     lib.cd_act_levels.restype = ctypes.c_int
     lib.cd_bf16_dot.restype = ctypes.c_int
+    lib.cd_amx_ready.restype = ctypes.c_int
     lib.cd_gemm.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, vp]
     lib.cd_gemm.restype = i32
     lib.cd_arith.argtypes = [vp, i32, i32, vp, i32, vp, i32, vp, i32, i32]

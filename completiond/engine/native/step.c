@@ -30,7 +30,21 @@
 #error "the native step needs AVX2 and FMA"
 #endif
 
-#define CD_ABI 14
+#define CD_ABI 15
+/* The AMX build (avx512-amx: avx512-bf16 plus AMX-TILE, AMX-BF16, AMX-INT8) multiplies bf16 and int8 panels
+ * with tiles of up to 16 activation rows; a pass of more than 16 rows goes in whole tiles, its last one
+ * padded with rows of zeros in scratch. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#define CD_AMX 1
+#define AMX_M 16
+/* int8 passes of at least this many rows take the tiles: their integer sums are the VNNI kernel's bits, so
+ * the choice is free, and a one-row step streams its weights through vpdpbusd as before */
+#define AMX_I8_ROWS 4
+#define SCRATCH_ROWS(t) ((t) > AMX_M ? ((t) + AMX_M - 1) / AMX_M * AMX_M : (t))
+#else
+#define CD_AMX 0
+#define SCRATCH_ROWS(t) (t)
+#endif
 /* Bytes ahead of the weights a kernel of several activation rows reads, prefetched. Such a kernel computes
  * long enough per byte that the hardware prefetcher falls behind and each weight line arrives late: one
  * 4864 x 896 bf16 matrix, one thread, streamed, five rows took 1.7-2.0x one row's time without, 1.2-1.3x
@@ -700,7 +714,9 @@ static void gemm_vnni(const float *x, int t, int in, const void *Wp, const float
 
 #if I8_QUADS
 /* bytes of scratch one thread needs to quantise t rows of up to in values (both w8a8 builds) */
-static size_t vnni_scratch(int t, int in) { return (size_t)t * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 64; }
+static size_t vnni_scratch(int t, int in) {
+    return (size_t)SCRATCH_ROWS(t) * (((size_t)in + 3) / 4 * 4 + sizeof(float)) + 128;
+}
 #else
 static size_t vnni_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
@@ -732,7 +748,7 @@ static void bf16_row(const float *x, int in, uint16_t *xb) {
     }
 }
 
-static size_t dot_scratch(int t, int in) { return (size_t)t * bf16_row_halves(in) * sizeof(uint16_t) + 64; }
+static size_t dot_scratch(int t, int in) { return (size_t)SCRATCH_ROWS(t) * bf16_row_halves(in) * sizeof(uint16_t) + 64; }
 
 #define MKD(R, NP)                                                                                      \
     static inline void mkd_##R##_##NP(const uint16_t *xb, int ldx, int in, const void *Wp, int p0,      \
@@ -805,6 +821,172 @@ static void gemm_dot(const float *x, int t, int in, const void *Wp, int out, con
 static size_t dot_scratch(int t, int in) { (void)t; (void)in; return 0; }
 #endif
 
+
+/* ------------------------------------------------------------------ AMX tiles (avx512-amx build)
+ * FMT_BF16 and FMT_I8 panels are already in the layouts AMX multiplies: a bf16 panel's k-pairs rows
+ * [in2][16 columns][2] and an int8 panel's k-quads rows [in4/4][16][4] are each 64 bytes, so 16 of them are
+ * one B tile as they lie. The activation rows (rounded to bf16 or quantised to u8 + 128, as the AVX512_BF16
+ * and VNNI kernels do) are the A tiles. A group of up to four panels accumulates in four C tiles over the
+ * whole tiles of k; k-groups past the last whole tile (a width that is not a multiple of 32 bf16 or 64 int8)
+ * are added to each row's sums with vdpbf16ps / vpdpbusd. Every row, whatever t, runs the same tile
+ * sequence and the same tail (a tile's rows are independent of each other), so a row's bits never depend
+ * on the pass: a prefill chunk, a verify pass and a one-row step agree. int8 sums are integers, so they
+ * are the VNNI kernel's bits too; bf16 sums are AMX's own (its adds differ from vdpbf16ps's chain in the
+ * last bit), which is why every FMT_BF16 product of this build takes the tiles, one-row steps included. */
+#if CD_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#undef CD_KERNEL
+#define CD_KERNEL "avx512-amx"
+
+/* whether this process may use the tile registers (Linux asks for the request first: ARCH_REQ_XCOMP_PERM
+ * for XFEATURE_XTILEDATA); asked once, at load (build.py refuses the build where it is not granted) */
+int cd_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ready;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tiles 0..3: C (mr rows of 16 float32 / int32); 4: A (mr rows of 64 bytes); 5, 6: B (16 rows of 64 bytes) */
+static void amx_configure(int mr) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 5; i++) c.rows[i] = (uint8_t)mr, c.colsb[i] = 64;
+    for (int i = 5; i < 7; i++) c.rows[i] = AMX_M, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+}
+
+#define AMX_DP(I8, C, A, B)                                                                             \
+    do {                                                                                                \
+        if (I8) _tile_dpbusd(C, A, B);                                                                  \
+        else _tile_dpbf16ps(C, A, B);                                                                   \
+    } while (0)
+
+/* C tiles of NP panels from p0 over the kb whole k tiles: xa the activation rows (lda bytes apart), Wp the
+ * panels (ps bytes each); the sums into cbuf [NP][16][16] */
+#define AMX_TILES(NP)                                                                                   \
+    static void amx_tiles_##NP(const char *xa, size_t lda, const char *Wp, size_t ps, int p0, int kb, int i8, \
+                               void *cbuf) {                                                            \
+        const char *w = Wp + (size_t)p0 * ps;                                                           \
+        _tile_zero(0);                                                                                  \
+        if (NP > 1) _tile_zero(1);                                                                      \
+        if (NP > 2) _tile_zero(2);                                                                      \
+        if (NP > 3) _tile_zero(3);                                                                      \
+        for (int k = 0; k < kb; k++) {                                                                  \
+            const size_t off = (size_t)k * 1024;                                                        \
+            _tile_loadd(4, xa + (size_t)k * 64, lda);                                                   \
+            _tile_loadd(5, w + off, 64);                                                                \
+            AMX_DP(i8, 0, 4, 5);                                                                        \
+            if (NP > 1) { _tile_loadd(6, w + ps + off, 64); AMX_DP(i8, 1, 4, 6); }                      \
+            if (NP > 2) { _tile_loadd(5, w + 2 * ps + off, 64); AMX_DP(i8, 2, 4, 5); }                  \
+            if (NP > 3) { _tile_loadd(6, w + 3 * ps + off, 64); AMX_DP(i8, 3, 4, 6); }                  \
+        }                                                                                               \
+        _tile_stored(0, (char *)cbuf, 64);                                                              \
+        if (NP > 1) _tile_stored(1, (char *)cbuf + 1024, 64);                                           \
+        if (NP > 2) _tile_stored(2, (char *)cbuf + 2048, 64);                                           \
+        if (NP > 3) _tile_stored(3, (char *)cbuf + 3072, 64);                                           \
+    }
+AMX_TILES(1) AMX_TILES(2) AMX_TILES(3) AMX_TILES(4)
+
+static void amx_tiles(int np, const char *xa, size_t lda, const char *Wp, size_t ps, int p0, int kb, int i8,
+                      void *cbuf) {
+    switch (np) {
+    case 4: amx_tiles_4(xa, lda, Wp, ps, p0, kb, i8, cbuf); break;
+    case 3: amx_tiles_3(xa, lda, Wp, ps, p0, kb, i8, cbuf); break;
+    case 2: amx_tiles_2(xa, lda, Wp, ps, p0, kb, i8, cbuf); break;
+    default: amx_tiles_1(xa, lda, Wp, ps, p0, kb, i8, cbuf); break;
+    }
+}
+
+/* gemm_panels for FMT_BF16 in this build: rows rounded to bf16 as gemm_dot rounds them, then tiles */
+static void gemm_amx_bf16(const float *x, int t, int in, const void *Wp, int out, const float *b, float *y, int ldy,
+                          int pa, int pb, void *scratch) {
+    const int ldx = (int)bf16_row_halves(in), in2 = (in + 1) / 2, kb = in2 / 16, tp = SCRATCH_ROWS(t);
+    const size_t ps = (size_t)in2 * 2 * PW * sizeof(uint16_t);
+    uint16_t *xb = (uint16_t *)scratch;
+    for (int r = 0; r < t; r++) bf16_row(x + (size_t)r * in, in, xb + (size_t)r * ldx);
+    if (tp > t) memset(xb + (size_t)t * ldx, 0, (size_t)(tp - t) * ldx * sizeof(uint16_t));
+    float cbuf[4][AMX_M][PW] __attribute__((aligned(64)));
+    const int mr = t < AMX_M ? t : AMX_M;
+    amx_configure(mr);
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
+        const int np = qa + PANEL_GROUP < pb ? PANEL_GROUP : pb - qa;
+        for (int r0 = 0; r0 < t; r0 += AMX_M) {
+            amx_tiles(np, (const char *)(xb + (size_t)r0 * ldx), (size_t)ldx * sizeof(uint16_t), (const char *)Wp, ps,
+                      qa, kb, 0, cbuf);
+            const int rows = t - r0 < AMX_M ? t - r0 : AMX_M;
+            for (int n = 0; n < np; n++) {
+                const uint16_t *pan = (const uint16_t *)((const char *)Wp + (size_t)(qa + n) * ps);
+                for (int r = 0; r < rows; r++) {
+                    __m512 acc = _mm512_load_ps(cbuf[n][r]);
+                    const uint16_t *xr = xb + (size_t)(r0 + r) * ldx;
+                    for (int k2 = kb * 16; k2 < in2; k2++) { /* the k-pairs past the whole tiles */
+                        int32_t pair;
+                        memcpy(&pair, xr + 2 * (size_t)k2, 4);
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
+                                               (__m512bh)_mm512_loadu_si512((const void *)(pan + (size_t)k2 * 2 * PW)));
+                    }
+                    store16(acc, NULL, b, y + (size_t)(r0 + r) * ldy, (qa + n) * PW, out);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+
+/* gemm_panels for FMT_I8 in this build: rows quantised as gemm_vnni quantises them, then tiles; the float
+ * tail is gemm_vnni's */
+static void gemm_amx_i8(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
+                        float *y, int ldy, int pa, int pb, void *scratch) {
+    const int in4 = (in + 3) / 4 * 4, nq = in4 / 4, kb = nq / 16, tp = SCRATCH_ROWS(t);
+    const size_t ps = (size_t)in4 * PW;
+    const int32_t *corr = i8_corrections(sc, out);
+    uint8_t *xq = (uint8_t *)scratch;
+    float *xs = (float *)((char *)scratch + (((size_t)tp * in4 + 63) & ~(size_t)63));
+    for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
+    if (tp > t) memset(xq + (size_t)t * in4, 128, (size_t)(tp - t) * in4);
+    int32_t cbuf[4][AMX_M][PW] __attribute__((aligned(64)));
+    const int mr = t < AMX_M ? t : AMX_M;
+    amx_configure(mr);
+    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
+        const int np = qa + PANEL_GROUP < pb ? PANEL_GROUP : pb - qa;
+        for (int r0 = 0; r0 < t; r0 += AMX_M) {
+            amx_tiles(np, (const char *)(xq + (size_t)r0 * in4), (size_t)in4, (const char *)Wp, ps, qa, kb, 1, cbuf);
+            const int rows = t - r0 < AMX_M ? t - r0 : AMX_M;
+            for (int n = 0; n < np; n++) {
+                const int j = (qa + n) * PW;
+                const int8_t *pan = (const int8_t *)Wp + (size_t)(qa + n) * ps;
+                const __m512i cv = _mm512_loadu_si512((const void *)(corr + j));
+                const __m512 wv = _mm512_loadu_ps(sc + j);
+                for (int r = 0; r < rows; r++) {
+                    __m512i acc = _mm512_load_si512((const void *)cbuf[n][r]);
+                    const uint8_t *xr = xq + (size_t)(r0 + r) * in4;
+                    for (int k = kb * 64; k < in4; k += 4) { /* the k-quads past the whole tiles */
+                        int32_t quad;
+                        memcpy(&quad, xr + k, 4);
+                        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad),
+                                                  _mm512_loadu_si512((const void *)(pan + (size_t)k * PW)));
+                    }
+                    __m512 f = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, cv)), wv, RNE);
+                    f = _mm512_mul_round_ps(f, _mm512_set1_ps(xs[r0 + r]), RNE);
+                    store16(f, NULL, b, y + (size_t)(r0 + r) * ldy, j, out);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+int cd_amx_ready(void) { return 0; }
+#endif
+
 /* bytes of scratch one thread needs for t activation rows of up to in values (rounded or quantised) */
 static size_t panel_scratch(int t, int in) {
     size_t a = vnni_scratch(t, in), b = dot_scratch(t, in);
@@ -828,7 +1010,9 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
                         float *y, int ldy, int pa, int pb, void *scratch) {
     if (fmt == FMT_BF16) {
         sc = NULL;
-#if BF16_DOT
+#if CD_AMX
+        gemm_amx_bf16(x, t, in, Wp, out, b, y, ldy, pa, pb, scratch);
+#elif BF16_DOT
         gemm_dot(x, t, in, Wp, out, b, y, ldy, pa, pb, scratch);
 #else
         GEMM(mkb)
@@ -837,7 +1021,10 @@ static void gemm_panels(const float *x, int t, int in, const void *Wp, int fmt, 
         const int j1 = pb * PW < out ? pb * PW : out;
         if (pa * PW < j1) gemm_rows(x, t, in, (const uint16_t *)Wp, out, b, y, ldy, pa * PW, j1, scratch);
     } else if (fmt == FMT_I8) {
-#if I8_QUADS
+#if CD_AMX
+        if (t >= AMX_I8_ROWS) gemm_amx_i8(x, t, in, Wp, sc, out, b, y, ldy, pa, pb, scratch);
+        else gemm_vnni(x, t, in, Wp, sc, out, b, y, ldy, pa, pb, scratch);
+#elif I8_QUADS
         gemm_vnni(x, t, in, Wp, sc, out, b, y, ldy, pa, pb, scratch);
 #else
         (void)scratch;

@@ -1,0 +1,133 @@
+"""The AMX build (avx512-amx, issue 45: the prefill's matrix products on tiles): bf16 panels multiplied with
+bf16-rounded activations and int8 panels as w8a8, 16 rows per tile. Every row of any pass has the bits of a
+one-row pass (so a prefill chunk, a verify pass and a step agree, and a reused cache is a cold prefill's),
+int8 has the VNNI kernel's very bits, and speculative greedy output equals plain greedy output.
+
+AMX cannot be emulated over AVX2 (SIMDe has no tiles): these tests run where the CPU has AMX and the
+operating system grants the tile state, and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from completiond.engine import native
+from completiond.engine.engine import Engine, SamplingParams
+from tests.conftest import make_tiny_model
+
+AMX = "avx512-amx"
+
+
+def _amx_lib():
+    if AMX not in native.supported_kernels():
+        pytest.skip("this CPU has no AMX tiles")
+    lib = native.library(AMX)
+    if lib is None:
+        pytest.skip(f"the AMX build is unavailable here: {native.reason(AMX)}")
+    return lib
+
+
+def test_the_amx_build_is_chosen_where_the_cpu_has_tiles(monkeypatch):
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    flags = "avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags)
+    assert native.kernel_name() == "avx512-bf16"
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags + " amx_tile amx_bf16 amx_int8")
+    assert native.kernel_name() == AMX
+    assert native.build._order()[:2] == [AMX, "avx512-bf16"]  # refused by the OS: the next build down
+
+
+def test_a_build_without_the_tile_state_is_refused(monkeypatch):
+    """Where Linux does not grant the tile state, the AMX build is not loaded (tile instructions would fault)."""
+    lib = _amx_lib()
+    assert lib.cd_amx_ready() == 1 and lib.cd_kernel().decode() == AMX and lib.cd_bf16_dot() == 1
+    assert native.library("avx512-bf16").cd_amx_ready() == 0
+
+
+def _gemm(lib, x: torch.Tensor, packed: torch.Tensor, fmt: int, scales, out: int, bias: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out)
+    rc = lib.cd_gemm(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        packed.data_ptr(),
+        fmt,
+        native.abi._ptr(scales),
+        out,
+        bias.data_ptr(),
+        y.data_ptr(),
+    )
+    assert rc == 0
+    return y
+
+
+# widths with and without a k tail past the whole tiles (32 bf16 / 64 int8), outputs with a partial panel
+SIZES = [(37, 50), (64, 16), (96, 70), (896, 70), (4864, 33)]
+
+
+@pytest.mark.parametrize("width,out", SIZES)
+def test_amx_bf16_is_the_rounded_product_and_row_for_row(width, out):
+    lib = _amx_lib()
+    g = torch.Generator().manual_seed(width + out)
+    t = 40  # two whole tiles of rows and a padded third
+    w = torch.randn(out, width, generator=g).to(torch.bfloat16).float()
+    x = torch.randn(t, width, generator=g)
+    x[3] = 0.0
+    bias = torch.randn(out, generator=g)
+    packed, _ = native.pack_as(w, native.FMT_BF16, pairs=True)
+    full = _gemm(lib, x, packed, native.FMT_BF16, None, out, bias)
+    rounded = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
+    exact = x.double() @ w.double().T + bias.double()
+    scale = float((x.abs().double() @ w.abs().double().T).max())
+    assert float((full.double() - rounded).abs().max()) <= 1e-6 * scale
+    assert float((full.double() - rounded).norm()) < float((full.double() - exact).norm())
+    assert torch.equal(full[3], bias)
+    singles = torch.cat([_gemm(lib, x[r : r + 1], packed, native.FMT_BF16, None, out, bias) for r in range(t)])
+    assert torch.equal(full, singles)
+    for n in (2, 5, 15, 16, 17, 33):
+        assert torch.equal(_gemm(lib, x[:n], packed, native.FMT_BF16, None, out, bias), full[:n]), n
+
+
+@pytest.mark.parametrize("width,out", SIZES)
+def test_amx_int8_has_the_vnni_kernels_bits(width, out):
+    lib = _amx_lib()
+    vnni = native.library("avx512-vnni")
+    assert vnni is not None  # every AMX CPU has VNNI
+    g = torch.Generator().manual_seed(width * out)
+    t = 40
+    w = torch.randn(out, width, generator=g)
+    x = torch.randn(t, width, generator=g)
+    bias = torch.randn(out, generator=g)
+    packed, scales = native.pack_as(w, native.FMT_I8, pairs=True, quads=True)
+    full = _gemm(lib, x, packed, native.FMT_I8, scales, out, bias)
+    assert torch.equal(full, _gemm(vnni, x, packed, native.FMT_I8, scales, out, bias))
+    for n in (1, 3, 4, 16, 17, 33):
+        assert torch.equal(_gemm(lib, x[:n], packed, native.FMT_I8, scales, out, bias), full[:n]), n
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_amx_prefill_is_exact_and_speculative_greedy_equals_plain(tmp_path, monkeypatch, weights):
+    """A prefill in chunks of many rows, a reused prefix and one-row steps give the logits of a cold prefill
+    bit for bit, and speculative greedy decoding equals plain greedy decoding."""
+    _amx_lib()
+    monkeypatch.setenv("COMPLETIOND_KERNEL", AMX)
+    d = make_tiny_model(tmp_path / "m", layers=4, seed=37)
+    eng = Engine.load(d, device="cpu", dtype="float32", weights=weights)
+    assert eng.fwd.native is not None and eng.fwd.native.kernel == AMX and eng.fwd.native_all
+    prompt = [(i * 7) % 200 + 3 for i in range(90)]
+    cold = eng.logits_for(prompt, use_cache=False)
+    eng.cache.clear()
+    eng.logits_for(prompt[:37], use_cache=True)  # a prefix cached in a 36-row chunk
+    warm = eng.logits_for(prompt, use_cache=True)
+    assert torch.equal(warm, cold)
+    seq = eng.new_sequence(len(prompt))
+    eng.prefill(seq, prompt[:-1], None, chunk_size=5)  # other chunk boundaries
+    h = eng.run_layers(eng.embed(prompt[-1:]), 0, eng.num_layers, seq.length, seq)
+    assert torch.equal(eng.head(h)[-1], cold)
+    plain = eng.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, speculative=False))
+    for k in (4, 32):
+        spec = eng.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, exit_layer=2, draft_k=k))
+        assert spec.tokens == plain.tokens, k
