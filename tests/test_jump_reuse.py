@@ -78,13 +78,42 @@ def test_every_event_kind_equals_a_cold_prefill(engines):
     assert max(reused["open"]) > 0.3, reused
 
 
-def test_warm_ups_skip_a_suffix_first_layout(engines):
+def test_a_suffix_first_layout_warms_only_at_the_resting_cursor(engines):
     warm, _ = engines
     spm = psm_builder(warm, order="spm").build(FILES[0], line_end(FILES[0], 20))
     psm = psm_builder(warm).build(FILES[0], line_end(FILES[0], 20))
-    assert head_ids(spm) == []
+    assert head_ids(spm) == []                          # no other cursor's prompt starts like this one
+    rest = head_ids(spm, at_cursor=True)                # ... but a request at this very cursor does
+    assert rest == spm.ids[: len(spm.ids) - spm.cursor_line_tokens] and len(rest) > len(spm.suffix_ids)
     head = head_ids(psm)
     assert head and psm.ids[:len(head)] == head and len(head) < len(psm.ids) - len(psm.suffix_ids)
+    builder = psm_builder(warm, order="spm")
+    assert Warmup(warm, builder, FILES[0], None).lines == []          # opened: the cursor is not known
+    assert Warmup(warm, builder, FILES[0], 123).lines == [123]        # rested: there, once
+
+
+def test_a_rest_in_a_suffix_first_layout_equals_a_cold_prefill(engines):
+    # The bundled model's own layout: a rest warms the prompt at the cursor but its cursor line; the request
+    # there, and the ones typed after it, reuse it and answer as a cold prefill does.
+    warm, cold = engines
+    warm.cache.clear()
+    builder = psm_builder(warm, order="spm")
+    params = SamplingParams(max_tokens=6, speculative=False)
+    a = FILES[0]
+    offset = line_end(a, 150)
+    w = Warmup(warm, builder, a, offset)
+    while w.step(None):
+        pass
+    assert w.warmed > 0 and w.done_targets == 1
+    text, at = a, offset
+    for typed in ("", " #", " n"):    # at the cursor, then typing on its line
+        text, at = text[:at] + typed + text[at:], at + len(typed)
+        prompt = builder.build(text, at)
+        got = warm.generate(prompt.ids, params, constraint=prompt.constraint)
+        cold.cache.clear()
+        want = cold.generate(prompt.ids, params, constraint=prompt.constraint)
+        assert got.tokens == want.tokens, typed
+        assert got.stats.reused_tokens > 0.8 * len(prompt.ids), (typed, got.stats.reused_tokens, len(prompt.ids))
 
 
 def test_walk_lines_go_down_from_the_cursor_then_up():

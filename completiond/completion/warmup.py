@@ -11,7 +11,10 @@ the cursor line's first, then for cursors at line starts one chunk apart, walkin
 suffix. The KV is the one a cold prefill computes (a token's KV depends only on the tokens before it), so
 suggestions are those of a cold prefill of the same prompt.
 
-A suffix-first layout puts the suffix, which moves with the cursor, first: there is nothing to warm ahead.
+A suffix-first layout (the bundled model's) puts the suffix, which moves with the cursor, first: no other cursor's
+prompt shares its head, so there is no walk. Where the cursor rests, though, the next request's prompt is known
+but for the cursor line, which typing there changes: `suffix, FIM middle, context, the window above` (typing at
+the cursor leaves the suffix as it is). A rest's warm-up (offset given) prefills that, once.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ class Warmup:
     ):
         self.engine, self.builder, self.text = engine, builder, text
         self.context, self.path, self.language = list(context), path, language
-        self.lines = walk_lines(text, offset, builder.options.chunk_lines)
+        # Suffix-first: only the prompt at the resting cursor itself (nothing for a file just opened).
+        self.at_cursor = bool(getattr(builder.template, "spm", False)) and builder.encoder.supports_suffix
+        if self.at_cursor:
+            self.lines = [offset] if offset is not None else []
+        else:
+            self.lines = walk_lines(text, offset, builder.options.chunk_lines)
         self.targets: list[list[int]] = []
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
         self.warmed = 0  # tokens prefilled
@@ -52,7 +60,8 @@ class Warmup:
         while self.lines and not self.targets:
             at = self.lines.pop(0)
             ids = head_ids(
-                self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language)
+                self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language),
+                at_cursor=self.at_cursor,
             )
             if ids:
                 self.targets.append(ids)
@@ -82,15 +91,16 @@ def has_room(cache: Any, tokens: int) -> bool:
     return stats["bytes"] + (tokens + CAPACITY_SLACK) * per_token <= stats["budget_bytes"]
 
 
-def head_ids(prompt: Any) -> list[int]:
+def head_ids(prompt: Any, at_cursor: bool = False) -> list[int]:
     """The ids of `prompt` before its cursor line, when nothing among them depends on the cursor (a
     prefix-first layout: context, FIM prefix token, the window above the cursor line); [] otherwise (a
-    suffix-first layout starts with the suffix; a skipped prompt has no ids)."""
+    suffix-first layout starts with the suffix; a skipped prompt has no ids). at_cursor: the prompt is at the
+    very cursor a request will come from (a rest), so a suffix-first head counts too: all but the cursor line."""
     ids, prefix, suffix = list(prompt.ids), list(prompt.prefix_ids), list(prompt.suffix_ids)
     if not ids or not prefix:
         return []
     if ids[len(ids) - len(prefix) :] == prefix:  # the prefix ends the prompt: suffix-first, or no FIM at all
-        return [] if suffix else ids[: len(ids) - int(prompt.cursor_line_tokens)]
+        return [] if suffix and not at_cursor else ids[: len(ids) - int(prompt.cursor_line_tokens)]
     end = len(ids) - len(suffix) - 2  # prefix-first: <prefix> P <suffix> S <middle>
     if end < len(prefix) or ids[end - len(prefix) : end] != prefix:
         return []
