@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -447,3 +449,57 @@ def test_a_header_without_its_body_before_a_decorated_method():
     before = "class A:\n" + filler + "    @property\n    def columns(self) -> list[Co"
     after = "\n    @columns.setter\n    def columns(self, value):\n        self._columns = value\n\n" + filler
     assert at_cursor("lumnElement]:", before=before, after=after) == "lumnElement]:"
+
+
+def _verdict_cases(path: Path, copies: int, n: int, seed: int) -> list[tuple[str, int, str, bool]]:
+    """(document, cursor, suggestion, ends_line): a long file cut at random points of random lines, with the
+    rest of the line, a mangled rest and a half of it as suggestions."""
+    one = path.read_text(encoding="utf-8")
+    text = one * copies
+    starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+    rng = random.Random(seed)
+    out: list[tuple[str, int, str, bool]] = []
+    while len(out) < n:
+        k = rng.randrange(len(starts) - 1)
+        line = text[starts[k] : starts[k + 1] - 1]
+        if len(line.strip()) < 4:
+            continue
+        col = rng.randrange(len(line) - len(line.lstrip()), len(line) - 1)
+        doc = text[: starts[k] + col] + text[starts[k + 1] - 1 :]
+        rest = line[col:]
+        for s in (rest, rest + ")", "x" + rest + "]", rest[: len(rest) // 2]):
+            out.append((doc, starts[k] + col, s, rng.random() < 0.5))
+    return out
+
+
+def test_the_judges_shortcuts_leave_every_verdict_as_it_was(monkeypatch):
+    # Long documents (regions, not whole files): the verdicts with the judge's shortcuts equal those it
+    # makes with them off, cut and dropped ones included.
+    cases = _verdict_cases(Path(syntax.__file__), 4, 120, 0)
+
+    def verdicts() -> list[tuple[str, str, str]]:
+        out = []
+        for doc, cursor, s, ends_line in cases:
+            site = site_at(doc, cursor, "python")
+            assert site is not None
+            v = check(site, s, ends_line=ends_line)
+            out.append((v.text, v.outcome, v.reason))
+        return out
+
+    monkeypatch.setattr(syntax._Judge, "shortcuts", False)
+    reference = verdicts()
+    monkeypatch.setattr(syntax._Judge, "shortcuts", True)
+    assert verdicts() == reference
+    assert sum(o in ("cut", "dropped") for _, o, _ in reference) >= 20
+
+
+def test_a_document_tree_edit_finds_its_end_from_its_start():
+    from completiond.completion.syntax_tree import _point, _point_from
+
+    rng = random.Random(1)
+    for text in ["abc\ndef\n\nghi", "héllo\nwörld\n😀x\ny", "\n\n\n", "x" * 40]:
+        for _ in range(300):
+            a = rng.randrange(len(text) + 1)
+            b = rng.randrange(a, len(text) + 1)
+            sb, sp = _point(text, a)
+            assert _point_from(text, a, sb, sp, b) == _point(text, b)

@@ -148,6 +148,8 @@ class _Judge:
     """One verdict's parses: the region with a text inserted at the cursor, and the baseline (the region's
     errors whatever the cursor line says), each counted against MAX_PARSES."""
 
+    shortcuts = True  # skip work that cannot change the verdict (off: the reference, for tests)
+
     def __init__(self, site: Site):
         self.site = site
         self.count = 0
@@ -223,29 +225,42 @@ class _Judge:
         self.count += 1
         data = site.data[:a0] + raw + site.data[a0 + len(suffix) :]
         tree = self._trees[key] = edited(site, a0, a0 + len(suffix), raw)
-        after = self._errors(tree, data, self.le + grow)
         # A header left without its body where the cursor line ends (the suggestion ends with it): the user
         # goes on to fill it.
         line_end = self.le + grow
         # A `{` the text ends with owes its own closer, at the region's end too (the own-closers probe
         # appends it; Go's `comps: {` label block must not pass as the code above's debt).
         opens_body = not tail and site.spec.body_opener == "{" and insert.rstrip().endswith("{")
-        out: list[Error] = []
         baseline: list[Error] | None = None
-        for e in after:
-            s, t, missing, kind = e
-            if kind == "body" and a1 - 1 <= s <= line_end:
-                continue
-            if missing and s >= len(data) and not opens_body:
-                continue  # a closer owed at the region's very end, by a construct opened above the line
-            inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and len(raw) > 0)
-            if not inside:
-                if baseline is None:
-                    baseline = self.baseline()
-                bs, bt, _, _ = self._back(e, a0, a1, grow)
-                if any(bs <= y and x <= bt for x, y, _, _ in baseline):
+
+        def new(errors: list[Error]) -> list[Error]:
+            nonlocal baseline
+            out: list[Error] = []
+            for e in errors:
+                s, t, missing, kind = e
+                if kind == "body" and a1 - 1 <= s <= line_end:
                     continue
-            out.append(e)
+                if missing and s >= len(data) and not opens_body:
+                    continue  # a closer owed at the region's very end, by a construct opened above the line
+                inside = (a0 < s < a1) if missing or s == t else (a0 <= s < a1 and len(raw) > 0)
+                if not inside:
+                    if baseline is None:
+                        baseline = self.baseline()
+                    bs, bt, _, _ = self._back(e, a0, a1, grow)
+                    if any(bs <= y and x <= bt for x, y, _, _ in baseline):
+                        continue
+                out.append(e)
+            return out
+
+        if self.shortcuts and self.reasons and site.spec.indented_blocks:
+            # Once a reason is kept only pass or fail counts: an unexcused error of the grammar's own fails
+            # the probe whatever Python's layout rules add (they cost a walk of the region's statements).
+            # Only where the baseline is known by now: the full walk would have made its parses here too.
+            out = new(errors_in(tree))
+            if out and self._baseline is not None:
+                self._probes[key] = out
+                return out
+        out = new(self._errors(tree, data, self.le + grow))
         if out and not self.reasons:
             self.reasons.append(_describe(site, data, out[0]))
         self._probes[key] = out

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import warnings
 
 from tree_sitter import Node, Parser, Tree
@@ -21,14 +22,14 @@ from completiond.completion.languages import LanguageSpec
 from completiond.completion.syntax_tree import Error, encode
 
 MAX_LAYOUT_STATEMENTS = 2000  # statements visited per tree (a region holds far fewer)
+_INDENT = re.compile(rb"[ \t]*")
 
 
 def _line_indent(data: bytes, b: int) -> tuple[int, bool]:
     """(indentation width of the line holding byte b, whether only whitespace precedes b on it)."""
     ls = data.rfind(b"\n", 0, b) + 1
-    i = ls
-    while i < len(data) and data[i] in (32, 9):  # spaces and tabs
-        i += 1
+    m = _INDENT.match(data, ls)  # matches the empty string too: never None
+    i = m.end() if m is not None else ls
     return i - ls, i >= b
 
 

@@ -32,6 +32,19 @@ def _point(text: str, offset: int) -> tuple[int, Point]:
     return before + line_bytes, Point(row, line_bytes)
 
 
+def _point_from(text: str, start: int, start_byte: int, start_point: Point, offset: int) -> tuple[int, Point]:
+    """_point(text, offset) for an offset at or after `start`, whose (byte, point) are known: only the text
+    between them is read (an edit's end, without scanning the document again)."""
+    if offset == start:
+        return start_byte, start_point
+    span = text[start:offset]
+    b = start_byte + len(encode(span))
+    nl = span.rfind("\n")
+    if nl < 0:
+        return b, Point(start_point.row, start_point.column + (b - start_byte))
+    return b, Point(start_point.row + span.count("\n"), len(encode(span[nl + 1 :])))
+
+
 def _end_point(start: Point, new: str) -> Point:
     nl = new.count("\n")
     if not nl:
@@ -64,7 +77,7 @@ class DocumentTree:
         with self._lock:
             if self._tree is not None and (old_text is self._text or old_text == self._text):
                 sb, sp = _point(old_text, start)
-                eb, ep = _point(old_text, end)
+                eb, ep = _point_from(old_text, start, sb, sp, end)
                 tree = self._tree.copy()
                 tree.edit(
                     start_byte=sb,
