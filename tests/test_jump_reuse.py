@@ -89,7 +89,10 @@ def test_a_suffix_first_layout_warms_only_at_the_resting_cursor(engines):
     assert head and psm.ids[:len(head)] == head and len(head) < len(psm.ids) - len(psm.suffix_ids)
     builder = psm_builder(warm, order="spm")
     assert Warmup(warm, builder, FILES[0], None).lines == []          # opened: the cursor is not known
-    assert Warmup(warm, builder, FILES[0], 123).lines == [123]        # rested: there, once
+    assert Warmup(warm, builder, FILES[0], 123).lines == [(123, True)]    # rested: there, once, whole
+    walk = Warmup(warm, psm_builder(warm), FILES[0], 123).lines        # prefix-first: the line's head, the
+    own = FILES[0].rfind("\n", 0, 123) + 1
+    assert walk[:2] == [(own, False), (123, True)] and all(not whole for _, whole in walk[2:])  # prompt, the walk
 
 
 def test_a_rest_in_a_suffix_first_layout_equals_a_cold_prefill(engines):
@@ -105,6 +108,8 @@ def test_a_rest_in_a_suffix_first_layout_equals_a_cold_prefill(engines):
     while w.step(None):
         pass
     assert w.warmed > 0 and w.done_targets == 1
+    first = builder.build(a, offset)
+    assert warm.warm(first.ids, limit=0)[1] == len(first.ids)   # the whole prompt at the cursor is cached
     text, at = a, offset
     for typed in ("", " #", " n"):    # at the cursor, then typing on its line
         text, at = text[:at] + typed + text[at:], at + len(typed)

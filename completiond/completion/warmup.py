@@ -5,16 +5,17 @@ With a prefix-first FIM layout (every family but the bundled model's suffix-firs
 context block, the FIM prefix token, then the text above the cursor from the window's anchor
 (completion/plan.py), then the cursor line and the suffix. What comes before the cursor line does not
 depend on where on its line, or on which line of a region, the cursor is. A `Warmup` prefills those heads:
-the cursor line's first, then for cursors at line starts one chunk apart, walking down from the cursor
-(from the top for a file just opened) and then up, a few windows' worth at most, in small engine chunks
-(`Engine.warm`), one piece per `step`. A request there later finds its prompt's head cached and prefills only the cursor line and the
-suffix. The KV is the one a cold prefill computes (a token's KV depends only on the tokens before it), so
+the cursor line's first (then the whole prompt at the resting cursor itself), then for cursors at line starts one
+chunk apart, walking down from the cursor (from the top for a file just opened) and then up, a few windows' worth
+at most, in small engine chunks (`Engine.warm`), one piece per `step`. A request there later finds its prompt's
+head cached and prefills only the cursor line and the suffix. The KV is the one a cold prefill computes (a token's KV depends only on the tokens before it), so
 suggestions are those of a cold prefill of the same prompt.
 
 A suffix-first layout (the bundled model's) puts the suffix, which moves with the cursor, first: no other cursor's
 prompt shares its head, so there is no walk. Where the cursor rests, though, the next request's prompt is known
 but for the cursor line, which typing there changes: `suffix, FIM middle, context, the window above` (typing at
-the cursor leaves the suffix as it is). A rest's warm-up (offset given) prefills that, once.
+the cursor leaves the suffix as it is). A rest's warm-up (offset given) prefills that prompt, once, whole: a request
+at the rested cursor reuses all of it, one typed there all but the cursor line.
 """
 
 from __future__ import annotations
@@ -41,12 +42,16 @@ class Warmup:
     ):
         self.engine, self.builder, self.text = engine, builder, text
         self.context, self.path, self.language = list(context), path, language
-        # Suffix-first: only the prompt at the resting cursor itself (nothing for a file just opened).
+        # (offset, whole): where to build a prompt, and whether to warm all of it (the prompt at the resting cursor
+        # itself: a request there reuses all but its last token) or only its head. Suffix-first: only that one
+        # (nothing for a file just opened); prefix-first: the cursor line's head, that prompt, then the walk.
         self.at_cursor = bool(getattr(builder.template, "spm", False)) and builder.encoder.supports_suffix
+        self.lines: list[tuple[int, bool]]
         if self.at_cursor:
-            self.lines = [offset] if offset is not None else []
+            self.lines = [(offset, True)] if offset is not None else []
         else:
-            self.lines = walk_lines(text, offset, builder.options.chunk_lines)
+            walk = [(at, False) for at in walk_lines(text, offset, builder.options.chunk_lines)]
+            self.lines = walk[:1] + [(offset, True)] + walk[1:] if offset is not None else walk
         self.targets: list[list[int]] = []
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
         self.warmed = 0  # tokens prefilled
@@ -58,11 +63,9 @@ class Warmup:
 
     def step(self, cancel: Any = None) -> bool:
         while self.lines and not self.targets:
-            at = self.lines.pop(0)
-            ids = head_ids(
-                self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language),
-                at_cursor=self.at_cursor,
-            )
+            at, whole = self.lines.pop(0)
+            prompt = self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language)
+            ids = list(prompt.ids) if whole else head_ids(prompt, at_cursor=self.at_cursor)
             if ids:
                 self.targets.append(ids)
         if not self.targets or self.budget <= 0:
