@@ -181,8 +181,8 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
     stack: list[str] = []
     for leaf in _leaves(holder, spec, holder.start_byte, ls):
         t = leaf.type
-        if leaf.is_missing or _block_brace(spec, leaf):
-            continue
+        if (t not in pairs and t not in closers) or leaf.is_missing or _block_brace(spec, leaf):
+            continue  # (brackets only: a node's parent is costly to reach)
         if t in pairs:
             stack.append(t)
         elif t in closers and stack:
@@ -193,7 +193,7 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
     owed = 0
     for leaf in _leaves(holder, spec, le, holder.end_byte):
         t = leaf.type
-        if leaf.is_missing or _block_brace(spec, leaf):
+        if (t not in pairs and t not in closers) or leaf.is_missing or _block_brace(spec, leaf):
             continue
         if t in pairs:
             depth += 1
