@@ -31,7 +31,7 @@ def test_a_cpu_engine_measures_its_prefill_rate_at_load(engine, monkeypatch):
     assert engine.prefill_measured and engine.prefill_tokens_per_s > 0
     assert engine.prefill_chunk == chunk_for(engine.prefill_tokens_per_s)
     # the load's measurement replaces the size's estimate: a slow clock gives a slow rate
-    monkeypatch.setattr(engine_mod, "time", FakeClock(10.0))
+    monkeypatch.setattr(engine_mod, "time", FakeClock(100.0))
     engine.prefill_measured = False
     engine._measure_prefill()
     estimate, _ = cpu_prefill(engine.adapter, engine.model.config)

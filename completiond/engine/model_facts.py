@@ -17,9 +17,10 @@ PREFILL_CHUNK_S = 0.5
 # The estimate before anything is measured (the size of the load's timed prefill): the 0.5B shape in bf16
 # prefilled 245 tokens/s on 2 AVX-512 cores without AMX (2026-12-05/06).
 CPU_PREFILL_FLOPS = 2.4e11
-# The load's timed prefill: about this long at the estimated rate, within these many tokens.
-CALIBRATE_S = 0.05
-CALIBRATE_TOKENS = (16, 64)
+# The load's timed prefill: about this long at the estimated rate, within these many tokens (on AMX tiles a
+# chunk of 16 rows mostly streams weights, so at least 32: the rate of short chunks sized longer ones too short).
+CALIBRATE_S = 0.1
+CALIBRATE_TOKENS = (32, 128)
 # A real prefill chunk of at least this many tokens moves the measured rate this far towards its own.
 MEASURE_MIN_TOKENS = 16
 MEASURE_WEIGHT = 0.25

@@ -853,13 +853,13 @@ typedef struct {
     uint8_t rows[16];
 } amx_config;
 
-/* tiles 0..3: C (mr rows of 16 float32 / int32); 4: A (mr rows of 64 bytes); 5, 6: B (16 rows of 64 bytes) */
+/* tiles 0..3: C (mr rows of 16 float32 / int32); 4, 5: A (mr rows of 64 bytes); 6, 7: B (16 rows of 64 bytes) */
 static void amx_configure(int mr) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 5; i++) c.rows[i] = (uint8_t)mr, c.colsb[i] = 64;
-    for (int i = 5; i < 7; i++) c.rows[i] = AMX_M, c.colsb[i] = 64;
+    for (int i = 0; i < 6; i++) c.rows[i] = (uint8_t)mr, c.colsb[i] = 64;
+    for (int i = 6; i < 8; i++) c.rows[i] = AMX_M, c.colsb[i] = 64;
     _tile_loadconfig(&c);
 }
 
@@ -869,8 +869,8 @@ static void amx_configure(int mr) {
         else _tile_dpbf16ps(C, A, B);                                                                   \
     } while (0)
 
-/* C tiles of NP panels from p0 over the kb whole k tiles: xa the activation rows (lda bytes apart), Wp the
- * panels (ps bytes each); the sums into cbuf [NP][16][16] */
+/* C tiles of one block of rows times NP panels from p0 over the kb whole k tiles: xa the activation rows (lda
+ * bytes apart), Wp the panels (ps bytes each); the sums into cbuf [NP][16][16] */
 #define AMX_TILES(NP)                                                                                   \
     static void amx_tiles_##NP(const char *xa, size_t lda, const char *Wp, size_t ps, int p0, int kb, int i8, \
                                void *cbuf) {                                                            \
@@ -882,11 +882,11 @@ static void amx_configure(int mr) {
         for (int k = 0; k < kb; k++) {                                                                  \
             const size_t off = (size_t)k * 1024;                                                        \
             _tile_loadd(4, xa + (size_t)k * 64, lda);                                                   \
-            _tile_loadd(5, w + off, 64);                                                                \
-            AMX_DP(i8, 0, 4, 5);                                                                        \
-            if (NP > 1) { _tile_loadd(6, w + ps + off, 64); AMX_DP(i8, 1, 4, 6); }                      \
-            if (NP > 2) { _tile_loadd(5, w + 2 * ps + off, 64); AMX_DP(i8, 2, 4, 5); }                  \
-            if (NP > 3) { _tile_loadd(6, w + 3 * ps + off, 64); AMX_DP(i8, 3, 4, 6); }                  \
+            _tile_loadd(6, w + off, 64);                                                                \
+            AMX_DP(i8, 0, 4, 6);                                                                        \
+            if (NP > 1) { _tile_loadd(7, w + ps + off, 64); AMX_DP(i8, 1, 4, 7); }                      \
+            if (NP > 2) { _tile_loadd(6, w + 2 * ps + off, 64); AMX_DP(i8, 2, 4, 6); }                  \
+            if (NP > 3) { _tile_loadd(7, w + 3 * ps + off, 64); AMX_DP(i8, 3, 4, 7); }                  \
         }                                                                                               \
         _tile_stored(0, (char *)cbuf, 64);                                                              \
         if (NP > 1) _tile_stored(1, (char *)cbuf + 1024, 64);                                           \
@@ -894,6 +894,32 @@ static void amx_configure(int mr) {
         if (NP > 3) _tile_stored(3, (char *)cbuf + 3072, 64);                                           \
     }
 AMX_TILES(1) AMX_TILES(2) AMX_TILES(3) AMX_TILES(4)
+
+/* two blocks of 16 rows (xa, xa + 16 lda) times two panels (p0, p0 + 1): two A and two B tile loads per four
+ * products, where one block times four panels takes five. cbuf [4][16][16]: (block 0, p0), (0, p0 + 1),
+ * (1, p0), (1, p0 + 1). The same products in the same k order as amx_tiles_*: the same bits. */
+static void amx_tiles_2x2(const char *xa, size_t lda, const char *Wp, size_t ps, int p0, int kb, int i8, void *cbuf) {
+    const char *w = Wp + (size_t)p0 * ps, *xb = xa + AMX_M * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < kb; k++) {
+        const size_t off = (size_t)k * 1024;
+        _tile_loadd(4, xa + (size_t)k * 64, lda);
+        _tile_loadd(6, w + off, 64);
+        AMX_DP(i8, 0, 4, 6);
+        _tile_loadd(7, w + ps + off, 64);
+        AMX_DP(i8, 1, 4, 7);
+        _tile_loadd(5, xb + (size_t)k * 64, lda);
+        AMX_DP(i8, 2, 5, 6);
+        AMX_DP(i8, 3, 5, 7);
+    }
+    _tile_stored(0, (char *)cbuf, 64);
+    _tile_stored(1, (char *)cbuf + 1024, 64);
+    _tile_stored(2, (char *)cbuf + 2048, 64);
+    _tile_stored(3, (char *)cbuf + 3072, 64);
+}
 
 static void amx_tiles(int np, const char *xa, size_t lda, const char *Wp, size_t ps, int p0, int kb, int i8,
                       void *cbuf) {
@@ -905,83 +931,115 @@ static void amx_tiles(int np, const char *xa, size_t lda, const char *Wp, size_t
     }
 }
 
-/* gemm_panels for FMT_BF16 in this build: rows rounded to bf16 as gemm_dot rounds them, then tiles */
-static void gemm_amx_bf16(const float *x, int t, int in, const void *Wp, int out, const float *b, float *y, int ldy,
-                          int pa, int pb, void *scratch) {
-    const int ldx = (int)bf16_row_halves(in), in2 = (in + 1) / 2, kb = in2 / 16, tp = SCRATCH_ROWS(t);
-    const size_t ps = (size_t)in2 * 2 * PW * sizeof(uint16_t);
-    uint16_t *xb = (uint16_t *)scratch;
-    for (int r = 0; r < t; r++) bf16_row(x + (size_t)r * in, in, xb + (size_t)r * ldx);
-    if (tp > t) memset(xb + (size_t)t * ldx, 0, (size_t)(tp - t) * ldx * sizeof(uint16_t));
-    float cbuf[4][AMX_M][PW] __attribute__((aligned(64)));
-    const int mr = t < AMX_M ? t : AMX_M;
-    amx_configure(mr);
+/* what a format does with one C tile: the k tail, scales, bias and the store of rows r0..r0+rows-1 of
+ * panel p (tile: [16][16] float32 or int32 sums) */
+typedef struct {
+    const char *xa; /* activation rows: bf16 halves or u8 */
+    size_t lda;     /* bytes between them */
+    int kb, in_k;   /* whole k tiles; k-groups (pairs or quads) in all */
+    const char *Wp;
+    size_t ps;
+    const float *sc, *xs; /* int8: column scales, row scales */
+    const int32_t *corr;
+    const float *b;
+    float *y;
+    int ldy, out;
+} amx_job;
+
+static void amx_store_bf16(const amx_job *J, const void *tile, int r0, int rows, int p) {
+    const uint16_t *pan = (const uint16_t *)(J->Wp + (size_t)p * J->ps);
+    for (int r = 0; r < rows; r++) {
+        __m512 acc = _mm512_load_ps((const float *)tile + r * PW);
+        const uint16_t *xr = (const uint16_t *)(J->xa + (size_t)(r0 + r) * J->lda);
+        for (int k2 = J->kb * 16; k2 < J->in_k; k2++) { /* the k-pairs past the whole tiles */
+            int32_t pair;
+            memcpy(&pair, xr + 2 * (size_t)k2, 4);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
+                                   (__m512bh)_mm512_loadu_si512((const void *)(pan + (size_t)k2 * 2 * PW)));
+        }
+        store16(acc, NULL, J->b, J->y + (size_t)(r0 + r) * J->ldy, p * PW, J->out);
+    }
+}
+
+static void amx_store_i8(const amx_job *J, const void *tile, int r0, int rows, int p) {
+    const int j = p * PW;
+    const int8_t *pan = (const int8_t *)(J->Wp + (size_t)p * J->ps);
+    const __m512i cv = _mm512_loadu_si512((const void *)(J->corr + j));
+    const __m512 wv = _mm512_loadu_ps(J->sc + j);
+    for (int r = 0; r < rows; r++) {
+        __m512i acc = _mm512_load_si512((const void *)((const int32_t *)tile + r * PW));
+        const uint8_t *xr = (const uint8_t *)(J->xa + (size_t)(r0 + r) * J->lda);
+        for (int k = J->kb * 64; k < 4 * J->in_k; k += 4) { /* the k-quads past the whole tiles */
+            int32_t quad;
+            memcpy(&quad, xr + k, 4);
+            acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad), _mm512_loadu_si512((const void *)(pan + (size_t)k * PW)));
+        }
+        __m512 f = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, cv)), wv, RNE);
+        f = _mm512_mul_round_ps(f, _mm512_set1_ps(J->xs[r0 + r]), RNE);
+        store16(f, NULL, J->b, J->y + (size_t)(r0 + r) * J->ldy, j, J->out);
+    }
+}
+
+/* t rows (tp in scratch: whole tiles past 16) times panels [pa, pb): groups of PANEL_GROUP panels, read from
+ * memory once while every block of rows goes over them, two blocks by two panels at a time where they come */
+static void amx_gemm(const amx_job *J, int t, int tp, int pa, int pb, int i8) {
+    char cbuf[4][AMX_M * PW * 4] __attribute__((aligned(64)));
+    void (*store)(const amx_job *, const void *, int, int, int) = i8 ? amx_store_i8 : amx_store_bf16;
+    amx_configure(t < AMX_M ? t : AMX_M);
     for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
         const int np = qa + PANEL_GROUP < pb ? PANEL_GROUP : pb - qa;
-        for (int r0 = 0; r0 < t; r0 += AMX_M) {
-            amx_tiles(np, (const char *)(xb + (size_t)r0 * ldx), (size_t)ldx * sizeof(uint16_t), (const char *)Wp, ps,
-                      qa, kb, 0, cbuf);
-            const int rows = t - r0 < AMX_M ? t - r0 : AMX_M;
-            for (int n = 0; n < np; n++) {
-                const uint16_t *pan = (const uint16_t *)((const char *)Wp + (size_t)(qa + n) * ps);
-                for (int r = 0; r < rows; r++) {
-                    __m512 acc = _mm512_load_ps(cbuf[n][r]);
-                    const uint16_t *xr = xb + (size_t)(r0 + r) * ldx;
-                    for (int k2 = kb * 16; k2 < in2; k2++) { /* the k-pairs past the whole tiles */
-                        int32_t pair;
-                        memcpy(&pair, xr + 2 * (size_t)k2, 4);
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
-                                               (__m512bh)_mm512_loadu_si512((const void *)(pan + (size_t)k2 * 2 * PW)));
-                    }
-                    store16(acc, NULL, b, y + (size_t)(r0 + r) * ldy, (qa + n) * PW, out);
-                }
+        int r0 = 0;
+        for (; r0 + 2 * AMX_M <= tp; r0 += 2 * AMX_M) {
+            const int rows0 = AMX_M, rows1 = t - r0 - AMX_M < AMX_M ? t - r0 - AMX_M : AMX_M;
+            const char *xa = J->xa + (size_t)r0 * J->lda;
+            int n = 0;
+            for (; n + 2 <= np; n += 2) {
+                amx_tiles_2x2(xa, J->lda, J->Wp, J->ps, qa + n, J->kb, i8, cbuf);
+                store(J, cbuf[0], r0, rows0, qa + n);
+                store(J, cbuf[1], r0, rows0, qa + n + 1);
+                store(J, cbuf[2], r0 + AMX_M, rows1, qa + n);
+                store(J, cbuf[3], r0 + AMX_M, rows1, qa + n + 1);
             }
+            for (; n < np; n++) {
+                amx_tiles_1(xa, J->lda, J->Wp, J->ps, qa + n, J->kb, i8, cbuf);
+                store(J, cbuf[0], r0, rows0, qa + n);
+                amx_tiles_1(xa + AMX_M * J->lda, J->lda, J->Wp, J->ps, qa + n, J->kb, i8, cbuf);
+                store(J, cbuf[0], r0 + AMX_M, rows1, qa + n);
+            }
+        }
+        for (; r0 < t; r0 += AMX_M) {
+            amx_tiles(np, J->xa + (size_t)r0 * J->lda, J->lda, J->Wp, J->ps, qa, J->kb, i8, cbuf);
+            const int rows = t - r0 < AMX_M ? t - r0 : AMX_M;
+            for (int n = 0; n < np; n++) store(J, cbuf[n], r0, rows, qa + n);
         }
     }
     _tile_release();
+}
+
+/* gemm_panels for FMT_BF16 in this build: rows rounded to bf16 as gemm_dot rounds them, then tiles */
+static void gemm_amx_bf16(const float *x, int t, int in, const void *Wp, int out, const float *b, float *y, int ldy,
+                          int pa, int pb, void *scratch) {
+    const int ldx = (int)bf16_row_halves(in), in2 = (in + 1) / 2, tp = SCRATCH_ROWS(t);
+    uint16_t *xb = (uint16_t *)scratch;
+    for (int r = 0; r < t; r++) bf16_row(x + (size_t)r * in, in, xb + (size_t)r * ldx);
+    if (tp > t) memset(xb + (size_t)t * ldx, 0, (size_t)(tp - t) * ldx * sizeof(uint16_t));
+    const amx_job J = {(const char *)xb, (size_t)ldx * sizeof(uint16_t), in2 / 16, in2, (const char *)Wp,
+                       (size_t)in2 * 2 * PW * sizeof(uint16_t), NULL, NULL, NULL, b, y, ldy, out};
+    amx_gemm(&J, t, tp, pa, pb, 0);
 }
 
 /* gemm_panels for FMT_I8 in this build: rows quantised as gemm_vnni quantises them, then tiles; the float
  * tail is gemm_vnni's */
 static void gemm_amx_i8(const float *x, int t, int in, const void *Wp, const float *sc, int out, const float *b,
                         float *y, int ldy, int pa, int pb, void *scratch) {
-    const int in4 = (in + 3) / 4 * 4, nq = in4 / 4, kb = nq / 16, tp = SCRATCH_ROWS(t);
-    const size_t ps = (size_t)in4 * PW;
-    const int32_t *corr = i8_corrections(sc, out);
+    const int in4 = (in + 3) / 4 * 4, tp = SCRATCH_ROWS(t);
     uint8_t *xq = (uint8_t *)scratch;
     float *xs = (float *)((char *)scratch + (((size_t)tp * in4 + 63) & ~(size_t)63));
     for (int r = 0; r < t; r++) quantize_row(x + (size_t)r * in, in, in4, xq + (size_t)r * in4, xs + r);
     if (tp > t) memset(xq + (size_t)t * in4, 128, (size_t)(tp - t) * in4);
-    int32_t cbuf[4][AMX_M][PW] __attribute__((aligned(64)));
-    const int mr = t < AMX_M ? t : AMX_M;
-    amx_configure(mr);
-    for (int qa = pa; qa < pb; qa += PANEL_GROUP) {
-        const int np = qa + PANEL_GROUP < pb ? PANEL_GROUP : pb - qa;
-        for (int r0 = 0; r0 < t; r0 += AMX_M) {
-            amx_tiles(np, (const char *)(xq + (size_t)r0 * in4), (size_t)in4, (const char *)Wp, ps, qa, kb, 1, cbuf);
-            const int rows = t - r0 < AMX_M ? t - r0 : AMX_M;
-            for (int n = 0; n < np; n++) {
-                const int j = (qa + n) * PW;
-                const int8_t *pan = (const int8_t *)Wp + (size_t)(qa + n) * ps;
-                const __m512i cv = _mm512_loadu_si512((const void *)(corr + j));
-                const __m512 wv = _mm512_loadu_ps(sc + j);
-                for (int r = 0; r < rows; r++) {
-                    __m512i acc = _mm512_load_si512((const void *)cbuf[n][r]);
-                    const uint8_t *xr = xq + (size_t)(r0 + r) * in4;
-                    for (int k = kb * 64; k < in4; k += 4) { /* the k-quads past the whole tiles */
-                        int32_t quad;
-                        memcpy(&quad, xr + k, 4);
-                        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad),
-                                                  _mm512_loadu_si512((const void *)(pan + (size_t)k * PW)));
-                    }
-                    __m512 f = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, cv)), wv, RNE);
-                    f = _mm512_mul_round_ps(f, _mm512_set1_ps(xs[r0 + r]), RNE);
-                    store16(f, NULL, b, y + (size_t)(r0 + r) * ldy, j, out);
-                }
-            }
-        }
-    }
-    _tile_release();
+    const amx_job J = {(const char *)xq, (size_t)in4, in4 / 64, in4 / 4, (const char *)Wp, (size_t)in4 * PW, sc, xs,
+                       i8_corrections(sc, out), b, y, ldy, out};
+    amx_gemm(&J, t, tp, pa, pb, 1);
 }
 #else
 int cd_amx_ready(void) { return 0; }
