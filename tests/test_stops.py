@@ -298,3 +298,22 @@ def test_a_closer_right_of_the_cursor_of_another_kind_is_not_owed_here():
     assert postprocess("ip([]))) == [", rules) == "ip([]))) == ["
     # The same kind is owed: `foo(|)` + "a, b)" keeps the `)` right of the cursor.
     assert postprocess("a, b)", TextRules("    foo(", ")")) == "a, b"
+
+
+def test_the_alternatives_of_a_request_share_its_site(tok, monkeypatch):
+    # Each alternative gets fresh stop rules; the region around the cursor is found and parsed once.
+    from completiond.completion import stops
+
+    calls: list[int] = []
+    real = stops.document_site
+    monkeypatch.setattr(stops, "document_site", lambda *a, **k: calls.append(1) or real(*a, **k))
+    text = "def f(x):\n    y = compute(x, \n    return y\n"
+    offset = text.index("\n    return")
+    table = TokenBytes.for_tokenizer(tok)
+    site = None
+    for _ in range(3):
+        rules = StopRules(table, "    y = compute(x, ", "", "    return y\n")
+        site = rules.attach_document(text, offset, "python", site=site)
+        assert site is not None and rules.rules.site is site
+        assert rules.rules.open_brackets == ["("]
+    assert len(calls) == 1

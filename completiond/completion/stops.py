@@ -150,21 +150,26 @@ class StopRules:
         path: str | None = None,
         check_syntax: bool = True,
         tree=None,
-    ) -> None:
+        site: Site | None = None,
+    ) -> Site | None:
         """Let the rules see the document around the cursor; call it before generation starts.
 
         Every language with a grammar (others keep the cursor-line rules): brackets that earlier lines of
         the statement left open, closers the lines below owe them, and the syntax check of the
         final suggestion (check_syntax: the syntaxCheck setting). tree: the document's own, when kept.
+        site: one an earlier call returned for the same text and offset (the alternatives of one request
+        share it: its region is parsed once). Returns the site used (None: no grammar).
         """
-        site = document_site(text, offset, language, path, tree)
+        if site is None:
+            site = document_site(text, offset, language, path, tree)
         old = self.rules
         if site is None or text[text.rfind("\n", 0, offset) + 1 : offset] != old.line_prefix:
-            return
+            return site
         self.rules = TextRules(
             old.line_prefix, old.line_suffix, old.following, old.multiline_mode, old.max_lines, site, check_syntax
         )
         self.rules.whitespace_healed = old.whitespace_healed
+        return site
 
     def _sync(self, tokens: Sequence[int]) -> None:
         if len(tokens) < len(self._ends):

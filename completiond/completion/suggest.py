@@ -151,6 +151,7 @@ def suggest_alternatives(
     found: list[Suggestion] = []
     first: Any = None
     banned: list[int] = []  # first tokens of the attempts so far (greedy)
+    site: Any = None  # the region around the cursor, parsed once for every attempt
     wanted = max(1, count if count is not None else cfg.alternatives)
     for i in range(2 * wanted - 1):
         if len(found) == wanted:
@@ -162,7 +163,9 @@ def suggest_alternatives(
         if prompt.stop is not None:
             # The statement's open brackets for the stop rules, and the syntax check (every language with a
             # grammar; tree: the document's own, kept across edits, when the caller has one).
-            prompt.stop.attach_document(text, offset, language, path, getattr(cfg, "syntax_check", True), tree)
+            site = prompt.stop.attach_document(
+                text, offset, language, path, getattr(cfg, "syntax_check", True), tree, site=site
+            )
         constraint = prompt.constraint
         run_params = params
         if i and params.temperature > 0:
