@@ -93,13 +93,32 @@ class float32_kernel_env:
             os.environ["COMPLETIOND_KERNEL"] = self.saved
 
 
-# The files that take longest (from `--durations`), collected first: with a file per worker
-# (`--dist loadfile`), a long one started last would leave the other workers idle at the end.
-SLOW_FILES = ("test_train_default.py", "test_engine.py", "test_native_step.py", "test_tokenizer_light.py",
-              "test_bench.py", "test_lsp.py", "test_bench_device.py", "test_recovery.py", "test_daemon.py",
-              "test_nvim.py", "test_vscode.py")
+# The files that take longest, slowest first (per-file totals of `--durations=0 --junitxml`, 2026-12-06): with a
+# file per worker (`--dist loadfile`, `--no-loadscope-reorder` in pyproject.toml, which keeps this order rather
+# than xdist's most-tests-first), a long one started last would leave the other workers idle at the end; the
+# many short files fill in behind them.
+SLOW_FILES = ("test_bench.py", "test_lsp.py", "test_bench_device.py", "test_vscode.py", "test_nvim.py",
+              "test_native_cache.py", "test_edit_sync.py", "test_native_step.py", "test_first_run.py",
+              "test_engine.py", "test_train_default.py", "test_complete.py", "test_humaneval.py",
+              "test_bundled_model.py", "test_regex_cost.py", "test_load.py", "test_exit_adapter.py", "test_pull.py",
+              "test_recovery.py", "test_bench_editing.py", "test_fuzz_wire.py", "test_draft_model.py",
+              "test_first_contact.py", "test_tokenizer_light.py", "test_security_fallbacks.py", "test_prefetch.py",
+              "test_memory.py", "test_daemon.py", "test_fuzz_lsp.py", "test_architecture.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores. Many tests wait on a daemon, an editor or a subprocess
+    (measured: a quarter of two cores idle over a quiet run with one worker per core); the extra worker runs
+    another file meanwhile. PYTEST_XDIST_AUTO_NUM_WORKERS still decides where it is set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores + 1
