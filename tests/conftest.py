@@ -111,6 +111,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under `-p no:xdist`
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the cores. Many tests wait on a daemon, an editor or a subprocess
     (measured: a quarter of two cores idle over a quiet run with one worker per core); the extra worker runs
