@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from completiond.engine import native
 from completiond.engine.calibration import Calibration, load_calibration, save_calibration
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.engine import Engine, SamplingParams
@@ -379,7 +380,7 @@ def test_bench_with_int8_weights(peaked_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["native_step"]["weights"] == "int8" and r["native_step"]["weights_in_use"] == "int8"
-    assert r["native_step"]["kernel"] in ("avx2", "avx512", "avx512-vnni", "avx512-bf16")
+    assert r["native_step"]["kernel"] in native.KERNELS  # whichever build this CPU runs
     assert "plain_torch" not in r["decode_ms_per_token"] and "hf" not in r["decode_ms_per_token"]
     assert r["greedy_identical"] is True
     assert "transformers baselines skipped" in out.stderr
