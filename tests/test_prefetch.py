@@ -123,6 +123,40 @@ async def test_twenty_opened_files_keep_their_prefixes_within_the_cache_budget()
         service.shutdown()
 
 
+async def test_a_switch_back_keeps_its_context_block_and_cache_after_another_file_is_edited_back(tmp_path):
+    # Issue 45, end to end with the context block on: file A's block holds chunks of file B; B is opened in the
+    # editor and edited and put back (new chunk ids), then the user switches back to A. A's prompt is as it was,
+    # served from the cache, and answers as a cold prefill does. (The block's rule itself, that a chunk whose id
+    # went is held by path and text, is test_retrieval's test_a_held_block_survives_...)
+    helpers = "".join(f"def helper_{i}(request, value):\n    return request.send(value * {i})\n\n\n" for i in range(12))
+    a_text = TEXT.replace("return request.send(result)", "return helper_3(request, result)")
+    (tmp_path / "a.py").write_text(a_text)
+    (tmp_path / "b.py").write_text(helpers)
+    a_uri, b_uri = (tmp_path / "a.py").as_uri(), (tmp_path / "b.py").as_uri()
+    warm, cold = await _service(), await _service(prefetch=False)
+    try:
+        for service in (warm, cold):
+            service.docs.add_folders("c", [str(tmp_path)])
+            await _until(lambda s=service: (s.stats()["index"] or {}).get("files", 0) >= 2
+                         and not s.stats()["index"]["scanning"])
+            service.open("c", a_uri, 1, a_text, "python")
+        offset = _line_end(a_text, 200)
+        first = await warm.complete("c", 1, a_uri, 1, offset)
+        warm.open("c", b_uri, 1, helpers, "python")
+        at = _line_end(helpers, 5)
+        warm.change("c", b_uri, 2, [[at, at, "  # edited"]])
+        warm.change("c", b_uri, 3, [[at, at + len("  # edited"), ""]])
+        await warm.complete("c", 2, b_uri, 3, at)
+        back = await warm.complete("c", 3, a_uri, 1, offset)
+        want = await cold.complete("c", 1, a_uri, 1, offset)
+        assert back["suggestion"] == want["suggestion"] == first["suggestion"]
+        assert back["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"] == first["stats"]["prompt_tokens"]
+        assert back["stats"]["reused_tokens"] >= back["stats"]["prompt_tokens"] - 2, (first["stats"], back["stats"])
+    finally:
+        warm.shutdown()
+        cold.shutdown()
+
+
 async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
     service = await _service()
     loop = asyncio.get_running_loop()
