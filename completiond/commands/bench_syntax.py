@@ -5,8 +5,12 @@ document: its tree is kept across edits (syntax.DocumentTree). Each request type
 in the file (tree-sitter's edit API), then does what a completion request does with syntax: find the
 construct around the cursor in the document's tree as the edits shifted it (reparsed incrementally once
 every syntax.MAX_SHIFTED_EDITS edits, inside the timing), parse that region (site: brackets, errors) and
-check a suggestion there (the rest of the line the cursor is in, as the file has it). Reported: p50 / p95 / max of that work per request,
-and of each part. No model runs; run it on a quiet machine.
+check a suggestion there: the rest of the line the cursor is in, as the file has it. Two cases (--case):
+`typing` (the default) cuts that rest from the document first, as when code is being written, so the
+suggestion fills a line the document lacks; `retyped` leaves it right of the cursor and types one character
+again, a harder case than production meets (a suggestion repeating the text right of the cursor is dropped
+by the stop rules before the judge). Reported: p50 / p95 / max of that work per request, and of each part.
+No model runs; run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -29,7 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lines", type=int, default=5000, help="lines of the document (default 5000)")
     parser.add_argument("--requests", type=int, default=300, help="requests timed (default 300)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--case",
+        choices=CASES,
+        default="typing",
+        help="typing: the rest of the line is cut and suggested back (default); "
+        "retyped: it stays right of the cursor and a character is typed again",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+CASES = ("typing", "retyped")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -37,7 +51,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def measure(text: str, language: str, requests: int, seed: int = 0) -> dict[str, Any]:
+def measure(text: str, language: str, requests: int, seed: int = 0, case: str = "typing") -> dict[str, Any]:
+    if case not in CASES:
+        raise ValueError(f"case must be one of {CASES}, got {case!r}")
     spec = spec_for(language)
     if spec is None or spec.language() is None:
         raise ValueError(f"no grammar for {language!r}")
@@ -55,25 +71,36 @@ def measure(text: str, language: str, requests: int, seed: int = 0) -> dict[str,
         indent = len(body) - len(body.lstrip())
         col = rng.randrange(indent, len(body))
         offset = s + col
-        # The user types the character at the cursor again (the document changes, then changes back).
-        typed = text[:offset] + text[offset] + text[offset:]
+        if case == "typing":  # the rest of the line is not written yet: the suggestion supplies it
+            typed, cursor, suggestion = text[:offset] + text[e:], offset, body[col:]
+            edit: tuple[int, int, str] = (offset, e, "")
+        else:  # the user types the character at the cursor again; the rest of the line stays
+            typed, cursor, suggestion = text[:offset] + text[offset] + text[offset:], offset + 1, body[col + 1 :]
+            edit = (offset, offset, text[offset])
         t0 = time.perf_counter()
-        keeper.edit(text, offset, offset, text[offset], new_text=typed)
+        keeper.edit(text, *edit, new_text=typed)
         tree = keeper.shifted(typed) or keeper.tree(typed)  # as the daemon does
         t1 = time.perf_counter()
-        site = site_at(typed, offset + 1, spec, tree)
+        site = site_at(typed, cursor, spec, tree)
         t2 = time.perf_counter()
         if site is not None:
-            check(site, body[col + 1 :])
+            check(site, suggestion)
         t3 = time.perf_counter()
-        keeper.edit(typed, offset, offset + 1, "", new_text=text)  # back to the file, untimed
+        start, end, inserted = edit
+        keeper.edit(typed, start, start + len(inserted), text[start:end], new_text=text)  # back, untimed
         for name, v in (("reparse", t1 - t0), ("site", t2 - t1), ("check", t3 - t2), ("total", t3 - t0)):
             parts[name].append(1000 * v)
     return {
         name: {"p50_ms": round(statistics.median(v), 3), "p95_ms": round(_pct(v, 0.95), 3), "max_ms": round(max(v), 3)}
         for name, v in parts.items()
         if v
-    } | {"requests": len(parts["total"]), "lines": text.count("\n"), "bytes": len(text.encode()), "language": spec.name}
+    } | {
+        "requests": len(parts["total"]),
+        "lines": text.count("\n"),
+        "bytes": len(text.encode()),
+        "language": spec.name,
+        "case": case,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,11 +118,14 @@ def run(args: argparse.Namespace) -> int:
     text = one if one.endswith("\n") else one + "\n"
     while text.count("\n") < args.lines:
         text += one if one.endswith("\n") else one + "\n"
-    result = measure(text, spec.name, args.requests, args.seed)
+    result = measure(text, spec.name, args.requests, args.seed, args.case)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
-    print(f"{result['language']}: {result['lines']} lines, {result['bytes']} bytes, {result['requests']} requests")
+    print(
+        f"{result['language']}: {result['lines']} lines, {result['bytes']} bytes, {result['requests']} requests"
+        f" ({result['case']})"
+    )
     for name in ("reparse", "site", "check", "total"):
         r = result[name]
         print(f"  {name:<8} p50 {r['p50_ms']:.2f} ms  p95 {r['p95_ms']:.2f} ms  max {r['max_ms']:.2f} ms")
