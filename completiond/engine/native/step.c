@@ -1298,8 +1298,37 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
     for (int i = 0; i < nmax; i += 8) {
         const float *kr[8];
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = kb + (size_t)KEY(k0 + (i + j < nmax ? i + j : nmax - 1)) * hd;
-        for (int r = 0; r < nr; r++) {
-            if (i >= n[r]) continue;
+        int live[ROW_GROUP], nl = 0; /* the rows that see key i */
+        for (int r = 0; r < nr; r++)
+            if (i < n[r]) live[nl++] = r;
+        int l = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        /* Two rows at once: row A's 8-lane chains in the low half of each zmm, row B's in the high half, each
+         * lane the very fmadd chain of the one-row code below (and the same hadd tree after), so the bits
+         * are that code's, with half the fmadd instructions. */
+        for (; l + 1 < nl; l += 2) {
+            const int ra = live[l], rb = live[l + 1];
+            __m512 a[8];
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+            for (int e = 0; e < hd; e += 8) {
+                const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q[ra] + e)),
+                                                     _mm256_loadu_ps(q[rb] + e), 1);
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                    a[j] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(kr[j] + e)), a[j]);
+            }
+            for (int half = 0; half < 2; half++) {
+                __m256 h[8];
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
+                    h[j] = half ? _mm512_extractf32x8_ps(a[j], 1) : _mm512_castps512_ps256(a[j]);
+                __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+                __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+                __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+                _mm256_storeu_ps(s[half ? rb : ra] + i, _mm256_mul_ps(dots, sc));
+            }
+        }
+#endif
+        for (; l < nl; l++) {
+            const int r = live[l];
             __m256 a[8];
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
             for (int e = 0; e < hd; e += 8) {
@@ -1346,6 +1375,21 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
             int b1 = b0 + VSUB < n[r] ? b0 + VSUB : n[r];
             float *o = part[r] + 2;
             int e = 0;
+#if defined(__AVX512F__)
+            /* each o[e] is one fmadd chain over the keys in order, whatever the vector width: the bits of
+             * the 8-lane code below */
+            for (; e + 64 <= hd; e += 64) {
+                __m512 acc[4];
+                _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) acc[v] = _mm512_loadu_ps(o + e + 16 * v);
+                for (int i = b0; i < b1; i++) {
+                    const __m512 p = _mm512_set1_ps(s[r][i]);
+                    const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
+                    _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++)
+                        acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * v), acc[v]);
+                }
+                _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + e + 16 * v, acc[v]);
+            }
+#endif
             for (; e + 64 <= hd; e += 64) {
                 __m256 acc[8];
                 _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + e + 8 * v);
