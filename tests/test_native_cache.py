@@ -34,6 +34,7 @@ int cd_layers(void) { return 0; }
 int cd_head(void) { return 0; }
 int cd_draft_greedy(void) { return 0; }
 int cd_verify_greedy(void) { return 0; }
+int cd_amx_ready(void) { return 0; }
 """ % native.ABI
 
 PLANTED = """
