@@ -39,10 +39,29 @@ def test_the_amx_build_is_chosen_where_the_cpu_has_tiles(monkeypatch):
 
 
 def test_a_build_without_the_tile_state_is_refused(monkeypatch):
-    """Where Linux does not grant the tile state, the AMX build is not loaded (tile instructions would fault)."""
+    """Where Linux does not grant the tile state, the AMX build is not loaded (tile instructions would fault)
+    and the engine takes the next build down."""
     lib = _amx_lib()
     assert lib.cd_amx_ready() == 1 and lib.cd_kernel().decode() == AMX and lib.cd_bf16_dot() == 1
     assert native.library("avx512-bf16").cd_amx_ready() == 0
+    real = native.build.ctypes.CDLL
+
+    class Refused:
+        def __init__(self, path: str):
+            self._lib = real(path)
+
+        def __getattr__(self, name: str):
+            return (lambda: 0) if name == "cd_amx_ready" else getattr(self._lib, name)
+
+    monkeypatch.setattr(native.build.ctypes, "CDLL", Refused)
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    native._reset_for_tests()
+    try:
+        assert native.library(AMX) is None and "AMX tile state" in native.reason(AMX)
+        assert native.library().cd_kernel().decode() == "avx512-bf16"
+    finally:
+        monkeypatch.undo()
+        native._reset_for_tests()
 
 
 def _gemm(lib, x: torch.Tensor, packed: torch.Tensor, fmt: int, scales, out: int, bias: torch.Tensor) -> torch.Tensor:
