@@ -150,3 +150,23 @@ def test_amx_prefill_is_exact_and_speculative_greedy_equals_plain(tmp_path, monk
     for k in (4, 32):
         spec = eng.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, exit_layer=2, draft_k=k))
         assert spec.tokens == plain.tokens, k
+
+
+def test_a_cpu_with_amx_whose_os_refuses_the_tiles_is_never_offered_the_amx_build(monkeypatch):
+    """kernel_name() names the build that runs: where Linux refuses the tile state (an old kernel, a VM that
+    lists the flags), AMX is not among the supported kernels, so status and benchmarks name avx512-bf16. Runs on
+    any CPU: the flags and the grant are stood in for."""
+    flags = "fpu avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags)
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    monkeypatch.setattr(native.build, "_os_grants_amx", lambda: True)
+    assert native.supported_kernels()[-1] == AMX and native.kernel_name() == AMX
+    monkeypatch.setattr(native.build, "_os_grants_amx", lambda: False)
+    assert AMX not in native.supported_kernels() and native.kernel_name() == "avx512-bf16"
+    monkeypatch.setenv("COMPLETIOND_KERNEL", AMX)  # asking for it does not bring it back
+    assert native.kernel_name() == "avx512-bf16"
+
+
+def test_the_grant_is_asked_once_and_answers_a_bool():
+    first = native.build._os_grants_amx()
+    assert isinstance(first, bool) and native.build._os_grants_amx() is first

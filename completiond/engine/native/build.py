@@ -80,9 +80,29 @@ def _cpu_flags() -> str:
 
 
 def supported_kernels() -> list[str]:
-    """The kernels this CPU can run, baseline first."""
+    """The kernels this CPU can run, baseline first (AMX only where Linux grants this process the tile state,
+    so that kernel_name() never names a build that cannot load)."""
     flags = set(_cpu_flags().split())
-    return [k for k, (need, _) in KERNELS.items() if set(need) <= flags]
+    found = [k for k, (need, _) in KERNELS.items() if set(need) <= flags]
+    return [k for k in found if "amx" not in k or _os_grants_amx()]
+
+
+_amx_granted: list[bool] = []  # the kernel's answer, asked once per process (the grant is per process)
+
+
+def _os_grants_amx() -> bool:
+    """Whether Linux lets this process use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), as
+    the built library's cd_amx_ready asks too; False where the question cannot be asked."""
+    if not _amx_granted:
+        granted = False
+        if platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64"):
+            try:
+                libc = ctypes.CDLL(None)
+                granted = libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+            except (OSError, AttributeError, TypeError):
+                granted = False
+        _amx_granted.append(granted)
+    return _amx_granted[0]
 
 
 def kernel_name() -> str:
