@@ -32,12 +32,24 @@ class Box:
 def test_each_case_judges_suggestions_and_restores_the_document(case, monkeypatch):
     judged: list[str] = []
     real_check = bench_syntax.check
+    kept: list[syntax.DocumentTree] = []
+    edits: list[str] = []  # the text each edit leaves
 
     def spy(site, suggestion):
         judged.append(suggestion)
         return real_check(site, suggestion)
 
+    class Recording(syntax.DocumentTree):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            kept.append(self)
+
+        def edit(self, old_text, start, end, new, new_text=None):
+            super().edit(old_text, start, end, new, new_text=new_text)
+            edits.append(new_text if new_text is not None else old_text[:start] + new + old_text[end:])
+
     monkeypatch.setattr(bench_syntax, "check", spy)
+    monkeypatch.setattr(bench_syntax, "DocumentTree", Recording)
     text = SOURCE * 20
     result = bench_syntax.measure(text, "python", requests=40, seed=1, case=case)
     assert result["case"] == case and result["requests"] > 0
@@ -45,6 +57,11 @@ def test_each_case_judges_suggestions_and_restores_the_document(case, monkeypatc
     lines = set(text.splitlines())
     if case == "typing":  # the suggestion is the whole rest of a real line, cut at the cursor
         assert all(any(line.endswith(s) for line in lines) for s in judged)
+    # every request's edit is undone: each second edit leaves the file as it was, and so does the kept tree
+    assert len(edits) == 2 * result["requests"] and all(e == text for e in edits[1::2])
+    assert all(e != text for e in edits[0::2])
+    fresh = syntax.DocumentTree(spec_for("python"), text).tree(text)
+    assert str(kept[0].tree(text).root_node) == str(fresh.root_node)
     for part in ("reparse", "site", "check", "total"):
         assert result[part]["p95_ms"] >= result[part]["p50_ms"] >= 0
 
@@ -52,20 +69,6 @@ def test_each_case_judges_suggestions_and_restores_the_document(case, monkeypatc
 def test_an_unknown_case_is_refused():
     with pytest.raises(ValueError, match="case must be one of"):
         bench_syntax.measure(SOURCE, "python", requests=1, case="sideways")
-
-
-def test_typing_case_leaves_the_kept_tree_equal_to_a_fresh_parse():
-    text = SOURCE * 5
-    spec = spec_for("python")
-    keeper = syntax.DocumentTree(spec, text)
-    keeper.tree(text)
-    offset = text.index("yield") + 2
-    end = text.index("\n", offset)
-    cut = text[:offset] + text[end:]
-    keeper.edit(text, offset, end, "", new_text=cut)
-    keeper.edit(cut, offset, offset, text[offset:end], new_text=text)
-    fresh = syntax.DocumentTree(spec, text).tree(text)
-    assert str(keeper.tree(text).root_node) == str(fresh.root_node)
 
 
 def test_cli_prints_json_with_the_case(tmp_path):
