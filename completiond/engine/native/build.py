@@ -8,6 +8,7 @@ them, and loaded only after the file's owner, mode and hash are checked.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -87,22 +88,16 @@ def supported_kernels() -> list[str]:
     return [k for k in found if "amx" not in k or _os_grants_amx()]
 
 
-_amx_granted: list[bool] = []  # the kernel's answer, asked once per process (the grant is per process)
-
-
+@functools.cache  # the grant is per process: asked once
 def _os_grants_amx() -> bool:
     """Whether Linux lets this process use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), as
     the built library's cd_amx_ready asks too; False where the question cannot be asked."""
-    if not _amx_granted:
-        granted = False
-        if platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64"):
-            try:
-                libc = ctypes.CDLL(None)
-                granted = libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
-            except (OSError, AttributeError, TypeError):
-                granted = False
-        _amx_granted.append(granted)
-    return _amx_granted[0]
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None).syscall(158, 0x1023, 18) == 0)  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA
+    except (OSError, AttributeError, TypeError):
+        return False
 
 
 def kernel_name() -> str:
