@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from completiond.commands.bench_typing import _percentile, _stop_daemon, start_bench_client
+from completiond.commands.bench_typing import _percentile, _stop_daemon, initialize_bench_client, start_bench_client
 from completiond.errors import CompletionError
 
 EVENTS = ("open", "keystroke", "jump", "jump_rest", "switch")
@@ -291,17 +291,7 @@ async def _session(
 
     cursor: dict[Path, int] = {}
     try:
-        await client.initialize_async(
-            types.InitializeParams(
-                process_id=os.getpid(),
-                capabilities=types.ClientCapabilities(
-                    general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
-                ),
-                initialization_options={"completiond": init},
-                workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
-            )
-        )
-        client.initialized(types.InitializedParams())
+        await initialize_bench_client(client, folder, init)
         deadline = time.monotonic() + timeout_s
         warm = runtime_dir / "warm.py"
         warm.write_text("import os\n\n\ndef main():\n    return os\n", encoding="utf-8")

@@ -218,17 +218,7 @@ async def _bench(
         return req, fut
 
     try:
-        await client.initialize_async(
-            types.InitializeParams(
-                process_id=os.getpid(),
-                capabilities=types.ClientCapabilities(
-                    general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
-                ),
-                initialization_options={"completiond": init},
-                workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
-            )
-        )
-        client.initialized(types.InitializedParams())
+        await initialize_bench_client(client, folder, init)
         version = 1
         client.text_document_did_open(
             types.DidOpenTextDocumentParams(
@@ -494,3 +484,21 @@ async def start_bench_client(name: str, runtime_dir: Path, lsp_command: list[str
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime_dir))
     await client.start_io(*(lsp_command or [sys.executable, "-m", "completiond.cli", "lsp"]), env=env)
     return client, messages
+
+
+async def initialize_bench_client(client: Any, folder: Path, init: dict) -> None:
+    """The LSP handshake both benches make: UTF-16 positions, `init` as completiond's settings, `folder` as the
+    one workspace folder."""
+    from lsprotocol import types
+
+    await client.initialize_async(
+        types.InitializeParams(
+            process_id=os.getpid(),
+            capabilities=types.ClientCapabilities(
+                general=types.GeneralClientCapabilities(position_encodings=[types.PositionEncodingKind.Utf16])
+            ),
+            initialization_options={"completiond": init},
+            workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
+        )
+    )
+    client.initialized(types.InitializedParams())
