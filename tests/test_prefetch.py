@@ -350,14 +350,103 @@ async def test_the_newest_note_goes_first_and_an_edit_drops_a_running_walk():
         await _until(lambda: made == ["a"])
         pre.note(("c", "b"))
         pre.note(("c", "c"))
-        pre.touch(("c", "a"), 3)        # no loop: noted at once, the running walk of "a" dropped
-        gate.set()
+        pre.touch(("c", "a"), 3)        # no loop: noted at once, the running walk of "a" dropped; a quiet note
+        gate.set()                      # (an edit's) comes after the notes the user made (opens, rests)
         await _until(lambda: len(made) == 4)
-        assert made == ["a", "a", "c", "b"]
+        assert made == ["a", "c", "b", "a"]
     finally:
         gate.set()
         pre.stop()
         sched.stop()
+
+
+async def test_a_newer_note_sets_the_running_walk_aside_at_once_and_it_resumes_after():
+    # Issue 45: a rest note used to wait behind the walk under way (another document's, seconds of it), so the
+    # rested request found nothing warmed where it came from. The running piece now lets go at its next chunk.
+    sched = Scheduler()
+    made: list = []
+    steps: list = []
+
+    class Waits(FakeWarmup):
+        def step(self, cancel: Any) -> bool:
+            if self.key[1] == "a" and len(made) == 1:  # the first walk's piece runs until it is preempted
+                deadline = time.monotonic() + 30
+                while not cancel.cancelled and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                steps.append(("a", "preempted" if cancel.cancelled else "ran out"))
+                return True
+            return super().step(cancel)
+
+    pre = Prefetcher(sched, lambda key, offset: made.append(key[1]) or Waits(steps, key, offset), lambda: None, on=True)
+    try:
+        pre.note(("c", "a"))
+        await _until(lambda: made == ["a"])
+        pre.note(("c", "b"), 7)
+        await _until(lambda: not pre.pending)
+        assert steps[0] == ("a", "preempted")
+        assert made == ["a", "b", "a"] and [k for k, _ in steps[1:]] == ["b", "b", "a", "a"], (made, steps)
+        assert pre.counts["set_aside"] == 1 and pre.counts["finished"] == 2
+    finally:
+        pre.stop()
+        sched.stop()
+
+
+async def test_a_quiet_spell_elsewhere_does_not_push_back_a_file_just_opened(monkeypatch):
+    # Issue 45's open: a request in one file, then another file opened. The first file's quiet spell ended
+    # 0.3 s after its answer, and its note, the newest, set the opened file's walk aside: its first request
+    # found nothing warmed. A quiet spell's note now waits behind what the user opened or rests in.
+    monkeypatch.setattr(prefetch_mod, "REST_S", 0.05)
+    sched = Scheduler()
+    loop = asyncio.get_running_loop()
+    made: list = []
+    steps: list = []
+    pre = Prefetcher(sched, lambda key, offset: made.append(key[1]) or FakeWarmup(steps, key, offset, pieces=30),
+                     lambda: loop, on=True)
+    try:
+        pre.touch(("c", "a"), 5)     # a request in a
+        pre.note(("c", "b"))         # b opened before a's quiet spell is over
+        await _until(lambda: not pre.pending and not pre.stats()["resting"])
+        assert made == ["b", "a"] and pre.counts["set_aside"] == 0, (made, pre.counts)
+        assert [k for k, _ in steps] == ["b"] * 30 + ["a"] * 30
+    finally:
+        pre.stop()
+        sched.stop()
+
+
+async def test_a_jump_keeps_the_context_block_and_equals_a_cold_prefill(tmp_path):
+    # Issue 45 with the context block on: it sits first in the prompt, and it used to be re-picked for the
+    # cursor's query after a jump, so the whole prompt was prefilled again. It stays (selection.Selector.hold):
+    # a jump reuses the block and the anchored window above the cursor, and answers as a cold prefill of the same
+    # prompt (the cold service asks at the same cursors, its cache emptied before each request).
+    helpers = "".join(f"def helper_{i}(request, value):\n    return request.send(value * {i})\n\n\n" for i in range(12))
+    a_text = TEXT.replace("return request.send(result)", "return helper_3(request, result)")
+    (tmp_path / "a.py").write_text(a_text)
+    (tmp_path / "b.py").write_text(helpers)
+    a_uri = (tmp_path / "a.py").as_uri()
+    warm, cold = await _service(), await _service(prefetch=False)
+    try:
+        for service in (warm, cold):
+            service.docs.add_folders("c", [str(tmp_path)])
+            await _until(lambda s=service: (s.stats()["index"] or {}).get("files", 0) >= 2
+                         and not s.stats()["index"]["scanning"])
+            service.open("c", a_uri, 1, a_text, "python")
+        engine = cold.completer.engine  # type: ignore[union-attr]
+        for n, line in enumerate((40, 330, 240, 45)):   # jumps, then back to the region of the first
+            offset = _line_end(a_text, line)
+            got = await warm.complete("c", n, a_uri, 1, offset)
+            engine.cache.clear()
+            want = await cold.complete("c", n, a_uri, 1, offset)
+            assert want["stats"]["reused_tokens"] == 0
+            assert got["suggestion"] == want["suggestion"], n
+            assert got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"], n
+            if n:
+                assert got["stats"]["reused_tokens"] > 0, (n, got["stats"])
+            if n == 3:   # the same anchored window as the first request's: all of the head is cached
+                assert got["stats"]["reused_tokens"] > 0.6 * got["stats"]["prompt_tokens"], got["stats"]
+        assert warm.docs.workspace.block_changes == 1, "the block was re-picked on a jump"
+    finally:
+        warm.shutdown()
+        cold.shutdown()
 
 
 def test_prefetch_off_by_environment(monkeypatch):

@@ -279,6 +279,33 @@ def test_a_held_block_gives_way_only_to_a_pick_worth_clearly_more():
     assert pick({"delta_term": 1.0, "epsilon_term": 1.0}) == ["/w/other.py"]
 
 
+def test_a_held_block_stays_through_any_query_while_valid_with_hold():
+    # The daemon's rule (issue 45): the block sits first in the prompt, so a new one re-prefills everything. With
+    # `hold` the block stays while its chunks are valid, even for a query it does not match (a jump); it goes
+    # when one of its chunks goes. A held chunk of the current file that the window now shows stays too.
+    index = _selector_index({
+        "held.py": "def held_chunk():\n    return alpha_term + beta_term\n",
+        "other.py": "def other_chunk():\n    return delta_term + epsilon_term\n",
+    })
+    cost = lambda c: 10   # noqa: E731
+
+    def pick(sel, terms, window=(0, 0), current=None):
+        q = make_query("", 0)
+        q.terms, q.names, q.window = terms, [], window
+        return [c.path for c in sel.select(index, "s", q, lambda c: True, current, cost, 10)]
+
+    plain, held = Selector(max_chunks=1), Selector(max_chunks=1)
+    held.hold = True
+    for sel in (plain, held):
+        assert pick(sel, {"held_chunk": 1.0, "alpha_term": 1.0}) == ["/w/held.py"]
+    assert pick(plain, {"delta_term": 1.0, "epsilon_term": 1.0}) == ["/w/other.py"]
+    assert pick(held, {"delta_term": 1.0, "epsilon_term": 1.0}) == ["/w/held.py"]
+    # held.py as the current file, its chunk inside the window: still held.
+    assert pick(held, {"delta_term": 1.0}, window=(0, 10), current=(DISK, "/w/held.py")) == ["/w/held.py"]
+    index.update((DISK, "/w/held.py"), "/w/held.py", "python", "def held_chunk():\n    return zeta_term\n")
+    assert pick(held, {"delta_term": 1.0, "epsilon_term": 1.0}) == ["/w/other.py"]
+
+
 def test_selector_state_is_bounded():
     sel = Selector(max_states=2)
     index = RetrievalIndex()

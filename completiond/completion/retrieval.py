@@ -25,6 +25,10 @@ hidden, ignored, secret or outside file: it never reads a file itself.
   chunks is gone or no longer admitted. A new block puts the chunks it shares with the old one
   first, in their old order, so the common prefix (and its KV cache) survives. Typing a line
   therefore keeps the block; it changes where the cursor goes somewhere the block does not serve.
+  The daemon holds it harder (`Selector.hold`, issue 45): the block comes first in the prompt, so a new one
+  re-prefills all of it (about a second for a 0.5B model on a CPU); a file's block stays while its chunks are
+  valid, whatever the query, and a jump, a rest or a switch back reuses the cached KV of the block and of the
+  anchored window above the cursor.
 
 Memory bound: the index holds at most `max_chunks` chunks (default 200,000); each chunk keeps its
 text and a term table, about 6-8 times the text's size in CPython (measured: see the README's

@@ -34,6 +34,12 @@ class Selector:
         self.best_last = False  # new chunks enter in reverse rank order: the best one nearest the file
         self.margin = margin  # a held block gives way to a fresh pick worth more than (1 + margin) times it
         self.in_file = True  # the current file's own chunks (outside the window) are candidates
+        # The daemon's setting (issue 45): the block sits first in the prompt, so changing it re-prefills the whole
+        # prompt (about a second for a 0.5B model on a CPU). With `hold` the held block stays while it is valid
+        # (its chunks there, admitted, within the budget), whatever the cursor's query: a jump or a file switch
+        # then reuses the cached KV of the block and of the window above the cursor. A held chunk of the current
+        # file that the window has come to show stays too (shown twice rather than the whole prompt re-prefilled).
+        self.hold = False
         # state -> the last block, each chunk as (id, path, digest): a chunk whose id went (its file was opened
         # in the editor, or edited and put back) is held on by its text.
         self._last: OrderedDict[Hashable, list[tuple[int, str, bytes]]] = OrderedDict()
@@ -53,6 +59,20 @@ class Selector:
             if c.key == current_key and (not self.in_file or (c.start < query.window[1] and c.end > query.window[0])):
                 return False  # the prompt shows these lines already
             return allowed(c)
+
+        def may_hold(c: Chunk) -> bool:
+            if self.hold and c.key == current_key and self.in_file:
+                return allowed(c)  # in the window now: held all the same (see `hold`)
+            return admitted(c)
+
+        if self.hold and state in self._last:
+            held = self._held(index, self._last[state], may_hold)
+            if held and all(c is not None for c in held):
+                kept = [c for c in held if c is not None]
+                if sum(cost(c) for c in kept) <= budget:
+                    self._last.move_to_end(state)
+                    self._last[state] = [(c.id, c.path, c.digest) for c in kept]
+                    return kept
 
         terms = query.terms
         completions = index.completions(query.partial) if self.complete_partial else []

@@ -73,6 +73,9 @@ class Documents:
             from completiond.completion.workspace import Workspace
 
             self.workspace = Workspace()
+            # A file's context block stays put while the cursor moves (selection.Selector.hold): its prompts'
+            # KV is then reused after a jump, a rest or a switch back (issue 45).
+            self.workspace.selector.hold = True
         return self.workspace
 
     def add_folders(self, client: Hashable, folders: list[str], removed: list[str] | None = None) -> None:

@@ -6,8 +6,11 @@ When a document is noted, and where:
 * the cursor rests (`rest`, the plugins' `completiond/cursorRest` through the LSP server): at once, there;
 * edited or asked about: REST_S after the last edit or request in it, where that was. A plain LSP client
   thus gets prefetches too, and while the user types nothing is warmed between keystrokes.
-The newest note goes first; a document's older note is replaced, and its running walk dropped when it
-is edited or noted elsewhere. The prefix cache is one LRU within cacheMegabytes: a walk may evict only when its
+The newest note goes first: a walk under way for another document steps aside at its next prefill chunk
+(it waits in the queue and resumes later), so a rest is warmed at once. A quiet spell's note (edit or request)
+goes behind the notes of opens and rests: as the newest it pushed back the walk of a file opened just after a
+request elsewhere. A document's older note is replaced, and its running walk dropped when it is edited or noted
+elsewhere. The prefix cache is one LRU within cacheMegabytes: a walk may evict only when its
 note is newer than every walk before it; an older note's walk (the rest of a burst of opens) fills free room and
 stops there, so the newest document's prefixes stay.
 
@@ -103,6 +106,7 @@ class Prefetcher:
         self._serial = 0
         self._serials: dict[Key, int] = {}
         self._walked = 0  # the newest serial walked
+        self._current_serial = 0  # the running walk's note's serial (it keeps it when a newer note sets it aside)
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self.counts = {
             "notes": 0,
@@ -111,13 +115,15 @@ class Prefetcher:
             "preempted": 0,
             "failed": 0,
             "dropped": 0,
+            "set_aside": 0,
             "warmed_tokens": 0,
         }
 
     # --- what is noted (event loop) ------------------------------------------------
 
-    def note(self, key: Key, offset: int | None = None) -> None:
-        """Warm `key` next: from its top (offset None: just opened) or around `offset` (the cursor rests)."""
+    def note(self, key: Key, offset: int | None = None, *, quiet: bool = False) -> None:
+        """Warm `key` next: from its top (offset None: just opened) or around `offset` (the cursor rests).
+        quiet: noted by a quiet spell after an edit or a request (`touch`), not by the user's move."""
         if not self.on:
             return
         with self._lock:
@@ -127,19 +133,44 @@ class Prefetcher:
                 return  # that very walk is under way
             self.counts["notes"] += 1
             self._drop(key)
+            preempt = False
+            if quiet and (self._queue or (under_way is not None and under_way[0] != key)):
+                # A quiet spell's note waits behind what the user opened or rests in: as the newest it pushed
+                # back the walk of a file opened just after a request elsewhere (nothing warmed by its first
+                # request). It goes first among the queued notes' turns only once they are done.
+                self._queue[key] = offset
+                self._queue.move_to_end(key, last=False)
+                self._serial += 1
+                self._serials[key] = self._serial
+                self._trim()
+                return
+            if current is not None and current[0] != key:
+                # The newest note goes first (a resting cursor is where the next request comes from): the walk
+                # under way steps aside at its next chunk and waits in the queue, just older than this note.
+                self._current = None
+                self._queue[current[0]] = current[1]
+                self._serials[current[0]] = self._current_serial
+                self.counts["set_aside"] += 1
+                preempt = True
+            elif self._making is not None and self._making[0] != key:
+                self._queue[self._making[0]] = self._making[1]  # as above, for a walk still being made
+                self._serials[self._making[0]] = self._current_serial
+                self._making = None
+                self.counts["set_aside"] += 1
+            preempt = preempt or under_way is not None
             self._queue[key] = offset
             self._serial += 1
             self._serials[key] = self._serial
-            while len(self._queue) > MAX_DOCUMENTS:
-                old, _ = self._queue.popitem(last=False)
-                self._serials.pop(old, None)
-                self.counts["dropped"] += 1
+            self._trim()
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
         # A fresh bound method each time: the worker drops the slot only if it still holds the step that
         # found nothing left, never one registered after it.
         self.scheduler.set_idle(self.step, "prefetch")
+        if preempt:
+            # A piece of the older (or stale) walk may be running: it lets go at its next prefill chunk.
+            self.scheduler.preempt_idle("prefetch")
 
     def touch(self, key: Key, offset: int) -> None:
         """The document was edited or asked about at `offset`: warm there once it has been quiet for REST_S
@@ -153,13 +184,13 @@ class Prefetcher:
             timer.cancel()
         loop = self._loop()
         if loop is None or loop.is_closed():
-            self.note(key, offset)
+            self.note(key, offset, quiet=True)
             return
         self._timers[key] = loop.call_later(REST_S, self._rested, key, offset)
 
     def _rested(self, key: Key, offset: int) -> None:
         self._timers.pop(key, None)
-        self.note(key, offset)
+        self.note(key, offset, quiet=True)
 
     def forget(self, key: Key) -> None:
         """The document closed (or its editor left): nothing more for it."""
@@ -181,6 +212,13 @@ class Prefetcher:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+
+    def _trim(self) -> None:
+        """Under the lock: the oldest notes beyond MAX_DOCUMENTS go."""
+        while len(self._queue) > MAX_DOCUMENTS:
+            old, _ = self._queue.popitem(last=False)
+            self._serials.pop(old, None)
+            self.counts["dropped"] += 1
 
     def _drop(self, key: Key) -> None:
         """Under the lock: `key`'s queued note and running walk go (the worker finishes its piece)."""
@@ -217,7 +255,7 @@ class Prefetcher:
                     return False
                 key, offset = self._queue.popitem(last=True)  # the newest note first
                 making = self._making = (key, offset)
-                serial = self._serials.pop(key, 0)
+                serial = self._current_serial = self._serials.pop(key, 0)
                 newest = serial > self._walked
                 self._walked = max(self._walked, serial)
         if current is None:

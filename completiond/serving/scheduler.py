@@ -216,6 +216,13 @@ class Scheduler:
         with self._lock:
             return [slot for slot in IDLE_SLOTS if slot in self._idle]
 
+    def preempt_idle(self, slot: str) -> None:
+        """The running background piece of `slot`, if one runs, stops at its next round or chunk (its work
+        changed: the next piece starts from what the slot's step finds then)."""
+        with self._lock:
+            if self._idle_slot == slot:
+                self._preempt_idle()
+
     def _preempt_idle(self) -> None:
         """Under the lock: a request arrived, so a running background piece stops at its next round."""
         if self._idle_token is not None:
