@@ -65,6 +65,10 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
         e = result["events"][kind]
         assert 0 < e["p50_ms"] <= e["p95_ms"] <= e["max_ms"]
     assert 0.0 <= result["cache_served_fraction"] <= 1.0
+    # Where an open's wait went: tokens prefilled (not from the cache) and the engine's time in them.
+    opened = result["events"]["open"]
+    assert opened["prefilled_tokens"] > 0 and opened["prefill_ms"] > 0 and opened["prefill_ms_per_token"] > 0
+    assert opened["decode_ms"] > 0
     assert result["events"]["switch"]["cache_served_fraction"] > 0.5   # the file's prompt is still cached
     assert result["rest_notes"] is True    # a rested jump is reported as our plugins report it
     # The daemon's prefetch noted the opens (and the rests after requests) ...

@@ -168,3 +168,28 @@ def test_a_sequence_holding_another_supersedes_it():
     assert len(cache) == 2 and cache.superseded == 1     # the 100-token copy went; the branch stays
     s, reused = cache.acquire(np.arange(300), lambda n: seq([]))
     assert reused == 299
+
+
+def test_eviction_keeps_each_files_latest_prompt_before_older_ones_of_a_file_in_use():
+    # Issue 45's switch back: the prompts of the file in use (its jumps, its warm-up walk) used to evict, oldest
+    # first, the one prompt of the file left a minute ago. A sequence whose head (the context block, the file's
+    # first lines) a newer one shares goes first; the last of its kind stays while another can go.
+    def seq(head: int, tail: int) -> KVSequence:
+        s = KVSequence(1, 1, 4, __import__("torch").float32, "cpu", capacity=256)
+        s.commit([head] * 64 + [tail] * 150)
+        return s
+
+    one = seq(1, 0).nbytes
+    cache = PrefixCache(3 * one)
+    left = seq(2, 0)                       # the file the user left
+    cache.release(seq(1, 10))
+    cache.release(left)
+    for tail in (11, 12, 13):              # three more prompts of the file in use
+        cache.release(seq(1, tail))
+        assert cache.nbytes <= cache.budget_bytes
+    assert cache.evictions == 2 and left in cache._entries.values()
+    assert [int(s.tokens[100]) for s in cache._entries.values()] == [0, 12, 13]
+    for head in (3, 4):                    # only last-of-their-kind sequences left: least recently used first
+        cache.release(seq(head, 0))
+    assert left not in cache._entries.values()
+

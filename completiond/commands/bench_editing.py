@@ -19,7 +19,8 @@ request sent to its answer received. With `maxTokens = 1` (the default here) a r
 prefill plus one step, so random weights of a real shape time exactly what a user waits for.
 
 Reported, as JSON: per event kind p50 / p95 / max / count (ms, answered requests only) and the share of
-prompt tokens served from the KV cache (from the daemon's counters around each measured request), the
+prompt tokens served from the KV cache (from the daemon's counters around each measured request), the tokens
+prefilled and the engine's time in them (`prefill_ms_per_token`: the daemon's prefill rate) and in the steps, the
 overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files). `memory` checks
 issue 45's bound: the kept prefixes within cacheMegabytes (`cache_ok`), and the daemon's RSS within the weights
 (their size on disk) + cacheMegabytes + MEMORY_SLACK_MB (`rss_ok`); `file_count=20` opens 20 files.
@@ -144,7 +145,19 @@ def shape_settings(name: str | None) -> dict[str, Any]:
 
 
 class _Req:
-    __slots__ = ("answered", "cancelled", "engine_ms", "error", "event", "items", "prompt", "reused", "sent")
+    __slots__ = (
+        "answered",
+        "cancelled",
+        "decode_ms",
+        "engine_ms",
+        "error",
+        "event",
+        "items",
+        "prefill_ms",
+        "prompt",
+        "reused",
+        "sent",
+    )
 
     def __init__(self, event: str):
         self.event = event
@@ -156,6 +169,8 @@ class _Req:
         self.prompt = 0.0
         self.reused = 0.0
         self.engine_ms: float | None = None  # the daemon's own time for it (prompt, context, engine)
+        self.prefill_ms = 0.0  # the engine's time in the prompt's uncached tokens
+        self.decode_ms = 0.0  # and in the step(s) after them
 
     @property
     def ms(self) -> float | None:
@@ -227,14 +242,22 @@ async def _session(
         requests.append(req)
         return req, msg_id, fut
 
+    def charge(req: _Req, before: dict[str, Any], after: dict[str, Any]) -> None:
+        """The daemon's counters between `before` and `after`, charged to `req`."""
+
+        def delta(name: str) -> float:
+            return float(after.get(name) or 0) - float(before.get(name) or 0)
+
+        req.prompt, req.reused = delta("prompt_tokens"), delta("reused_tokens")
+        req.prefill_ms, req.decode_ms = delta("prefill_ms_sum"), delta("decode_ms_sum")
+
     async def measured(event: str, f: Path, line: int) -> None:
         """One request at the end of `line`, alone in flight, awaited; with the cache counters around it."""
         before = await stats()
         req, _, fut = send(event, f, line, _utf16_len(texts[f].split("\n")[line]))
         await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         after = await stats()
-        req.prompt = float(after.get("prompt_tokens") or 0) - float(before.get("prompt_tokens") or 0)
-        req.reused = float(after.get("reused_tokens") or 0) - float(before.get("reused_tokens") or 0)
+        charge(req, before, after)
         if float(after.get("completed") or 0) > float(before.get("completed") or 0):
             req.engine_ms = float(after.get("latency_ms_sum") or 0) - float(before.get("latency_ms_sum") or 0)
 
@@ -285,8 +308,7 @@ async def _session(
             await asyncio.wait_for(asyncio.shield(pending[2]), timeout_s)
             after = await stats()
             # The line's keystrokes together (their requests overlap): the counters are charged to the last one.
-            pending[0].prompt = float(after.get("prompt_tokens") or 0) - float(before.get("prompt_tokens") or 0)
-            pending[0].reused = float(after.get("reused_tokens") or 0) - float(before.get("reused_tokens") or 0)
+            charge(pending[0], before, after)
         change(f, original)  # back to the file as it is, so later positions hold
 
     cursor: dict[Path, int] = {}
@@ -381,6 +403,7 @@ async def _session(
         times = [q.ms for q in mine if q.ms is not None]
         prompt = sum(q.prompt for q in mine)
         daemon = [q.engine_ms for q in mine if q.engine_ms is not None]
+        prefilled = sum(q.prompt - q.reused for q in mine)
         events[kind] = {
             "p50_ms": _round(_percentile(times, 0.5)),
             "p95_ms": _round(_percentile(times, 0.95)),
@@ -388,6 +411,12 @@ async def _session(
             "count": len(times),
             "daemon_p50_ms": _round(_percentile(daemon, 0.5)),
             "cache_served_fraction": _round(sum(q.reused for q in mine) / prompt, 3) if prompt else None,
+            # Where the wait goes, from the daemon's counters (a keystroke's: its whole line's requests, superseded
+            # ones included): tokens prefilled (not from the cache) and the engine's time in them and in the steps.
+            "prefilled_tokens": _round(prefilled, 0),
+            "prefill_ms": _round(sum(q.prefill_ms for q in mine)),
+            "prefill_ms_per_token": _round(sum(q.prefill_ms for q in mine) / prefilled, 3) if prefilled else None,
+            "decode_ms": _round(sum(q.decode_ms for q in mine)),
         }
     prompt_all = float(last.get("prompt_tokens") or 0) - float(first.get("prompt_tokens") or 0)
     reused_all = float(last.get("reused_tokens") or 0) - float(first.get("reused_tokens") or 0)

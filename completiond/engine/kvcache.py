@@ -4,10 +4,11 @@ A `KVSequence` is one token sequence with the keys and values of every layer
 for each of its tokens. The `PrefixCache` holds sequences that are not in use,
 within a byte budget, and hands out the one sharing the longest prefix with a
 new prompt (any cached sequence, so switching files and back still hits).
-Least recently used sequences are evicted first (a sequence that a newer one
-holds nearly all of goes at once: the budget keeps the prefixes of distinct
-files and regions, an LRU of them); `on_evict` is told, so a GPU caller can
-return memory to the allocator.
+Least recently used sequences are evicted first, those whose head a newer
+one shares before the last of their kind (each file's latest prompt stays
+longest; a sequence that a newer one holds nearly all of goes at once: the
+budget keeps the prefixes of distinct files and regions, an LRU of them);
+`on_evict` is told, so a GPU caller can return memory to the allocator.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _CAPACITY_STEP = 256
 _MIN_SHARED = 32
 # A cached sequence sharing all but this many of its tokens with one released after it is dropped then.
 _SUPERSEDED = 8
+# Sequences whose first this many tokens agree count as one file's prompts when the cache evicts (`_victim`).
+_HEAD = 64
 
 
 class KVSequence:
@@ -199,11 +202,26 @@ class PrefixCache:
     def _evict(self) -> None:
         total = self.nbytes
         while total > self.budget_bytes and self._entries:
-            _, seq = self._entries.popitem(last=False)
+            seq = self._entries.pop(self._victim())
             total -= seq.nbytes
             self.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(seq)
+
+    def _victim(self) -> int:
+        """The key of the sequence to evict: the least recently used one whose head (its first _HEAD tokens: the
+        context block, a file's first lines) a more recently used one shares, else the least recently used. So
+        each file's latest prompt stays while older prompts of the same files go, and switching back to a file
+        finds its block and its last window (issue 45: the walks' and jumps' prompts of the files in use had
+        evicted the one of the file left a minute ago)."""
+        keys = list(self._entries)
+        heads = [self._entries[k].tokens[: min(_HEAD, self._entries[k].length)] for k in keys]
+        for i, head in enumerate(heads[:-1]):
+            if len(head) < _HEAD:
+                continue
+            if any(len(h) >= _HEAD and np.array_equal(h, head) for h in heads[i + 1 :]):
+                return keys[i]
+        return keys[0]
 
     def clear(self) -> None:
         while self._entries:

@@ -22,6 +22,8 @@ COUNTERS = (
     "rounds_after_cancel",
     "rounds",
     "latency_ms_sum",
+    "prefill_ms_sum",
+    "decode_ms_sum",
     "prompt_tokens",
     "reused_tokens",
     "generated_tokens",
@@ -74,6 +76,10 @@ class Metrics:
                 c["rounds"] += stats.get("rounds", 0) or 0
                 c["prompt_tokens"] += stats.get("prompt_tokens", 0) or 0
                 c["reused_tokens"] += stats.get("reused_tokens", 0) or 0
+                # The engine's time in the prompt's uncached tokens and in the steps after them (bench --editing
+                # splits a request's wait with these: the prefill rate in the daemon, what a keystroke costs).
+                c["prefill_ms_sum"] += stats.get("prefill_ms", 0) or 0
+                c["decode_ms_sum"] += stats.get("decode_ms", 0) or 0
                 c["generated_tokens"] += stats.get("generated_tokens", 0) or 0
                 c["draft_accepted"] += stats.get("accepted", 0) or 0
                 c["draft_rejected"] += stats.get("rejected", 0) or 0
