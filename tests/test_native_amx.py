@@ -170,3 +170,93 @@ def test_a_cpu_with_amx_whose_os_refuses_the_tiles_is_never_offered_the_amx_buil
 def test_the_grant_is_asked_once_and_answers_a_bool():
     first = native.build._os_grants_amx()
     assert isinstance(first, bool) and native.build._os_grants_amx() is first
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory) -> Engine:
+    """hd 64 and four query heads on each KV head: attention on tiles (step.c's att_tiles), bf16 panels."""
+    _amx_lib()
+    d = make_tiny_model(
+        tmp_path_factory.mktemp("amx-grouped"), family="qwen2", layers=2, hidden=512, heads=8, kv_heads=2, seed=3
+    )
+    saved = native.build.os.environ.get("COMPLETIOND_KERNEL")
+    native.build.os.environ["COMPLETIOND_KERNEL"] = AMX
+    try:
+        eng = Engine.load(d, device="cpu", dtype="float32", weights="bf16")
+    finally:
+        if saved is None:
+            del native.build.os.environ["COMPLETIOND_KERNEL"]
+        else:
+            native.build.os.environ["COMPLETIOND_KERNEL"] = saved
+    assert eng.fwd.native is not None and eng.fwd.native.kernel == AMX
+    return eng
+
+
+def _rows(eng: Engine, seq, ids: list[int]) -> torch.Tensor:
+    return eng.head(eng.fwd.layers_range(eng.embed(ids), 0, eng.num_layers, seq.length, seq))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tile_attention_rows_are_one_row_steps(grouped, threads):
+    """Attention on tiles: a pass of 5 or 33 rows past a 256-key chunk, a cold prefill in chunks of 5 and a
+    reused prefix give every row the bits of one-row steps; speculative greedy equals plain greedy."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        eng, n, p0 = grouped, 33, 280
+        prompt = [(i * 7) % 200 + 3 for i in range(p0 + n)]
+        base = eng.new_sequence(p0 + n + 8)
+        eng.prefill(base, prompt[:p0], None)
+        seq, singles = base.copy_prefix(p0, n + 8), []
+        for tok in prompt[p0:]:
+            singles.append(_rows(eng, seq, [tok]))
+            seq.commit([tok])
+        single = torch.cat(singles)
+        for rows in (5, n):
+            assert torch.equal(_rows(eng, base.copy_prefix(p0, n + 8), prompt[p0 : p0 + rows]), single[:rows]), rows
+        cold = eng.logits_for(prompt, use_cache=False)
+        eng.cache.clear()
+        eng.logits_for(prompt[:37], use_cache=True)
+        assert torch.equal(eng.logits_for(prompt, use_cache=True), cold)
+        seq = eng.new_sequence(len(prompt))
+        eng.prefill(seq, prompt[:-1], None, chunk_size=5)
+        assert torch.equal(_rows(eng, seq, prompt[-1:])[-1], cold)
+        plain = eng.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False))
+        spec = eng.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, exit_layer=1, draft_k=4))
+        assert spec.tokens == plain.tokens
+    finally:
+        torch.set_num_threads(saved)
+
+
+@torch.inference_mode()
+def test_tile_attention_tree_nodes_are_plain_steps(grouped):
+    """A token tree's nodes (their keys gathered, repacked per node) have the bits of plain steps."""
+    from tests.test_native_step import _tree_is_plain_steps
+
+    _tree_is_plain_steps(grouped, 250)
+
+
+@torch.inference_mode()
+def test_tile_attention_is_the_model_in_bf16_and_float_builds_stay_float32(grouped):
+    """Tiles round q, K, V and the probabilities to bf16: the logits stay within bf16's reach of the float32
+    attention over the same panels (the float32 build's, which keeps the model to 1e-4: AVX2 among them)."""
+    eng = grouped
+    prompt = [(i * 11) % 200 + 3 for i in range(600)]  # three chunks of keys
+    tiles = eng.logits_for(prompt, use_cache=False)
+    float_kernels = [k for k in ("avx2", "avx512") if k in native.supported_kernels() and native.library(k) is not None]
+    assert float_kernels
+    saved = eng.fwd.native
+    try:
+        for kernel in float_kernels:
+            eng.fwd.native = native.NativeStep(native.library(kernel), eng.fwd, "bf16")
+            flt = eng.logits_for(prompt, use_cache=False)
+            eng.fwd.native = None
+            want = eng.logits_for(prompt, use_cache=False)  # the PyTorch path on the module's own weights
+            eng.fwd.native = native.NativeStep(native.library(kernel), eng.fwd, "float32")
+            torch.testing.assert_close(eng.logits_for(prompt, use_cache=False), want, rtol=1e-4, atol=1e-4)
+            scale = float(flt.abs().max())
+            assert float((tiles - flt).abs().max()) < 0.02 * scale, kernel
+            assert not torch.equal(tiles, flt)  # the tiles ran (bf16 operands)
+    finally:
+        eng.fwd.native = saved

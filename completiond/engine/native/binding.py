@@ -61,7 +61,7 @@ def early_step(fwd: Any, adapter: Any, weights: str) -> NativeStep | None:
 
 class NativeStep:
     """step.c bound to one Forward's weights, packed into panels in the format `weights` asks for.
-    Callers check rows <= MAX_ROWS (or fwd.native_all), float32 and a contiguous cache.
+    Callers check rows <= MAX_ROWS (or fwd.native_long), float32 and a contiguous cache.
 
     release: after packing a layer, drop the Forward's own (unpacked) copies of its matrices, so the
     panels are the only copy (fwd.release_layer does it; the PyTorch path cannot run those layers then)."""
@@ -76,6 +76,7 @@ class NativeStep:
         self.i8_quads = bool(lib.cd_i8_quads())  # the build's int8 layout (k-quads: w8a8 on VNNI)
         self.act_levels = int(lib.cd_act_levels())  # w8a8: activation rows as integers within +-this (0: none)
         self.bf16_dot = bool(lib.cd_bf16_dot())  # bf16 panels times bf16-rounded activations (AVX512_BF16)
+        self.tiles = self.kernel == "avx512-amx"  # bf16 and int8 panels on AMX tiles: prefill runs here too
         self.weights_setting = weights
         self.release = release
         self._packed: dict[int, tuple] = {}  # id(w) -> (w, packed w, scales, fmt): LM heads

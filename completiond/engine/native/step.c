@@ -108,6 +108,34 @@ int cd_abi(void) { return CD_ABI; }
 
 
 
+/* Built with -DCD_PROFILE (never by build.py): cd_layers adds each phase's time, thread 0's CPU time from
+ * barrier to barrier (with several threads it includes spinning at the barrier), into cd_prof_s[];
+ * cd_profile() hands the array out. A profiling aid only: the default build compiles these to nothing. */
+#define PROF_PHASES 8 /* norm+qkv, qk-norm/rope/KV write, attention, merge, o, norm+gate/up+silu, down, other */
+#ifdef CD_PROFILE
+#include <time.h>
+static double cd_prof_s[PROF_PHASES];
+double *cd_profile(void) { return cd_prof_s; }
+/* thread 0's CPU time: a loaded machine's descheduled time does not count (one thread: the phase's own cost) */
+static double prof_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define PROF_START double prof_t_ = prof_now()
+#define PROF(i)                                                                                         \
+    do {                                                                                                \
+        if (tid == 0) {                                                                                 \
+            const double now_ = prof_now();                                                             \
+            cd_prof_s[i] += now_ - prof_t_;                                                             \
+            prof_t_ = now_;                                                                             \
+        }                                                                                               \
+    } while (0)
+#else
+#define PROF_START
+#define PROF(i)
+#endif
+
 /* ------------------------------------------------------------------ small maths */
 
 /* Subnormal floats (softmax weights of far-off keys times values, mostly) take a slow microcode path on
@@ -1428,6 +1456,214 @@ static void merge(const float *parts, int nch, int hd, float *out) {
     for (int e = 0; e < hd; e++) out[e] *= inv;
 }
 
+#if CD_AMX
+/* ------------------------------------------------------------------ attention on AMX tiles (avx512-amx build)
+ * Where a model's query heads share each K/V head in groups of ATT_TILE_GROUP or more, hd is whole tiles of 32
+ * dims and a layer's matrices are bf16 or int8 panels (its products round activations already; float32 layers
+ * keep float32 attention), its attention runs on tiles with bf16 operands: q rounded to bf16; K and V rounded to bf16 as each call
+ * repacks the chunks it reads (K in dim pairs, transposed: the B tiles of S = Q K^T; V in key pairs: the B tiles
+ * of O = P V); the probabilities rounded to bf16, and their sum taken over the rounded values. Chunks, masking
+ * and merge() are the float32 path's. A tile row's sums depend only on that row and the B tiles, and the
+ * softmax runs per row, so a row's scores, maximum, sum and o never depend on the rows it shares tiles with:
+ * every row of any pass has the bits of a one-row step. A row that sees fewer keys than its batch's longest
+ * gets P = 0 for the rest, over V rows that are the chunk's own or zeros, which adds nothing to its sums.
+ * A one-row step repacks what it reads, at about the cost of a few heads' float32 dot products: hence the
+ * group threshold (a model of one query head per K/V head would pay it on every decode step for nothing). */
+#ifndef ATT_TILE_GROUP /* a profiling build may move it */
+#define ATT_TILE_GROUP 4
+#endif
+#define KEYS_S 16 /* keys per S tile (B: 16 dim pairs x 16 keys) */
+#define KEYS_P 32 /* keys per P tile (A: rows x 32 keys) and per V tile (B: 16 key pairs x 16 dims) */
+
+static inline int att_tiles(int hd, int group) { return hd % 32 == 0 && hd <= 256 && group >= ATT_TILE_GROUP; }
+
+/* dwords one repacked chunk takes: K^T pairs [CHUNK/16][hd/32][16][16], then V pairs [CHUNK/32][hd/16][16][16] */
+static inline size_t att_chunk_dwords(int hd) { return (size_t)CHUNK * hd; }
+
+/* bytes of one thread's scratch: q rows in bf16, scores, probabilities in bf16, o rows (and a chunk repacked
+ * for a tree row, whose keys are its own) */
+static inline size_t att_scratch(int hd) {
+    return (size_t)AMX_M * hd * 2 + (size_t)AMX_M * CHUNK * 4 + (size_t)AMX_M * CHUNK * 2 + (size_t)AMX_M * hd * 4
+           + att_chunk_dwords(hd) * 4 + 256;
+}
+
+/* 16 x 16 dwords transposed in registers */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* 16 floats rounded to bf16 (nearest even), each in the low half of a dword */
+static inline __m512i bf16_lanes(__m512 v) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)); }
+
+/* the chunk's first n keys (logical k0..k0+n-1, slots KEY()) from the float32 cache rows kb, vb into kv: K^T and
+ * V pairs in bf16, keys past n zero up to the chunk's last whole tile */
+static void att_repack(const float *kb, const float *vb, const int *kidx, int k0, int n, int hd, uint32_t *kv) {
+    const int nd = hd / 32, ne = hd / 16;
+    uint32_t *kt = kv, *vp = kv + (size_t)CHUNK * hd / 2;
+    for (int b = 0; b * KEYS_S < n; b++)
+        for (int db = 0; db < nd; db++) {
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const int i = b * KEYS_S + j;
+                if (i < n) {
+                    const float *kr = kb + (size_t)KEY(k0 + i) * hd + 32 * db;
+                    r[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(kr + 16), _mm512_loadu_ps(kr));
+                } else {
+                    r[j] = _mm512_setzero_si512();
+                }
+            }
+            transpose16(r); /* row p: dims 2p, 2p + 1 of the 16 keys */
+            uint32_t *dst = kt + ((size_t)b * nd + db) * 256;
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(dst + 16 * j), r[j]);
+        }
+    for (int b = 0; b * KEYS_P < n; b++)
+        for (int kp = 0; kp < 16; kp++) {
+            const int i0 = b * KEYS_P + 2 * kp, i1 = i0 + 1;
+            const float *v0 = i0 < n ? vb + (size_t)KEY(k0 + i0) * hd : NULL;
+            const float *v1 = i1 < n ? vb + (size_t)KEY(k0 + i1) * hd : NULL;
+            for (int e = 0; e < ne; e++) {
+                const __m512i lo = v0 ? bf16_lanes(_mm512_loadu_ps(v0 + 16 * e)) : _mm512_setzero_si512();
+                const __m512i hi = v1 ? bf16_lanes(_mm512_loadu_ps(v1 + 16 * e)) : _mm512_setzero_si512();
+                _mm512_storeu_si512((void *)(vp + (((size_t)b * ne + e) * 16 + kp) * 16), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+}
+
+/* exp on 16 lanes: exp8's operations, lane for lane */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+/* attend_rows on tiles: nr <= 16 query vectors against one repacked chunk kv (keys k0.., row r sees nkeys[r] in
+ * all), each row's (max, sum, o) into part[r] */
+static void attend_tiles(const float *const *q, const int *nkeys, int nr, const uint32_t *kv, int hd, float scale,
+                         int k0, float *const *part, char *scr) {
+    const int nd = hd / 32, ne = hd / 16;
+    const uint32_t *kt = kv, *vp = kv + (size_t)CHUNK * hd / 2;
+    uint16_t *qa = (uint16_t *)scr;                      /* [16][hd] */
+    float *s = (float *)(qa + (size_t)AMX_M * hd);         /* [16][CHUNK] */
+    uint16_t *pb = (uint16_t *)(s + (size_t)AMX_M * CHUNK); /* [16][CHUNK] */
+    float *ot = (float *)(pb + (size_t)AMX_M * CHUNK);      /* [16][hd] */
+    int n[AMX_M], nmax = 0;
+    for (int r = 0; r < nr; r++) {
+        n[r] = nkeys[r] - k0 < CHUNK ? nkeys[r] - k0 : CHUNK;
+        if (n[r] > nmax) nmax = n[r];
+        for (int e = 0; e < hd; e += 32)
+            _mm512_storeu_si512((void *)(qa + (size_t)r * hd + e),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q[r] + e + 16), _mm512_loadu_ps(q[r] + e)));
+    }
+    const int nv = (nmax + KEYS_P - 1) / KEYS_P * KEYS_P;
+    amx_configure(nr);
+    for (int b = 0; b * KEYS_S < nmax; b++) {
+        _tile_zero(0);
+        for (int db = 0; db < nd; db++) {
+            _tile_loadd(4, qa + 32 * db, hd * 2);
+            _tile_loadd(6, kt + ((size_t)b * nd + db) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, s + KEYS_S * b, CHUNK * 4);
+    }
+    float mx[AMX_M], ls[AMX_M];
+    const __m512 sc = _mm512_set1_ps(scale), lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < nr; r++) {
+        const float *sr = s + (size_t)r * CHUNK;
+        const __m512 nn = _mm512_set1_ps((float)n[r]);
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < n[r]; i += 16) {
+            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)i)), nn, _CMP_LT_OQ);
+            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_mul_ps(live, _mm512_loadu_ps(sr + i), sc));
+        }
+        const float m = _mm512_reduce_max_ps(mv);
+        const __m512 m16 = _mm512_set1_ps(m);
+        __m512 lsum = _mm512_setzero_ps();
+        for (int i = 0; i < nv; i += 32) {
+            const __mmask16 l0 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)i)), nn, _CMP_LT_OQ);
+            const __mmask16 l1 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)(i + 16))), nn, _CMP_LT_OQ);
+            const __m512 p0 = _mm512_maskz_mov_ps(l0, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(l0, _mm512_loadu_ps(sr + i), sc), m16)));
+            const __m512 p1 = _mm512_maskz_mov_ps(l1, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(l1, _mm512_loadu_ps(sr + i + 16), sc), m16)));
+            const __m512i pbv = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_storeu_si512((void *)(pb + (size_t)r * CHUNK + i), pbv);
+            /* the sum of the rounded probabilities, which the tiles multiply */
+            lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pbv)), 16)));
+            lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pbv, 1)), 16)));
+        }
+        mx[r] = m;
+        ls[r] = _mm512_reduce_add_ps(lsum);
+    }
+    for (int e0 = 0; e0 < ne; e0 += 4) { /* up to four C tiles of 16 dims at a time */
+        const int four = ne - e0 >= 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (four) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int b = 0; b * KEYS_P < nv; b++) {
+            const uint32_t *vt = vp + ((size_t)b * ne + e0) * 256;
+            _tile_loadd(4, pb + KEYS_P * b, CHUNK * 2);
+            _tile_loadd(6, vt, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, vt + 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (four) {
+                _tile_loadd(6, vt + 512, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(7, vt + 768, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+        }
+        _tile_stored(0, ot + 16 * e0, hd * 4);
+        _tile_stored(1, ot + 16 * e0 + 16, hd * 4);
+        if (four) {
+            _tile_stored(2, ot + 16 * e0 + 32, hd * 4);
+            _tile_stored(3, ot + 16 * e0 + 48, hd * 4);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        part[r][0] = mx[r];
+        part[r][1] = ls[r];
+        memcpy(part[r] + 2, ot + (size_t)r * hd, (size_t)hd * sizeof(float));
+    }
+}
+#else
+static inline int att_tiles(int hd, int group) { (void)hd; (void)group; return 0; }
+static inline size_t att_chunk_dwords(int hd) { (void)hd; return 0; }
+static inline size_t att_scratch(int hd) { (void)hd; return 0; }
+#endif
+
 /* ------------------------------------------------------------------ the layers
  * h [t, d] in place: layers [first, last) at slots pos..pos+t-1. rope_pos: each row's rotary
  * position (NULL: its slot). mask [t, pos+t] (NULL: causal, row r sees keys 0..pos+r).
@@ -1483,16 +1719,25 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     int nb = (pairs + ROW_GROUP - 1) / ROW_GROUP;
     const int busy = (2 * nthreads + KV * nch * units - 1) / (KV * nch * units);
     if (busy > nb) nb = busy < pairs ? busy : pairs;
+    /* attention on tiles (the AMX build, grouped heads): causal passes repack each chunk of K/V once per layer
+     * for every row (kvt: [KV][nch] chunks); a tree row repacks its own keys in its thread's scratch */
+    const int tiles = att_tiles(hd, group);
+    const size_t kvt_dwords = tiles && !mask ? (size_t)KV * nch * att_chunk_dwords(hd) : 0;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
-                                         + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2);
+                                         + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2)
+                                         + kvt_dwords + 16;
     float *buf = malloc(floats * sizeof(float));
     if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
+    uint32_t *kvt = (uint32_t *)(buf + floats - kvt_dwords);
+    (void)kvt; /* read by the AMX build only */
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
     /* per-thread scratch for activation rows quantised (VNNI build) or rounded to bf16 (BF16 build); 0 bytes elsewhere */
     int maxin = d > H * hd ? d : H * hd;
     if (I > maxin) maxin = I;
-    const size_t qper = (panel_scratch(t, maxin) + 63) & ~(size_t)63; /* layers are panels only */
+    size_t qper = panel_scratch(t, maxin); /* layers are panels only */
+    if (tiles && att_scratch(hd) > qper) qper = att_scratch(hd);
+    qper = (qper + 63) & ~(size_t)63;
     char *qscr = qper ? aligned_alloc(64, qper * (size_t)nthreads) : NULL;
     if (qper && !qscr) { free(buf); free(row_items); free(kidx); return CD_ENOMEM; }
 
@@ -1503,12 +1748,14 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
         float *x = xs + (size_t)tid * nx; /* each thread normalises h itself: no barrier for it */
         void *qs8 = qscr ? qscr + (size_t)tid * qper : NULL;
         int a, b;
+        PROF_START;
         for (int li = first; li < last; li++) {
             const cd_layer *L = m->layers + li;
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln1, m->eps, x + (size_t)r * d);
             share_panels(qw, tid, nt, &a, &b);
             gemm_panels(x, t, d, L->qkv, L->wfmt, L->qkv_s, qw, L->qkv_b, qkv, qw, a, b, qs8);
 #pragma omp barrier
+            PROF(0);
             /* per (row, head of q, k, v): qk-norm, rope, and the new K/V into the cache */
             share_items(t * nq, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
@@ -1534,6 +1781,21 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                 }
             }
 #pragma omp barrier
+            PROF(1);
+            /* tiles for layers whose products already round activations (bf16 or int8 panels); a float32
+             * layer keeps float32 attention */
+            const int tl = tiles && L->wfmt != FMT_F32;
+#if CD_AMX
+            if (kvt_dwords && tl) {
+                share_items(KV * nch, tid, nt, &a, &b);
+                for (int it = a; it < b; it++) {
+                    const int g = it / nch, c = it % nch, n = width - c * CHUNK < CHUNK ? width - c * CHUNK : CHUNK;
+                    const size_t base = ((size_t)li * KV + g) * cap * hd;
+                    att_repack(kc + base, vc + base, NULL, c * CHUNK, n, hd, kvt + (size_t)it * att_chunk_dwords(hd));
+                }
+#pragma omp barrier
+            }
+#endif
             share_items(KV * nch * units * nb, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
                 const int g = it / (nch * units * nb), c = (it / (units * nb)) % nch, u = (it / nb) % units,
@@ -1554,9 +1816,29 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                 }
                 if (nr == 0) continue;
                 const float *kb = kc + ((size_t)li * KV + g) * cap * hd, *vb = vc + ((size_t)li * KV + g) * cap * hd;
+#if CD_AMX
+                if (tl) {
+                    const uint32_t *kv = kvt + ((size_t)g * nch + c) * att_chunk_dwords(hd);
+                    if (mask) { /* this row's own keys, repacked behind the kernel's scratch */
+                        uint32_t *own = (uint32_t *)((char *)qs8 + att_scratch(hd) - att_chunk_dwords(hd) * 4 - 64);
+                        own = (uint32_t *)(((uintptr_t)own) & ~(uintptr_t)63);
+                        const int n = nvis[u] - c * CHUNK < CHUNK ? nvis[u] - c * CHUNK : CHUNK;
+                        att_repack(kb, vb, ki, c * CHUNK, n, hd, own);
+                        kv = own;
+                    }
+                    attend_tiles(qs, nk, nr, kv, hd, m->scale, c * CHUNK, ps, (char *)qs8);
+                    continue;
+                }
+#endif
                 attend_rows(qs, nk, ki, nr, kb, vb, hd, m->scale, c * CHUNK, ps);
             }
+#if CD_AMX
+            if (tl) _tile_release();
+#else
+            (void)tl;
+#endif
 #pragma omp barrier
+            PROF(2);
             share_items(t * H, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
                 int r = it / H, head = it % H, per_head = (row_items[r + 1] - row_items[r]) / H;
@@ -1564,10 +1846,12 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                       att + (size_t)r * H * hd + (size_t)head * hd);
             }
 #pragma omp barrier
+            PROF(3);
             share_panels(d, tid, nt, &a, &b);
             gemm_panels(att, t, H * hd, L->o, L->wfmt, L->o_s, d, L->o_b, y, d, a, b, qs8);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
+            PROF(4);
             for (int r = 0; r < t; r++) rms_row(h + (size_t)r * d, d, L->ln2, m->eps, x + (size_t)r * d);
             /* the same gate and up columns in one thread, so their product needs no barrier */
             share_panels(I, tid, nt, &a, &b);
@@ -1579,10 +1863,12 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                     silu_mul(gu + (size_t)r * 2 * I + j0, gu + (size_t)r * 2 * I + I + j0, j1 - j0, act + (size_t)r * I + j0);
             }
 #pragma omp barrier
+            PROF(5);
             share_panels(d, tid, nt, &a, &b);
             gemm_panels(act, t, I, L->down, L->wfmt, L->down_s, d, L->down_b, y, d, a, b, qs8);
             add_cols(h, y, t, d, a, b);
 #pragma omp barrier
+            PROF(6);
         }
         _mm_setcsr(csr);
     }
