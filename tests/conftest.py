@@ -66,6 +66,33 @@ def bundled_model_dir() -> Path:
     return path
 
 
+_HF_MODELS: dict[tuple, object] = {}
+
+
+def hf_model(source, dtype=None):
+    """transformers' own model of a checkpoint: the reference the engine is held to. The engine reads the
+    checkpoints it can without transformers' model code (engine/checkpoint.py: its modules have no forward
+    pass), so tests that compare with transformers, or train on its forward pass, load the model here.
+    source: an Engine (its directory, in the dtype it read the weights in) or a model directory (float32
+    unless dtype says). One model per directory, dtype and weights for the worker process: tests only read
+    them (training freezes the model and trains copies), and a load costs the import of transformers' model
+    code and the checkpoint's read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(source, (str, os.PathLike)):
+        path, dtype = Path(source), dtype or torch.float32
+    else:
+        path, dtype = Path(source.model_dir), dtype or next(source.model.parameters()).dtype
+    from completiond.engine.load_plan import DRAFT_FILES
+
+    weights = sorted(w for w in path.glob("*.safetensors") if w.name not in DRAFT_FILES)  # not a draft beside it
+    key = (str(path.resolve()), dtype, tuple((w.name, w.stat().st_mtime_ns, w.stat().st_size) for w in weights))
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return _HF_MODELS[key]
+
+
 def float32_kernel() -> str | None:
     """The widest native kernel this CPU runs that computes in float32 throughout (None: no native step).
     The AVX512_BF16 build rounds activation rows to bf16 for bf16 panels, so tests that hold the engine to

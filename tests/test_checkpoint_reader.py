@@ -90,13 +90,12 @@ def test_what_the_reader_does_not_take_loads_through_transformers(tmp_path, monk
     assert checkpoint.eligible({**cfg, "mlp_bias": True}, d, False) is not None
     assert checkpoint.eligible({**cfg, "model_type": "gpt2"}, d, False) is not None
     assert checkpoint.eligible(cfg, tmp_path, False) == "no safetensors weights"
-    # a small model keeps transformers' modules (the reader serves packing only)
-    assert not isinstance(Engine.load(d, device="cpu").model, checkpoint.CausalLM)
+    # what the reader takes it reads, small or large, in the dtype asked for; transformers only when asked
+    small = Engine.load(d, device="cpu")
+    assert isinstance(small.model, checkpoint.CausalLM) and next(small.model.parameters()).dtype == torch.float32
+    assert not isinstance(Engine.load(d, device="cpu", reader="transformers").model, checkpoint.CausalLM)
     monkeypatch.setattr(forward, "TRANSPOSED_COPY_LIMIT", 0)
     assert isinstance(Engine.load(d, device="cpu").model, checkpoint.CausalLM)
-    # an exit adapter beside the model is built from transformers' layer classes
-    (d / "exit_adapter.safetensors").write_bytes(b"not an adapter")
-    assert not isinstance(Engine.load(d, device="cpu").model, checkpoint.CausalLM)
     with pytest.raises(EngineError, match="unknown reader"):
         Engine.load(d, device="cpu", reader="fast")
 

@@ -19,7 +19,7 @@ import torch
 from completiond.engine.engine import sampling
 from completiond.engine.engine import PREFILL_CHUNK, CancelToken, Engine, EngineError, SamplingParams
 from completiond.engine.kvcache import KVSequence, PrefixCache
-from tests.conftest import make_tiny_model
+from tests.conftest import hf_model, make_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 
@@ -38,7 +38,7 @@ def ids(engine: Engine, text: str = PROMPT) -> list[int]:
 def test_matches_transformers_logits(engine):
     prompt = ids(engine)
     with torch.inference_mode():
-        ref = engine.model(torch.tensor([prompt])).logits[0, -1].float()
+        ref = hf_model(engine)(torch.tensor([prompt])).logits[0, -1].float()
     ours = engine.logits_for(prompt, use_cache=False)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
 
@@ -69,8 +69,8 @@ def test_greedy_matches_transformers_generate(engine):
     prompt = ids(engine)
     ours = engine.generate(prompt, SamplingParams(max_tokens=30, exit_layer=2, draft_k=4, ignore_eos=True))
     with torch.inference_mode():
-        ref = engine.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_model(engine).generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ours.tokens) == 30 and ours.tokens == ref
 
 
@@ -439,7 +439,7 @@ def test_fused_step_matches_the_model_modules_in_float32(bundled):
     and in chunks."""
     prompt = bundled.tokenizer(PROMPT * 3).input_ids
     with torch.inference_mode():
-        ref = bundled.model(torch.tensor([prompt])).logits[0].float()  # [t, V]
+        ref = hf_model(bundled)(torch.tensor([prompt])).logits[0].float()  # [t, V]
     torch.testing.assert_close(bundled.logits_for(prompt, use_cache=False), ref[-1], rtol=1e-4, atol=1e-4)
     seq = bundled.new_sequence(len(prompt))
     with torch.inference_mode():
@@ -459,8 +459,8 @@ def test_float32_speculative_greedy_equals_plain_and_transformers(bundled, k):
                                                        ignore_eos=True))
         assert spec.stats.drafted > 0 and spec.tokens == plain.tokens
         with torch.inference_mode():
-            ref = bundled.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf_model(bundled).generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert plain.tokens == ref
 
 

@@ -22,7 +22,7 @@ import torch
 from completiond.commands import train_adapter as cmd
 from completiond.engine.engine import Engine, EngineError, SamplingParams, model_identity
 from completiond.models import exit_adapter as ea
-from tests.conftest import make_tiny_model
+from tests.conftest import hf_model, make_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 TEXT = (PROMPT + "        self.x = x\n        self.y = y\n\n    def norm(self):\n        return (self.x ** 2) ** 0.5\n") * 6
@@ -34,7 +34,7 @@ def _train(engine: Engine, steps: int, seed: int = 0):
     ids = engine.tokenizer(TEXT).input_ids
     batches = ea.token_windows([ids], 48, 4, rng, 10**6)
     torch.manual_seed(seed)
-    layer, summary = ea.train_adapter(engine.model, E, batches, steps, lr=2e-3, log=lambda m: None)
+    layer, summary = ea.train_adapter(hf_model(engine), E, batches, steps, lr=2e-3, log=lambda m: None)
     return layer.to(engine.dtype), summary
 
 
@@ -158,10 +158,11 @@ def test_training_moves_the_adapter_toward_the_final_layer(model_dir):
     eng = Engine.load(model_dir, dtype="float64")
     rng = random.Random(9)
     held = [next(ea.token_windows([ids(eng, TEXT)], 48, 4, rng, 10**6)) for _ in range(2)]
-    start = ea.copy.deepcopy(eng.model.model.layers[E])
-    before = ea.measure(eng.model, start, E, held)
+    ref = hf_model(eng)  # training and measuring run transformers' forward pass
+    start = ea.copy.deepcopy(ref.model.layers[E])
+    before = ea.measure(ref, start, E, held)
     layer, summary = _train(eng, steps=25, seed=1)
-    after = ea.measure(eng.model, layer, E, held)
+    after = ea.measure(ref, layer, E, held)
     assert summary["steps"] == 25 and summary["tokens"] == 25 * 4 * 48
     assert after["kl"]["adapter"] < before["kl"]["adapter"]
     # before training the adapter is exactly layer E: the exit at E + 1

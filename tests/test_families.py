@@ -20,6 +20,7 @@ from completiond.completion.prompt import PromptBuilder
 from completiond.engine.engine import Engine, EngineError, SamplingParams
 from completiond.models.fim import detect
 from completiond.models.tiny import make_tiny_model
+from tests.conftest import hf_model
 
 QWEN = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
         "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
@@ -98,8 +99,8 @@ def test_greedy_identity_plain_speculative_lookup_and_transformers(case):
     with torch.inference_mode():
         # An explicit mask: generate() would otherwise mask every pad_token_id, and id 0 is the BOS of some families.
         ids = torch.tensor([prompt])
-        ref = engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_model(engine).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                        eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert len(plain) == n
     assert early.tokens == plain and lookup.tokens == plain and ref == plain, name
     assert early.stats.drafted > 0  # the speculative path really drafted

@@ -106,7 +106,7 @@ def test_healing_with_the_tiny_model_engine(tiny_model_dir):
     from completiond.engine.engine import Engine, SamplingParams
 
     engine = Engine.load(model=str(tiny_model_dir), device="cpu")
-    vocab = engine.model.get_input_embeddings().weight.shape[0]
+    vocab = engine.vocab_size
     healer = TokenHealer(engine.tokenizer, vocab_size=vocab)
     ids = engine.tokenizer.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.no",
                                   add_special_tokens=False)

@@ -21,7 +21,7 @@ from completiond.engine import medusa as medusa_mod
 from completiond.engine.engine import CancelToken, Engine, EngineError, SamplingParams, model_identity
 from completiond.models import exit_adapter as ea
 from completiond.models import medusa as md
-from tests.conftest import make_tiny_model
+from tests.conftest import hf_model, make_tiny_model
 
 PROMPT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n"
 TEXT = (PROMPT + "        self.x = x\n        self.y = y\n\n    def norm(self):\n        return (self.x ** 2) ** 0.5\n") * 6
@@ -33,7 +33,7 @@ def model_dir(request, tmp_path_factory):
                         peaked=True, seed=6)
     eng = Engine.load(d, dtype="float64")
     batches = ea.token_windows([eng.tokenizer(TEXT).input_ids], 48, 4, random.Random(0), 10**6)
-    w, b, summary = md.train_heads(eng.model, 4, batches, 15, log=lambda m: None)
+    w, b, summary = md.train_heads(hf_model(eng), 4, batches, 15, log=lambda m: None)
     md.save_heads(d / md.MEDUSA_FILE, w, b, eng.model_id, eng.model.config, summary)
     return d
 

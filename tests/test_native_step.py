@@ -19,7 +19,7 @@ import torch
 from completiond.engine import native
 from completiond.engine.engine import Engine, SamplingParams
 from tests import emulated_kernels
-from tests.conftest import make_tiny_model
+from tests.conftest import hf_model, make_tiny_model
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
 
@@ -101,7 +101,7 @@ def test_native_passes_match_the_torch_path_and_transformers(tiny):
     _need_native()
     assert tiny.fwd.native is not None, tiny.fwd.native_reason
     prompt = _ids(tiny, TEXT, 40)
-    ref = tiny.model(torch.tensor([prompt])).logits[0].float()  # [t, V]
+    ref = hf_model(tiny)(torch.tensor([prompt])).logits[0].float()  # [t, V]
     for rows in (1, 3, 8):
         native_seq, torch_seq = tiny.new_sequence(64), tiny.new_sequence(64)
         tiny.prefill(native_seq, prompt[:-rows], None)
@@ -121,7 +121,7 @@ def test_long_context_attention_over_several_chunks(bundled):
     """Over 256 cached keys attention runs in chunks merged by their maxima: still the model."""
     _need_native()
     prompt = _ids(bundled, TEXT * 3, 700)
-    ref = bundled.model(torch.tensor([prompt])).logits[0, -4:].float()
+    ref = hf_model(bundled)(torch.tensor([prompt])).logits[0, -4:].float()
     with _float_step(bundled):
         seq = bundled.new_sequence(len(prompt))
         bundled.prefill(seq, prompt[:-4], None)
@@ -558,7 +558,7 @@ def test_a_float32_model_keeps_float32_panels_and_a_bf16_valued_one_gets_bf16(tm
     rounded = Engine.load(d, device="cpu", dtype="float32")
     assert rounded.fwd.native.weights() == "bf16"
     prompt = _ids(rounded, TEXT, 30)
-    ref = rounded.model(torch.tensor([prompt])).logits[0, -3:].float()
+    ref = hf_model(rounded)(torch.tensor([prompt])).logits[0, -3:].float()
     seq = rounded.new_sequence(40)
     rounded.prefill(seq, prompt[:-3], None)
     torch.testing.assert_close(_pass(rounded, seq, prompt[-3:]), ref, rtol=1e-4, atol=1e-4)

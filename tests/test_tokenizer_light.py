@@ -248,31 +248,34 @@ def test_remote_code_or_no_tokenizer_json_is_never_checked(tmp_path, cache):
     assert cache == []
 
 
-def test_a_daemon_process_loads_a_bf16_model_without_importing_transformers(tmp_path):
+def test_a_daemon_process_loads_models_without_importing_transformers(tmp_path):
     """The point of it all: a fresh process (as the daemon is) checks once in a child, then reads the
-    tokenizer and the checkpoint, and decodes, with transformers never imported."""
+    tokenizer and the checkpoint, and decodes, with transformers never imported: the bundled model (small,
+    read in float32) and a bf16 checkpoint the native step packs layer by layer."""
     _need_native()
     d = make_tiny_model(tmp_path / "m", family="llama", layers=2, dtype="bfloat16")
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     code = ("import sys; from completiond.engine import forward, checkpoint, tokenizer; "
-            "forward.TRANSPOSED_COPY_LIMIT = 0; from completiond.engine.engine import Engine, SamplingParams; "
-            "e = Engine.load(sys.argv[1], device='cpu'); assert isinstance(e.model, checkpoint.CausalLM); "
-            "ids = e.tokenizer('def f(x):\\n    return').input_ids; "
-            "out = e.generate(ids, SamplingParams(max_tokens=4)); "
-            "print(e.tokenizer_in_use().split(' (')[0], 0 < len(out.tokens) <= 4, "
-            "sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
-    for _ in range(2):   # the first start runs the check, the second reads its verdict
+            "from completiond.engine.engine import Engine, SamplingParams\n"
+            "def run(model):\n"
+            "    e = Engine.load(model, device='cpu'); assert isinstance(e.model, checkpoint.CausalLM)\n"
+            "    out = e.generate(e.tokenizer('def f(x):\\n    return').input_ids, SamplingParams(max_tokens=4))\n"
+            "    return e.tokenizer_in_use().split(' (')[0], e.fwd.released, 0 < len(out.tokens) <= 4\n"
+            "bundled = run(None); forward.TRANSPOSED_COPY_LIMIT = 0; large = run(sys.argv[1])\n"
+            "print(bundled, large, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
+    for _ in range(2):   # the first start runs the checks, the second reads their verdicts
         done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip().splitlines()[-1] == "tokenizers alone True []"
-    assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 1
+        assert done.stdout.strip().splitlines()[-1] == \
+            "('tokenizers alone', False, True) ('tokenizers alone', True, True) []"
+    assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 2
 
 
 def test_a_model_loaded_through_transformers_keeps_its_tokenizer_and_runs_no_check(tmp_path):
-    """The bundled model is small and loads through transformers' classes: importing transformers is paid
-    anyway, so no check runs and AutoTokenizer's tokenizer serves."""
+    """A model read by transformers' classes (reader "transformers", or one engine/checkpoint.py cannot read):
+    importing transformers is paid anyway, so no check runs and AutoTokenizer's tokenizer serves."""
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    code = ("from completiond.engine.engine import Engine; e = Engine.load(None, device='cpu'); "
+    code = ("from completiond.engine.engine import Engine; e = Engine.load(None, device='cpu', reader='transformers'); "
             "print(e.tokenizer_in_use())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -245,17 +245,36 @@ def _patch_hf_early_exit() -> None:
     cls.get_candidates = get_candidates
 
 
-def _hf_generate(engine, ids: list[int], max_tokens: int, early_exit: dict | None = None) -> tuple[list[int], float]:
+def _transformers_model(engine):
+    """transformers' own model of the engine's checkpoint, for its baselines: the engine reads the checkpoints
+    it can with engine/checkpoint.py, whose modules hold the weights but have no forward pass."""
     import torch
 
-    x = torch.tensor([ids], device=engine.device)
+    from completiond.engine.checkpoint import CausalLM
+
+    if not isinstance(engine.model, CausalLM):
+        return engine.model  # read by transformers already (reader "transformers", or a model it alone reads)
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(engine.model.parameters()).dtype  # the dtype the engine read the weights in
+    model = AutoModelForCausalLM.from_pretrained(
+        str(engine.model_dir), dtype=dtype, use_safetensors=True, local_files_only=True
+    )
+    placed: torch.nn.Module = model.to(engine.device)
+    return placed.eval()
+
+
+def _hf_generate(model, ids: list[int], max_tokens: int, early_exit: dict | None = None) -> tuple[list[int], float]:
+    import torch
+
+    x = torch.tensor([ids], device=model.device)
     kwargs = dict(
         max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
     )
     kwargs.update(early_exit or {})
     t = time.perf_counter()
     with torch.inference_mode():
-        out = engine.model.generate(x, **kwargs)
+        out = model.generate(x, **kwargs)
     return out[0, len(ids) :].tolist(), time.perf_counter() - t
 
 
@@ -501,6 +520,7 @@ def measure(
     }
     if not skip_hf:
         _patch_hf_early_exit()
+    reference = None if skip_hf else _transformers_model(engine)
 
     # Each of our methods drafts from its own output history, emptied at every repeat: a repeat replays
     # the prompts as one editing session would, and never sees a previous repeat's outputs.
@@ -518,8 +538,8 @@ def measure(
 
     def hf(early_exit):
         def go(ids):
-            tokens, total = _hf_generate(engine, ids, max_tokens, early_exit)
-            _, first = _hf_generate(engine, ids, 1, early_exit)
+            tokens, total = _hf_generate(reference, ids, max_tokens, early_exit)
+            _, first = _hf_generate(reference, ids, 1, early_exit)
             # decode time of the N-1 tokens after the first, scaled to N so per-token figures compare
             return tokens, max(total - first, 1e-9) * max_tokens / max(max_tokens - 1, 1), total, None
 

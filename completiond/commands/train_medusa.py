@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     try:
-        engine = Engine.load(args.model, device=args.device, dtype=args.dtype)
+        # training runs transformers' forward pass (engine/checkpoint.py's modules have none)
+        engine = Engine.load(args.model, device=args.device, dtype=args.dtype, reader="transformers")
     except EngineError as exc:
         print(f"completiond train-medusa: {exc}", file=sys.stderr)
         return 1

@@ -1,13 +1,17 @@
 """A decoder of the Llama layout read straight from its safetensors, without transformers' model code.
 
-Why: the CPU native step keeps its own packed copy of every matrix, so transformers' modeling classes
-serve only as containers there; importing them costs about 80 MB of resident memory (torch.distributed,
-torch._dynamo and sympy come with them), 0.08x of a 0.5B model's weights, for nothing the step uses.
+Why: the engine runs its own Forward over fused copies of the weights (and the CPU native step over its own
+packed panels), so transformers' modeling classes would serve only as containers; importing them costs about
+160 MB of resident memory (torch.distributed, torch._dynamo and sympy come with them: the bundled model's
+load went from 472 to 308 MB, 2026-12-06) and seconds of every start, for nothing the engine uses.
 The modules here have the attribute layout adapters.adapter_for reads (model.model.{embed_tokens,
-layers, norm, rotary_emb}, model.lm_head), hold the checkpoint's tensors as they are stored, and
-compute rope tables exactly as transformers' rotary modules do. They have no forward pass of their
-own: the engine runs its Forward over them. Engine.load uses them only for what they can stand in for
-(`eligible`); anything else loads through transformers as before.
+layers, norm, rotary_emb}, model.lm_head) and the parameter names of transformers' modules (an exit
+adapter's layer is a copy of one), hold the checkpoint's tensors in the dtype asked for, and compute rope
+tables exactly as transformers' rotary modules do. They have no forward pass of their own: the engine runs
+its Forward over them (tests compare with transformers' models loaded on their own, tests/conftest.py
+hf_model). Engine.load uses them for every checkpoint they can stand in for (`eligible`), whatever its
+dtype; anything else (remote code, another layout) loads through transformers as before, and so does a load
+with reader="transformers" (the training commands, which run transformers' forward pass).
 
 Its config avoids transformers' config classes too: importing any of them imports the model loading code
 (torch.distributed, sympy, kernels: about 55 MB more). `light_config` stands in for the config class where

@@ -169,8 +169,9 @@ class Engine:
 
         progress(phase) at each phase; download_progress(done, total) in bytes; warn(message) before weights that
         will probably not fit. weights: the native CPU step's format (native.WEIGHT_FORMATS). reader: "auto" reads
-        large bf16 checkpoints with engine/checkpoint.py where it can, "transformers" always through
-        AutoModelForCausalLM. load_plan.py decides, loader.py reads."""
+        checkpoints with engine/checkpoint.py where it can (its modules have no forward pass: `model` is then no
+        transformers model), "transformers" always through AutoModelForCausalLM. load_plan.py decides, loader.py
+        reads."""
         say = progress or (lambda phase: None)
         how = (trust_remote_code, cache_bytes, weights, reader, native_mod.WEIGHT_FORMATS, download_progress)
         plan = load_plan.plan(model, loader.machine(device, dtype, threads), dtype, *how)

@@ -33,7 +33,6 @@ class Machine:
     dtype: str  # the dtype asked for, resolved (pick_dtype)
     packs_bf16: Callable[[dict, Path], bool]  # read as bf16 and pack layer by layer (CPU, native step)
     checkpoint_refusal: Callable[[dict, Path, bool], str | None]  # why engine/checkpoint.py cannot read it
-    has_adapter: Callable[[Path, str], bool]  # an exit adapter for this model exists
 
 
 @dataclass(frozen=True)
@@ -80,15 +79,9 @@ def plan(
     if dtype == "auto" and device == "cpu" and config and machine.packs_bf16(config, local):
         read_dtype, compute_dtype = "bfloat16", "float32"
     model_id = model_identity(local)
-    why = (
-        "asked for"
-        if reader != "auto"
-        else "not packed from bf16"
-        if compute_dtype is None
-        else machine.checkpoint_refusal(config, local, trust_remote_code)
-    )
-    if why is None and machine.has_adapter(local, model_id):
-        why = "an exit adapter is built from transformers' layer classes"
+    # engine/checkpoint.py reads every checkpoint it can, in any dtype: importing transformers' model code
+    # costs about 150 MB of resident memory and seconds of every start, for modules only used as containers
+    why = "asked for" if reader != "auto" else machine.checkpoint_refusal(config, local, trust_remote_code)
     return LoadPlan(
         name, local, config, model_id, device, read_dtype, compute_dtype, why, weights, [warning] if warning else []
     )

@@ -13,7 +13,6 @@ import torch
 
 from completiond.engine import checkpoint, load_plan
 from completiond.engine import tokenizer as tokenizer_mod
-from completiond.engine.exit_adapter import adapter_paths
 from completiond.engine.forward import packs_bf16_checkpoint
 from completiond.errors import EngineError
 
@@ -55,13 +54,7 @@ def machine(device: str, dtype: str, threads: int | None) -> load_plan.Machine:
         # threads that wait for each other.
         torch.set_num_threads(threads)
     name = str(pick_dtype(dtype, device)).removeprefix("torch.")
-    return load_plan.Machine(
-        device,
-        name,
-        packs_bf16_checkpoint,
-        checkpoint.eligible,
-        lambda path, model_id: any(p.exists() for p in adapter_paths(path, model_id)),
-    )
+    return load_plan.Machine(device, name, packs_bf16_checkpoint, checkpoint.eligible)
 
 
 def read(plan: load_plan.LoadPlan, trust_remote_code: bool, say: Callable[[str], None]) -> tuple[Any, Any]:
