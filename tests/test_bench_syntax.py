@@ -64,6 +64,10 @@ def test_each_case_judges_suggestions_and_restores_the_document(case, monkeypatc
     assert str(kept[0].tree(text).root_node) == str(fresh.root_node)
     for part in ("reparse", "site", "check", "total"):
         assert result[part]["p95_ms"] >= result[part]["p50_ms"] >= 0
+    # the parses counted: every request parses its region (or finds it kept), the verdict's own on top
+    assert sum(result["region"].values()) == result["requests"] and result["region"]["incremental"] > 0
+    assert result["parses"]["max"] >= result["parses"]["p95"] >= 1 and result["parses"]["mean"] >= 1
+    assert result["fresh_kb"]["mean"] >= 0
 
 
 def test_an_unknown_case_is_refused():

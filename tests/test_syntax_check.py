@@ -451,50 +451,178 @@ def test_a_header_without_its_body_before_a_decorated_method():
     assert at_cursor("lumnElement]:", before=before, after=after) == "lumnElement]:"
 
 
-def _verdict_cases(path: Path, copies: int, n: int, seed: int) -> list[tuple[str, int, str, bool]]:
-    """(document, cursor, suggestion, ends_line): a long file cut at random points of random lines, with the
-    rest of the line, a mangled rest and a half of it as suggestions."""
+def _verdict_cases(path: Path, copies: int, n: int, seed: int) -> list[tuple[str, tuple[int, int, str], int, str, bool]]:
+    """(document, edit, cursor, suggestion, ends_line): a long file with a line cut at random points, with the
+    rest of the line, a mangled rest and a half of it as suggestions (the edit cutting it: start, end, text
+    put in, into the file); and the character at the cursor typed again, the rest of the line suggested."""
     one = path.read_text(encoding="utf-8")
     text = one * copies
     starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
     rng = random.Random(seed)
-    out: list[tuple[str, int, str, bool]] = []
+    out: list[tuple[str, tuple[int, int, str], int, str, bool]] = []
     while len(out) < n:
         k = rng.randrange(len(starts) - 1)
         line = text[starts[k] : starts[k + 1] - 1]
         if len(line.strip()) < 4:
             continue
         col = rng.randrange(len(line) - len(line.lstrip()), len(line) - 1)
-        doc = text[: starts[k] + col] + text[starts[k + 1] - 1 :]
+        at, end = starts[k] + col, starts[k + 1] - 1
+        doc = text[:at] + text[end:]
         rest = line[col:]
         for s in (rest, rest + ")", "x" + rest + "]", rest[: len(rest) // 2]):
-            out.append((doc, starts[k] + col, s, rng.random() < 0.5))
+            out.append((doc, (at, end, ""), at, s, rng.random() < 0.5))
+        out.append((text[:at] + text[at] + text[at:], (at, at, text[at]), at + 1, rest[1:], False))
     return out
 
 
 def test_the_judges_shortcuts_leave_every_verdict_as_it_was(monkeypatch):
     # Long documents (regions, not whole files): the verdicts with the judge's shortcuts equal those it
-    # makes with them off, cut and dropped ones included.
-    cases = _verdict_cases(Path(syntax.__file__), 4, 120, 0)
+    # makes with them off, cut and dropped ones included; and so do those made through the document's
+    # DocumentTree as the daemon does (the edit told to it, its regions' trees kept across requests and
+    # reparsed incrementally, the edit undone after the request, which takes its parse back).
+    path = Path(syntax.__file__)
+    text = path.read_text(encoding="utf-8") * 4
+    cases = _verdict_cases(path, 4, 600, 0)
+    spec = spec_for("python")
 
-    def verdicts() -> list[tuple[str, str, str]]:
+    def verdicts(kept: bool) -> list[tuple[str, str, str, tuple]]:
         out = []
-        for doc, cursor, s, ends_line in cases:
-            site = site_at(doc, cursor, "python")
+        keeper = DocumentTree(spec, text)
+        keeper.tree(text)
+        for doc, (a, b, new), cursor, s, ends_line in cases:
+            if kept:
+                keeper.edit(text, a, b, new, new_text=doc)
+            site = site_at(doc, cursor, spec, keeper if kept else None)
             assert site is not None
             v = check(site, s, ends_line=ends_line)
-            out.append((v.text, v.outcome, v.reason))
+            out.append((v.text, v.outcome, v.reason, site.errors))
+            if kept:
+                keeper.edit(doc, a, a + len(new), text[a:b], new_text=text)
         return out
 
+    # The whole document parsed for each request, as site_at does without its DocumentTree.
     monkeypatch.setattr(syntax._Judge, "shortcuts", False)
-    reference = verdicts()
+    monkeypatch.setattr(DocumentTree, "keeps_regions", False)
+    reference = verdicts(kept=False)
+    # Through the DocumentTree (its tree shifted by the edits finds the region), regions parsed from scratch.
+    reference_kept = verdicts(kept=True)
     monkeypatch.setattr(syntax._Judge, "shortcuts", True)
-    assert verdicts() == reference
-    assert sum(o in ("cut", "dropped") for _, o, _ in reference) >= 20
+    monkeypatch.setattr(DocumentTree, "keeps_regions", True)
+    assert verdicts(kept=False) == reference
+    assert verdicts(kept=True) == reference_kept
+    assert sum(o in ("cut", "dropped") for _, o, _, _ in reference) >= 100
+    assert sum(o in ("cut", "dropped") for _, o, _, _ in reference_kept) >= 100
+
+
+def test_a_cut_is_parsed_from_the_cut_before_it():
+    # The judge's parses: a cut one token shorter than the last is parsed from the last one's tree (it
+    # re-reads that token); its errors are those of a parse from scratch.
+    from tree_sitter import Parser
+
+    before = "def f(x):\n    return g(x"
+    text = before + "(x, y)\n\n\ndef h():\n    pass\n"
+    site = site_at(text, len(before), "python")
+    judge = syntax._Judge(site)
+    judge.baseline()  # (its stand-ins' parses first)
+    made: list[bytes] = []
+    real = syntax.edited_tree
+
+    def spy(tree, data, start, end, new):
+        made.append(data)
+        return real(tree, data, start, end, new)
+
+    syntax.edited_tree, old = spy, syntax.edited_tree
+    try:
+        for c in ("(x, y)", "(x, y", "(x,"):
+            judge.unexcused(c)
+    finally:
+        syntax.edited_tree = old
+    assert made[0] == site.data and made[1] != site.data and made[2] != site.data  # from the cut before
+    for c in ("(x, y)", "(x, y", "(x,"):
+        data = site.data[: site.cursor] + c.encode() + site.data[site.cursor :]
+        assert str(judge._trees[(c, "")].root_node) == str(Parser(site.spec.language()).parse(data).root_node)
+
+
+def test_an_edit_undone_takes_the_documents_parse_back():
+    spec = spec_for("python")
+    text = "def f(x):\n    return x\n" * 3
+    keeper = DocumentTree(spec, text)
+    tree = keeper.tree(text)
+    typed = text[:20] + "(" + text[20:]
+    keeper.edit(text, 20, 20, "(", new_text=typed)
+    assert keeper.shifted(typed) is not tree
+    keeper.edit(typed, 20, 21, "", new_text=text[:20] + text[20:])  # an equal text, not the same object
+    assert keeper.shifted(text) is tree and not keeper.stale
+    assert keeper.tree(text) is tree and keeper.parses == 1
+    keeper.edit(text, 0, 0, "#\n")
+    assert keeper.stale and keeper.tree("#\n" + text) is not tree and keeper.parses == 2
+
+
+def test_a_region_kept_by_its_document_follows_its_edits():
+    # The construct around the cursor in a long document: parsed from scratch the first time, then kept,
+    # told of the edits inside it and reparsed incrementally; one beside an edit moves with it. Every tree
+    # is the one a parse from scratch gives.
+    from tree_sitter import Parser
+
+    spec = spec_for("python")
+    text = "".join(f"def f{i}(x):\n    y = x + {i}\n    return y\n\n\n" for i in range(400))
+    assert len(text) > MAX_REGION_BYTES
+    keeper = DocumentTree(spec, text)
+    keeper.tree(text)
+    at = text.index("def f200")
+    cursor = text.index("return y", at)
+    first = site_at(text, cursor, spec, keeper)
+    assert first.parsed == "fresh" and first.data.startswith(b"def f200")
+    assert site_at(text, cursor + 3, spec, keeper).parsed == "kept"
+    typed = text[:cursor] + "z = (" + text[cursor:]
+    keeper.edit(text, cursor, cursor, "z = (", new_text=typed)
+    site = site_at(typed, cursor + 5, spec, keeper)
+    assert site.parsed == "incremental" and site.errors
+    assert str(site.tree.root_node) == str(Parser(spec.language()).parse(site.data).root_node)
+    moved = "#\n" + typed  # an edit above the region: the region moves, its tree stays as it was
+    keeper.edit(typed, 0, 0, "#\n", new_text=moved)
+    again = site_at(moved, cursor + 7, spec, keeper)
+    assert again.parsed == "kept" and again.data == site.data
+    fixed = moved[: cursor + 2] + moved[cursor + 7 :]  # the edit inside it undone
+    keeper.edit(moved, cursor + 2, cursor + 7, "", new_text=fixed)
+    site = site_at(fixed, cursor + 2, spec, keeper)
+    assert site.parsed == "incremental" and not site.errors and site.data == first.data
+    assert str(site.tree.root_node) == str(first.tree.root_node)
+
+
+@pytest.mark.parametrize("language, source", [
+    ("python", 'def f(x):\n    y = g(x, [1, (2)], "(", f"{h(x)}")  # (\n    return {y: [x]}\n'),
+    ("javascript", "function f(x) {\n  const y = g(x, [1, (2)], '(', `${h(x)}`); // (\n  return {y: [x]};\n}\n"),
+    ("go", "package p\n\nfunc f(x int) {\n\ty := g(x, []int{1, (2)}, \"(\", '(') // (\n\treturn\n}\n"),
+    ("rust", "fn f(x: i32) {\n    let y = g(x, [1, (2)], \"(\", '('); // (\n    /* [ */ h(y)\n}\n"),
+    ("c", "int f(int x) {\n  int y = g(x, (2), \"(\", '('); // (\n  return y[0];\n}\n"),
+])
+def test_the_bracket_query_finds_what_the_walk_finds(language, source):
+    # syntax_site._brackets asks tree-sitter's query engine for the brackets outside strings and comments:
+    # the same tokens as the walk, on code broken at random places too.
+    from tree_sitter import Parser
+
+    from completiond.completion import syntax_site
+
+    spec = spec_for(language)
+    kinds = {k for pair in spec.brackets for k in pair}
+    rng = random.Random(5)
+    for k in range(200):
+        text = source
+        for _ in range(k % 4):
+            i = rng.randrange(len(text) + 1)
+            text = text[:i] + rng.choice(["(", ")", "{", "'", '"', "", "`", "/*", "#", "]"]) + text[i + rng.randrange(3) :]
+        data = text.encode()
+        tree = Parser(spec.language()).parse(data)
+        for node in (tree.root_node, tree.root_node.descendant_for_byte_range(len(data) // 2, len(data) // 2)):
+            lo, hi = rng.randrange(len(data) + 1), rng.randrange(len(data) + 1)
+            walk = [n.start_byte for n in syntax_site._leaves(node, spec, lo, hi) if n.type in kinds and not n.is_missing]
+            found = [n.start_byte for n in syntax_site._brackets(node, spec, lo, hi) if not n.is_missing]
+            assert found == walk, text
 
 
 def test_a_document_tree_edit_finds_its_end_from_its_start():
-    from completiond.completion.syntax_tree import _point, _point_from
+    from completiond.completion.syntax_tree import _point, _point_from, _point_near
 
     rng = random.Random(1)
     for text in ["abc\ndef\n\nghi", "héllo\nwörld\n😀x\ny", "\n\n\n", "x" * 40]:
@@ -503,3 +631,5 @@ def test_a_document_tree_edit_finds_its_end_from_its_start():
             b = rng.randrange(a, len(text) + 1)
             sb, sp = _point(text, a)
             assert _point_from(text, a, sb, sp, b) == _point(text, b)
+            c = rng.randrange(len(text) + 1)  # from the last edit's start, either side of it
+            assert _point_near(text, c, (b, *_point(text, b))) == _point(text, c)

@@ -9,8 +9,10 @@ check a suggestion there: the rest of the line the cursor is in, as the file has
 `typing` (the default) cuts that rest from the document first, as when code is being written, so the
 suggestion fills a line the document lacks; `retyped` leaves it right of the cursor and types one character
 again, a harder case than production meets (a suggestion repeating the text right of the cursor is dropped
-by the stop rules before the judge). Reported: p50 / p95 / max of that work per request, and of each part.
-No model runs; run it on a quiet machine.
+by the stop rules before the judge). Reported: p50 / p95 / max of that work per request, and of each part;
+and the parses a request made (`parses`: the document's, the region's and the verdict's; `region`: how
+the region's tree was had, DocumentTree.region; `fresh_kb`: bytes parsed from scratch), counts that do not
+move with the machine's load. No model runs; run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 CASES = ("typing", "retyped")
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+def _pct(xs: Sequence[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))] if ys else 0.0
 
 
 def measure(text: str, language: str, requests: int, seed: int = 0, case: str = "typing") -> dict[str, Any]:
@@ -62,6 +65,9 @@ def measure(text: str, language: str, requests: int, seed: int = 0, case: str = 
     rng = random.Random(seed)
     starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
     parts: dict[str, list[float]] = {"reparse": [], "site": [], "check": [], "total": []}
+    parses: list[int] = []
+    fresh_kb: list[float] = []
+    region: dict[str, int] = {"fresh": 0, "incremental": 0, "kept": 0}
     for _ in range(requests):
         line = rng.randrange(len(starts) - 1)
         s, e = starts[line], starts[line + 1] - 1
@@ -77,15 +83,23 @@ def measure(text: str, language: str, requests: int, seed: int = 0, case: str = 
         else:  # the user types the character at the cursor again; the rest of the line stays
             typed, cursor, suggestion = text[:offset] + text[offset] + text[offset:], offset + 1, body[col + 1 :]
             edit = (offset, offset, text[offset])
+        doc_parses = keeper.parses
         t0 = time.perf_counter()
         keeper.edit(text, *edit, new_text=typed)
-        tree = keeper.shifted(typed) or keeper.tree(typed)  # as the daemon does
+        keeper.shifted(typed) or keeper.tree(typed)  # as the daemon does (a long document's tree)
         t1 = time.perf_counter()
-        site = site_at(typed, cursor, spec, tree)
+        site = site_at(typed, cursor, spec, keeper)
         t2 = time.perf_counter()
-        if site is not None:
-            check(site, suggestion)
+        verdict = check(site, suggestion) if site is not None else None
         t3 = time.perf_counter()
+        n = keeper.parses - doc_parses + (verdict.parses if verdict is not None else 0)
+        kb = 0.0  # (the document's reparse is incremental)
+        if site is not None:
+            region[site.parsed] += 1
+            n += site.parsed != "kept"
+            kb += len(site.data) / 1000 if site.parsed == "fresh" else 0
+        parses.append(n)
+        fresh_kb.append(kb)
         start, end, inserted = edit
         keeper.edit(typed, start, start + len(inserted), text[start:end], new_text=text)  # back, untimed
         for name, v in (("reparse", t1 - t0), ("site", t2 - t1), ("check", t3 - t2), ("total", t3 - t0)):
@@ -95,6 +109,9 @@ def measure(text: str, language: str, requests: int, seed: int = 0, case: str = 
         for name, v in parts.items()
         if v
     } | {
+        "parses": {"mean": round(statistics.mean(parses), 3), "p95": _pct(parses, 0.95), "max": max(parses)},
+        "fresh_kb": {"mean": round(statistics.mean(fresh_kb), 3), "p95": round(_pct(fresh_kb, 0.95), 3)},
+        "region": region,
         "requests": len(parts["total"]),
         "lines": text.count("\n"),
         "bytes": len(text.encode()),
@@ -129,4 +146,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("reparse", "site", "check", "total"):
         r = result[name]
         print(f"  {name:<8} p50 {r['p50_ms']:.2f} ms  p95 {r['p95_ms']:.2f} ms  max {r['max_ms']:.2f} ms")
+    p, region = result["parses"], result["region"]
+    print(
+        f"  parses per request: mean {p['mean']:.2f}, p95 {p['p95']}, max {p['max']}; region trees: "
+        f"{region['fresh']} fresh, {region['incremental']} incremental, {region['kept']} kept; "
+        f"parsed from scratch {result['fresh_kb']['mean']:.1f} kB a request"
+    )
     return 0

@@ -16,15 +16,18 @@ a request, what brackets are open at the cursor line, and the region parsed with
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tree_sitter import Node, Parser, Point, Tree
+from tree_sitter import Node, Parser, Query, QueryCursor, QueryError, Tree
 
 from completiond.completion.languages import LanguageSpec, spec_of
-from completiond.completion.syntax_tree import Error, _end_point, encode, errors_in
+from completiond.completion.syntax_tree import DocumentTree, Error, edited_tree, encode, errors_in
 
 MAX_REGION_BYTES = 8000
 MAX_LEAVES = 4000  # bracket scans around the cursor line stop after this many tokens
@@ -48,11 +51,7 @@ class Site:
     checkable: bool = True
     partial: bool = False  # the region is a window of lines, not whole constructs (none fits)
     ms: float = 0.0  # time spent finding it (parse included)
-
-
-def _bpoint(data: bytes, b: int) -> Point:
-    ls = data.rfind(b"\n", 0, b) + 1
-    return Point(data.count(b"\n", 0, b), b - ls)
+    parsed: str = "fresh"  # how the region's tree was had (DocumentTree.region): fresh | incremental | kept
 
 
 def _line_start(data: bytes, b: int) -> int:
@@ -158,6 +157,58 @@ def _leaves(node: Node, spec: LanguageSpec, lo: int, hi: int) -> Iterator[Node]:
             stack.extend(reversed(n.children))
 
 
+@functools.cache
+def _bracket_query(spec: LanguageSpec) -> Query | None:
+    """A query for the bracket tokens and the strings and comments of the language (None: none to ask)."""
+    lang = spec.language()
+    if lang is None:
+        return None
+    kinds = sorted({k for pair in spec.brackets for k in pair if lang.id_for_node_kind(k, False)})
+    skip = sorted(k for k in spec.strings | spec.comments if lang.id_for_node_kind(k, True))
+    if not kinds:
+        return None
+    source = "[" + " ".join(json.dumps(k) for k in kinds) + "] @bracket"
+    if skip:
+        source += "\n[" + " ".join(f"({k})" for k in skip) + "] @skip"
+    try:
+        return Query(lang, source)
+    except QueryError:
+        return None
+
+
+def _brackets(node: Node, spec: LanguageSpec, lo: int, hi: int) -> list[Node]:
+    """The bracket tokens among _leaves(node, spec, lo, hi), in order: found by a query (in tree-sitter's C)
+    where the walk's bound cannot cut the walk short, else by the walk."""
+    kinds = {k for pair in spec.brackets for k in pair}
+    if hi <= lo:
+        return []  # (only a token wider than a bracket spans an empty range's edges)
+    query = _bracket_query(spec)
+    if query is not None and node.descendant_count <= MAX_LEAVES:
+        cursor = QueryCursor(query)
+        cursor.set_byte_range(lo, hi)
+        found = cursor.captures(node)
+        if not cursor.did_exceed_match_limit:
+            # Strings and comments (nested ones too) merged into disjoint spans: a bracket in one is skipped,
+            # as the walk skips their subtrees.
+            starts: list[int] = []
+            ends: list[int] = []
+            for a, b in sorted((n.start_byte, n.end_byte) for n in found.get("skip", ())):
+                if ends and a < ends[-1]:
+                    ends[-1] = max(ends[-1], b)
+                else:
+                    starts.append(a)
+                    ends.append(b)
+            out = []
+            for n in sorted(found.get("bracket", ()), key=lambda n: n.start_byte):
+                p = n.start_byte
+                if n.end_byte > lo and p < hi:
+                    i = bisect.bisect_right(starts, p) - 1
+                    if i < 0 or p >= ends[i]:
+                        out.append(n)
+            return out
+    return [n for n in _leaves(node, spec, lo, hi) if n.type in kinds]
+
+
 def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, le: int) -> tuple[tuple[str, ...], int]:
     """(brackets open at the start of the cursor line, outermost first; closers below the line that close
     brackets open above it), within the statement that holds the line start."""
@@ -179,7 +230,7 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
     pairs = dict(spec.brackets)
     closers = {c: o for o, c in spec.brackets}
     stack: list[str] = []
-    for leaf in _leaves(holder, spec, holder.start_byte, ls):
+    for leaf in _brackets(holder, spec, holder.start_byte, ls):
         t = leaf.type
         if (t not in pairs and t not in closers) or leaf.is_missing or _block_brace(spec, leaf):
             continue  # (brackets only: a node's parent is costly to reach)
@@ -191,7 +242,7 @@ def _brackets_around_line(spec: LanguageSpec, tree: Tree, data: bytes, ls: int, 
         return (), 0
     depth = 0
     owed = 0
-    for leaf in _leaves(holder, spec, le, holder.end_byte):
+    for leaf in _brackets(holder, spec, le, holder.end_byte):
         t = leaf.type
         if (t not in pairs and t not in closers) or leaf.is_missing or _block_brace(spec, leaf):
             continue
@@ -232,33 +283,46 @@ def _ancestors(tree: Tree, b: int) -> tuple[str, ...]:
 
 
 def site_at(
-    text: str, offset: int, spec: LanguageSpec | str | None, tree: Tree | None = None, data: bytes | None = None
+    text: str,
+    offset: int,
+    spec: LanguageSpec | str | None,
+    tree: Tree | DocumentTree | None = None,
+    data: bytes | None = None,
 ) -> Site | None:
     """The Site around `offset`, or None when the language (a spec, or an LSP id or name) has no grammar
-    here. tree: the document's own (DocumentTree.shifted or .tree), used to find the region in a long
-    document; the whole document is parsed here when it is long and none is given."""
+    here. tree: the document's own, used to find the region in a long document (the whole document is
+    parsed here when it is long and none is given): its DocumentTree (which also keeps the trees of the
+    regions parsed before, edited along with the document: a request in one reparses it incrementally), or
+    a tree from one (DocumentTree.shifted or .tree)."""
     if isinstance(spec, str):
         spec = spec_of(spec)
     if spec is None or spec.language() is None:
         return None
     t0 = time.perf_counter()
+    keeper = tree if isinstance(tree, DocumentTree) else None
+    doc_tree = tree if isinstance(tree, Tree) else None
     partial = False
     data = encode(text) if data is None else data
     cursor = offset if len(data) == len(text) else len(encode(text[:offset]))  # ASCII: bytes are characters
     ls = text.rfind("\n", 0, offset) + 1
     le = text.find("\n", offset)
     le = len(text) if le < 0 else le
+    ranges: tuple[tuple[int, int], ...] = ((0, len(data)),)
     if len(data) > MAX_REGION_BYTES:
-        if tree is None:
-            tree = Parser(spec.language()).parse(data)
-        ranges = _region(spec, tree, data, cursor)
-        partial = ranges is not None and ranges == _window(data, cursor)
-        if ranges is not None:
+        if keeper is not None:
+            doc_tree = keeper.shifted(text) or keeper.tree(text)
+        if doc_tree is None:
+            doc_tree = Parser(spec.language()).parse(data)
+        region = _region(spec, doc_tree, data, cursor)
+        partial = region is not None and region == _window(data, cursor)
+        if region is not None:
             # The region's pieces put together: every parse from here on reads only them.
+            ranges = region
             before = sum(min(b, cursor) - a for a, b in ranges if a < cursor)
             data = b"".join(data[a:b] for a, b in ranges)
             cursor = before
-    region_tree = Parser(spec.language()).parse(data)
+    kept = keeper.region(text, ranges, data) if keeper is not None else None
+    region_tree, parsed = kept if kept is not None else (Parser(spec.language()).parse(data), "fresh")
     bls = cursor - len(encode(text[ls:offset]))
     ble = min(len(data), cursor + len(encode(text[offset:le])))
     open_before, closed_below = _brackets_around_line(spec, region_tree, data, bls, ble)
@@ -276,6 +340,7 @@ def site_at(
         ms=1000 * (time.perf_counter() - t0),
         checkable=not _in_multiline_string(spec, region_tree, cursor, bls),
         partial=partial,
+        parsed=parsed,
     )
 
 
@@ -300,17 +365,7 @@ def edited(site: Site, start: int, end: int, new: bytes) -> Tree:
     """The region with data[start:end] replaced by `new`, parsed incrementally from the region's own tree
     (only the changed span is re-read)."""
     data = site.data[:start] + new + site.data[end:]
-    old = site.tree.copy()
-    sp, ep = _bpoint(site.data, start), _bpoint(site.data, end)
-    old.edit(
-        start_byte=start,
-        old_end_byte=end,
-        new_end_byte=start + len(new),
-        start_point=sp,
-        old_end_point=ep,
-        new_end_point=_end_point(sp, new.decode("utf-8", "surrogatepass")),
-    )
-    return Parser(site.spec.language()).parse(data, old)
+    return Parser(site.spec.language()).parse(data, edited_tree(site.tree, site.data, start, end, new))
 
 
 def inserted(site: Site, insert: bytes) -> Tree:
@@ -341,7 +396,7 @@ def stand_ins(site: Site) -> list[str]:
     ls, le = line_bounds(site)
     root = site.tree.root_node
     above: list[str] = []
-    for leaf in _leaves(root, spec, 0, ls):
+    for leaf in _brackets(root, spec, 0, ls):
         if leaf.is_missing:
             continue
         if leaf.type in pairs:
@@ -350,7 +405,7 @@ def stand_ins(site: Site) -> list[str]:
             above.pop()
     depth = 0
     debt: list[str] = []  # closers below with no opener below, in order
-    for leaf in _leaves(root, spec, le, len(site.data)):
+    for leaf in _brackets(root, spec, le, len(site.data)):
         if leaf.is_missing:
             continue
         if leaf.type in pairs:

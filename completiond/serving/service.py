@@ -435,13 +435,13 @@ class Service:
         context = self.docs.context(
             client, cfg, path, language, text, offset, completer.budgets(cfg), completer.token_counter()
         )
-        # tree: the document's DocumentTree. A request uses it as the edits left it (shifted by tree-sitter's
-        # edit API, not reparsed: enough to find the construct around the cursor); it is reparsed, incrementally,
-        # once edits pile up (DocumentTree.shifted).
-        shifted = (tree.shifted(text) or tree.tree(text)) if tree is not None else None
+        # tree: the document's DocumentTree, handed on whole (syntax.site_at): a long document's tree is used as
+        # the edits left it (shifted by tree-sitter's edit API, not reparsed: enough to find the construct around
+        # the cursor), reparsed incrementally once edits pile up (DocumentTree.shifted), and the construct's own
+        # tree is kept across requests, edited along with the document (DocumentTree.region).
         try:
             done = suggest(
-                completer, text, offset, cfg, cancel=token, path=path, language=language, context=context, tree=shifted
+                completer, text, offset, cfg, cancel=token, path=path, language=language, context=context, tree=tree
             )
         except TeamServerError as exc:
             if remote and exc.kind != "config":
