@@ -565,14 +565,17 @@ def test_a_region_kept_by_its_document_follows_its_edits():
     from tree_sitter import Parser
 
     spec = spec_for("python")
-    text = "".join(f"def f{i}(x):\n    y = x + {i}\n    return y\n\n\n" for i in range(400))
-    assert len(text) > MAX_REGION_BYTES
+    from completiond.completion.syntax_tree import MIN_KEPT_REGION_BYTES
+
+    body = "".join(f"    y{k} = x + {k}\n" for k in range(150))  # a region worth keeping
+    text = "".join(f"def f{i}(x):\n{body}    return y\n\n\n" for i in range(40))
+    assert len(text) > MAX_REGION_BYTES and len(body) > MIN_KEPT_REGION_BYTES
     keeper = DocumentTree(spec, text)
     keeper.tree(text)
-    at = text.index("def f200")
+    at = text.index("def f20(")
     cursor = text.index("return y", at)
     first = site_at(text, cursor, spec, keeper)
-    assert first.parsed == "fresh" and first.data.startswith(b"def f200")
+    assert first.parsed == "fresh" and first.data.startswith(b"def f20(")
     assert site_at(text, cursor + 3, spec, keeper).parsed == "kept"
     typed = text[:cursor] + "z = (" + text[cursor:]
     keeper.edit(text, cursor, cursor, "z = (", new_text=typed)
@@ -588,6 +591,9 @@ def test_a_region_kept_by_its_document_follows_its_edits():
     site = site_at(fixed, cursor + 2, spec, keeper)
     assert site.parsed == "incremental" and not site.errors and site.data == first.data
     assert str(site.tree.root_node) == str(first.tree.root_node)
+    small = "def f(x):\n    return x\n"  # a small region is parsed from scratch each time (not worth keeping)
+    keeper = DocumentTree(spec, small)
+    assert [site_at(small, 12, spec, keeper).parsed for _ in range(2)] == ["fresh", "fresh"]
 
 
 @pytest.mark.parametrize("language, source", [

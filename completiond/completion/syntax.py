@@ -59,6 +59,14 @@ MAX_PARSES = 10
 LAYOUT_REACH = 600  # bytes past the cursor line whose Python layout is judged (the next statements)
 
 _TOKEN = re.compile(r"\w+|\S")
+_BALANCED = tuple(c.encode() for c in "()[]{}'\"`")
+
+
+def _balance(b: bytes) -> tuple[int, ...]:
+    """How many of each bracket and quote `b` holds."""
+    return tuple(b.count(c) for c in _BALANCED)
+
+
 _BLOCK_KEYWORD_OPENERS = ("then", "do", "in", "else", "{")  # Bash: a header waiting for fi / done / esac
 _KEYWORD_CLOSERS = frozenset({"fi", "done", "esac", "}", "end"})
 # Parents of a block that is a statement of its own, heading nothing (Go / JS labels, Rust / C statements).
@@ -178,7 +186,13 @@ class _Judge:
             was, now = d0[u0 : len(d0) - tail], data[u0 : len(data) - tail]
             k = len(os.path.commonprefix([was, now]))
             j = len(os.path.commonprefix([was[k:][::-1], now[k:][::-1]]))
-            if len(was) + len(now) - 2 * (k + j) < (end - start) + len(raw):
+            # The closer text, unless only the region's tree is told of a change that keeps its brackets and
+            # quotes as they were (the text past the line then reads as in the region's tree, not as the last
+            # parse's damage left it), or only the last parse is.
+            same_site = _balance(raw) == _balance(site.data[start:end])
+            same_last = _balance(was[k : len(was) - j]) == _balance(now[k : len(now) - j])
+            closer = len(was) + len(now) - 2 * (k + j) < (end - start) + len(raw)
+            if same_last if same_site != same_last else closer:
                 old, old_data, a, b, new = t0, d0, u0 + k, u0 + len(was) - j, now[k : len(now) - j]
         tree = Parser(site.spec.language()).parse(data, edited_tree(old, old_data, a, b, new))
         self._last = (start, end, data, tree)

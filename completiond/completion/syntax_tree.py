@@ -21,6 +21,7 @@ from completiond.completion.languages import LanguageSpec
 MAX_SHIFTED_EDITS = 64  # edits a document's tree follows by the edit API alone before it is reparsed
 MAX_ERRORS = 64  # error nodes collected per parse (the rest cannot change a verdict much)
 MAX_REGIONS = 16  # region trees a document keeps across edits (the constructs around recent cursors)
+MIN_KEPT_REGION_BYTES = 2000  # a smaller region is parsed from scratch each time (a fraction of a millisecond)
 
 # An error of a parse: (start byte, end byte, missing, node type).
 Error = tuple[int, int, bool, str]
@@ -223,8 +224,9 @@ class DocumentTree:
                 if hit is not None:
                     hit.tree, hit.clean = tree, True
                 else:
-                    self._regions.append(_Region(ranges, data, tree, True))
-                    del self._regions[:-MAX_REGIONS]
+                    if len(data) >= MIN_KEPT_REGION_BYTES:
+                        self._regions.append(_Region(ranges, data, tree, True))
+                        del self._regions[:-MAX_REGIONS]
         return tree, "fresh" if old is None else "incremental"
 
     keeps_regions = True  # off: every region is parsed from scratch (the reference, for tests)
