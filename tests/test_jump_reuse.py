@@ -192,4 +192,43 @@ def test_eviction_keeps_each_files_latest_prompt_before_older_ones_of_a_file_in_
     for head in (3, 4):                    # only last-of-their-kind sequences left: least recently used first
         cache.release(seq(head, 0))
     assert left not in cache._entries.values()
+    # Documents whose prompts start alike (one context block's first chunk): the completer tags each sequence
+    # with its document, and that is what groups them.
+    cache = PrefixCache(3 * one)
+    cache.group = "left.py"
+    left = seq(1, 0)
+    cache.release(left)
+    cache.group = "used.py"
+    for tail in (11, 12, 13):
+        cache.release(seq(1, tail))
+    assert left in cache._entries.values() and left.group == "left.py"
+    assert [int(s.tokens[100]) for s in cache._entries.values()] == [0, 12, 13]
 
+
+
+def test_a_warm_up_never_cuts_a_cached_request_prompt(engines):
+    # Issue 45's switch back: a warm-up after a request (the cursor line's head, then the walk's heads below it)
+    # cut the request's cached prompt back to the head it shares, in place: its cursor line and suffix were
+    # gone, and a switch back to that cursor prefilled them again. Warm-ups now leave it whole (a copy of the
+    # shared head grows instead), and what they cache still equals a cold prefill.
+    warm, cold = engines
+    builder = psm_builder(warm)
+    text = FILES[1]
+    saved = warm.cache
+    warm.cache = PrefixCache(1 << 30)
+    try:
+        at = line_end(text, 100)
+        prompt = builder.build(text, at)
+        params = SamplingParams(max_tokens=4)
+        first = warm.generate(prompt.ids, params)
+        warm.warm(head_ids(prompt))                                  # fully cached inside the request's prompt
+        below = builder.build(text, line_end(text, 104))
+        warm.warm(head_ids(below))                                   # shares the window above the cursor line
+        again = warm.generate(prompt.ids, params)
+        assert again.stats.reused_tokens == len(prompt.ids) - 1, again.stats
+        assert again.tokens == first.tokens == cold.generate(prompt.ids, params).tokens
+        here = warm.generate(below.ids, params)
+        assert here.stats.reused_tokens >= len(head_ids(below))
+        assert here.tokens == cold.generate(below.ids, params).tokens
+    finally:
+        warm.cache = saved

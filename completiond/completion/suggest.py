@@ -291,6 +291,9 @@ class LocalCompleter:
             if self.on_round is not None:
                 self.on_round(tokens)
 
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None and hasattr(cache, "group"):
+            cache.group = path  # the prefix cache evicts older prompts of a document before another's last one
         try:
             found, gen = suggest_alternatives(
                 self.engine,

@@ -75,6 +75,9 @@ class Warmup:
         if not self.may_evict and not has_room(getattr(self.engine, "cache", None), min(limit, len(ids))):
             self.stopped_full = True
             return False
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None and hasattr(cache, "group"):
+            cache.group = self.path  # as a request's prompts are (LocalCompleter.complete)
         warmed, cached = self.engine.warm(ids, cancel, limit=limit)
         if cached >= len(ids):
             self.targets.pop(0)

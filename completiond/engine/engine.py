@@ -363,8 +363,11 @@ class Engine:
         if self.threads is not None:
             self.threads.pick()
         # acquire() keeps the last token for the logits a request needs: ask one past what is to be cached.
-        seq, reused = self.cache.acquire(tokens + [0], self.new_sequence)
+        # keep_tails: a cached request's prompt that shares only a head with these tokens is copied, not cut.
+        seq, reused = self.cache.acquire(tokens + [0], self.new_sequence, keep_tails=True)
         try:
+            if reused >= len(tokens):
+                return 0, len(tokens)  # all cached already (perhaps inside a longer sequence, left whole)
             todo = tokens[reused:]
             if limit is not None:
                 todo = todo[: max(0, limit)]

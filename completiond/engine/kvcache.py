@@ -4,9 +4,8 @@ A `KVSequence` is one token sequence with the keys and values of every layer
 for each of its tokens. The `PrefixCache` holds sequences that are not in use,
 within a byte budget, and hands out the one sharing the longest prefix with a
 new prompt (any cached sequence, so switching files and back still hits).
-Least recently used sequences are evicted first, those whose head a newer
-one shares before the last of their kind (each file's latest prompt stays
-longest; a sequence that a newer one holds nearly all of goes at once: the
+Least recently used sequences are evicted first, older prompts of a document
+before the last prompt of another (each file's latest prompt stays longest; a sequence that a newer one holds nearly all of goes at once: the
 budget keeps the prefixes of distinct files and regions, an LRU of them);
 `on_evict` is told, so a GPU caller can return memory to the allocator.
 """
@@ -26,7 +25,7 @@ _CAPACITY_STEP = 256
 _MIN_SHARED = 32
 # A cached sequence sharing all but this many of its tokens with one released after it is dropped then.
 _SUPERSEDED = 8
-# Sequences whose first this many tokens agree count as one file's prompts when the cache evicts (`_victim`).
+# Untagged sequences whose first this many tokens agree count as one file's prompts when the cache evicts.
 _HEAD = 64
 
 
@@ -53,6 +52,8 @@ class KVSequence:
         # A separate draft model's own sequence over the same tokens (engine/draft_model.py). It rides
         # on this one so that the prefix cache crops, copies and evicts both together; it may lag.
         self.companion: "KVSequence | None" = None
+        # The document whose prompt this is (PrefixCache.group when it was released), for eviction; None: unknown.
+        self.group: Any = None
         self.lookup: Any = None  # an NgramIndex (lookup.py, which imports this module): the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
@@ -128,6 +129,9 @@ class PrefixCache:
         # to lose; a long one (another file's body) is worth a copy of the prefix.
         self.branch_threshold = branch_threshold
         self._entries: OrderedDict[int, KVSequence] = OrderedDict()
+        # What the worker's current work is for (the completer sets the document's path before a request or a
+        # warm-up): sequences released meanwhile are that document's prompts, which `_victim` groups by.
+        self.group: Any = None
         self.hits = 0
         self.lookups = 0
         self.evictions = 0
@@ -153,11 +157,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def acquire(self, prompt: list[int] | np.ndarray, factory: Callable[[int], KVSequence]) -> tuple[KVSequence, int]:
+    def acquire(
+        self, prompt: list[int] | np.ndarray, factory: Callable[[int], KVSequence], keep_tails: bool = False
+    ) -> tuple[KVSequence, int]:
         """Return (sequence, reused): a sequence whose first `reused` tokens equal the prompt's.
 
         The sequence leaves the cache until `release`. At most len(prompt) - 1 tokens are reused:
-        the last prompt token is always fed to the model so that its logits exist.
+        the last prompt token is always fed to the model so that its logits exist. keep_tails: a background
+        warm-up's prompt; a cached sequence it shares only a prefix of is copied, never cut (its tail is the
+        cursor line and suffix of a request's prompt, which a switch back to that cursor asks for again).
         """
         prompt = np.asarray(prompt, dtype=np.int64)
         self.lookups += 1
@@ -175,7 +183,10 @@ class PrefixCache:
             # sequence, and that one stays cached for its file.
             return factory(len(prompt)), 0
         self.hits += 1
-        if seq.length - best > self.branch_threshold:
+        if keep_tails and best >= len(prompt) - 1:
+            del self._entries[best_key]  # all the caller needs is there: the sequence goes back whole
+            return seq, best
+        if seq.length - best > (0 if keep_tails else self.branch_threshold):
             self._entries.move_to_end(best_key)
             return seq.copy_prefix(best, extra_capacity=len(prompt) - best), best
         del self._entries[best_key]
@@ -185,6 +196,8 @@ class PrefixCache:
     def release(self, seq: KVSequence) -> None:
         if seq.length == 0:
             return
+        if self.group is not None:
+            seq.group = self.group
         # A sequence this one holds (nearly) all of is only its shorter copy: drop it, so that the budget
         # keeps distinct prefixes (other files, other regions of a file) rather than copies of one.
         for key, other in list(self._entries.items()):
@@ -209,17 +222,15 @@ class PrefixCache:
                 self.on_evict(seq)
 
     def _victim(self) -> int:
-        """The key of the sequence to evict: the least recently used one whose head (its first _HEAD tokens: the
-        context block, a file's first lines) a more recently used one shares, else the least recently used. So
-        each file's latest prompt stays while older prompts of the same files go, and switching back to a file
-        finds its block and its last window (issue 45: the walks' and jumps' prompts of the files in use had
-        evicted the one of the file left a minute ago)."""
+        """The key of the sequence to evict: the least recently used one of a document (`group`; untagged: its
+        first _HEAD tokens) that a more recently used sequence is a prompt of too, else the least recently used.
+        So each document's latest prompt stays while older prompts of the documents in use go, and switching
+        back to a file finds its block and its last window (issue 45: the walks' and jumps' prompts of the files
+        in use had evicted the one of the file left a minute ago)."""
         keys = list(self._entries)
-        heads = [self._entries[k].tokens[: min(_HEAD, self._entries[k].length)] for k in keys]
-        for i, head in enumerate(heads[:-1]):
-            if len(head) < _HEAD:
-                continue
-            if any(len(h) >= _HEAD and np.array_equal(h, head) for h in heads[i + 1 :]):
+        groups = [_group_of(self._entries[k]) for k in keys]
+        for i, group in enumerate(groups[:-1]):
+            if group is not None and group in groups[i + 1 :]:
                 return keys[i]
         return keys[0]
 
@@ -228,6 +239,13 @@ class PrefixCache:
             _, seq = self._entries.popitem(last=False)
             if self.on_evict is not None:
                 self.on_evict(seq)
+
+
+def _group_of(seq: KVSequence) -> Any:
+    """The document `seq` is a prompt of, for eviction: its tag, else its first _HEAD tokens (None: shorter)."""
+    if seq.group is not None:
+        return ("document", seq.group)
+    return ("head", seq.tokens[:_HEAD].tobytes()) if seq.length >= _HEAD else None
 
 
 def _round_up(n: int) -> int:
