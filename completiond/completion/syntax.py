@@ -168,6 +168,7 @@ class _Judge:
         self._trees: dict[tuple[str, str], Tree] = {}
         self._last: tuple[int, int, bytes, Tree] | None = None  # (start, end, text, tree) of the last parse
         self._baseline: list[Error] | None = None
+        self._inside: str | None = None  # the closers of the brackets the user is inside (fine)
         self.reasons: list[str] = []
 
     def _parse(self, start: int, end: int, raw: bytes) -> tuple[Tree, bytes]:
@@ -314,7 +315,9 @@ class _Judge:
         site = self.site
         suffix = site.line_suffix
         probes = [(insert, "", "")]  # (insert, tail after the cursor line, closers of its own bodies)
-        inside = _closers(site, suffix)
+        if self._inside is None:
+            self._inside = _closers(site, suffix)  # (the same for every text the verdict tries)
+        inside = self._inside
         if inside and _closers(site, insert + suffix) == inside and not (ends_line and not suffix.strip()):
             probes.append((insert, inside, ""))
         own = _open_at_line_ends(site.spec, insert) if not suffix.strip() else None
