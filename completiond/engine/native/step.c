@@ -131,9 +131,19 @@ static double prof_now(void) {
             prof_t_ = now_;                                                                             \
         }                                                                                               \
     } while (0)
+/* finer counters (cycles) inside one kernel: PROF_T(i) adds the cycles since the previous mark to cd_prof_t[i] */
+static unsigned long long cd_prof_t[8], prof_last_;
+unsigned long long *cd_profile_ticks(void) { return cd_prof_t; }
+#define PROF_T(i)                                                                                        \
+    do {                                                                                                 \
+        const unsigned long long now_ = __rdtsc();                                                       \
+        if ((i) > 0) cd_prof_t[i] += now_ - prof_last_;                                                  \
+        prof_last_ = now_;                                                                               \
+    } while (0)
 #else
 #define PROF_START
 #define PROF(i)
+#define PROF_T(i)
 #endif
 
 /* ------------------------------------------------------------------ small maths */
@@ -1462,7 +1472,7 @@ static void merge(const float *parts, int nch, int hd, float *out) {
  * dims and a layer's matrices are bf16 or int8 panels (its products round activations already; float32 layers
  * keep float32 attention), its attention runs on tiles with bf16 operands: q rounded to bf16; K and V rounded to bf16 as each call
  * repacks the chunks it reads (K in dim pairs, transposed: the B tiles of S = Q K^T; V in key pairs: the B tiles
- * of O = P V); the probabilities rounded to bf16, and their sum taken over the rounded values. Chunks, masking
+ * of O = P V); the probabilities rounded to bf16 (their sum taken before). Chunks, masking
  * and merge() are the float32 path's. A tile row's sums depend only on that row and the B tiles, and the
  * softmax runs per row, so a row's scores, maximum, sum and o never depend on the rows it shares tiles with:
  * every row of any pass has the bits of a one-row step. A row that sees fewer keys than its batch's longest
@@ -1548,23 +1558,25 @@ static void att_repack(const float *kb, const float *vb, const int *kidx, int k0
         }
 }
 
-/* exp on 16 lanes: exp8's operations, lane for lane */
+/* exp(x) for x <= 0 on 16 lanes, to about 2e-7 relative (the probabilities are rounded to bf16 after, 4e-3):
+ * 2^(x log2 e) as 2^n times a degree-5 polynomial of the fraction in [-0.5, 0.5], scalef for 2^n (0 far below) */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365478515625f));
-    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 y = _mm512_set1_ps(1.3333558146e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* the lanes of 16 keys from key i on that a row of n keys sees */
+static inline __mmask16 keys_live(int i, int n) {
+    const int k = n - i;
+    return k >= 16 ? (__mmask16)0xFFFF : k <= 0 ? (__mmask16)0 : (__mmask16)((1u << k) - 1);
 }
 
 /* attend_rows on tiles: nr <= 16 query vectors against one repacked chunk kv (keys k0.., row r sees nkeys[r] in
@@ -1586,6 +1598,7 @@ static void attend_tiles(const float *const *q, const int *nkeys, int nr, const 
                                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q[r] + e + 16), _mm512_loadu_ps(q[r] + e)));
     }
     const int nv = (nmax + KEYS_P - 1) / KEYS_P * KEYS_P;
+    PROF_T(0);
     amx_configure(nr);
     for (int b = 0; b * KEYS_S < nmax; b++) {
         _tile_zero(0);
@@ -1596,33 +1609,27 @@ static void attend_tiles(const float *const *q, const int *nkeys, int nr, const 
         }
         _tile_stored(0, s + KEYS_S * b, CHUNK * 4);
     }
+    PROF_T(1);
     float mx[AMX_M], ls[AMX_M];
-    const __m512 sc = _mm512_set1_ps(scale), lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int r = 0; r < nr; r++) {
         const float *sr = s + (size_t)r * CHUNK;
-        const __m512 nn = _mm512_set1_ps((float)n[r]);
         __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int i = 0; i < n[r]; i += 16) {
-            const __mmask16 live = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)i)), nn, _CMP_LT_OQ);
-            mv = _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_mul_ps(live, _mm512_loadu_ps(sr + i), sc));
-        }
-        const float m = _mm512_reduce_max_ps(mv);
-        const __m512 m16 = _mm512_set1_ps(m);
+        for (int i = 0; i < n[r]; i += 16) mv = _mm512_mask_max_ps(mv, keys_live(i, n[r]), mv, _mm512_loadu_ps(sr + i));
+        /* the largest scaled score: scaling by scale > 0 and rounding keep the order */
+        const float m = _mm512_reduce_max_ps(mv) * scale;
+        const __m512 m16 = _mm512_set1_ps(m), sc = _mm512_set1_ps(scale);
         __m512 lsum = _mm512_setzero_ps();
         for (int i = 0; i < nv; i += 32) {
-            const __mmask16 l0 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)i)), nn, _CMP_LT_OQ);
-            const __mmask16 l1 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps((float)(i + 16))), nn, _CMP_LT_OQ);
-            const __m512 p0 = _mm512_maskz_mov_ps(l0, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(l0, _mm512_loadu_ps(sr + i), sc), m16)));
-            const __m512 p1 = _mm512_maskz_mov_ps(l1, exp16(_mm512_sub_ps(_mm512_maskz_mul_ps(l1, _mm512_loadu_ps(sr + i + 16), sc), m16)));
-            const __m512i pbv = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_storeu_si512((void *)(pb + (size_t)r * CHUNK + i), pbv);
-            /* the sum of the rounded probabilities, which the tiles multiply */
-            lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(pbv)), 16)));
-            lsum = _mm512_add_ps(lsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pbv, 1)), 16)));
+            const __mmask16 l0 = keys_live(i, n[r]), l1 = keys_live(i + 16, n[r]);
+            const __m512 p0 = _mm512_maskz_mov_ps(l0, exp16(_mm512_maskz_fmsub_ps(l0, _mm512_loadu_ps(sr + i), sc, m16)));
+            const __m512 p1 = _mm512_maskz_mov_ps(l1, exp16(_mm512_maskz_fmsub_ps(l1, _mm512_loadu_ps(sr + i + 16), sc, m16)));
+            _mm512_storeu_si512((void *)(pb + (size_t)r * CHUNK + i), (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            lsum = _mm512_add_ps(_mm512_add_ps(lsum, p0), p1);
         }
         mx[r] = m;
         ls[r] = _mm512_reduce_add_ps(lsum);
     }
+    PROF_T(2);
     for (int e0 = 0; e0 < ne; e0 += 4) { /* up to four C tiles of 16 dims at a time */
         const int four = ne - e0 >= 4;
         _tile_zero(0);
@@ -1652,11 +1659,13 @@ static void attend_tiles(const float *const *q, const int *nkeys, int nr, const 
             _tile_stored(3, ot + 16 * e0 + 48, hd * 4);
         }
     }
+    PROF_T(3);
     for (int r = 0; r < nr; r++) {
         part[r][0] = mx[r];
         part[r][1] = ls[r];
         memcpy(part[r] + 2, ot + (size_t)r * hd, (size_t)hd * sizeof(float));
     }
+    PROF_T(4);
 }
 #else
 static inline int att_tiles(int hd, int group) { (void)hd; (void)group; return 0; }
