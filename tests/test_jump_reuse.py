@@ -203,6 +203,16 @@ def test_eviction_keeps_each_files_latest_prompt_before_older_ones_of_a_file_in_
         cache.release(seq(1, tail))
     assert left in cache._entries.values() and left.group == "left.py"
     assert [int(s.tokens[100]) for s in cache._entries.values()] == [0, 12, 13]
+    # Within a document a warm-up's sequences go before a request's: the walk after a request makes newer
+    # prompts of its document, and the request's own is the one a switch back asks for.
+    cache = PrefixCache(3 * one)
+    cache.group = "left.py"
+    asked = seq(1, 0)
+    cache.release(asked)
+    for tail in (11, 12, 13):
+        cache.release(seq(1, tail), background=True)
+    assert asked in cache._entries.values() and not asked.background
+    assert [int(s.tokens[100]) for s in cache._entries.values()] == [0, 12, 13]
 
 
 

@@ -365,8 +365,10 @@ class Engine:
         # acquire() keeps the last token for the logits a request needs: ask one past what is to be cached.
         # keep_tails: a cached request's prompt that shares only a head with these tokens is copied, not cut.
         seq, reused = self.cache.acquire(tokens + [0], self.new_sequence, keep_tails=True)
+        background = True
         try:
             if reused >= len(tokens):
+                background = seq.background  # a request's prompt stays one
                 return 0, len(tokens)  # all cached already (perhaps inside a longer sequence, left whole)
             todo = tokens[reused:]
             if limit is not None:
@@ -375,7 +377,7 @@ class Engine:
             self.prefill(seq, todo, cancel, chunk_size=max(32, self.prefill_chunk // 4))
             return seq.length - reused, seq.length
         finally:
-            self.cache.release(seq)
+            self.cache.release(seq, background=background)
 
     @torch.inference_mode()
     def logits_for(self, prompt: Sequence[int], use_cache: bool = True) -> torch.Tensor:

@@ -5,9 +5,10 @@ for each of its tokens. The `PrefixCache` holds sequences that are not in use,
 within a byte budget, and hands out the one sharing the longest prefix with a
 new prompt (any cached sequence, so switching files and back still hits).
 Least recently used sequences are evicted first, older prompts of a document
-before the last prompt of another (each file's latest prompt stays longest; a sequence that a newer one holds nearly all of goes at once: the
-budget keeps the prefixes of distinct files and regions, an LRU of them);
-`on_evict` is told, so a GPU caller can return memory to the allocator.
+before the last prompt of another (each file's latest prompt stays longest; a
+sequence that a newer one holds nearly all of goes at once: the budget keeps
+the prefixes of distinct files and regions, an LRU of them); `on_evict` is
+told, so a GPU caller can return memory to the allocator.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class KVSequence:
         self.companion: "KVSequence | None" = None
         # The document whose prompt this is (PrefixCache.group when it was released), for eviction; None: unknown.
         self.group: Any = None
+        self.background = False  # last released by a background warm-up (not a request): evicted first in its group
         self.lookup: Any = None  # an NgramIndex (lookup.py, which imports this module): the prompt-lookup draft's n-gram index over tokens[:length], made on first use
 
     @property
@@ -193,11 +195,13 @@ class PrefixCache:
         seq.crop(best)
         return seq, best
 
-    def release(self, seq: KVSequence) -> None:
+    def release(self, seq: KVSequence, background: bool = False) -> None:
+        """Put `seq` back (most recently used). background: a warm-up's, not a request's."""
         if seq.length == 0:
             return
         if self.group is not None:
             seq.group = self.group
+        seq.background = background
         # A sequence this one holds (nearly) all of is only its shorter copy: drop it, so that the budget
         # keeps distinct prefixes (other files, other regions of a file) rather than copies of one.
         for key, other in list(self._entries.items()):
@@ -223,15 +227,22 @@ class PrefixCache:
 
     def _victim(self) -> int:
         """The key of the sequence to evict: the least recently used one of a document (`group`; untagged: its
-        first _HEAD tokens) that a more recently used sequence is a prompt of too, else the least recently used.
+        first _HEAD tokens) that another cached sequence is a prompt of too (a warm-up's before a request's), else
+        the least recently used.
         So each document's latest prompt stays while older prompts of the documents in use go, and switching
         back to a file finds its block and its last window (issue 45: the walks' and jumps' prompts of the files
         in use had evicted the one of the file left a minute ago)."""
         keys = list(self._entries)
         groups = [_group_of(self._entries[k]) for k in keys]
-        for i, group in enumerate(groups[:-1]):
-            if group is not None and group in groups[i + 1 :]:
-                return keys[i]
+        counts: dict[Any, int] = {}
+        for group in groups:
+            counts[group] = counts.get(group, 0) + 1
+        # A warm-up's sequence goes before a request's: the walk after a request makes newer prompts of its document,
+        # which would otherwise outlive the request's own, the one a switch back asks for.
+        for background in (True, False):
+            for key, group in zip(keys, groups):
+                if group is not None and counts[group] > 1 and self._entries[key].background == background:
+                    return key
         return keys[0]
 
     def clear(self) -> None:
