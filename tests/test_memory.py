@@ -206,3 +206,30 @@ async def test_lsp_keeps_nothing_per_keystroke(tmp_path):
     finally:
         await lsp.close()
         daemon.stop()
+
+
+def test_a_cpu_load_gives_blocks_of_a_mib_and_more_their_own_mappings():
+    """engine/loader.py steady_heap (issue 45's RSS bound): glibc's default would serve a 2 MiB block from the heap
+    once a 4 MiB mapped one was freed (its threshold follows what is freed), where a freed block stays resident;
+    after a CPU load every such block is a mapping of its own, returned to the system when freed."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallopt")
+    code = ("import ctypes, sys, torch\n"
+            "class Info(ctypes.Structure):\n"
+            "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',"
+            " 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+            "libc = ctypes.CDLL(None); libc.mallinfo2.restype = Info\n"
+            "if sys.argv[1] == 'load':\n"
+            "    from completiond.engine.engine import Engine; Engine.load(None, device='cpu')\n"
+            "big = torch.ones(1 << 20); del big\n"           # 4 MiB, mapped, then freed
+            "before = libc.mallinfo2().hblkhd\n"
+            "block = torch.ones(1 << 19)\n"                  # 2 MiB
+            "print(libc.mallinfo2().hblkhd - before >= 2 << 20)\n")
+    for how, mapped in (("plain", "False"), ("load", "True")):
+        done = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == mapped, how

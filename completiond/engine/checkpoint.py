@@ -300,13 +300,25 @@ def light_config(raw: dict, directory: Path) -> LightConfig | None:
     if "use_sliding_window" in c and not c["use_sliding_window"]:
         c["sliding_window"] = None  # Qwen: a window only where use_sliding_window says so
     sizes = ("num_key_value_heads", "max_position_embeddings") + (("head_dim",) if "head_dim" in c else ())
-    if any(not isinstance(c[k], int) for k in sizes) or not isinstance(c["rms_norm_eps"], (int, float)):
+    flags = [c[k] for k in ("tie_word_embeddings", "use_sliding_window") if k in c]
+    ids = [c[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")]
+    if (
+        any(not isinstance(c[k], int) for k in sizes)
+        or not isinstance(c["rms_norm_eps"], (int, float))
+        or any(not isinstance(f, bool) for f in flags)
+        or not all(i is None or isinstance(i, int) or (isinstance(i, list) and _all_ints(i)) for i in ids)
+        or not (c.get("sliding_window") is None or isinstance(c["sliding_window"], int))
+    ):
         return None  # transformers' config class reports what is wrong
     c["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
     c.pop("rope_scaling", None)
     c.pop("rope_theta", None)
     c["_name_or_path"] = str(directory)
     return LightConfig(**c)
+
+
+def _all_ints(values: list) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 def _generation_config(directory: Path) -> SimpleNamespace | None:
