@@ -230,11 +230,12 @@ def test_tile_attention_rows_are_one_row_steps(grouped, threads):
 
 
 @torch.inference_mode()
-def test_tile_attention_tree_nodes_are_plain_steps(grouped):
+@pytest.mark.parametrize("p0", [250, 300])  # 300: the first chunk of keys is all prefix, repacked once for all
+def test_tile_attention_tree_nodes_are_plain_steps(grouped, p0):
     """A token tree's nodes (their keys gathered, repacked per node) have the bits of plain steps."""
     from tests.test_native_step import _tree_is_plain_steps
 
-    _tree_is_plain_steps(grouped, 250)
+    _tree_is_plain_steps(grouped, p0)
 
 
 @torch.inference_mode()

@@ -1728,17 +1728,18 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
     int nb = (pairs + ROW_GROUP - 1) / ROW_GROUP;
     const int busy = (2 * nthreads + KV * nch * units - 1) / (KV * nch * units);
     if (busy > nb) nb = busy < pairs ? busy : pairs;
-    /* attention on tiles (the AMX build, grouped heads): causal passes repack each chunk of K/V once per layer
-     * for every row (kvt: [KV][nch] chunks); a tree row repacks its own keys in its thread's scratch */
-    const int tiles = att_tiles(hd, group);
-    const size_t kvt_dwords = tiles && !mask ? (size_t)KV * nch * att_chunk_dwords(hd) : 0;
+    /* attention on tiles (the AMX build, grouped heads): each chunk of K/V is repacked once per layer for every
+     * row (kvt: [KV][nch] chunks); under a tree mask only the chunks of the prefix (slots below pos), which a
+     * row that sees them all reads as they are, and a tree row repacks the rest of its keys in its scratch */
+    const int tiles = att_tiles(hd, group), shared = mask ? pos / CHUNK : nch; /* chunks repacked for all */
+    const size_t kvt_dwords = tiles ? (size_t)KV * nch * att_chunk_dwords(hd) : 0;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2)
                                          + kvt_dwords + 16;
     float *buf = malloc(floats * sizeof(float));
     if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
     uint32_t *kvt = (uint32_t *)(buf + floats - kvt_dwords);
-    (void)kvt; /* read by the AMX build only */
+    (void)kvt, (void)shared; /* read by the AMX build only */
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
     /* per-thread scratch for activation rows quantised (VNNI build) or rounded to bf16 (BF16 build); 0 bytes elsewhere */
@@ -1795,12 +1796,13 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
              * layer keeps float32 attention */
             const int tl = tiles && L->wfmt != FMT_F32;
 #if CD_AMX
-            if (kvt_dwords && tl) {
-                share_items(KV * nch, tid, nt, &a, &b);
+            if (kvt_dwords && tl && shared) {
+                share_items(KV * shared, tid, nt, &a, &b);
                 for (int it = a; it < b; it++) {
-                    const int g = it / nch, c = it % nch, n = width - c * CHUNK < CHUNK ? width - c * CHUNK : CHUNK;
+                    const int g = it / shared, c = it % shared, n = width - c * CHUNK < CHUNK ? width - c * CHUNK : CHUNK;
                     const size_t base = ((size_t)li * KV + g) * cap * hd;
-                    att_repack(kc + base, vc + base, NULL, c * CHUNK, n, hd, kvt + (size_t)it * att_chunk_dwords(hd));
+                    att_repack(kc + base, vc + base, NULL, c * CHUNK, n, hd,
+                               kvt + ((size_t)g * nch + c) * att_chunk_dwords(hd));
                 }
 #pragma omp barrier
             }
@@ -1828,7 +1830,9 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
 #if CD_AMX
                 if (tl) {
                     const uint32_t *kv = kvt + ((size_t)g * nch + c) * att_chunk_dwords(hd);
-                    if (mask) { /* this row's own keys, repacked behind the kernel's scratch */
+                    const int end = (c + 1) * CHUNK; /* a tree row that sees every slot of a prefix chunk reads it shared */
+                    if (mask && !(c < shared && end <= nvis[u] && ki[end - 1] == end - 1)) {
+                        /* this row's own keys, repacked behind the kernel's scratch */
                         uint32_t *own = (uint32_t *)((char *)qs8 + att_scratch(hd) - att_chunk_dwords(hd) * 4 - 64);
                         own = (uint32_t *)(((uintptr_t)own) & ~(uintptr_t)63);
                         const int n = nvis[u] - c * CHUNK < CHUNK ? nvis[u] - c * CHUNK : CHUNK;
