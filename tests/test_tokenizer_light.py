@@ -248,12 +248,15 @@ def test_remote_code_or_no_tokenizer_json_is_never_checked(tmp_path, cache):
     assert cache == []
 
 
-def test_a_daemon_process_loads_models_without_importing_transformers(tmp_path):
+def test_a_daemon_process_loads_models_without_importing_transformers(tmp_path, monkeypatch):
     """The point of it all: a fresh process (as the daemon is) checks once in a child, then reads the
     tokenizer and the checkpoint, and decodes, with transformers never imported: the bundled model (small,
-    read in float32) and a bf16 checkpoint the native step packs layer by layer."""
+    read in float32; its verdict checked here beforehand, which costs this process no import) and a bf16
+    checkpoint the native step packs layer by layer (checked by the child)."""
     _need_native()
     d = make_tiny_model(tmp_path / "m", family="llama", layers=2, dtype="bfloat16")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert tokenizer_check.check(default_model_dir())["same"]
     env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     code = ("import sys; from completiond.engine import forward, checkpoint, tokenizer; "
             "from completiond.engine.engine import Engine, SamplingParams\n"
@@ -263,7 +266,7 @@ def test_a_daemon_process_loads_models_without_importing_transformers(tmp_path):
             "    return e.tokenizer_in_use().split(' (')[0], e.fwd.released, 0 < len(out.tokens) <= 4\n"
             "bundled = run(None); forward.TRANSPOSED_COPY_LIMIT = 0; large = run(sys.argv[1])\n"
             "print(bundled, large, sorted(m for m in sys.modules if m.startswith('transformers'))[:3])")
-    for _ in range(2):   # the first start runs the checks, the second reads their verdicts
+    for _ in range(2):   # the first start runs the tiny model's check, the second reads its verdict
         done = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == \
@@ -271,16 +274,16 @@ def test_a_daemon_process_loads_models_without_importing_transformers(tmp_path):
     assert len(list((tmp_path / "cache" / "completiond" / "tokenizers").glob("*.json"))) == 2
 
 
-def test_a_model_loaded_through_transformers_keeps_its_tokenizer_and_runs_no_check(tmp_path):
+def test_a_model_loaded_through_transformers_keeps_its_tokenizer_and_runs_no_check(cache, tmp_path):
     """A model read by transformers' classes (reader "transformers", or one engine/checkpoint.py cannot read):
     importing transformers is paid anyway, so no check runs and AutoTokenizer's tokenizer serves."""
-    env = {**__import__("os").environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    code = ("from completiond.engine.engine import Engine; e = Engine.load(None, device='cpu', reader='transformers'); "
-            "print(e.tokenizer_in_use())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "transformers (TokenizersBackend)"
-    assert not (tmp_path / "cache" / "completiond" / "tokenizers").exists()
+    from completiond.engine.engine import Engine
+
+    engine = Engine.load(None, device="cpu", reader="transformers")
+    assert engine.tokenizer_in_use() == "transformers (TokenizersBackend)"
+    assert cache == [] and not (tmp_path / "cache" / "completiond" / "tokenizers").exists()
+    # the same model read here takes the light tokenizer, once checked
+    assert Engine.load(None, device="cpu").tokenizer_in_use().startswith("tokenizers alone") and len(cache) == 1
 
 
 def test_the_split_mode_is_set_and_used_under_one_lock(tmp_path):
