@@ -126,7 +126,7 @@ class Completer(Protocol):
         self,
         text: str,
         offset: int | None,
-        cfg: Any,
+        cfg: Config,
         *,
         path: str | None = None,
         language: str | None = None,

@@ -358,7 +358,7 @@ class LocalCompleter:
         self,
         text: str,
         offset: int | None,
-        cfg: Any,
+        cfg: Config,
         *,
         path: str | None = None,
         language: str | None = None,

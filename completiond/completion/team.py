@@ -63,7 +63,7 @@ class TeamCompleter:
         self,
         text: str,
         offset: int | None,
-        cfg: Any,
+        cfg: Config,
         *,
         path: str | None = None,
         language: str | None = None,
