@@ -123,23 +123,29 @@ async def test_twenty_opened_files_keep_their_prefixes_within_the_cache_budget()
         service.shutdown()
 
 
-async def test_a_switch_back_keeps_its_context_block_and_cache_after_another_file_is_edited_back(tmp_path):
-    # Issue 45, end to end with the context block on: file A's block holds chunks of file B; B is opened in the
-    # editor and edited and put back (new chunk ids), then the user switches back to A. A's prompt is as it was,
-    # served from the cache, and answers as a cold prefill does. (The block's rule itself, that a chunk whose id
-    # went is held by path and text, is test_retrieval's test_a_held_block_survives_...)
+async def _open_a_using_b(tmp_path, services) -> tuple[str, str, str, str]:
+    """a.py calls helpers of b.py (so a's context block holds b's chunks); both indexed, a opened, in each service."""
     helpers = "".join(f"def helper_{i}(request, value):\n    return request.send(value * {i})\n\n\n" for i in range(12))
     a_text = TEXT.replace("return request.send(result)", "return helper_3(request, result)")
     (tmp_path / "a.py").write_text(a_text)
     (tmp_path / "b.py").write_text(helpers)
     a_uri, b_uri = (tmp_path / "a.py").as_uri(), (tmp_path / "b.py").as_uri()
+    for service in services:
+        service.docs.add_folders("c", [str(tmp_path)])
+        await _until(lambda s=service: (s.stats()["index"] or {}).get("files", 0) >= 2
+                     and not s.stats()["index"]["scanning"])
+        service.open("c", a_uri, 1, a_text, "python")
+    return a_text, helpers, a_uri, b_uri
+
+
+async def test_a_switch_back_keeps_its_context_block_and_cache_after_another_file_is_edited_back(tmp_path):
+    # Issue 45, end to end with the context block on: file A's block holds chunks of file B; B is opened in the
+    # editor and edited and put back (new chunk ids), then the user switches back to A. A's prompt is as it was,
+    # served from the cache, and answers as a cold prefill does. (The block's rule itself, that a chunk whose id
+    # went is held by path and text, is test_retrieval's test_a_held_block_survives_...)
     warm, cold = await _service(), await _service(prefetch=False)
     try:
-        for service in (warm, cold):
-            service.docs.add_folders("c", [str(tmp_path)])
-            await _until(lambda s=service: (s.stats()["index"] or {}).get("files", 0) >= 2
-                         and not s.stats()["index"]["scanning"])
-            service.open("c", a_uri, 1, a_text, "python")
+        a_text, helpers, a_uri, b_uri = await _open_a_using_b(tmp_path, (warm, cold))
         offset = _line_end(a_text, 200)
         first = await warm.complete("c", 1, a_uri, 1, offset)
         warm.open("c", b_uri, 1, helpers, "python")
@@ -418,18 +424,9 @@ async def test_a_jump_keeps_the_context_block_and_equals_a_cold_prefill(tmp_path
     # cursor's query after a jump, so the whole prompt was prefilled again. It stays (selection.Selector.hold):
     # a jump reuses the block and the anchored window above the cursor, and answers as a cold prefill of the same
     # prompt (the cold service asks at the same cursors, its cache emptied before each request).
-    helpers = "".join(f"def helper_{i}(request, value):\n    return request.send(value * {i})\n\n\n" for i in range(12))
-    a_text = TEXT.replace("return request.send(result)", "return helper_3(request, result)")
-    (tmp_path / "a.py").write_text(a_text)
-    (tmp_path / "b.py").write_text(helpers)
-    a_uri = (tmp_path / "a.py").as_uri()
     warm, cold = await _service(), await _service(prefetch=False)
     try:
-        for service in (warm, cold):
-            service.docs.add_folders("c", [str(tmp_path)])
-            await _until(lambda s=service: (s.stats()["index"] or {}).get("files", 0) >= 2
-                         and not s.stats()["index"]["scanning"])
-            service.open("c", a_uri, 1, a_text, "python")
+        a_text, _, a_uri, _ = await _open_a_using_b(tmp_path, (warm, cold))
         engine = cold.completer.engine  # type: ignore[union-attr]
         for n, line in enumerate((40, 330, 240, 45)):   # jumps, then back to the region of the first
             offset = _line_end(a_text, line)
