@@ -79,6 +79,13 @@ def state(runtime) -> dict:
     return json.loads((runtime / "config" / "completiond" / first_run.STATE_FILE).read_text())
 
 
+def _state_or_empty(runtime) -> dict:
+    try:
+        return state(runtime)
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
+        return {}
+
+
 @pytest.mark.slow
 async def test_declined_the_bundled_model_stays_and_it_is_asked_once(editor, runtime):
     a = await editor(first_run.NOT_NOW)
@@ -119,6 +126,8 @@ def hub(tmp_path, monkeypatch):
 async def test_accepted_the_model_downloads_with_progress_and_loads(editor, runtime, hub, tmp_path):
     e = await editor(first_run.DOWNLOAD)
     await wait_for(lambda: e.asked, "the first-run question")
+    # The answer is recorded once the server has it, a moment after the question reached the editor.
+    await wait_for(lambda: "model" in _state_or_empty(runtime), "the answer recorded")
     model = state(runtime)["model"]
     assert model.startswith("Qwen/Qwen2.5-Coder-")
 
