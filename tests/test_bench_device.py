@@ -58,7 +58,9 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         assert m["rss_after_load_bytes"] > 0 and m["rss_load_delta_bytes"] is not None
         assert m["rss_after_warmup_bytes"] > 0 and m["rss_vs_weight_bytes"] > 0
         assert m["weights_in_use"] and m["kernel"] and m["load_s"] >= 0
-        assert m["prefill_ms"] > 0 and m["prefill_tokens_per_s"] == pytest.approx(64_000 / m["prefill_ms"], rel=0.01)
+        # prefill_ms is rounded to 0.01 ms, and a tiny model's native prefill takes well under a millisecond
+        ms = m["prefill_ms"]
+        assert ms > 0 and 64_000 / (ms + 0.005) <= m["prefill_tokens_per_s"] <= 64_000 / max(ms - 0.005, 1e-9)
         assert m["prefill_ms_per_token"] == pytest.approx(m["prefill_ms"] / 64, rel=0.01, abs=0.002)
         assert m["prefill_rate_in_use"] > 0  # the engine's measured rate (CPU)
         assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
