@@ -62,7 +62,7 @@ def test_device_report_runs_on_the_cpu(peaked_dir):
         ms = m["prefill_ms"]
         assert ms > 0 and 64_000 / (ms + 0.005) <= m["prefill_tokens_per_s"] <= 64_000 / max(ms - 0.005, 1e-9)
         assert m["prefill_ms_per_token"] == pytest.approx(m["prefill_ms"] / 64, rel=0.01, abs=0.002)
-        assert m["prefill_rate_in_use"] > 0  # the engine's measured rate (CPU)
+        assert m["prefill_rate_in_use"] > 0  # the engine's planning rate (CPU)
         assert list(m["verify_cost_by_k"]) == [str(k) for k in range(1, 9)]
         assert all(v > 0 for v in m["verify_cost_by_k"].values())
         assert all(s.get("tokens") == 24 for s in m["sampling_t0.8"].values()), m["sampling_t0.8"]

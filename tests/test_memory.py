@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 import threading
 
 import pytest
@@ -124,6 +125,12 @@ def test_injected_oom_fails_only_that_request(tiny_daemon):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
             return real(*args, **kwargs)
 
+        # No background warm-ups from here: one started after the failure would hold a sequence of its own.
+        prefetch = tiny_daemon.service.prefetch
+        prefetch.on = False
+        deadline = time.monotonic() + 30
+        while prefetch.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
         ours = {id(q) for q in engine.cache._entries.values()}
         elsewhere = {id(q) for q in live_sequences()} - ours   # other engines in this test process
         engine.run_layers = oom_once

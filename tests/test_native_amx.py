@@ -34,6 +34,10 @@ def test_the_amx_build_is_chosen_where_the_cpu_has_tiles(monkeypatch):
     monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags)
     assert native.kernel_name() == "avx512-bf16"
     monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags + " amx_tile amx_bf16 amx_int8")
+    # tiles the OS does not grant this process are not offered (a CPU or VM without the tile state)
+    monkeypatch.setattr(native.build, "_os_grants_amx", lambda: False)
+    assert native.kernel_name() == "avx512-bf16"
+    monkeypatch.setattr(native.build, "_os_grants_amx", lambda: True)
     assert native.kernel_name() == AMX
     assert native.build._order()[:2] == [AMX, "avx512-bf16"]  # refused by the OS: the next build down
 

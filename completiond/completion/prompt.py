@@ -30,7 +30,7 @@ from completiond.models.fim import FimError, FimTemplate, make_template
 __all__ = ["CHARS_PER_TOKEN", "Prompt", "PromptBuilder", "PromptOptions", "TokenEncoder", "skip_reason"]
 
 
-# The suffix's share of a request's wait: on a CPU it is at most what the engine's estimated prefill rate gets
+# The suffix's share of a request's wait: on a CPU it is at most what the engine's planning rate (model_facts) gets
 # through in this time, and never fewer tokens than SUFFIX_MIN_TOKENS. In a prefix-first layout every keystroke
 # prefills the cursor line and the whole suffix again (they follow the cursor), so this bounds what typing costs
 # beyond a step: at 0.25 s a keystroke at the 0.5B shape on 2 cores took about 0.6 s (issue 45, 2026-12-06).
@@ -229,7 +229,8 @@ class PromptBuilder:
         rate = getattr(engine, "prefill_tokens_per_s", None)
         if rate and cfg is not None and "options" not in kw and int(cfg.suffix_tokens) > SUFFIX_MIN_TOKENS:
             # Sized for the device: after every jump the suffix is prefilled anew, so on a CPU it is at most
-            # what prefills in SUFFIX_PREFILL_S (the 0.5B shape: 32-140 tokens; the bundled model: all).
+            # what prefills in SUFFIX_PREFILL_S at the engine's planning rate, which no clock moves (the 0.5B
+            # shape: 84-175 tokens by kernel and weights; the bundled model: all).
             cap = max(SUFFIX_MIN_TOKENS, int(rate * SUFFIX_PREFILL_S))
             if cap < int(cfg.suffix_tokens):
                 info = getattr(engine, "info", None)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from completiond.engine.load_plan import (
 from completiond.engine.loader import pick_device, pick_dtype
 from completiond.engine.lookup import OutputHistory
 from completiond.engine import model_facts
-from completiond.engine.model_facts import MEASURE_MIN_TOKENS, MEASURE_WEIGHT, PREFILL_CHUNK, cpu_prefill, eos_ids
+from completiond.engine.model_facts import PREFILL_CHUNK, cpu_prefill, eos_ids
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.params import (
     ConstraintFn,
@@ -124,14 +123,12 @@ class Engine:
         self.history = OutputHistory()  # what greedy requests generated, for later requests' lookup drafts
         # CPU: no more threads per request than the cores other runnable tasks leave (engine/threads.py)
         self.threads = ThreadGovernor() if torch.device(device).type == "cpu" else None
-        # The CPU's prefill rate (None on accelerators, where prefill is cheap): prompt builders size the
-        # suffix by it, and prefill chunks take about PREFILL_CHUNK_S at it. First estimated from the model's
-        # size, then measured: a short timed prefill below, then every real prefill chunk (_observe_prefill).
+        # The CPU's planning rate (None on accelerators, where prefill is cheap): prompt builders size the
+        # suffix by it, and prefill chunks take about PREFILL_CHUNK_S at it. It comes from the model's size and
+        # the path its prefill runs on (set below, once the Forward is built), never from a clock, so that load
+        # on the machine cannot move a prompt's layout (engine/model_facts.py).
         self.prefill_tokens_per_s: float | None = None
         self.prefill_chunk = PREFILL_CHUNK
-        self.prefill_measured = False  # whether prefill_tokens_per_s is a measurement (else the size's estimate)
-        if torch.device(device).type == "cpu":
-            self.prefill_tokens_per_s, self.prefill_chunk = cpu_prefill(self.adapter, model.config)
         self.weights = weights  # the weights setting: auto, bf16 or int8 (native.WEIGHT_FORMATS)
         self.fwd = Forward(self.adapter, cfg, device, self.dtype, self.max_context, weights=weights)
         # On an accelerator every read of a device value stalls the host until the queue drains, and a
@@ -145,8 +142,14 @@ class Engine:
         self.model_dir: Path | None = None  # the local directory it loaded from (Engine.load sets it)
         self.vocab_size = self.fwd.head_w.shape[0]  # (the module's own copy may have been dropped after packing)
         self.set_draft_vocab(self.calibration.draft_vocab)
-        if self.prefill_tokens_per_s is not None:
-            self._measure_prefill()
+        if self.threads is not None:
+            native = self.fwd.native
+            kernel = native.kernel if native is not None and self.fwd.native_long else None
+            self.prefill_tokens_per_s, self.prefill_chunk = cpu_prefill(
+                self.adapter, cfg, kernel, weights, self.threads.most
+            )
+            with torch.inference_mode():
+                model_facts.warm_prefill(self)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -310,15 +313,13 @@ class Engine:
         """Feed tokens through every layer in chunks; False if cancelled between chunks.
 
         A draft with a tap layer is shown each chunk's states there (the layer range split in two
-        calls: the same arithmetic). On a CPU each chunk of MEASURE_MIN_TOKENS or more is timed into the
-        measured prefill rate."""
+        calls: the same arithmetic)."""
         tap = None if draft is None else draft.tap_layer
         for i in range(0, len(tokens), chunk_size):
             if cancel is not None and cancel.cancelled:
                 return False
             chunk = list(tokens[i : i + chunk_size])
             pos = seq.length
-            t0 = time.perf_counter()
             if draft is None or tap is None:
                 self.run_layers(self.embed(chunk), 0, self.num_layers, pos, seq)
                 seq.commit(chunk)
@@ -327,25 +328,7 @@ class Engine:
                 self.run_layers(h_tap, tap, self.num_layers, pos, seq)
                 seq.commit(chunk)
                 draft.observe(seq, pos, h_tap, eager=True)
-            if len(chunk) >= MEASURE_MIN_TOKENS:
-                self._observe_prefill(len(chunk), time.perf_counter() - t0)
         return True
-
-    def _observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A prefill of `tokens` took `seconds` (CPU only: an accelerator's clock would time the launch): the
-        first measurement replaces the size's estimate, later ones move the rate MEASURE_WEIGHT of the way;
-        the prefill chunk follows it."""
-        if self.prefill_tokens_per_s is None or seconds <= 0:
-            return
-        rate = tokens / seconds
-        if self.prefill_measured:
-            rate = (1 - MEASURE_WEIGHT) * self.prefill_tokens_per_s + MEASURE_WEIGHT * rate
-        self.prefill_tokens_per_s, self.prefill_chunk = rate, model_facts.chunk_for(rate)
-        self.prefill_measured = True
-
-    @torch.inference_mode()
-    def _measure_prefill(self) -> None:
-        model_facts.measure_prefill(self)
 
     @torch.inference_mode()
     def warm(

@@ -1,6 +1,6 @@
 """What the engine derives once from a model: its end-of-sequence ids (config, generation config, tokenizer
-and the FIM end tokens), and on a CPU its prefill rate, which sizes prefill chunks (and prompt builders the
-suffix): estimated from its size, then measured (Engine: a short timed prefill at load, then the real ones).
+and the FIM end tokens), and on a CPU its planning rate, which sizes prefill chunks (and prompt builders the
+suffix): from its size and how this machine runs its prefill, never from a clock.
 """
 
 from __future__ import annotations
@@ -11,24 +11,47 @@ from completiond.models.adapters import Adapter
 
 PREFILL_CHUNK = 256
 # A cancelled request, and a background warm-up that a request preempts, let go between prefill chunks: on
-# a CPU a chunk is sized to take about PREFILL_CHUNK_S at the rate estimated from the model's size (the
-# bundled model keeps PREFILL_CHUNK; the 0.5B shape gets 112). Warm-ups take a quarter of that.
+# a CPU a chunk is sized to take about PREFILL_CHUNK_S at the planning rate below (the bundled model and the
+# 0.5B shape get PREFILL_CHUNK: 0.15-0.3 s at the 0.5B shape's rates). Warm-ups take a quarter of that.
 PREFILL_CHUNK_S = 0.5
-# The estimate before anything is measured (the size of the load's timed prefill): the 0.5B shape in bf16
-# prefilled 245 tokens/s on 2 AVX-512 cores without AMX (2026-12-05/06).
-CPU_PREFILL_FLOPS = 2.4e11
-# The load's timed prefill: about this long at the estimated rate, within these many tokens (on AMX tiles a
-# chunk of 16 rows mostly streams weights, so at least 32: the rate of short chunks sized longer ones too short).
-CALIBRATE_S = 0.1
-CALIBRATE_TOKENS = (32, 128)
-# A real prefill chunk of at least this many tokens moves the measured rate this far towards its own.
-MEASURE_MIN_TOKENS = 16
-MEASURE_WEIGHT = 0.25
+# The CPU's planning rate: what a prefill token costs, from the model's size and the way this machine runs
+# its prefill, never from a clock. Prompt builders size the suffix by it and prefill chunks follow it, so a
+# process started (or running) under load lays out the same prompts and splits them the same way as a
+# quiet one: a moved layout changed suggestions between runs and cost reuse (issue 44's cobra runs).
+# Prefill arithmetic per thread, FLOP/s, by path: the 0.5B shape at 512-1024 tokens of context, 2 threads,
+# quiet (2026-12-06 on AMX tiles; 2026-12-07 on AVX512_BF16 without AMX). Kernels without bf16 dot products
+# do half the bf16 work per instruction, AVX2 half again; PyTorch's GEMM (small models, fp32) is the 2026-12-05
+# figure.
+PREFILL_FLOPS_PER_THREAD: dict[tuple[str, str], float] = {
+    ("avx512-amx", "int8"): 8.7e11,
+    ("avx512-amx", "bf16"): 6.0e11,
+    ("avx512-bf16", "int8"): 5.4e11,
+    ("avx512-bf16", "bf16"): 4.2e11,
+    ("avx512-vnni", "int8"): 5.4e11,
+    ("avx512-vnni", "bf16"): 2.1e11,
+    ("avx512", "int8"): 2.1e11,
+    ("avx512", "bf16"): 2.1e11,
+    ("avx2-vnni", "int8"): 2.7e11,
+    ("avx2-vnni", "bf16"): 1.0e11,
+    ("avx2", "int8"): 1.0e11,
+    ("avx2", "bf16"): 1.0e11,
+}
+TORCH_PREFILL_FLOPS_PER_THREAD = 1.2e11
+# The load's warm-up prefill (warm_prefill): a short pass and a long one.
+WARM_TOKENS = 40
 
 
-def cpu_prefill(adapter: Adapter, cfg) -> tuple[float, int]:
-    """(prefill tokens per second estimated from the model's size, the prefill chunk sized by it) on a CPU."""
-    rate = CPU_PREFILL_FLOPS / (2 * max(1, matmul_params(adapter, cfg)))
+def cpu_prefill(adapter: Adapter, cfg, kernel: str | None, weights: str, threads: int) -> tuple[float, int]:
+    """(the planning rate in prefill tokens per second, the prefill chunk sized by it) on a CPU: `kernel` is
+    the native build that runs prefill chunks (None: PyTorch's GEMM), `weights` its weight format setting,
+    `threads` the configured thread count (not the momentary one, which follows the machine's load)."""
+    if kernel is None:
+        per_thread = TORCH_PREFILL_FLOPS_PER_THREAD
+    else:
+        per_thread = PREFILL_FLOPS_PER_THREAD.get(
+            (kernel, "int8" if weights == "int8" else "bf16"), TORCH_PREFILL_FLOPS_PER_THREAD
+        )
+    rate = per_thread * max(1, threads) / (2 * max(1, matmul_params(adapter, cfg)))
     return rate, chunk_for(rate)
 
 
@@ -37,25 +60,16 @@ def chunk_for(rate: float) -> int:
     return max(32, min(PREFILL_CHUNK, int(rate * PREFILL_CHUNK_S) // 16 * 16))
 
 
-def calibration_tokens(rate: float) -> int:
-    """How many tokens the load's timed prefill feeds, at an estimated `rate`."""
-    low, high = CALIBRATE_TOKENS
-    return max(low, min(high, int(rate * CALIBRATE_S)))
-
-
-def measure_prefill(engine: Any) -> None:
-    """The load's timed prefill (Engine: prefill, new_sequence, max_context, vocab_size, prefill_tokens_per_s)
-    on a scratch sequence, nothing cached: a few tokens first (the first pass's one-time costs: rope tables,
-    the native library's threads), then about CALIBRATE_S at the estimated rate, which Engine.prefill times
-    into the rate that prompt builders and prefill chunks start from."""
-    first = min(8, MEASURE_MIN_TOKENS - 1)  # too short to be measured itself
-    n = min(calibration_tokens(engine.prefill_tokens_per_s or 0.0), engine.max_context - first - 1)
-    if n < MEASURE_MIN_TOKENS:
-        return  # a context too short to measure in: the estimate stays
-    ids = [(7 * i + 1) % engine.vocab_size for i in range(first + n)]
-    seq = engine.new_sequence(len(ids))
-    engine.prefill(seq, ids[:first], None, chunk_size=first)
-    engine.prefill(seq, ids[first:], None, chunk_size=n)
+def warm_prefill(engine: Any) -> None:
+    """One short prefill at load on a scratch sequence, nothing cached, so the first request does not pay the
+    first pass's one-time costs (rope tables, the native library's threads)."""
+    n = min(WARM_TOKENS, engine.max_context - 1)
+    if n < 2:
+        return
+    ids = [(7 * i + 1) % engine.vocab_size for i in range(n)]
+    seq = engine.new_sequence(n)
+    engine.prefill(seq, ids[:8], None, chunk_size=8)  # a short pass (the native step's rows), then a long one
+    engine.prefill(seq, ids[8:], None, chunk_size=n)
 
 
 def matmul_params(adapter: Adapter, cfg) -> int:
