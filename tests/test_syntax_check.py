@@ -407,6 +407,26 @@ def test_the_lines_below_must_read_as_written():
     assert at_cursor("dth = 3", before="def g(p):\n    wi", after="\n        return f.read()\n") == ""
 
 
+def test_go_lines_below_that_need_a_literal_a_type_or_a_group_from_the_cursor_line():
+    # Cobra's cases (issue 44's eval): the lines below are a composite literal's keyed elements, a struct's
+    # fields or a grouped import's specs, so only a cursor line that opens that construct lets them read as
+    # written. The stand-ins for the cursor line include those heads, so the baseline has no error to excuse.
+    go = {"language": "go"}
+    fn = "package p\n\nfunc f() {\n"
+    keyed = '\n\t\tUse: "root",\n\t\tRun: emptyRun,\n\t}\n\t_ = rootCmd\n}\n'
+    assert at_cursor("otCmd := &Command{", before=fn + "\tro", after=keyed, **go) == "otCmd := &Command{"
+    assert at_cursor("r:", before=fn + "\tro", after=keyed, **go) == ""
+    literal = '\n\t\tTitle:   "MINE",\n\t\tSection: "3",\n\t}\n\t_ = header\n}\n'
+    assert at_cursor("er{", before=fn + "\theader := &doc.GenManHead", after=literal, **go) == "er{"
+    assert at_cursor("ing", before=fn + "\theader := &doc.GenManHead", after=literal, **go) == ""
+    fields = "\n\tTitle   string\n\tSection string\n}\n"
+    assert at_cursor("der struct {", before="package p\n\ntype GenManHea", after=fields, **go) == "der struct {"
+    assert at_cursor("GenMan L{x.y}", before="package p\n\ntype GenManHea", after=fields, **go) == ""
+    specs = '\n\t"fmt"\n\t"os"\n)\n\nvar x = 1\n'
+    assert at_cursor("ort (", before="package p\n\nimp", after=specs, **go) == "ort ("
+    assert at_cursor("ort sys", before="package p\n\nimp", after=specs, **go) == ""
+
+
 def test_python_layout_the_grammar_lets_through():
     # Tree-sitter reads `s =` / `assert x` as one chained assignment, and ignores an unexpected indent.
     assert at_cursor("tyles =", before="def g(cr):\n    cr.s", after="\n    assert cr\n") == "tyles"

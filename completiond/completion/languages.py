@@ -51,6 +51,10 @@ class LanguageSpec:
     # head before a `(` (its parameters follow), and a function literal's head for a body inside a call.
     definition_head: str = ""
     lambda_head: str = ""
+    # Heads of the other constructs whose `{` / `(` the lines below may need, tried in order: Go's composite
+    # literal (`Use: "root",` below), struct type (fields below) and grouped declarations (specs below).
+    brace_heads: tuple[str, ...] = ("", "x = ")
+    paren_heads: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())  # what a rule should know that the types do not say
 
     def language(self) -> Language | None:
@@ -302,6 +306,8 @@ SPECS: tuple[LanguageSpec, ...] = (
         line_comment="//",
         definition_head="func x",
         lambda_head="func() ",
+        brace_heads=("", "x := x", "type x struct ", "switch "),
+        paren_heads=("import ", "var "),
         blocks=_f(
             "source_file",
             "block",

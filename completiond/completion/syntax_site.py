@@ -432,8 +432,10 @@ def stand_ins(site: Site) -> list[str]:
         heads = ["x"]
         if openers[:1] == "(" and spec.definition_head:
             heads.append(spec.definition_head)  # the lines below are parameters and the body
+        if openers[:1] == "(":
+            heads += spec.paren_heads
     elif openers[:1] == "{":
-        heads = ["x = "] if spec.indented_blocks else ["", "x = "]
+        heads = ["x = "] if spec.indented_blocks else list(spec.brace_heads)
     if "({" in openers and spec.lambda_head:
         # A body inside a call (`operate((source) => {`): the `{` of a function literal, not an object.
         lam = openers.replace("({", "(" + spec.lambda_head + "{", 1)
