@@ -88,8 +88,8 @@ class Forward:
         # step.c, bound to panels packed layer by layer. For a model too large for two copies of its
         # weights the panels become the only copy (each layer's own tensors are dropped once packed), and
         # for a weight format that changes the values (bf16 rounding, int8) every pass must read the
-        # panels: then every pass runs natively (native_all), prefill included. Otherwise passes of up to
-        # native.MAX_ROWS positions do, and prefill chunks keep PyTorch's GEMM on the model's own weights.
+        # panels: then every pass runs natively (native_all). Otherwise the model keeps its own weights too,
+        # for the passes the native step cannot take (another dtype, a cache that is not contiguous).
         self.released = False
         self.native: NativeStep | None
         self.native_reason: str | None
@@ -99,10 +99,11 @@ class Forward:
         else:
             self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
         self.native_all = self.native is not None and (large or weights != "auto")
-        # Long passes (prefill chunks) natively too: where every pass must, and where the build multiplies on
-        # AMX tiles, whose prefill beats PyTorch's float32 GEMM (the bundled model, 1,024 tokens in chunks of
-        # 256, one thread: 96 against 165 ms of CPU time, 2026-12-06) and gives every pass the one arithmetic.
-        self.native_long = self.native_all or (self.native is not None and self.native.tiles)
+        # Long passes (prefill chunks) natively too, on every build: its prefill beats PyTorch's float32 GEMM
+        # (the bundled model, 330 tokens in chunks of 256, 2 threads: 12-25 against 36-41 ms from AVX2 to
+        # AVX512_BF16, 2026-12-07; 96 against 165 ms of CPU time on AMX tiles, 2026-12-06), and every pass
+        # then has the one arithmetic, whose rows do not depend on the pass (a reused cache is a cold one).
+        self.native_long = self.native is not None
         if self.native is None:
             self._widen_matrices()
         elif large:
