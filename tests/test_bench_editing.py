@@ -10,6 +10,7 @@ from completiond.models.training.data_prep import normalise, read_package_list
 from completiond.commands.bench_editing import (
     EVENTS,
     MIN_JUMP_LINES,
+    PLUGIN_REST_S,
     code_lines,
     default_files,
     far_line,
@@ -71,6 +72,7 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
     assert opened["decode_ms"] > 0
     assert result["events"]["switch"]["cache_served_fraction"] > 0.5   # the file's prompt is still cached
     assert result["rest_notes"] is True    # a rested jump is reported as our plugins report it
+    assert result["rest_delay_ms"] == round(1000 * PLUGIN_REST_S)
     # The daemon's prefetch noted the opens (and the rests after requests) ...
     assert result["prefetch"]["on"] and result["prefetch"]["notes"] >= 2 and result["prefetch"]["failed"] == 0
     assert result["prefetch"] is not None and result["kv_cache"]["budget_bytes"] > 0
@@ -79,7 +81,10 @@ def test_editing_bench_small(tiny_model_dir, tmp_path):
     assert memory["rss_ok"] is not None and memory["rss_mb"] == result["daemon_rss_mb"]
     # ... and `--prefetch off` runs the same session without it (what it brings: compare the two).
     off = run_editing_bench(str(tiny_model_dir), files[:1], rounds=1, jumps=1, keystrokes=2, timeout_s=180,
-                            settings={"device": "cpu"}, prefetch=False)
+                            settings={"device": "cpu"}, prefetch=False, rest_delay_s=0.1)
+    assert off["rest_delay_ms"] == 100
+    with pytest.raises(ValueError, match="within the rest"):
+        run_editing_bench(str(tiny_model_dir), files[:1], rest_delay_s=2.0)
     assert off["prefetch_setting"] == "off" and off["prefetch"]["on"] is False and off["prefetch"]["notes"] == 0 and off["prefetch"] == dict(
         off["prefetch"], warmed_tokens=0)
     assert off["responses"] == off["requests"] and not off["errors"] and off["prefetch"] != result["prefetch"]
@@ -135,4 +140,6 @@ def test_the_session_can_open_twenty_files():
     assert parser.parse_args(["--editing", "--file-count", "20"]).file_count == 20
     assert parser.parse_args(["--editing"]).rest_notes == "on"
     assert parser.parse_args(["--editing", "--rest-notes", "off"]).rest_notes == "off"
+    assert parser.parse_args(["--editing"]).rest_delay_ms is None
+    assert parser.parse_args(["--editing", "--rest-delay-ms", "100"]).rest_delay_ms == 100
     assert len(set(default_files(20))) == 20          # issue 45's memory check opens 20 held-out files

@@ -86,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "our plugins do; off: a plain LSP client)",
     )
     p.add_argument(
+        "--rest-delay-ms",
+        type=int,
+        default=None,
+        help="with --editing: how long after the move the rest is reported (default: our plugins' delay)",
+    )
+    p.add_argument(
         "--file-count",
         type=int,
         default=4,
@@ -811,6 +817,7 @@ def run(args: argparse.Namespace) -> int:
                 [Path(f) for f in args.files] if args.files else None,
                 file_count=args.file_count,
                 rest_notes=args.rest_notes == "on",
+                **({} if args.rest_delay_ms is None else {"rest_delay_s": args.rest_delay_ms / 1000}),
                 rounds=args.rounds,
                 jumps=args.jumps,
                 weights=args.weights if args.weights != "auto" else None,

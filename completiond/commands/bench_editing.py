@@ -190,6 +190,7 @@ async def _session(
     progress: Callable[[str], None] | None,
     lsp_command: list[str] | None,
     rest_notes: bool = True,
+    rest_delay_s: float = PLUGIN_REST_S,
 ) -> dict[str, Any]:
     from lsprotocol import types
     from pygls.exceptions import JsonRpcException
@@ -362,12 +363,12 @@ async def _session(
                 for _ in range(jumps):
                     line = far_line(candidates, line, rng)  # the cursor moves there, then rests
                     if rest_notes:
-                        await asyncio.sleep(PLUGIN_REST_S)
+                        await asyncio.sleep(rest_delay_s)
                         position = {"line": line, "character": _utf16_len(texts[f].split("\n")[line])}
                         client.protocol.notify(
                             "completiond/cursorRest", {"textDocument": {"uri": uris[f]}, "position": position}
                         )
-                        await asyncio.sleep(REST_S - PLUGIN_REST_S)
+                        await asyncio.sleep(REST_S - rest_delay_s)
                     else:
                         await asyncio.sleep(REST_S)
                     await measured("jump_rest", f, line)
@@ -514,6 +515,7 @@ def run_editing_bench(
     lsp_command: list[str] | None = None,
     prefetch: bool | None = None,
     rest_notes: bool = True,
+    rest_delay_s: float = PLUGIN_REST_S,
 ) -> dict[str, Any]:
     """Run the editing benchmark; see the module docstring for what it does and reports.
 
@@ -522,7 +524,10 @@ def run_editing_bench(
     default files when `files` is not given. weights: the weights setting (auto, bf16, int8). threads: COMPLETIOND_THREADS for the
     daemon. settings: more editor settings (camelCase, as in initializationOptions). prefetch: False runs the daemon
     without its background warm-ups (COMPLETIOND_PREFETCH=0: what they bring); None leaves the daemon's default.
-    rest_notes: report the rested cursor before jump_rest's request as our plugins do (False: a plain LSP client)."""
+    rest_notes: report the rested cursor before jump_rest's request as our plugins do (False: a plain LSP client),
+    rest_delay_s after the move (the plugins' delay by default; a shorter one gives the warm-up more of the rest)."""
+    if not 0 <= rest_delay_s <= REST_S:
+        raise ValueError(f"the rest note's delay must be within the rest (0-{REST_S} s), not {rest_delay_s}")
     files = [Path(f) for f in files] if files else default_files(file_count)
     base = Path(tempfile.mkdtemp(prefix="completiond-editing-"))
     # The daemon inherits these through the LSP.
@@ -551,6 +556,7 @@ def run_editing_bench(
                 progress,
                 lsp_command,
                 rest_notes,
+                rest_delay_s,
             )
         )
         result["daemon_rss_mb"] = _daemon_rss_mb(base)
@@ -562,6 +568,7 @@ def run_editing_bench(
             settings=extra,
             prefetch_setting="default" if prefetch is None else ("on" if prefetch else "off"),
             rest_notes=rest_notes,
+            rest_delay_ms=round(1000 * rest_delay_s),
         )
         return result
     finally:
