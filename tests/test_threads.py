@@ -10,13 +10,13 @@ from completiond.engine.threads import ThreadGovernor, runnable_tasks
 def test_fewer_threads_when_other_tasks_want_the_cores():
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
-    counts = iter([1, 3, 3, 2, 2, 9, 9, 1])
+    counts = iter([1, 3, 3, 3, 3, 2, 2, 2, 2, 9, 9, 9, 9, 1])
     try:
         gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
         assert gov.most == 2
         assert gov.pick() == 2 and torch.get_num_threads() == 2       # alone: every core
-        assert gov.pick() == 1 and torch.get_num_threads() == 1       # two others, seen twice
-        assert gov.pick() == 1                                         # one other, seen twice
+        assert gov.pick() == 1 and torch.get_num_threads() == 1       # two others, seen at every look
+        assert gov.pick() == 1                                         # one other, seen at every look
         assert gov.pick() == 1                                         # many: still one
         assert gov.pick() == 2 and torch.get_num_threads() == 2       # alone again
         assert gov.reduced == 3
@@ -31,6 +31,13 @@ def test_a_task_passing_by_does_not_cost_a_thread():
     try:
         gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
         assert gov.pick() == 2 and gov.reduced == 0
+        # the language server answering the editor, gone only at the third look
+        counts = iter([2, 2, 2, 1])
+        gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
+        assert gov.pick() == 2 and gov.reduced == 0
+        # and a task runnable at every look takes a core
+        gov = ThreadGovernor(cores=2, runnable=lambda: 2)
+        assert gov.pick() == 1 and gov.reduced == 1
     finally:
         torch.set_num_threads(saved)
 
@@ -81,5 +88,26 @@ def test_our_own_spinning_pool_threads_are_not_other_tasks(tmp_path):
     try:
         gov = ThreadGovernor(cores=2, runnable=lambda: other_runnable_tasks(str(loadavg), str(tasks)))
         assert gov.pick() == 2 and gov.reduced == 0
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_request_on_fewer_threads_is_counted(tiny_model_dir):
+    """bench --editing and `completiond status` read it: a request the governor cut to fewer threads than
+    configured says so in its stats, and the daemon's counters add it up."""
+    from completiond.engine.engine import Engine, SamplingParams
+    from completiond.serving.metrics import Metrics
+    from completiond.serving.scheduler import OK, Outcome
+
+    saved = torch.get_num_threads()
+    try:
+        engine = Engine.load(tiny_model_dir, device="cpu", dtype="float32", threads=2)
+        metrics = Metrics()
+        for others, reduced in ((1, False), (64, True)):
+            engine.threads = ThreadGovernor(most=2, cores=2, runnable=lambda n=others: n)
+            gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=2))
+            assert gen.stats.threads_reduced is reduced
+            metrics.account(Outcome(OK, {"stats": gen.stats.to_dict(), "suggestion": "x"}))
+        assert metrics.counts["reduced_threads"] == 1
     finally:
         torch.set_num_threads(saved)

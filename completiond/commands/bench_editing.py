@@ -155,6 +155,7 @@ class _Req:
         "items",
         "prefill_ms",
         "prompt",
+        "reduced",
         "reused",
         "sent",
     )
@@ -171,6 +172,7 @@ class _Req:
         self.engine_ms: float | None = None  # the daemon's own time for it (prompt, context, engine)
         self.prefill_ms = 0.0  # the engine's time in the prompt's uncached tokens
         self.decode_ms = 0.0  # and in the step(s) after them
+        self.reduced = 0.0  # requests of it run on fewer threads than configured
 
     @property
     def ms(self) -> float | None:
@@ -251,6 +253,7 @@ async def _session(
 
         req.prompt, req.reused = delta("prompt_tokens"), delta("reused_tokens")
         req.prefill_ms, req.decode_ms = delta("prefill_ms_sum"), delta("decode_ms_sum")
+        req.reduced = delta("reduced_threads")
 
     async def measured(event: str, f: Path, line: int) -> None:
         """One request at the end of `line`, alone in flight, awaited; with the cache counters around it."""
@@ -418,6 +421,8 @@ async def _session(
             "prefill_ms": _round(sum(q.prefill_ms for q in mine)),
             "prefill_ms_per_token": _round(sum(q.prefill_ms for q in mine) / prefilled, 3) if prefilled else None,
             "decode_ms": _round(sum(q.decode_ms for q in mine)),
+            # requests the daemon ran on fewer threads than configured (others wanted the cores)
+            "reduced_threads": _round(sum(q.reduced for q in mine), 0),
         }
     prompt_all = float(last.get("prompt_tokens") or 0) - float(first.get("prompt_tokens") or 0)
     reused_all = float(last.get("reused_tokens") or 0) - float(first.get("reused_tokens") or 0)

@@ -230,7 +230,7 @@ class PromptBuilder:
         if rate and cfg is not None and "options" not in kw and int(cfg.suffix_tokens) > SUFFIX_MIN_TOKENS:
             # Sized for the device: after every jump the suffix is prefilled anew, so on a CPU it is at most
             # what prefills in SUFFIX_PREFILL_S at the engine's planning rate, which no clock moves (the 0.5B
-            # shape: 84-175 tokens by kernel and weights; the bundled model: all).
+            # shape: 79-176 tokens by kernel and weights; the bundled model: all).
             cap = max(SUFFIX_MIN_TOKENS, int(rate * SUFFIX_PREFILL_S))
             if cap < int(cfg.suffix_tokens):
                 info = getattr(engine, "info", None)

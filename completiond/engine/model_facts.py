@@ -18,20 +18,20 @@ PREFILL_CHUNK_S = 0.5
 # its prefill, never from a clock. Prompt builders size the suffix by it and prefill chunks follow it, so a
 # process started (or running) under load lays out the same prompts and splits them the same way as a
 # quiet one: a moved layout changed suggestions between runs and cost reuse (issue 44's cobra runs).
-# Prefill arithmetic per thread, FLOP/s, by path: the 0.5B shape at 512-1024 tokens of context, 2 threads,
-# quiet (2026-12-06 on AMX tiles; 2026-12-07 on AVX512_BF16 without AMX). Kernels without bf16 dot products
-# do half the bf16 work per instruction, AVX2 half again; PyTorch's GEMM (small models, fp32) is the 2026-12-05
-# figure.
+# Prefill arithmetic per thread, FLOP/s, by path: the 0.5B shape's cold prefill of 1,024 tokens, 2 threads,
+# quiet (bench-device; 2026-12-06 on AMX tiles, 2026-12-07 on AVX512_BF16 without AMX). Kernels without bf16
+# dot products do half the bf16 work per instruction, AVX2 half again; PyTorch's GEMM (small models, fp32,
+# where no native step is bound) is the 2026-12-05 figure.
 PREFILL_FLOPS_PER_THREAD: dict[tuple[str, str], float] = {
     ("avx512-amx", "int8"): 8.7e11,
     ("avx512-amx", "bf16"): 6.0e11,
-    ("avx512-bf16", "int8"): 5.4e11,
-    ("avx512-bf16", "bf16"): 4.2e11,
-    ("avx512-vnni", "int8"): 5.4e11,
-    ("avx512-vnni", "bf16"): 2.1e11,
-    ("avx512", "int8"): 2.1e11,
-    ("avx512", "bf16"): 2.1e11,
-    ("avx2-vnni", "int8"): 2.7e11,
+    ("avx512-bf16", "int8"): 4.4e11,
+    ("avx512-bf16", "bf16"): 3.9e11,
+    ("avx512-vnni", "int8"): 4.4e11,
+    ("avx512-vnni", "bf16"): 2.0e11,
+    ("avx512", "int8"): 2.0e11,
+    ("avx512", "bf16"): 2.0e11,
+    ("avx2-vnni", "int8"): 2.2e11,
     ("avx2-vnni", "bf16"): 1.0e11,
     ("avx2", "int8"): 1.0e11,
     ("avx2", "bf16"): 1.0e11,

@@ -37,6 +37,8 @@ class Stats:
     reused_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    # ran on fewer threads than configured: other runnable tasks wanted the cores (engine/threads.py)
+    threads_reduced: bool = False
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0

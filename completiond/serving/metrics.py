@@ -32,6 +32,7 @@ COUNTERS = (
     "draft_rejected",
     "history_accepted",
     "withheld_syntax",
+    "reduced_threads",
 )
 SUGGESTION_EVENTS = {
     ("shown", None): "shown",
@@ -84,6 +85,7 @@ class Metrics:
                 c["draft_accepted"] += stats.get("accepted", 0) or 0
                 c["draft_rejected"] += stats.get("rejected", 0) or 0
                 c["history_accepted"] += stats.get("history_accepted", 0) or 0
+                c["reduced_threads"] += 1 if stats.get("threads_reduced") else 0
             if outcome.status == OK:
                 c["completed"] += 1
                 c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0
