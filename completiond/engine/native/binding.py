@@ -35,10 +35,9 @@ from completiond.engine.native.packing import (
 from completiond.engine.native.support import _activation_unsupported, unsupported
 from completiond.errors import EngineError
 
-# Up to this many positions a pass takes the native kernels when the PyTorch path also holds the
-# weights (a decode step, a keystroke's few tokens with the pending one, a verify pass of up to 32
-# drafted tokens, a token tree); longer prefill chunks keep PyTorch's GEMM. A Forward whose packed panels
-# are its only weights (native_all) runs every pass natively.
+# Up to this many positions a greedy round verifies its draft in one native call (embed, layers, head,
+# argmax: decode.py); every pass of any length runs on the native kernels where a step is bound
+# (Forward.native_long).
 MAX_ROWS = 33
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
 
@@ -61,7 +60,7 @@ def early_step(fwd: Any, adapter: Any, weights: str) -> NativeStep | None:
 
 class NativeStep:
     """step.c bound to one Forward's weights, packed into panels in the format `weights` asks for.
-    Callers check rows <= MAX_ROWS (or fwd.native_long), float32 and a contiguous cache.
+    Callers check float32 and a contiguous cache.
 
     release: after packing a layer, drop the Forward's own (unpacked) copies of its matrices, so the
     panels are the only copy (fwd.release_layer does it; the PyTorch path cannot run those layers then)."""
