@@ -10,7 +10,7 @@ from completiond.engine.threads import ThreadGovernor, runnable_tasks
 def test_fewer_threads_when_other_tasks_want_the_cores():
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
-    counts = iter([1, 3, 3, 3, 3, 2, 2, 2, 2, 9, 9, 9, 9, 1])
+    counts = iter([1, 3, 3, 3, 2, 2, 2, 9, 9, 9, 1])
     try:
         gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
         assert gov.most == 2
@@ -32,7 +32,7 @@ def test_a_task_passing_by_does_not_cost_a_thread():
         gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
         assert gov.pick() == 2 and gov.reduced == 0
         # the language server answering the editor, gone only at the third look
-        counts = iter([2, 2, 2, 1])
+        counts = iter([2, 2, 1])
         gov = ThreadGovernor(cores=2, runnable=lambda: next(counts))
         assert gov.pick() == 2 and gov.reduced == 0
         # and a task runnable at every look takes a core
@@ -109,5 +109,31 @@ def test_a_request_on_fewer_threads_is_counted(tiny_model_dir):
             assert gen.stats.threads_reduced is reduced
             metrics.account(Outcome(OK, {"stats": gen.stats.to_dict(), "suggestion": "x"}))
         assert metrics.counts["reduced_threads"] == 1
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_prefill_picks_again_between_chunks(tiny_model_dir):
+    """A task passing by when the request came costs its first chunk at most: the next chunk has the cores."""
+    from completiond.engine.engine import Engine
+
+    saved = torch.get_num_threads()
+    try:
+        engine = Engine.load(tiny_model_dir, device="cpu", dtype="float32", threads=2)
+        looks = iter([3, 3, 3] + [1] * 100)  # busy at the request's looks, quiet from the next chunk on
+        seen = []
+        engine.threads = ThreadGovernor(most=2, cores=2, runnable=lambda: next(looks))
+        real = engine.run_layers
+
+        def spy(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return real(*args, **kwargs)
+
+        engine.run_layers = spy
+        engine.threads.pick()
+        seq = engine.new_sequence(64)
+        with torch.inference_mode():
+            assert engine.prefill(seq, list(range(3, 43)), None, chunk_size=16)
+        assert seen == [1, 2, 2]
     finally:
         torch.set_num_threads(saved)

@@ -318,6 +318,10 @@ class Engine:
         for i in range(0, len(tokens), chunk_size):
             if cancel is not None and cancel.cancelled:
                 return False
+            if i and self.threads is not None:
+                # Between chunks the thread count follows the machine again: a task that was passing by when
+                # the request came costs one chunk at most, and one that came since takes its core.
+                self.threads.pick()
             chunk = list(tokens[i : i + chunk_size])
             pos = seq.length
             if draft is None or tap is None:

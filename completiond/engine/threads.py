@@ -20,7 +20,7 @@ import torch
 LOADAVG = "/proc/loadavg"
 # The later looks at the runnable count before a request gives up a thread (seconds after the one before):
 # a task that wants the cores for real (a build, a test run, another model) is runnable at every one.
-LOOKS_S = (0.0002, 0.001, 0.003)
+LOOKS_S = (0.0002, 0.001)
 
 
 def runnable_tasks(path: str = LOADAVG) -> int | None:
@@ -90,7 +90,9 @@ class ThreadGovernor:
         """Runnable tasks besides the caller (whose pool threads sleep between requests). A task seen runnable
         once may be passing by (the event loop that handed over this request, the editor's language server
         answering): the looks LOOKS_S later must see it too. One look 0.2 ms later was not enough: on a quiet
-        machine a quarter of bench --editing's requests at the 0.5B shape still ran on one thread of two."""
+        machine a quarter of bench --editing's requests at the 0.5B shape still ran on one thread of two; three
+        looks over 4 ms cost the bundled model's rested jumps that much (Engine.prefill picks again between
+        chunks, so a passer-by the looks miss costs one chunk)."""
         n = self._runnable()
         for delay in LOOKS_S:
             if n is None or n <= 1 or self.cores - (n - 1) >= self.most:
