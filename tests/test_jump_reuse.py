@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from completiond.completion.healing import TokenHealer
 from completiond.completion.plan import PromptOptions
@@ -242,3 +243,33 @@ def test_a_warm_up_never_cuts_a_cached_request_prompt(engines):
         assert here.tokens == cold.generate(below.ids, params).tokens
     finally:
         warm.cache = saved
+
+
+def test_a_warm_up_cancelled_inside_a_chunk_leaves_a_cold_prefills_cache(engines):
+    """Warm-ups look at their cancel token between slices of a chunk's layers: a chunk cut part-way is not
+    committed (its first layers' K/V lie past the sequence's length), and the request that comes next gets the
+    logits of a cold prefill, bit for bit."""
+    from completiond.engine.cancel import CancelToken
+
+    engine = engines[0]
+    prompt = [(5 * i + 7) % 200 + 3 for i in range(150)]
+    cold = engine.logits_for(prompt, use_cache=False)
+    engine.cache.clear()
+    token = CancelToken()
+    real, calls = engine.run_layers, []
+
+    def cancel_in_the_second_chunk(h, first, last, *args, **kw):
+        calls.append((first, last))
+        if len(calls) == 5:  # the second chunk's first slice: cancelled once it is done
+            token.cancel()
+        return real(h, first, last, *args, **kw)
+
+    engine.run_layers = cancel_in_the_second_chunk
+    try:
+        warmed, cached = engine.warm(prompt[:120], token)
+    finally:
+        engine.run_layers = real
+    chunk = max(32, engine.prefill_chunk // 4)
+    assert calls[0][0] == 0 and calls[1][0] > 0  # a chunk's layers in slices
+    assert len(calls) == 5 and warmed == cached == chunk  # the second chunk stopped after one slice
+    assert torch.equal(engine.logits_for(prompt), cold)

@@ -163,7 +163,7 @@ async def test_a_switch_back_keeps_its_context_block_and_cache_after_another_fil
         cold.shutdown()
 
 
-async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
+async def test_a_request_during_a_prefetch_waits_for_a_slice_of_one_chunk_at_most():
     service = await _service()
     loop = asyncio.get_running_loop()
     try:
@@ -183,6 +183,8 @@ async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
                 in_warm.on = False
 
         def counting_layers(h, first, last, *args, **kw):
+            if getattr(in_warm, "on", False) and first > 0:
+                events.append("warm slice")
             if getattr(in_warm, "on", False) and first == 0:
                 events.append("warm chunk")
                 if events.count("warm chunk") == 3 and not submitted.is_set():
@@ -207,8 +209,10 @@ async def test_a_request_during_a_prefetch_waits_for_one_chunk_at_most():
         result = await answer[0]
         assert result["suggestion"] is not None or result["finish_reason"]
         at = events.index("request queued")
-        # The chunk in progress finishes; no other warm-up chunk starts before the request runs.
+        # The slice of the chunk in progress finishes; neither the chunk's other slices nor another chunk run
+        # before the request does (the chunk is dropped, not committed).
         assert events[at + 1] == "request runs", events[at:at + 4]
+        assert "warm slice" in events[:at]  # a warm-up chunk's layers do run in slices
         assert service.prefetch.counts["preempted"] >= 1
         await _until(lambda: _idle(service))   # and warming went on after it (around the request), to its end
         assert events.count("warm chunk") > 3 and service.prefetch.counts["finished"] >= 1

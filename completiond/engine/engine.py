@@ -44,7 +44,7 @@ from completiond.engine.load_plan import (
 from completiond.engine.loader import pick_device, pick_dtype
 from completiond.engine.lookup import OutputHistory
 from completiond.engine import model_facts
-from completiond.engine.model_facts import PREFILL_CHUNK, cpu_prefill, eos_ids
+from completiond.engine.model_facts import PREFILL_CHUNK, WARM_SLICES, cpu_prefill, eos_ids
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.params import (
     ConstraintFn,
@@ -309,12 +309,17 @@ class Engine:
         cancel: CancelToken | None,
         draft: Draft | None = None,
         chunk_size: int = PREFILL_CHUNK,
+        slices: int = 1,
     ) -> bool:
         """Feed tokens through every layer in chunks; False if cancelled between chunks.
 
         A draft with a tap layer is shown each chunk's states there (the layer range split in two
-        calls: the same arithmetic)."""
+        calls: the same arithmetic). slices > 1 (a background warm-up) runs each chunk's layers in that many
+        calls and looks at `cancel` between them too: a request that preempts the warm-up then waits for a
+        slice of a chunk, not a whole one. A chunk cancelled part-way is not committed; the K/V its first
+        layers wrote lie past the sequence's length, where the next prefill writes over them."""
         tap = None if draft is None else draft.tap_layer
+        cuts = [self.num_layers * k // max(1, slices) for k in range(max(1, slices) + 1)]
         for i in range(0, len(tokens), chunk_size):
             if cancel is not None and cancel.cancelled:
                 return False
@@ -325,7 +330,11 @@ class Engine:
             chunk = list(tokens[i : i + chunk_size])
             pos = seq.length
             if draft is None or tap is None:
-                self.run_layers(self.embed(chunk), 0, self.num_layers, pos, seq)
+                h = self.embed(chunk)
+                for first, last in zip(cuts, cuts[1:]):
+                    if first and cancel is not None and cancel.cancelled:
+                        return False
+                    h = self.run_layers(h, first, last, pos, seq)
                 seq.commit(chunk)
             else:
                 h_tap = self.run_layers(self.embed(chunk), 0, tap, pos, seq)
@@ -361,7 +370,7 @@ class Engine:
             if limit is not None:
                 todo = todo[: max(0, limit)]
             seq.ensure_capacity(reused + len(todo) + 1)
-            self.prefill(seq, todo, cancel, chunk_size=max(32, self.prefill_chunk // 4))
+            self.prefill(seq, todo, cancel, chunk_size=max(32, self.prefill_chunk // 4), slices=WARM_SLICES)
             return seq.length - reused, seq.length
         finally:
             self.cache.release(seq, background=background)

@@ -12,8 +12,11 @@ from completiond.models.adapters import Adapter
 PREFILL_CHUNK = 256
 # A cancelled request, and a background warm-up that a request preempts, let go between prefill chunks: on
 # a CPU a chunk is sized to take about PREFILL_CHUNK_S at the planning rate below (the bundled model and the
-# 0.5B shape get PREFILL_CHUNK: 0.15-0.3 s at the 0.5B shape's rates). Warm-ups take a quarter of that.
+# 0.5B shape get PREFILL_CHUNK: 0.15-0.3 s at the 0.5B shape's rates). Warm-ups take a quarter of that, and
+# look again between WARM_SLICES parts of its layers: a request waited for a whole warm-up chunk in flight
+# (64 tokens, about 70 ms at the 0.5B shape in int8 without AMX), now for a part of one.
 PREFILL_CHUNK_S = 0.5
+WARM_SLICES = 4
 # The CPU's planning rate: what a prefill token costs, from the model's size and the way this machine runs
 # its prefill, never from a clock. Prompt builders size the suffix by it and prefill chunks follow it, so a
 # process started (or running) under load lays out the same prompts and splits them the same way as a
