@@ -48,7 +48,7 @@ def _prompt(engine: Engine, cfg: Config) -> list[int]:
 
 def test_the_rate_is_the_models_and_the_paths_not_the_clocks(engine, tiny_model_dir, monkeypatch):
     native = engine.fwd.native
-    kernel = native.kernel if native is not None and engine.fwd.native_long else None
+    kernel = native.kernel if native is not None else None
     want = cpu_prefill(engine.adapter, engine.model.config, kernel, engine.weights, engine.threads.most)
     assert (engine.prefill_tokens_per_s, engine.prefill_chunk) == want
     assert engine.prefill_chunk == chunk_for(engine.prefill_tokens_per_s)

@@ -144,7 +144,7 @@ class Engine:
         self.set_draft_vocab(self.calibration.draft_vocab)
         if self.threads is not None:
             native = self.fwd.native
-            kernel = native.kernel if native is not None and self.fwd.native_long else None
+            kernel = native.kernel if native is not None else None
             self.prefill_tokens_per_s, self.prefill_chunk = cpu_prefill(
                 self.adapter, cfg, kernel, weights, self.threads.most
             )

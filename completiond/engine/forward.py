@@ -99,11 +99,11 @@ class Forward:
         else:
             self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
         self.native_all = self.native is not None and (large or weights != "auto")
-        # Long passes (prefill chunks) natively too, on every build: its prefill beats PyTorch's float32 GEMM
-        # (the bundled model, 330 tokens in chunks of 256, 2 threads: 12-25 against 36-41 ms from AVX2 to
-        # AVX512_BF16, 2026-12-07; 96 against 165 ms of CPU time on AMX tiles, 2026-12-06), and every pass
-        # then has the one arithmetic, whose rows do not depend on the pass (a reused cache is a cold one).
-        self.native_long = self.native is not None
+        # Where a step is bound it runs passes of every length, prefill chunks included, on every build: its
+        # prefill beats PyTorch's float32 GEMM (the bundled model, 330 tokens in chunks of 256, 2 threads: 12-25
+        # against 36-41 ms from AVX2 to AVX512_BF16, 2026-12-07; 96 against 165 ms of CPU time on AMX tiles,
+        # 2026-12-06), and every pass then has the one arithmetic, whose rows do not depend on the pass (a
+        # reused cache is a cold one).
         if self.native is None:
             self._widen_matrices()
         elif large:
@@ -256,7 +256,6 @@ class Forward:
         H, KV, hd = self.H, self.KV, self.hd
         if (
             self.native is not None
-            and (self.native_long or t <= native.MAX_ROWS)
             and h.dtype == torch.float32
             and seq.k.is_contiguous()
         ):
@@ -330,8 +329,8 @@ class Forward:
         return _proj(self.norm(h), weight, weight_t, None)[0].float()
 
     def _native_for(self, h: torch.Tensor) -> NativeStep | None:
-        """The native step where it runs this pass on h (float32; up to MAX_ROWS rows unless native_long)."""
-        if self.native is not None and (self.native_long or h.shape[1] <= native.MAX_ROWS) and h.dtype == torch.float32:
+        """The native step where it runs this pass on h (float32)."""
+        if self.native is not None and h.dtype == torch.float32:
             return self.native
         return None
 

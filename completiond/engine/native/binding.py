@@ -37,7 +37,7 @@ from completiond.errors import EngineError
 
 # Up to this many positions a greedy round verifies its draft in one native call (embed, layers, head,
 # argmax: decode.py); every pass of any length runs on the native kernels where a step is bound
-# (Forward.native_long).
+# (Forward.layers_range).
 MAX_ROWS = 33
 WEIGHT_FORMATS = ("auto", "bf16", "int8")
 
