@@ -254,11 +254,7 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        if (
-            self.native is not None
-            and h.dtype == torch.float32
-            and seq.k.is_contiguous()
-        ):
+        if self.native is not None and h.dtype == torch.float32 and seq.k.is_contiguous():
             if last > self.native.n_layers:
                 self.native.bind()
             if tree is None:
