@@ -26,6 +26,7 @@ from completiond.completion.completer import (
     Suggestion,
     withheld,
 )
+from completiond.completion.warmup import Warmup, tag_cache
 from completiond.config import Config
 from completiond.errors import CompletionError
 
@@ -291,9 +292,7 @@ class LocalCompleter:
             if self.on_round is not None:
                 self.on_round(tokens)
 
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None and hasattr(cache, "group"):
-            cache.group = path  # the prefix cache evicts older prompts of a document before another's last one
+        tag_cache(self.engine, path)
         try:
             found, gen = suggest_alternatives(
                 self.engine,
@@ -364,8 +363,6 @@ class LocalCompleter:
         language: str | None = None,
         context: Sequence[tuple[str, str]] = (),
     ) -> Any:
-        from completiond.completion.warmup import Warmup
-
         if not hasattr(self.engine, "warm"):  # an engine without a prefix cache to warm
             return None
         try:

@@ -27,6 +27,14 @@ WALK_WINDOWS = 4  # prefix windows' worth of tokens one warm-up prefills at most
 CAPACITY_SLACK = 256  # tokens a sequence may grow by beyond what is prefilled (its capacity steps)
 
 
+def tag_cache(engine: Any, path: str | None) -> None:
+    """Tell the engine's prefix cache whose prompts it is given back next (PrefixCache.group): it evicts older
+    prompts of a document before another document's last one. Engines without such a cache are left alone."""
+    cache = getattr(engine, "cache", None)
+    if cache is not None and hasattr(cache, "group"):
+        cache.group = path
+
+
 class Warmup:
     """One document's walk (worker thread only). `step(cancel)` does one bounded piece; False when done."""
 
@@ -75,9 +83,7 @@ class Warmup:
         if not self.may_evict and not has_room(getattr(self.engine, "cache", None), min(limit, len(ids))):
             self.stopped_full = True
             return False
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None and hasattr(cache, "group"):
-            cache.group = self.path  # as a request's prompts are (LocalCompleter.complete)
+        tag_cache(self.engine, self.path)  # as a request's prompts are (LocalCompleter.complete)
         warmed, cached = self.engine.warm(ids, cancel, limit=limit)
         if cached >= len(ids):
             self.targets.pop(0)

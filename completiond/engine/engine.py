@@ -423,14 +423,13 @@ class Engine:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
-        threads = self.threads.pick() if self.threads is not None else None
+        reduced = self.threads is not None and self.threads.pick() < self.threads.most
         warp = sampling.Warp(params.temperature, params.top_k, params.top_p)
         # Sampled requests neither read it (see OutputHistory) nor add to it (their text is a draw,
         # not what a greedy request would repeat).
         history = (self.history if history is True else None if history is False else history) if warp.greedy else None
         plan = speculators.plan(self, params, warp.greedy, constraint is not None)
-        stats = Stats(prompt_tokens=len(prompt))
-        stats.threads_reduced = threads is not None and self.threads is not None and threads < self.threads.most
+        stats = Stats(prompt_tokens=len(prompt), threads_reduced=reduced)
         stats.exit_layer, stats.draft = speculators.stats_fields(self, plan)
         # On the logits' device: torch.multinomial refuses a generator of another device.
         rng = torch.Generator(device=self.device).manual_seed(int(params.seed))
