@@ -32,6 +32,7 @@ def test_the_amx_build_is_chosen_where_the_cpu_has_tiles(monkeypatch):
     monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
     flags = "avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
     monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(native.build, "bf16_dot_speed", lambda: None)  # stood-in flags: this CPU's probe does not say
     assert native.kernel_name() == "avx512-bf16"
     monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags + " amx_tile amx_bf16 amx_int8")
     # tiles the OS does not grant this process are not offered (a CPU or VM without the tile state)
@@ -162,6 +163,7 @@ def test_a_cpu_with_amx_whose_os_refuses_the_tiles_is_never_offered_the_amx_buil
     any CPU: the flags and the grant are stood in for."""
     flags = "fpu avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8"
     monkeypatch.setattr(native.build, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(native.build, "bf16_dot_speed", lambda: None)  # stood-in flags: this CPU's probe does not say
     monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
     monkeypatch.setattr(native.build, "_os_grants_amx", lambda: True)
     assert native.supported_kernels()[-1] == AMX and native.kernel_name() == AMX

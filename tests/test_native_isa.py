@@ -35,16 +35,54 @@ def _pass(eng: Engine, seq, ids: list[int]) -> torch.Tensor:
 def test_kernel_choice_is_one_function_and_status_names_it(bundled, monkeypatch):
     _need_native()
     kernels = native.supported_kernels()
-    assert kernels[0] == "avx2" and native.kernel_name() == kernels[-1]
+    # the widest, but for a CPU whose vdpbf16ps is slower than float32 products (kernel choice tests below)
+    widest = "avx512-vnni" if kernels[-1] == "avx512-bf16" and not native.build.bf16_dot_pays() else kernels[-1]
+    assert kernels[0] == "avx2" and native.kernel_name() == widest
     assert f"{bundled.fwd.native.kernel} kernels" in bundled.decode_step_in_use()
     assert bundled.fwd.native.kernel == native.kernel_name()
     monkeypatch.setenv("COMPLETIOND_KERNEL", "avx2")
     assert native.kernel_name() == "avx2"
     monkeypatch.setenv("COMPLETIOND_KERNEL", "sse2")  # not a kernel: the CPU's best
-    assert native.kernel_name() == kernels[-1]
+    assert native.kernel_name() == widest
     flags = set(native.build._cpu_flags().split())
     if {"avx512f", "avx512dq", "avx512bw", "avx512vl"} <= flags:
         assert "avx512" in kernels
+
+
+BF16_FLAGS = "avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+
+
+@pytest.mark.parametrize(
+    "speed,want", [(None, "avx512-bf16"), (0.67, "avx512-vnni"), (1.0, "avx512-bf16"), (1.8, "avx512-bf16")]
+)
+def test_a_slow_vdpbf16ps_gives_bf16_models_the_float32_products(monkeypatch, speed, want):
+    """The dispatch alone: the avx512-bf16 build runs where its bf16 products are at least as fast as the
+    float32 ones (the probe's figure, stood in), or where that cannot be measured; else avx512-vnni. Asked
+    for by name, it runs anyway."""
+    monkeypatch.delenv("COMPLETIOND_KERNEL", raising=False)
+    monkeypatch.setattr(native.build, "_cpu_flags", lambda: BF16_FLAGS)
+    monkeypatch.setattr(native.build, "bf16_dot_speed", lambda: speed)
+    assert native.kernel_name() == want
+    assert native.build._order()[0] == want
+    monkeypatch.setenv("COMPLETIOND_KERNEL", "avx512-bf16")
+    assert native.kernel_name() == "avx512-bf16"
+
+
+def test_the_bf16_probe_measures_this_cpu_or_says_it_cannot(monkeypatch):
+    """On a CPU with AVX512_BF16 the probe gives a positive speed that decides the choice; elsewhere None (flags
+    that claim the instructions are not believed: the probe would not run on this CPU)."""
+    native.build.bf16_dot_speed.cache_clear()
+    try:
+        real = set(native.build._read_cpu_flags().split())
+        if set(native.KERNELS["avx512-bf16"][0]) <= real and native.library("avx512-bf16") is not None:
+            speed = native.build.bf16_dot_speed()
+            assert speed is not None and 0.05 < speed < 20
+            assert native.build.bf16_dot_pays() == (speed >= native.build.BF16_DOT_MIN_SPEED)
+        else:
+            monkeypatch.setattr(native.build, "_cpu_flags", lambda: BF16_FLAGS)
+            assert native.build.bf16_dot_speed() is None and native.build.bf16_dot_pays()
+    finally:
+        native.build.bf16_dot_speed.cache_clear()
 
 
 @torch.inference_mode()

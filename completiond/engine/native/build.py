@@ -56,6 +56,12 @@ KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
         + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"],
     ),
 }
+BF16_KERNEL = "avx512-bf16"
+# The avx512-bf16 build runs bf16 models only where its vdpbf16ps products are at least this fast against the
+# avx512 builds' float32 products of the same panels (step.c's cd_bf16_dot_speed, 16 rows). A 2-core VM of a Xeon
+# without AMX measured 0.6-0.7 (2026-12-07); there the float32 products prefilled the 0.5B shape 1.6x faster
+# (256 tokens: 591-631 against 996-1039 ms) and the bundled model 1.1-1.4x.
+BF16_DOT_MIN_SPEED = 1.0
 
 _libs: dict[str, ctypes.CDLL | None] = {}  # kernel -> loaded library (None: failed, _reasons says why)
 _reasons: dict[str, str] = {}
@@ -70,6 +76,10 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    return _read_cpu_flags()
+
+
+def _read_cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -102,14 +112,39 @@ def _os_grants_amx() -> bool:
 
 def kernel_name() -> str:
     """The one decision of which kernel runs: the widest this CPU supports, or COMPLETIOND_KERNEL when it
-    names one the CPU can run; "none" when the CPU has no AVX2/FMA."""
+    names one the CPU can run; "none" when the CPU has no AVX2/FMA. The one exception: a CPU whose vdpbf16ps
+    is slow (bf16_dot_pays) gets avx512-vnni, whose float32 products of bf16 panels are faster there."""
     usable = supported_kernels()
     if not usable:
         return "none"
     forced = os.environ.get("COMPLETIOND_KERNEL", "").strip().lower()
     if forced in usable:
         return forced
+    if usable[-1] == BF16_KERNEL and "avx512-vnni" in usable and not bf16_dot_pays():
+        return "avx512-vnni"
     return usable[-1]
+
+
+def bf16_dot_pays() -> bool:
+    """Whether the avx512-bf16 build's bf16 products run at least BF16_DOT_MIN_SPEED of the float32 ones' rate
+    on this CPU (measured once: bf16_dot_speed). Yes where it cannot be measured."""
+    speed = bf16_dot_speed()
+    return speed is None or speed >= BF16_DOT_MIN_SPEED
+
+
+@functools.cache
+def bf16_dot_speed() -> float | None:
+    """The avx512-bf16 build's bf16 products' speed over the float32 ones' of the same panels, from its probe
+    (a few ms); None where this very CPU lacks AVX512_BF16 (whatever _cpu_flags is told) or that build cannot
+    load."""
+    if not set(KERNELS[BF16_KERNEL][0]) <= set(_read_cpu_flags().split()) or _unavailable(BF16_KERNEL):
+        return None
+    lib = _load(BF16_KERNEL)
+    if lib is None or not hasattr(lib, "cd_bf16_dot_speed"):
+        return None
+    lib.cd_bf16_dot_speed.restype = ctypes.c_double
+    speed = float(lib.cd_bf16_dot_speed())
+    return speed if speed > 0 else None
 
 
 def _compiler() -> str | None:

@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -113,7 +114,6 @@ int cd_abi(void) { return CD_ABI; }
  * cd_profile() hands the array out. A profiling aid only: the default build compiles these to nothing. */
 #define PROF_PHASES 8 /* norm+qkv, qk-norm/rope/KV write, attention, merge, o, norm+gate/up+silu, down, other */
 #ifdef CD_PROFILE
-#include <time.h>
 static double cd_prof_s[PROF_PHASES];
 double *cd_profile(void) { return cd_prof_s; }
 /* thread 0's CPU time: a loaded machine's descheduled time does not count (one thread: the phase's own cost) */
@@ -854,6 +854,52 @@ static void gemm_dot(const float *x, int t, int in, const void *Wp, int out, con
         }
     }
 }
+
+/* The float32 products of the same bf16 panels (the avx512 builds' kernel), here only for the probe below */
+static void gemm_widen(const float *x, int t, int in, const void *Wp, int out, const float *b, float *y, int ldy,
+                       int pa, int pb) {
+    const float *sc = NULL;
+    GEMM(mkb)
+}
+
+/* How fast this build's bf16 products (vdpbf16ps) run against the float32 ones of the same panels on this
+ * CPU: the float32 kernel's time over this one's, for 16 rows (a verify pass, a prefill's rows) by a 512 x 256
+ * matrix in cache, the fastest of five timings each (thread CPU time: a descheduled moment does not count).
+ * Some CPUs run vdpbf16ps at a fraction of their fmadd rate, and there the avx512-vnni build is the faster
+ * one for bf16 models: build.py's kernel choice asks this. 0 where scratch memory was refused. */
+double cd_bf16_dot_speed(void) {
+    enum { T = 16, IN = 512, OUT = 256 };
+    const int panels = OUT / PW;
+    float *x = aligned_alloc(64, sizeof(float) * (T * IN + T * OUT));
+    uint16_t *w = aligned_alloc(64, sizeof(uint16_t) * IN * OUT);
+    void *scr = aligned_alloc(64, (dot_scratch(T, IN) + 63) & ~(size_t)63);
+    double best[2] = {1e30, 1e30};
+    if (x && w && scr) {
+        float *y = x + T * IN;
+        uint32_t v = 12345u; /* weights of bf16 magnitude about 0.01, activations about 1, neither denormal */
+        for (int i = 0; i < IN * OUT; i++) { v = v * 1664525u + 1013904223u; w[i] = (uint16_t)(0x3C00u + (v >> 25)); }
+        for (int i = 0; i < T * IN; i++) { v = v * 1664525u + 1013904223u; x[i] = (float)(v >> 8) * (1.0f / 16777216.0f) - 0.5f; }
+        const unsigned int csr = denormals_off();
+        for (int r = 0; r < 6; r++)
+            for (int k = 0; k < 2; k++) {
+                struct timespec t0, t1;
+                clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+                for (int rep = 0; rep < 20; rep++) {
+                    if (k) gemm_widen(x, T, IN, w, OUT, NULL, y, OUT, 0, panels);
+                    else gemm_dot(x, T, IN, w, OUT, NULL, y, OUT, 0, panels, scr);
+                }
+                clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+                const double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+                if (r && s < best[k]) best[k] = s; /* the first round wakes the wide units up */
+            }
+        _mm_setcsr(csr);
+    }
+    free(x);
+    free(w);
+    free(scr);
+    return best[0] < 1e30 && best[0] > 0.0 ? best[1] / best[0] : 0.0;
+}
+
 #else
 #define BF16_DOT 0
 static size_t dot_scratch(int t, int in) { (void)t; (void)in; return 0; }
