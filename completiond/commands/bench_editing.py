@@ -3,7 +3,8 @@
 An LSP client (this process) drives a `completiond lsp` subprocess, which talks to its own daemon (in a
 private runtime directory, as `bench --typing` does), the way an editor session goes:
 
-  open        didOpen of a file, then a request 0.3 s later at a line end a third of the way in
+  open        didOpen of a file, then a request 0.3 s later at a line end a third of the way in (7 code lines
+              further each round)
   keystroke   a line retyped in place, a character per 100 ms (a didChange and a request each, the previous
               one cancelled when still unanswered, as editors do); the line's last request is awaited
   jump        the cursor moves to a line end at least 40 lines away and asks at once (no rest)
@@ -21,7 +22,8 @@ prefill plus one step, so random weights of a real shape time exactly what a use
 Reported, as JSON: per event kind p50 / p95 / max / count (ms, answered requests only) and the share of
 prompt tokens served from the KV cache (from the daemon's counters around each measured request), the tokens
 prefilled and the engine's time in them (`prefill_ms_per_token`: the daemon's prefill rate) and in the steps, the
-overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files). `memory` checks
+requests answered from the daemon's last answers with no model run (`repeated_answers`: the same question asked
+again, serving/results.py), the overall share, the daemon's RSS and KV cache bytes at the end, and what ran (model, weights, files). `memory` checks
 issue 45's bound: the kept prefixes within cacheMegabytes (`cache_ok`), and the daemon's RSS within the weights
 (their size on disk) + cacheMegabytes + MEMORY_SLACK_MB (`rss_ok`); `file_count=20` opens 20 files.
 
@@ -156,6 +158,7 @@ class _Req:
         "prefill_ms",
         "prompt",
         "reduced",
+        "repeated",
         "reused",
         "sent",
     )
@@ -173,6 +176,7 @@ class _Req:
         self.prefill_ms = 0.0  # the engine's time in the prompt's uncached tokens
         self.decode_ms = 0.0  # and in the step(s) after them
         self.reduced = 0.0  # requests of it run on fewer threads than configured
+        self.repeated = 0.0  # answered from the daemon's last answers (the same question asked again)
 
     @property
     def ms(self) -> float | None:
@@ -254,6 +258,7 @@ async def _session(
         req.prompt, req.reused = delta("prompt_tokens"), delta("reused_tokens")
         req.prefill_ms, req.decode_ms = delta("prefill_ms_sum"), delta("decode_ms_sum")
         req.reduced = delta("reduced_threads")
+        req.repeated = delta("result_hits")
 
     async def measured(event: str, f: Path, line: int) -> None:
         """One request at the end of `line`, alone in flight, awaited; with the cache counters around it."""
@@ -357,7 +362,9 @@ async def _session(
                     continue
                 open_file(f)
                 await asyncio.sleep(OPEN_DELAY_S)
-                line = candidates[len(candidates) // 3]
+                # a line of its own each round: a reopened file asked at the same cursor is answered from the
+                # daemon's last answers (switch measures that), and an open is to time the prompt
+                line = candidates[(len(candidates) // 3 + 7 * r) % len(candidates)]
                 await measured("open", f, line)
                 await retype(f, line)
                 for _ in range(jumps):
@@ -423,6 +430,8 @@ async def _session(
             "decode_ms": _round(sum(q.decode_ms for q in mine)),
             # requests the daemon ran on fewer threads than configured (others wanted the cores)
             "reduced_threads": _round(sum(q.reduced for q in mine), 0),
+            # answered from the daemon's last answers (serving/results.py), with no prompt and no model run
+            "repeated_answers": _round(sum(q.repeated for q in mine), 0),
         }
     prompt_all = float(last.get("prompt_tokens") or 0) - float(first.get("prompt_tokens") or 0)
     reused_all = float(last.get("reused_tokens") or 0) - float(first.get("reused_tokens") or 0)

@@ -33,6 +33,7 @@ COUNTERS = (
     "history_accepted",
     "withheld_syntax",
     "reduced_threads",
+    "result_hits",
 )
 SUGGESTION_EVENTS = {
     ("shown", None): "shown",
@@ -86,6 +87,7 @@ class Metrics:
                 c["draft_rejected"] += stats.get("rejected", 0) or 0
                 c["history_accepted"] += stats.get("history_accepted", 0) or 0
                 c["reduced_threads"] += 1 if stats.get("threads_reduced") else 0
+                c["result_hits"] += 1 if stats.get("result_cache") else 0
             if outcome.status == OK:
                 c["completed"] += 1
                 c["latency_ms_sum"] += (value or {}).get("latency_ms", 0) or 0

@@ -29,6 +29,8 @@ from completiond.serving.language_fit import language_unserved
 from completiond.serving.metrics import Metrics
 from completiond.serving.params import int_param, reason, str_param
 from completiond.serving.prefetch import Key, Prefetcher, make_warmup
+from completiond.serving.results import Results
+from completiond.serving.results import key as result_key
 from completiond.serving.scheduler import CANCELLED, ERROR, Job, Outcome, Overloaded, Scheduler, ShuttingDown
 from completiond.serving.wire import Code
 
@@ -74,6 +76,7 @@ class Service:
         # Background prefills of what documents' next requests start with (prefetch.py), with the settings of
         # each editor's last request, so that they warm what its next one reads.
         self.prefetch = Prefetcher(self.scheduler, self._warmup, lambda: self.lifecycle.loop)
+        self.results = Results()  # the last answers, for a request asking again what was answered
         self._last_cfg: dict[Hashable, Config] = {}
 
     # --- what the parts hold, as front ends and tools read it -------------------------
@@ -435,6 +438,12 @@ class Service:
         context = self.docs.context(
             client, cfg, path, language, text, offset, completer.budgets(cfg), completer.token_counter()
         )
+        # The same question answered before (a switch back, an editor asking again): its answer, no model run.
+        asked = result_key(text, offset, cfg, path, language, context) if not remote else None
+        if asked is not None and (hit := self.results.get(completer, asked)) is not None:
+            hit["latency_ms"] = round((time.perf_counter() - start) * 1000, 2)
+            hit["stats"] = {"result_cache": True}
+            return hit
         # tree: the document's DocumentTree, handed on whole (syntax.site_at): a long document's tree is used as
         # the edits left it (shifted by tree-sitter's edit API, not reparsed: enough to find the construct around
         # the cursor), reparsed incrementally once edits pile up (DocumentTree.shifted), and the construct's own
@@ -472,6 +481,8 @@ class Service:
         }
         if done.withheld and not suggestions:
             result["withheld"] = done.withheld  # the model made one; the syntax check kept it back, and why
+        if asked is not None and done.finish_reason != "cancelled" and not getattr(token, "cancelled", False):
+            self.results.put(completer, asked, result)
         return result
 
 
