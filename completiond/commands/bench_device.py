@@ -404,6 +404,8 @@ def report_model(
         "weights": engine.weights,
         "weights_in_use": engine.weights_in_use(),
         "kernel": native_mod.kernel_name(),
+        # why avx512-bf16 runs or was passed over for avx512-vnni (None: not measured, no AVX512_BF16 here)
+        "bf16_dot_speed": native_mod.build.bf16_dot_speed(),
         "native_reason": engine.fwd.native_reason,
         "weight_bytes": wbytes,
         # the embedding table lookups read one row of per token; a tied bf16 head is read from it (no

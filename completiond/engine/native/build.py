@@ -59,7 +59,7 @@ KERNELS = {  # kernel -> (cpu flags it needs, compiler flags)
 BF16_KERNEL = "avx512-bf16"
 # The avx512-bf16 build runs bf16 models only where its vdpbf16ps products are at least this fast against the
 # avx512 builds' float32 products of the same panels (step.c's cd_bf16_dot_speed, 16 rows). A 2-core VM of a Xeon
-# without AMX measured 0.6-0.7 (2026-12-07); there the float32 products prefilled the 0.5B shape 1.6x faster
+# without AMX measured 0.67 (2026-12-07); there the float32 products prefilled the 0.5B shape 1.6x faster
 # (256 tokens: 591-631 against 996-1039 ms) and the bundled model 1.1-1.4x.
 BF16_DOT_MIN_SPEED = 1.0
 
@@ -76,6 +76,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """The flags the kernel choice goes by (tests stand other CPUs' in here; the probe reads the CPU's own)."""
     return _read_cpu_flags()
 
 
