@@ -119,3 +119,27 @@ async def test_a_cancelled_run_is_not_kept():
     finally:
         service.shutdown()
 
+
+
+async def test_a_resting_cursor_is_answered_ahead_as_a_cold_run_answers():
+    # The warm-up of a rest ends with the answer at that cursor (prefetch.AnswerAhead): the request that comes from
+    # there is a repeat, and it is what a daemon that never warmed anything answers.
+    warm, cold = await _service(), await _service()
+    warm.prefetch.on = True
+    try:
+        for s in (warm, cold):
+            s.open("c", URI, 1, TEXT, "python")
+        await warm.complete("c", 1, URI, 1, _line_end(TEXT, 3))  # an editor's request first: its settings, a tree
+        await _until(lambda: not warm.prefetch.pending)
+        offset = _line_end(TEXT, 25)
+        warm.rest("c", URI, 1, offset)
+        await _until(lambda: not warm.prefetch.pending and "prefetch" not in warm.scheduler.idle_slots())
+        got = await warm.complete("c", 2, URI, 1, offset)
+        assert got["stats"] == {"result_cache": True}, got["stats"]
+        want = await cold.complete("c", 2, URI, 1, offset)
+        assert not want["stats"].get("result_cache")
+        assert got["suggestions"] == want["suggestions"] and got["finish_reason"] == want["finish_reason"]
+        assert warm.prefetch.counts["failed"] == 0
+    finally:
+        warm.shutdown()
+        cold.shutdown()

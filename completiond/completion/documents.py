@@ -127,6 +127,12 @@ class Document:
                 self._no_grammar = True
         return self._syntax
 
+    @property
+    def tree(self) -> DocumentTree | None:
+        """The tree keeper if a request made one, else None; never makes one (a background answer runs off the
+        event loop, where edits update the tree: one made there could miss an edit)."""
+        return self._syntax
+
     def _edit_tree(self, old: str, edit: tuple[int, int, str]) -> None:
         if self._syntax is not None:
             self._syntax.edit(old, *edit, new_text=self.text)

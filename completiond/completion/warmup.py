@@ -61,6 +61,8 @@ class Warmup:
             walk = [(at, False) for at in walk_lines(text, offset, builder.options.chunk_lines)]
             self.lines = walk[:1] + [(offset, True)] + walk[1:] if offset is not None else walk
         self.targets: list[list[int]] = []
+        self.whole: list[bool] = []  # per target: the whole prompt at the resting cursor
+        self.cursor_warm = False  # that prompt is all cached: a request there runs only its last token
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
         self.warmed = 0  # tokens prefilled
         self.done_targets = 0
@@ -76,6 +78,7 @@ class Warmup:
             ids = list(prompt.ids) if whole else head_ids(prompt, at_cursor=self.at_cursor)
             if ids:
                 self.targets.append(ids)
+                self.whole.append(whole)
         if not self.targets or self.budget <= 0:
             return False
         ids = self.targets[0]
@@ -87,6 +90,7 @@ class Warmup:
         warmed, cached = self.engine.warm(ids, cancel, limit=limit)
         if cached >= len(ids):
             self.targets.pop(0)
+            self.cursor_warm = self.whole.pop(0) or self.cursor_warm
             self.done_targets += 1
         self.budget -= warmed
         self.warmed += warmed

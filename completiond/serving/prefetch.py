@@ -74,6 +74,42 @@ def make_warmup(
     return completer.warmup(text, at, cfg, path=path, language=language, context=context)
 
 
+class AnswerAhead:
+    """A warm-up around a cursor, then, once the whole prompt at that cursor is cached, the answer there,
+    computed as a request computes it and kept in the daemon's last answers (serving/results.py): the request
+    that comes from a resting cursor asks that very question and is answered without a run. `answer(cancel)`
+    runs once; preempted, it keeps nothing (Service._run keeps no cancelled run) and is not tried again."""
+
+    def __init__(self, warmup: Any, answer: Callable[[Any], Any]):
+        self.warmup = warmup
+        self._answer = answer
+        self.answered = False
+
+    @property
+    def warmed(self) -> int:
+        return int(self.warmup.warmed)
+
+    @property
+    def may_evict(self) -> bool:
+        return bool(getattr(self.warmup, "may_evict", True))
+
+    @may_evict.setter
+    def may_evict(self, value: bool) -> None:
+        if hasattr(self.warmup, "may_evict"):
+            self.warmup.may_evict = value
+
+    def _due(self) -> bool:
+        return not self.answered and bool(getattr(self.warmup, "cursor_warm", False))
+
+    def step(self, cancel: Any = None) -> bool:
+        if self._due():
+            self.answered = True
+            self._answer(cancel)
+            return True  # the walk's rest, if any, in the next piece
+        more = bool(self.warmup.step(cancel))
+        return more or self._due()
+
+
 def enabled() -> bool:
     return os.environ.get("COMPLETIOND_PREFETCH", "1").strip().lower() not in ("0", "false", "no", "off")
 
