@@ -18,6 +18,9 @@ The scheduler runs `step` in its "prefetch" slot, before a new model's calibrati
 waits (serving/scheduler.py). A request that arrives cancels the running piece's token; the warm-up checks
 it between its small prefill chunks (Engine.warm), so the request waits at most one chunk, and it then
 reuses whatever the warm-up finished: the same KV a cold prefill computes, so the same suggestion.
+Around a cursor, once the whole prompt there is cached, the piece after is the answer at that cursor
+(AnswerAhead), kept in the daemon's last answers for the request that comes from there; a request that
+preempts it waits for one decoding round.
 A failing warm-up is logged and dropped; it never fails a request or the worker.
 
 COMPLETIOND_PREFETCH=0 turns it off (to measure what it brings: `completiond bench --editing --prefetch off`).
