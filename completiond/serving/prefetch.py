@@ -59,10 +59,12 @@ def make_warmup(
     key: Key,
     offset: int | None,
     unserved: Callable[[Completer, str | None, str | None], str],
+    run: Callable[..., Any] | None = None,
 ) -> Any:
     """Worker thread: the warm-up of `key` (completion/warmup.py) for the settings `cfg`, with the context block a
     request there would get; None where it may not (the privacy gate; a language the model does not serve:
-    `unserved` says why) or cannot run (a team server keeps its own cache)."""
+    `unserved` says why) or cannot run (a team server keeps its own cache). Around a cursor, with `run` (the
+    Service's completion, Service._run): the answer there too, once its prompt is warm (AnswerAhead)."""
     client, uri = key
     doc = docs.get(client, uri)
     if doc is None or completer is None or completer.backend is not Backend.LOCAL:
@@ -74,7 +76,18 @@ def make_warmup(
     context = docs.context(
         client, cfg, path, language, text, at or 0, completer.budgets(cfg), completer.token_counter()
     )
-    return completer.warmup(text, at, cfg, path=path, language=language, context=context)
+    warmup = completer.warmup(text, at, cfg, path=path, language=language, context=context)
+    if warmup is None or at is None or run is None:
+        return warmup
+    version = doc.version
+
+    def answer(token: Any) -> None:
+        if docs.get(client, uri) is not doc or doc.version != version:
+            return  # edited or closed since: the walk is dropped anyway
+        tree = doc.tree if getattr(cfg, "syntax_check", True) else None
+        run(text, at, cfg, token, path, language, client, gate_path=gate_path(uri), tree=tree)
+
+    return AnswerAhead(warmup, answer)
 
 
 class AnswerAhead:

@@ -28,7 +28,7 @@ from completiond.serving.lifecycle import Lifecycle, Loader, load_completer
 from completiond.serving.language_fit import language_unserved
 from completiond.serving.metrics import Metrics
 from completiond.serving.params import int_param, reason, str_param
-from completiond.serving.prefetch import AnswerAhead, Key, Prefetcher, make_warmup
+from completiond.serving.prefetch import Key, Prefetcher, make_warmup
 from completiond.serving.results import Results
 from completiond.serving.results import key as result_key
 from completiond.serving.scheduler import CANCELLED, ERROR, Job, Outcome, Overloaded, Scheduler, ShuttingDown
@@ -228,24 +228,9 @@ class Service:
 
     def _warmup(self, key: Key, offset: int | None) -> Any:
         """Worker thread: the prefetch of `key` with the settings of its editor's last request (or rest); around a
-        cursor, the answer there too, once its prompt is warm (prefetch.AnswerAhead)."""
-        client, uri = key
-        cfg = self._last_cfg.get(client, self.cfg)
-        warmup = make_warmup(self.docs, self.completer, cfg, key, offset, language_unserved)
-        doc = self.docs.get(client, uri)
-        if warmup is None or offset is None or doc is None:
-            return warmup
-        text, version = doc.text, doc.version
-
-        def answer(token: Any) -> None:
-            now = self.docs.get(client, uri)
-            if now is not doc or now.version != version or offset > len(text):
-                return  # edited or closed since: the walk is dropped anyway
-            tree = doc.tree if getattr(cfg, "syntax_check", True) else None
-            path, language = uri_path(uri), doc.language_id or None
-            self._run(text, offset, cfg, token, path, language, client, gate_path=gate_path(uri), tree=tree)
-
-        return AnswerAhead(warmup, answer)
+        cursor, the answer there too (prefetch.AnswerAhead)."""
+        cfg = self._last_cfg.get(key[0], self.cfg)
+        return make_warmup(self.docs, self.completer, cfg, key, offset, language_unserved, run=self._run)
 
     def count_suggestion(self, event: str, kind: Any = None) -> None:
         """An editor showed, accepted (kind: full / word / line) or dismissed a suggestion."""
