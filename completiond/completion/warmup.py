@@ -60,8 +60,7 @@ class Warmup:
         else:
             walk = [(at, False) for at in walk_lines(text, offset, builder.options.chunk_lines)]
             self.lines = walk[:1] + [(offset, True)] + walk[1:] if offset is not None else walk
-        self.targets: list[list[int]] = []
-        self.whole: list[bool] = []  # per target: the whole prompt at the resting cursor
+        self.targets: list[tuple[list[int], bool]] = []  # (ids, whether they are the whole prompt at the cursor)
         self.cursor_warm = False  # that prompt is all cached: a request there runs only its last token
         self.budget = WALK_WINDOWS * builder.budgets(bool(context))[0]
         self.warmed = 0  # tokens prefilled
@@ -77,11 +76,10 @@ class Warmup:
             prompt = self.builder.build(self.text, at, context=self.context, path=self.path, language=self.language)
             ids = list(prompt.ids) if whole else head_ids(prompt, at_cursor=self.at_cursor)
             if ids:
-                self.targets.append(ids)
-                self.whole.append(whole)
+                self.targets.append((ids, whole))
         if not self.targets or self.budget <= 0:
             return False
-        ids = self.targets[0]
+        ids, whole = self.targets[0]
         limit = min(self.budget, 4 * self.engine.prefill_chunk)
         if not self.may_evict and not has_room(getattr(self.engine, "cache", None), min(limit, len(ids))):
             self.stopped_full = True
@@ -90,7 +88,7 @@ class Warmup:
         warmed, cached = self.engine.warm(ids, cancel, limit=limit)
         if cached >= len(ids):
             self.targets.pop(0)
-            self.cursor_warm = self.whole.pop(0) or self.cursor_warm
+            self.cursor_warm = self.cursor_warm or whole
             self.done_targets += 1
         self.budget -= warmed
         self.warmed += warmed

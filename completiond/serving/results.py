@@ -50,7 +50,6 @@ class Results:
         self._lock = threading.Lock()
         self._answers: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
         self._owner: weakref.ref | None = None
-        self.hits = 0
 
     def _for(self, completer: Any) -> None:
         """Under the lock: forget another completer's answers."""
@@ -65,7 +64,6 @@ class Results:
             if found is None:
                 return None
             self._answers.move_to_end(k)
-            self.hits += 1
             return dict(found)
 
     def put(self, completer: Any, k: tuple, answer: dict[str, Any]) -> None:
@@ -75,7 +73,3 @@ class Results:
             self._answers.move_to_end(k)
             while len(self._answers) > self.entries:
                 self._answers.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._answers.clear()
