@@ -186,12 +186,53 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* exp8 on 16 lanes: the same operations lane for lane, so the same bits */
+static inline __m512 exp8x2(__m512 x) {
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+#endif
+
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for one row of n */
 static void rms_row(const float *x, int n, const float *w, float eps, float *y) {
-    float s = 0.0f;
-    for (int i = 0; i < n; i++) s = fmaf(x[i], x[i], s);
-    float inv = 1.0f / sqrtf(s / (float)n + eps);
-    for (int i = 0; i < n; i++) y[i] = (x[i] * inv) * w[i];
+    /* the sum of squares in 4 x 8 lanes (a one-lane chain of n fmadds was latency-bound: 768 cycles at n = 192),
+     * added in a fixed order; every row alike */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8), v2 = _mm256_loadu_ps(x + i + 16),
+               v3 = _mm256_loadu_ps(x + i + 24);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+        a2 = _mm256_fmadd_ps(v2, v2, a2);
+        a3 = _mm256_fmadd_ps(v3, v3, a3);
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(v, v, a0);
+    }
+    float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s = fmaf(x[i], x[i], s);
+    const float inv = 1.0f / sqrtf(s / (float)n + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv), _mm256_loadu_ps(w + i)));
+    for (; i < n; i++) y[i] = (x[i] * inv) * w[i];
 }
 
 /* silu(g) * u over n values (n any size: the tail goes through the same 8-lane code) */
@@ -1353,11 +1394,12 @@ static void share_items(int n, int tid, int nt, int *a, int *b) {
 
 /* ------------------------------------------------------------------ attention
  * One chunk of keys of one head, for every row of the pass that sees into it (row r sees n_r keys:
- * pos + r + 1, or under a tree mask the slots its mask row allows): each key block is read from memory once and scored
+ * pos + r + 1, or under a tree mask the slots its mask row allows): each key block is read once and scored
  * against all those rows from L1. Per row, the chunk's max m, sum l of exp(s - m) and o = sum
  * exp(s - m) * v (merged over chunks in key order by merge()). A row's arithmetic is the same whichever
- * other rows share the chunk: its scores come from the same per-key hadd tree, its exp and sums run
- * in groups of 8 from the chunk start, its o is one fmadd chain per lane over its keys in order.
+ * other rows share the chunk: each score is one fmadd chain over the dims in order (keys in the lanes, read
+ * from K transposed in blocks of KB keys), its exp and sums run in groups of 8 from the chunk start, its o is
+ * one fmadd chain per lane over its keys in order.
  * Keys are counted in the row's logical sequence, not by slot: a tree node's visible keys (the prefix, its
  * ancestors at scattered slots, itself) are gathered in order into kidx, so chunks, 8-key groups and
  * chains fall exactly where a plain step at the node's position puts them, and its bits are that step's. */
@@ -1367,10 +1409,168 @@ static void share_items(int n, int tid, int nt, int *a, int *b) {
  * call) or the identity (a causal row) */
 #define KEY(i) (kidx ? kidx[i] : (i))
 #define VSUB 32      /* keys per pass over v: one block of v rows stays in L1 for all rows */
+#define KB 64        /* keys per transposed K block: kt[e * KB + j] is dim e of the block's key j */
 
+/* 8 rows of 8 floats transposed in place */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* The block of KB keys from logical key `first` (n of them live; the rest zeros) transposed into kt [hd][KB]. */
+static void k_block_t(const float *kb, const int *kidx, int first, int n, int hd, float *kt) {
+    for (int j0 = 0; j0 < KB; j0 += 8) {
+        const float *kr[8];
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = j0 + j < n ? kb + (size_t)KEY(first + j0 + j) * hd : NULL;
+        for (int e = 0; e < hd; e += 8) {
+            __m256 r[8];
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) r[j] = kr[j] ? _mm256_loadu_ps(kr[j] + e) : _mm256_setzero_ps();
+            transpose8(r);
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) _mm256_storeu_ps(kt + (size_t)(e + j) * KB + j0, r[j]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* R rows' scores of one block (R a constant once inlined): R rows share each load of K */
+static inline __attribute__((always_inline)) void score_rows(const float *const *q, const int *rows, int R,
+                                                             const float *kt, int hd, __m512 sc,
+                                                             float (*s)[CHUNK + 16], int i0) {
+    __m512 a[4][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) a[r][v] = _mm512_setzero_ps();
+    for (int e = 0; e < hd; e++) {
+        const float *kr = kt + (size_t)e * KB;
+        const __m512 k0 = _mm512_load_ps(kr), k1 = _mm512_load_ps(kr + 16), k2 = _mm512_load_ps(kr + 32),
+                     k3 = _mm512_load_ps(kr + 48);
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+            const __m512 x = _mm512_set1_ps(q[rows[r]][e]);
+            a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(x, k2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(x, k3, a[r][3]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) _mm512_store_ps(s[rows[r]] + i0 + 16 * v, _mm512_mul_ps(a[r][v], sc));
+}
+#endif
+
+/* s[r] + i0: the scores of the block's KB keys (kt: 64-byte aligned) for each row in rows[0..nl), each an
+ * fmadd chain over the dims in order from zero, times the scale */
+static __attribute__((noinline)) void score_block(const float *const *q, const int *rows, int nl, const float *kt, int hd, float scale,
+                        float (*s)[CHUNK + 16], int i0) {
+    int l = 0;
+#if defined(__AVX512F__)
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (; l + 4 <= nl; l += 4) score_rows(q, rows + l, 4, kt, hd, sc, s, i0);
+    switch (nl - l) {
+    case 3: score_rows(q, rows + l, 3, kt, hd, sc, s, i0); break;
+    case 2: score_rows(q, rows + l, 2, kt, hd, sc, s, i0); break;
+    case 1: score_rows(q, rows + l, 1, kt, hd, sc, s, i0); break;
+    default: break;
+    }
+#else
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (; l < nl; l++) {
+        const float *qa = q[rows[l]];
+        __m256 a[8];
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] = _mm256_setzero_ps();
+        for (int e = 0; e < hd; e++) {
+            const __m256 x = _mm256_set1_ps(qa[e]);
+            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
+                a[v] = _mm256_fmadd_ps(x, _mm256_load_ps(kt + (size_t)e * KB + 8 * v), a[v]);
+        }
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_store_ps(s[rows[l]] + i0 + 8 * v, _mm256_mul_ps(a[v], sc));
+    }
+#endif
+}
+
+/* o[0..hd) += sum over keys i in [i0, i1) of p[i] * v_i, one fmadd chain per dim in key order */
+static inline void pv_row(float *o, const float *p, const float *vb, const int *kidx, int k0, int i0, int i1, int hd) {
+    int e = 0;
+#if defined(__AVX512F__)
+    /* each o[e] is one fmadd chain over the keys in order, whatever the vector width: the bits of the 8-lane
+     * code below */
+    for (; e + 64 <= hd; e += 64) {
+        __m512 acc[4];
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) acc[v] = _mm512_loadu_ps(o + e + 16 * v);
+        for (int i = i0; i < i1; i++) {
+            const __m512 pi = _mm512_set1_ps(p[i]);
+            const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) acc[v] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(vr + 16 * v), acc[v]);
+        }
+        _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + e + 16 * v, acc[v]);
+    }
+#endif
+    for (; e + 64 <= hd; e += 64) {
+        __m256 acc[8];
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + e + 8 * v);
+        for (int i = i0; i < i1; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
+            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+        }
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + e + 8 * v, acc[v]);
+    }
+    for (; e < hd; e += 8) {
+        __m256 acc = _mm256_loadu_ps(o + e);
+        for (int i = i0; i < i1; i++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(vb + (size_t)KEY(k0 + i) * hd + e), acc);
+        _mm256_storeu_ps(o + e, acc);
+    }
+}
+
+#if defined(__AVX512F__)
+/* pv_row for R rows (R a constant once inlined) over the VSUB block from b0: R rows share each load of v over
+ * the keys all of them see, and each goes on alone to its own end; hd is whole 64s */
+static inline __attribute__((always_inline)) void pv_rows(float *const *part, float (*s)[CHUNK + 16], const int *rows,
+                                                          int R, const int *n, const float *vb, const int *kidx, int k0,
+                                                          int b0, int hd) {
+    int end[4], all = b0 + VSUB;
+    for (int r = 0; r < R; r++) {
+        end[r] = b0 + VSUB < n[rows[r]] ? b0 + VSUB : n[rows[r]];
+        if (end[r] < all) all = end[r];
+    }
+    for (int e = 0; e < hd; e += 64) {
+        __m512 a[4][4];
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) a[r][v] = _mm512_loadu_ps(part[rows[r]] + 2 + e + 16 * v);
+        for (int i = b0; i < all; i++) {
+            const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
+            __m512 w[4];
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(vr + 16 * v);
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                const __m512 p = _mm512_set1_ps(s[rows[r]][i]);
+                _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) a[r][v] = _mm512_fmadd_ps(p, w[v], a[r][v]);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+            _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) _mm512_storeu_ps(part[rows[r]] + 2 + e + 16 * v, a[r][v]);
+    }
+    for (int r = 0; r < R; r++) pv_row(part[rows[r]] + 2, s[rows[r]], vb, kidx, k0, all, end[r], hd);
+}
+#endif
+
+/* ktc: this chunk's K transposed (blocks of KB keys, hd * KB floats each), shared by every batch that reads the
+ * chunk; NULL: each block is transposed here */
 static void attend_rows(const float *const *q, const int *nkeys, const int *kidx, int nr, const float *kb,
-                        const float *vb, int hd, float scale, int k0, float *const *part) {
-    float s[ROW_GROUP][CHUNK + 8];
+                        const float *vb, const float *ktc, int hd, float scale, int k0, float *const *part) {
+    PROF_T(0);
+    float s[ROW_GROUP][CHUNK + 16] __attribute__((aligned(64)));
     int n[ROW_GROUP], kmax = 0;
     for (int r = 0; r < nr; r++) {
         int k1 = k0 + CHUNK < nkeys[r] ? k0 + CHUNK : nkeys[r];
@@ -1378,53 +1578,20 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         if (k1 > kmax) kmax = k1;
     }
     const int nmax = kmax - k0;
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (int i = 0; i < nmax; i += 8) {
-        const float *kr[8];
-        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) kr[j] = kb + (size_t)KEY(k0 + (i + j < nmax ? i + j : nmax - 1)) * hd;
-        int live[ROW_GROUP], nl = 0; /* the rows that see key i */
+    float ktl[ktc ? 16 : (size_t)KB * hd] __attribute__((aligned(64)));
+    for (int i0 = 0; i0 < nmax; i0 += KB) {
+        int live[ROW_GROUP], nl = 0; /* the rows that see key i0 */
         for (int r = 0; r < nr; r++)
-            if (i < n[r]) live[nl++] = r;
-        int l = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-        /* Two rows at once: row A's 8-lane chains in the low half of each zmm, row B's in the high half, each
-         * lane the very fmadd chain of the one-row code below (and the same hadd tree after), so the bits
-         * are that code's, with half the fmadd instructions. */
-        for (; l + 1 < nl; l += 2) {
-            const int ra = live[l], rb = live[l + 1];
-            __m512 a[8];
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-            for (int e = 0; e < hd; e += 8) {
-                const __m512 qv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q[ra] + e)),
-                                                     _mm256_loadu_ps(q[rb] + e), 1);
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                    a[j] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(kr[j] + e)), a[j]);
-            }
-            for (int half = 0; half < 2; half++) {
-                __m256 h[8];
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++)
-                    h[j] = half ? _mm512_extractf32x8_ps(a[j], 1) : _mm512_castps512_ps256(a[j]);
-                __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-                __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-                __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-                _mm256_storeu_ps(s[half ? rb : ra] + i, _mm256_mul_ps(dots, sc));
-            }
+            if (i0 < n[r]) live[nl++] = r;
+        const float *kt = ktc + (size_t)(i0 / KB) * hd * KB;
+        if (!ktc) {
+            k_block_t(kb, kidx, k0 + i0, nmax - i0 < KB ? nmax - i0 : KB, hd, ktl);
+            kt = ktl;
         }
-#endif
-        for (; l < nl; l++) {
-            const int r = live[l];
-            __m256 a[8];
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int e = 0; e < hd; e += 8) {
-                __m256 qv = _mm256_loadu_ps(q[r] + e);
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + e), a[j]);
-            }
-            __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-            __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-            _mm256_storeu_ps(s[r] + i, _mm256_mul_ps(dots, sc));
-        }
+        score_block(q, live, nl, kt, hd, scale, s, i0);
     }
+
+    PROF_T(1);
     float mx[ROW_GROUP];
     for (int r = 0; r < nr; r++) {
         float *o = part[r] + 2;
@@ -1434,7 +1601,13 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         int n8 = (n[r] + 7) & ~7;
         for (int i = n[r]; i < n8; i++) s[r][i] = -INFINITY;
         __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int i = 0; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s[r] + i));
+        int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        __m512 mw = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= n8; i += 16) mw = _mm512_max_ps(mw, _mm512_load_ps(s[r] + i));
+        mv = _mm256_max_ps(_mm512_castps512_ps256(mw), _mm512_extractf32x8_ps(mw, 1));
+#endif
+        for (; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s[r] + i));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
@@ -1443,7 +1616,19 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         part[r][1] = 0.0f;
         if (mx[r] == -INFINITY) continue;
         __m256 lsum = _mm256_setzero_ps(), m8 = _mm256_set1_ps(mx[r]);
-        for (int i = 0; i < n8; i += 8) {
+        i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        /* 16 keys a step, the sum still taken 8 lanes at a time in key order */
+        for (const __m512 m16 = _mm512_set1_ps(mx[r]); i + 16 <= n8; i += 16) {
+            const __m512 sv = _mm512_load_ps(s[r] + i);
+            const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp8x2(_mm512_sub_ps(sv, m16)));
+            _mm512_store_ps(s[r] + i, p);
+            lsum = _mm256_add_ps(lsum, _mm512_castps512_ps256(p));
+            lsum = _mm256_add_ps(lsum, _mm512_extractf32x8_ps(p, 1));
+        }
+#endif
+        for (; i < n8; i += 8) {
             __m256 sv = _mm256_loadu_ps(s[r] + i);
             __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
             __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(sv, m8)), live); /* masked keys weigh exactly 0 */
@@ -1452,48 +1637,28 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         }
         part[r][1] = hsum8(lsum);
     }
+    PROF_T(2);
     /* o += p * v, one block of VSUB v rows at a time for every row, each row's chains kept in its o */
     for (int b0 = 0; b0 < nmax; b0 += VSUB) {
-        for (int r = 0; r < nr; r++) {
-            if (mx[r] == -INFINITY || b0 >= n[r]) continue;
-            int b1 = b0 + VSUB < n[r] ? b0 + VSUB : n[r];
-            float *o = part[r] + 2;
-            int e = 0;
+        int live[ROW_GROUP], nl = 0;
+        for (int r = 0; r < nr; r++)
+            if (mx[r] != -INFINITY && b0 < n[r]) live[nl++] = r;
+        int l = 0;
 #if defined(__AVX512F__)
-            /* each o[e] is one fmadd chain over the keys in order, whatever the vector width: the bits of
-             * the 8-lane code below */
-            for (; e + 64 <= hd; e += 64) {
-                __m512 acc[4];
-                _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) acc[v] = _mm512_loadu_ps(o + e + 16 * v);
-                for (int i = b0; i < b1; i++) {
-                    const __m512 p = _mm512_set1_ps(s[r][i]);
-                    const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
-                    _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++)
-                        acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * v), acc[v]);
-                }
-                _Pragma("GCC unroll 4") for (int v = 0; v < 4; v++) _mm512_storeu_ps(o + e + 16 * v, acc[v]);
-            }
+        if (hd % 64 == 0) {
+            for (; l + 4 <= nl; l += 4) pv_rows(part, s, live + l, 4, n, vb, kidx, k0, b0, hd);
+            if (nl - l == 3) pv_rows(part, s, live + l, 3, n, vb, kidx, k0, b0, hd), l = nl;
+            if (nl - l == 2) pv_rows(part, s, live + l, 2, n, vb, kidx, k0, b0, hd), l = nl;
+        }
 #endif
-            for (; e + 64 <= hd; e += 64) {
-                __m256 acc[8];
-                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) acc[v] = _mm256_loadu_ps(o + e + 8 * v);
-                for (int i = b0; i < b1; i++) {
-                    __m256 p = _mm256_set1_ps(s[r][i]);
-                    const float *vr = vb + (size_t)KEY(k0 + i) * hd + e;
-                    _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++)
-                        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * v), acc[v]);
-                }
-                _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) _mm256_storeu_ps(o + e + 8 * v, acc[v]);
-            }
-            for (; e < hd; e += 8) {
-                __m256 acc = _mm256_loadu_ps(o + e);
-                for (int i = b0; i < b1; i++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[r][i]), _mm256_loadu_ps(vb + (size_t)KEY(k0 + i) * hd + e), acc);
-                _mm256_storeu_ps(o + e, acc);
-            }
+        for (; l < nl; l++) {
+            const int r = live[l];
+            pv_row(part[r] + 2, s[r], vb, kidx, k0, b0, b0 + VSUB < n[r] ? b0 + VSUB : n[r], hd);
         }
     }
+    PROF_T(3);
 }
+
 
 static void merge(const float *parts, int nch, int hd, float *out) {
     float M = -INFINITY;
@@ -1719,6 +1884,24 @@ static inline size_t att_chunk_dwords(int hd) { (void)hd; return 0; }
 static inline size_t att_scratch(int hd) { (void)hd; return 0; }
 #endif
 
+/* rotate_half's rope of one vector in place: v[e] * cos[e] + v[e -+ half] * sin[e] (the sign folded into sin),
+ * the second product fused */
+static inline void rope_vec(float *v, int hd, const float *c, const float *s) {
+    const int half = hd / 2;
+    int e = 0;
+    for (; half % 8 == 0 && e < half; e += 8) {
+        const __m256 lo = _mm256_loadu_ps(v + e), hi = _mm256_loadu_ps(v + half + e);
+        _mm256_storeu_ps(v + e, _mm256_fmadd_ps(hi, _mm256_loadu_ps(s + e), _mm256_mul_ps(lo, _mm256_loadu_ps(c + e))));
+        _mm256_storeu_ps(v + half + e,
+                         _mm256_fmadd_ps(lo, _mm256_loadu_ps(s + half + e), _mm256_mul_ps(hi, _mm256_loadu_ps(c + half + e))));
+    }
+    for (; e < half; e++) {
+        const float lo = v[e], hi = v[half + e];
+        v[e] = fmaf(hi, s[e], lo * c[e]);
+        v[half + e] = fmaf(lo, s[half + e], hi * c[half + e]);
+    }
+}
+
 /* ------------------------------------------------------------------ the layers
  * h [t, d] in place: layers [first, last) at slots pos..pos+t-1. rope_pos: each row's rotary
  * position (NULL: its slot). mask [t, pos+t] (NULL: causal, row r sees keys 0..pos+r).
@@ -1779,15 +1962,20 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
      * row that sees them all reads as they are, and a tree row repacks the rest of its keys in its scratch */
     const int tiles = att_tiles(hd, group), shared = mask ? pos / CHUNK : nch; /* chunks repacked for all */
     const size_t kvt_dwords = tiles ? (size_t)KV * nch * att_chunk_dwords(hd) : 0;
+    /* K transposed once per layer for every batch (kts: [KV][nch] chunks of CHUNK * hd floats), where several
+     * batches read each chunk of a causal pass; else each batch transposes the blocks it reads */
+    const size_t kts_floats = !mask && nb > 2 ? (size_t)KV * nch * CHUNK * hd : 0;
     size_t nx = (size_t)t * d, floats = (size_t)nthreads * nx + (size_t)t * qw + (size_t)t * H * hd
                                          + (size_t)t * 2 * I + (size_t)t * I + nx + (size_t)items * (hd + 2)
-                                         + kvt_dwords + 16;
+                                         + kts_floats + kvt_dwords + 16;
     float *buf = malloc(floats * sizeof(float));
     if (!buf) { free(row_items); free(kidx); return CD_ENOMEM; }
     uint32_t *kvt = (uint32_t *)(buf + floats - kvt_dwords);
     (void)kvt, (void)shared; /* read by the AMX build only */
     float *xs = buf, *qkv = xs + (size_t)nthreads * nx, *att = qkv + (size_t)t * qw, *gu = att + (size_t)t * H * hd;
     float *act = gu + (size_t)t * 2 * I, *y = act + (size_t)t * I, *parts = y + nx;
+    /* 64-byte aligned (the 16 spare floats): its rows are read in whole cache lines */
+    float *kts = kts_floats ? (float *)(((uintptr_t)(parts + (size_t)items * (hd + 2)) + 63) & ~(uintptr_t)63) : NULL;
     /* per-thread scratch for activation rows quantised (VNNI build) or rounded to bf16 (BF16 build); 0 bytes elsewhere */
     int maxin = d > H * hd ? d : H * hd;
     if (I > maxin) maxin = I;
@@ -1822,13 +2010,7 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                     if (nw) rms_row(vec, hd, nw, m->eps, vec);
                     int64_t rp = rope_pos ? rope_pos[r] : (int64_t)pos + r;
                     const float *c = cos_t + (size_t)rp * hd, *s = sin_t + (size_t)rp * hd;
-                    float tmp[hd];
-                    int half = hd / 2;
-                    for (int e = 0; e < hd; e++) {
-                        float sw = e < half ? vec[e + half] : vec[e - half];
-                        tmp[e] = vec[e] * c[e] + sw * s[e];
-                    }
-                    memcpy(vec, tmp, (size_t)hd * sizeof(float));
+                    rope_vec(vec, hd, c, s);
                 }
                 if (write && hh >= H) {
                     int g = hh < H + KV ? hh - H : hh - H - KV;
@@ -1853,6 +2035,17 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
 #pragma omp barrier
             }
 #endif
+            if (kts && !tl) {
+                share_items(KV * nch, tid, nt, &a, &b);
+                for (int it = a; it < b; it++) {
+                    const int g = it / nch, c = it % nch, n = width - c * CHUNK < CHUNK ? width - c * CHUNK : CHUNK;
+                    const float *kb = kc + ((size_t)li * KV + g) * cap * hd;
+                    for (int i0 = 0; i0 < n; i0 += KB)
+                        k_block_t(kb, NULL, c * CHUNK + i0, n - i0 < KB ? n - i0 : KB, hd,
+                                  kts + ((size_t)it * CHUNK + i0) * hd);
+                }
+#pragma omp barrier
+            }
             share_items(KV * nch * units * nb, tid, nt, &a, &b);
             for (int it = a; it < b; it++) {
                 const int g = it / (nch * units * nb), c = (it / (units * nb)) % nch, u = (it / nb) % units,
@@ -1889,7 +2082,8 @@ int cd_layers(const cd_model *m, float *h, int t, int first, int last, int pos, 
                     continue;
                 }
 #endif
-                attend_rows(qs, nk, ki, nr, kb, vb, hd, m->scale, c * CHUNK, ps);
+                attend_rows(qs, nk, ki, nr, kb, vb, kts && !tl ? kts + ((size_t)g * nch + c) * CHUNK * hd : NULL, hd,
+                            m->scale, c * CHUNK, ps);
             }
 #if CD_AMX
             if (tl) _tile_release();
