@@ -83,6 +83,7 @@ static inline simde__m512i emu_maskz_loadu_epi16(simde__mmask32 k, const void *p
 #undef _mm256_dpbusd_avx_epi32
 #define _mm256_dpbusd_avx_epi32(src, a, b) simde_mm256_dpbusd_epi32(src, a, b)
 
+#define CD_EMULATED 1 /* step.c keeps intrinsics where it would use inline assembly */
 /* which build: step.c reads the compiler's ISA macros, defined here after every header has been read */
 #ifdef EMULATE_AVXVNNI
 #define __AVXVNNI__ 1

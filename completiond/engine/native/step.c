@@ -563,6 +563,17 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
 }
 
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#ifndef CD_EMULATED
+/* vpdpbusd with its accumulator in place: GCC 12 moves the accumulator into a copy and back around each
+ * _mm512_dpbusd_epi32 (two moves per product), which left these kernels bound by instruction issue. The same
+ * instruction, so the same bits. (The tests' emulated builds keep the intrinsic, which SIMDe provides.) */
+static inline __m512i dpbusd512(__m512i acc, __m512i x, __m512i w) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+    return acc;
+}
+#else
+#define dpbusd512 _mm512_dpbusd_epi32
+#endif
 #define MKV(R, NP)                                                                                      \
     static inline void mkv_##R##_##NP(const uint8_t *xq, int in4, const float *xs, const void *Wp, int p0, \
                                       const float *sc, const int32_t *corr, const float *b, float *y, int ldy, \
@@ -581,7 +592,7 @@ static void quantize_row(const float *x, int in, int in4, uint8_t *xq, float *xs
                 int32_t quad;                                                                           \
                 memcpy(&quad, xq + (size_t)r * in4 + k, 4);                                             \
                 __m512i xv = _mm512_set1_epi32(quad);                                                   \
-                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = _mm512_dpbusd_epi32(acc[r][n], xv, w[n]); \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) acc[r][n] = dpbusd512(acc[r][n], xv, w[n]); \
             }                                                                                           \
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int n = 0; n < NP; n++) {                                          \
@@ -1097,7 +1108,7 @@ static void amx_store_i8(const amx_job *J, const void *tile, int r0, int rows, i
         for (int k = J->kb * 64; k < 4 * J->in_k; k += 4) { /* the k-quads past the whole tiles */
             int32_t quad;
             memcpy(&quad, xr + k, 4);
-            acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(quad), _mm512_loadu_si512((const void *)(pan + (size_t)k * PW)));
+            acc = dpbusd512(acc, _mm512_set1_epi32(quad), _mm512_loadu_si512((const void *)(pan + (size_t)k * PW)));
         }
         __m512 f = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, cv)), wv, RNE);
         f = _mm512_mul_round_ps(f, _mm512_set1_ps(J->xs[r0 + r]), RNE);
