@@ -1580,7 +1580,6 @@ static inline __attribute__((always_inline)) void pv_rows(float *const *part, fl
  * chunk; NULL: each block is transposed here */
 static void attend_rows(const float *const *q, const int *nkeys, const int *kidx, int nr, const float *kb,
                         const float *vb, const float *ktc, int hd, float scale, int k0, float *const *part) {
-    PROF_T(0);
     float s[ROW_GROUP][CHUNK + 16] __attribute__((aligned(64)));
     int n[ROW_GROUP], kmax = 0;
     for (int r = 0; r < nr; r++) {
@@ -1594,15 +1593,14 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         int live[ROW_GROUP], nl = 0; /* the rows that see key i0 */
         for (int r = 0; r < nr; r++)
             if (i0 < n[r]) live[nl++] = r;
-        const float *kt = ktc + (size_t)(i0 / KB) * hd * KB;
-        if (!ktc) {
+        const float *kt = ktl;
+        if (ktc)
+            kt = ktc + (size_t)(i0 / KB) * hd * KB;
+        else
             k_block_t(kb, kidx, k0 + i0, nmax - i0 < KB ? nmax - i0 : KB, hd, ktl);
-            kt = ktl;
-        }
         score_block(q, live, nl, kt, hd, scale, s, i0);
     }
 
-    PROF_T(1);
     float mx[ROW_GROUP];
     for (int r = 0; r < nr; r++) {
         float *o = part[r] + 2;
@@ -1648,7 +1646,6 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         }
         part[r][1] = hsum8(lsum);
     }
-    PROF_T(2);
     /* o += p * v, one block of VSUB v rows at a time for every row, each row's chains kept in its o */
     for (int b0 = 0; b0 < nmax; b0 += VSUB) {
         int live[ROW_GROUP], nl = 0;
@@ -1667,7 +1664,6 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
             pv_row(part[r] + 2, s[r], vb, kidx, k0, b0, b0 + VSUB < n[r] ? b0 + VSUB : n[r], hd);
         }
     }
-    PROF_T(3);
 }
 
 
