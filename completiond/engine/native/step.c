@@ -165,47 +165,32 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* exp on 8 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' constants),
- * relative error ~2e-7; lanes are independent, so a value's result never depends on its neighbours. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
-    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
+/* exp on 8 lanes (exp8), and on 16 (exp8x2, AVX-512 builds): range reduction by ln 2 and a degree-5 polynomial
+ * (Cephes' constants), relative error ~2e-7; lanes are independent, so a value's result never depends on its
+ * neighbours. One body for both widths: the same operations lane for lane, so the same bits. */
+#define EXP_LANES(NAME, W)                                                                              \
+    static inline __m##W NAME(__m##W x) {                                                               \
+        x = _mm##W##_max_ps(_mm##W##_min_ps(x, _mm##W##_set1_ps(88.3762626647949f)), _mm##W##_set1_ps(-87.3365478515625f)); \
+        __m##W fx = _mm##W##_fmadd_ps(x, _mm##W##_set1_ps(1.44269504088896341f), _mm##W##_set1_ps(0.5f)); \
+        fx = FLOOR_##W(fx);                                                                             \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(0.693359375f), x);                                  \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(-2.12194440e-4f), x);                               \
+        __m##W z = _mm##W##_mul_ps(x, x);                                                               \
+        __m##W y = _mm##W##_set1_ps(1.9875691500e-4f);                                                  \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.3981999507e-3f));                                \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(8.3334519073e-3f));                                \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(4.1665795894e-2f));                                \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.6666665459e-1f));                                \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(5.0000001201e-1f));                                \
+        y = _mm##W##_fmadd_ps(y, z, _mm##W##_add_ps(x, _mm##W##_set1_ps(1.0f)));                        \
+        __m##W##i n = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvttps_epi32(fx), _mm##W##_set1_epi32(127)), 23); \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(n));                                         \
+    }
+#define FLOOR_256(v) _mm256_floor_ps(v)
+#define FLOOR_512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+EXP_LANES(exp8, 256)
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-/* exp8 on 16 lanes: the same operations lane for lane, so the same bits */
-static inline __m512 exp8x2(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
-    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
-}
+EXP_LANES(exp8x2, 512)
 #endif
 
 /* y[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for one row of n */
@@ -1655,8 +1640,11 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
 #if defined(__AVX512F__)
         if (hd % 64 == 0) {
             for (; l + 4 <= nl; l += 4) pv_rows(part, s, live + l, 4, n, vb, kidx, k0, b0, hd);
-            if (nl - l == 3) pv_rows(part, s, live + l, 3, n, vb, kidx, k0, b0, hd), l = nl;
-            if (nl - l == 2) pv_rows(part, s, live + l, 2, n, vb, kidx, k0, b0, hd), l = nl;
+            switch (nl - l) { /* one row left: pv_row below */
+            case 3: pv_rows(part, s, live + l, 3, n, vb, kidx, k0, b0, hd); l = nl; break;
+            case 2: pv_rows(part, s, live + l, 2, n, vb, kidx, k0, b0, hd); l = nl; break;
+            default: break;
+            }
         }
 #endif
         for (; l < nl; l++) {
@@ -1665,7 +1653,6 @@ static void attend_rows(const float *const *q, const int *nkeys, const int *kidx
         }
     }
 }
-
 
 static void merge(const float *parts, int nch, int hd, float *out) {
     float M = -INFINITY;
