@@ -16,6 +16,7 @@ default; they never raise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -56,7 +57,14 @@ class Setting:
 
     @property
     def attr(self) -> str:
-        return re.sub(r"(?<!^)(?=[A-Z])", "_", self.key).lower()
+        return _snake_case(self.key)
+
+
+@functools.lru_cache(maxsize=None)
+def _snake_case(key: str) -> str:
+    # Cached: every status notification and request reads all settings by attribute (to_settings), and the
+    # regular expression was the daemon's and the LSP's largest cost per request.
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower()
 
 
 # Editors' sections, in display order: (key, title). VS Code shows each as a titled part of the settings.
@@ -447,6 +455,7 @@ def _settings() -> tuple[Setting, ...]:
 
 SETTINGS: tuple[Setting, ...] = _settings()
 SETTINGS_BY_KEY = {s.key: s for s in SETTINGS}
+_KEY_ATTRS = tuple((s.key, s.attr) for s in SETTINGS)
 
 
 def _coerce(setting: Setting, value: Any) -> Any:
@@ -608,7 +617,7 @@ MAX_CONFIG_BYTES = 1 << 20  # a real config.toml is a few hundred bytes
 
 def to_settings(cfg: Config) -> dict[str, Any]:
     """camelCase dict of a Config, as editors send it."""
-    return {s.key: getattr(cfg, s.attr) for s in SETTINGS}
+    return {key: getattr(cfg, attr) for key, attr in _KEY_ATTRS}
 
 
 def schema() -> list[dict[str, Any]]:
@@ -724,6 +733,22 @@ ROUTE_KEYS = ("backend", "endpoint")
 def request_settings(cfg: Config) -> dict[str, Any]:
     """The settings a completion request carries: those that apply per request, and ROUTE_KEYS."""
     return {k: v for k, v in to_settings(cfg).items() if k not in ENGINE_KEYS or k in ROUTE_KEYS}
+
+
+def request_config(base: Config, settings: Mapping[str, Any] | None) -> Config:
+    """`base` with a request's per-request settings (its ENGINE_KEYS are the daemon's own: left out); errors
+    ignored, as merge reports them to the editor that sent them. Every keystroke's request carries the same
+    settings, so the merged config is kept (a merge per request was a large share of the daemon's time)."""
+    items = tuple((k, v) for k, v in (settings or {}).items() if k not in ENGINE_KEYS)
+    try:
+        return _request_config(base, items)
+    except TypeError:  # an unhashable value (a malformed request): merged uncached, and rejected there
+        return merge(base, dict(items))[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _request_config(base: Config, items: tuple[tuple[str, Any], ...]) -> Config:
+    return merge(base, dict(items))[0]
 
 
 def _endpoint_key(url: Any) -> str:

@@ -30,7 +30,7 @@ from completiond.serving import paths
 from completiond.serving.client import ConnectionLost, DaemonSession, DaemonUnavailable
 from completiond.completion.documents import UTF8, UTF16, UTF32, Document
 from completiond.serving.wire import MAX_FRAME, Code, RemoteError
-from completiond.lsp import first_run
+from completiond.lsp import first_run, stdio
 
 if TYPE_CHECKING:
     from completiond.serving.service import Service  # imported at run time only for --no-daemon (torch)
@@ -276,6 +276,9 @@ class CompletionServer(LanguageServer):
             self.service = DaemonConnection(session)
 
     # --- settings ---------------------------------------------------------------
+
+    def start_io(self, stdin: Any = None, stdout: Any = None) -> None:
+        stdio.serve(self, stdin, stdout)  # stdin read by the event loop, not a thread per message
 
     def apply_settings(self) -> None:
         """Recompute the config from its layers; invalid values are shown to the user and replaced by defaults.

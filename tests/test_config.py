@@ -123,3 +123,23 @@ def test_config_is_written_out_one_typed_field_per_setting():
         assert f.metadata["setting"]["description"] == s.description and s.group in dict(config.GROUPS)
     assert config.SETTINGS_BY_KEY["apiKeyOverHttp"].attr == "api_key_over_http"
     assert config.SETTINGS_BY_KEY["endpoint"].restricted and config.SETTINGS_BY_KEY["endpoint"].scope == "machine"
+
+
+def test_request_config_merges_per_request_settings_once():
+    base = config.Config()
+    asked = {"maxTokens": 7, "model": "someone/else", "backend": "local", "contextTokens": 100}
+    cfg = config.request_config(base, asked)
+    assert cfg == config.merge(base, {"maxTokens": 7, "backend": "local", "contextTokens": 100})[0]
+    assert cfg.max_tokens == 7 and cfg.model == base.model  # an engine setting is the daemon's own
+    assert config.request_config(base, dict(asked)) is cfg  # every keystroke asks the same: merged once
+    other = config.merge(base, {"maxTokens": 9})[0]
+    assert config.request_config(other, asked).max_tokens == 7 and config.request_config(other, asked) is not cfg
+    # A malformed value (unhashable) is merged uncached, and merge's own checks reject it.
+    assert config.request_config(base, {"maxTokens": [1, 2]}).max_tokens == base.max_tokens
+    assert config.request_config(base, None) == base
+
+
+def test_settings_read_by_attribute_name_match_the_keys():
+    cfg = config.merge(config.Config(), {"maxTokens": 5, "tokenHealing": False})[0]
+    out = config.to_settings(cfg)
+    assert out["maxTokens"] == 5 and out["tokenHealing"] is False and list(out) == [s.key for s in config.SETTINGS]

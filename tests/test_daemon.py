@@ -349,6 +349,31 @@ async def test_engine_settings_mismatch_warns(daemon):
     await c.close()
 
 
+async def test_busy_is_announced_only_for_work_that_takes_a_while(daemon):
+    """A quick answer goes out without a "busy" status before it (a broadcast that ran beside the request on
+    the same cores, for a spinner nobody could see); work past BUSY_AFTER_S is announced; the answer's own
+    status (ready, with its latency) follows it either way."""
+    from completiond.serving.lifecycle import BUSY_AFTER_S
+
+    states: list[str] = []
+    daemon.server.service.listeners.append(lambda status: states.append(status["state"]))
+    c = await daemon.connect()
+    try:
+        text = "def add(a, b):\n    ret"
+        c.notify("open", {"uri": "file:///a.py", "version": 1, "text": text})
+        await c.request("complete", {"uri": "file:///a.py", "version": 1, "offset": len(text)}, timeout=10)
+        await asyncio.sleep(BUSY_AFTER_S + 0.1)
+        assert "busy" not in states and states[-1] == "ready"
+        states.clear()
+        daemon.engine.round_s = 2 * BUSY_AFTER_S  # each round now takes longer than the announcement waits
+        c.notify("change", {"uri": "file:///a.py", "version": 2, "edits": [[0, 0, "#\n"]]})
+        await c.request("complete", {"uri": "file:///a.py", "version": 2, "offset": len(text) + 2}, timeout=30)
+        await asyncio.sleep(0.05)
+        assert states.index("busy") < len(states) - 1 and states[-1] == "ready"
+    finally:
+        await c.close()
+
+
 async def test_status_counts_editors_apart_from_command_line_clients(daemon, capsys):
     from completiond.commands.status import _status
 

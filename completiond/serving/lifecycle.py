@@ -51,6 +51,8 @@ class Loader(Protocol):
 # Of the progress bar, when the model is downloaded first (a hub model not yet in the cache): the
 # download dominates then, and the load phases share the rest, so the percentage only rises.
 DOWNLOAD_SHARE = 80
+# Status bars say "generating" for work that has run this long (Lifecycle.job_started).
+BUSY_AFTER_S = 0.15
 
 
 def progress_report(phase: str, percentage: int, message: str | None = None) -> dict[str, Any]:
@@ -219,6 +221,7 @@ class Lifecycle:
         self.calibrate_min_params = calibrate_min_params
         self.calibration_job: Any = None
         self.calibration_message = ""
+        self._busy_timer: asyncio.TimerHandle | None = None
 
     def start_loading(self) -> None:
         """Load the completer on the worker thread (queued jobs wait behind it)."""
@@ -288,6 +291,18 @@ class Lifecycle:
         if self.state in ("ready", "busy"):  # a failing team server stays "error" until it answers
             self.set_state("busy")
 
+    def job_started(self) -> None:
+        """A request (or an answer ahead) began on the worker: the state says "busy" once work has run
+        BUSY_AFTER_S. Most answers come sooner, and a busy broadcast then (a status frame to every editor,
+        its LSP process decoding it) ran beside the request it announced, on the same cores."""
+        if self._busy_timer is None and self.loop is not None and not self.loop.is_closed():
+            self._busy_timer = self.loop.call_later(BUSY_AFTER_S, self._still_busy)
+
+    def _still_busy(self) -> None:
+        self._busy_timer = None
+        if self.scheduler.busy:
+            self.mark_busy()
+
     def remote_failed(self, message: str) -> None:
         """The team server failed a request: the status says so (once per failure, the editors show it),
         instead of "ready" while every request fails."""
@@ -356,5 +371,7 @@ class Lifecycle:
             self.calibration_message = ""
 
     def shutdown(self) -> None:
+        if self._busy_timer is not None:
+            self._busy_timer.cancel()
         if self.calibration_job is not None:
             self.calibration_job.cancel()

@@ -211,9 +211,7 @@ class Service:
         if isinstance(settings, dict):
             if config_mod.route_refusal(settings, self.cfg):
                 return
-            self._last_cfg[client] = config_mod.merge(
-                self.cfg, {k: v for k, v in settings.items() if k not in config_mod.ENGINE_KEYS}
-            )[0]
+            self._last_cfg[client] = config_mod.request_config(self.cfg, settings)
         self.prefetch.note((client, uri), offset)
 
     def close(self, client: Hashable, uri: str) -> None:
@@ -333,9 +331,7 @@ class Service:
             raise ServiceError(Code.BAD_REQUEST, f"offset {offset} outside {uri} ({len(doc.text)} characters)")
         if self.state == "error" and not self.lifecycle.remote_down:
             raise ServiceError(Code.NOT_READY, self.error)
-        cfg, _errors = config_mod.merge(
-            self.cfg, {k: v for k, v in (settings or {}).items() if k not in config_mod.ENGINE_KEYS}
-        )
+        cfg = config_mod.request_config(self.cfg, settings)
         text, path, language = doc.text, uri_path(uri), doc.language_id or None
         gated = gate_path(uri)
         tree = doc.syntax() if getattr(cfg, "syntax_check", True) else None  # parsed on the worker, incrementally
@@ -343,9 +339,9 @@ class Service:
 
         def deliver(outcome: Outcome) -> None:
             self.metrics.account(outcome)
-            self.lifecycle.call_soon(self._after_job)
-            if not loop.is_closed():
+            if not loop.is_closed():  # the answer first, then the status broadcast
                 loop.call_soon_threadsafe(settle, outcome)
+            self.lifecycle.call_soon(self._after_job)
 
         def settle(outcome: Outcome) -> None:
             if not future.done():
@@ -434,7 +430,7 @@ class Service:
             )
         start = time.perf_counter()
         remote = completer.backend is not Backend.LOCAL
-        self.lifecycle.call_soon(self.lifecycle.mark_busy)
+        self.lifecycle.call_soon(self.lifecycle.job_started)
         context = self.docs.context(
             client, cfg, path, language, text, offset, completer.budgets(cfg), completer.token_counter()
         )
