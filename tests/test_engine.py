@@ -13,6 +13,7 @@ import math
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -366,6 +367,17 @@ def test_prefix_cache_lru_within_budget():
     assert reused == 5 and seq is seqs[4]
     seq, reused = cache.acquire([0, 1, 2], lambda n: make(n))  # evicted long ago
     assert reused == 0
+
+
+def test_common_prefix_matches_a_plain_comparison():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n, m = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+        a, b = rng.integers(0, 3, n), rng.integers(0, 3, m)  # 3 ids: long common heads are frequent
+        s = KVSequence(1, 1, 4, torch.float32, "cpu", capacity=max(n, 1))
+        s.commit(a.tolist())
+        expected = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+        assert s.common_prefix(b) == expected, (a, b)
 
 
 def test_draft_vocab_subset_stays_exact(engine):

@@ -46,6 +46,7 @@ class KVSequence:
         self.k = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.tokens = np.empty(capacity, dtype=np.int64)
+        self._sized()
         self.length = 0  # tokens whose KV is valid in every layer
         # A trained exit adapter (engine/exit_adapter.py) keeps its own K/V in the slot past the model's
         # layers; it is filled lazily by the draft, so it may lag: valid for positions < aux_length.
@@ -64,8 +65,11 @@ class KVSequence:
 
     @property
     def nbytes(self) -> int:
-        own = 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
-        return own + (self.companion.nbytes if self.companion is not None else 0)
+        return self._own_bytes + (self.companion.nbytes if self.companion is not None else 0)
+
+    def _sized(self) -> None:
+        # Kept, not recomputed: the cache sums every sequence's size at each release (its budget).
+        self._own_bytes = 2 * self.k.element_size() * self.k.numel() + self.tokens.nbytes
 
     def ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -78,6 +82,7 @@ class KVSequence:
         tokens = np.empty(new, dtype=np.int64)
         tokens[: self.length] = self.tokens[: self.length]
         self.k, self.v, self.tokens = k, v, tokens
+        self._sized()
 
     def commit(self, tokens: list[int]) -> None:
         """Mark the next len(tokens) slots (already written in every layer) as valid."""
@@ -114,6 +119,12 @@ class KVSequence:
         m = min(self.length, len(prompt))
         if m == 0:
             return 0
+        # Each lookup and release compares against every cached sequence, and most part from the prompt at
+        # once (a suffix-first prompt after the FIM token): two scalar reads, not the whole comparison.
+        if self.tokens[0] != prompt[0]:
+            return 0
+        if m == 1 or self.tokens[1] != prompt[1]:
+            return 1
         diff = np.flatnonzero(self.tokens[:m] != prompt[:m])
         return int(diff[0]) if len(diff) else m
 
