@@ -2,14 +2,15 @@
 
 pygls reads stdin on a thread pool: each header line and each body is a hand-off to a thread and back
 (three per message), about 0.6 ms of every request's round trip on a 2-core machine. Editors give a
-language server a pipe (VS Code, Neovim) or a socket, which the event loop can watch itself. Anything
-else (a regular file, say) keeps pygls's own reader.
+language server a pipe (VS Code, Neovim) or a socket, which a POSIX event loop can watch itself. Anything
+else (a regular file, Windows) keeps pygls's own reader.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from typing import Any, BinaryIO
 
@@ -42,6 +43,8 @@ class PipeReader:
 
 async def pipe_reader(stdin: BinaryIO) -> PipeReader | None:
     """A reader of `stdin` on the running loop, or None where the loop cannot watch it."""
+    if os.name != "posix":  # Windows' proactor loop reads only overlapped pipes, which an editor's stdin is not
+        return None
     loop = asyncio.get_running_loop()
     stream = asyncio.StreamReader(limit=HEADER_LIMIT, loop=loop)
     try:

@@ -65,6 +65,19 @@ async def test_a_body_cut_short_comes_back_partial():
     assert await stdio.PipeReader(stream).readexactly(10) == b"abc"
 
 
+async def test_a_pipe_is_read_by_the_event_loop():
+    r, w = os.pipe()
+    with open(r, "rb", buffering=0) as stdin:
+        reader = await stdio.pipe_reader(stdin)
+        assert isinstance(reader, stdio.PipeReader)
+        os.write(w, frame(SHUTDOWN))
+        os.close(w)
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"Content-Length: ")
+        assert await reader.readline() == b"\r\n"
+        assert json.loads(await reader.readexactly(len(json.dumps(SHUTDOWN)))) == SHUTDOWN
+        assert await reader.readline() == b""  # the editor closed it
+
+
 async def test_a_regular_file_is_left_to_the_thread_reader(tmp_path):
     path = tmp_path / "in"
     path.write_bytes(b"")
