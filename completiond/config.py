@@ -739,16 +739,17 @@ def request_config(base: Config, settings: Mapping[str, Any] | None) -> Config:
     """`base` with a request's per-request settings (its ENGINE_KEYS are the daemon's own: left out); errors
     ignored, as merge reports them to the editor that sent them. Every keystroke's request carries the same
     settings, so the merged config is kept (a merge per request was a large share of the daemon's time)."""
-    items = tuple((k, v) for k, v in (settings or {}).items() if k not in ENGINE_KEYS)
+    # Each value's type is part of the key: 1, 1.0 and True are equal keys, and merge takes them differently.
+    items = tuple((k, type(v), v) for k, v in (settings or {}).items() if k not in ENGINE_KEYS)
     try:
         return _request_config(base, items)
     except TypeError:  # an unhashable value (a malformed request): merged uncached, and rejected there
-        return merge(base, dict(items))[0]
+        return merge(base, {k: v for k, _, v in items})[0]
 
 
 @functools.lru_cache(maxsize=16)
-def _request_config(base: Config, items: tuple[tuple[str, Any], ...]) -> Config:
-    return merge(base, dict(items))[0]
+def _request_config(base: Config, items: tuple[tuple[str, type, Any], ...]) -> Config:
+    return merge(base, {k: v for k, _, v in items})[0]
 
 
 def _endpoint_key(url: Any) -> str:

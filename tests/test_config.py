@@ -137,6 +137,9 @@ def test_request_config_merges_per_request_settings_once():
     # A malformed value (unhashable) is merged uncached, and merge's own checks reject it.
     assert config.request_config(base, {"maxTokens": [1, 2]}).max_tokens == base.max_tokens
     assert config.request_config(base, None) == base
+    # Equal values of other types are other requests: True is no int, so maxTokens keeps its value.
+    assert config.request_config(base, {"maxTokens": 1}).max_tokens == 1
+    assert config.request_config(base, {"maxTokens": True}) == config.merge(base, {"maxTokens": True})[0]
 
 
 def test_settings_read_by_attribute_name_match_the_keys():
