@@ -159,6 +159,55 @@ def test_every_row_of_a_pass_is_a_one_row_step_bit_for_bit(bundled, threads):
 
 
 @torch.inference_mode()
+def test_a_long_prompts_last_chunk_rides_on_the_first_step(bundled, monkeypatch):
+    """A jump's or an open's prompt: its last prefill chunk goes through the first step with the pending token,
+    one pass over the weights fewer. The same cached K/V as a prefill and then the step, and for greedy
+    requests (speculative or not) the same tokens."""
+    _need_native()
+    from completiond.engine import decode
+
+    prompt = _ids(bundled, TEXT * 3, 150)
+    rows: list[int] = []  # rows of each pass through the first layer
+    real = bundled.fwd.native.layers
+
+    def counting(h, first, *args, **kw):
+        if first == 0:
+            rows.append(h.shape[1])
+        return real(h, first, *args, **kw)
+
+    def apart(engine, seq, rounds, uncached):  # the rule before: a keystroke's few tokens only
+        return uncached if rounds.merges_prefill and 0 < uncached <= decode.MERGE_PREFILL else 0
+
+    monkeypatch.setattr(bundled.fwd.native, "layers", counting)
+    monkeypatch.setattr(bundled, "prefill_chunk", 64)
+    merged = decode.merged_tail
+    for params in (
+        SamplingParams(max_tokens=8),
+        SamplingParams(max_tokens=8, speculative=False),
+        SamplingParams(max_tokens=8, temperature=0.8, seed=5),
+    ):
+        got = {}
+        for name, rule in (("merged", merged), ("apart", apart)):
+            monkeypatch.setattr(decode, "merged_tail", rule)
+            bundled.cache.clear()
+            rows.clear()
+            gen = bundled.generate(prompt, params, history=False)
+            n = len(prompt) + len(gen.tokens) - 1
+            seq, reused = bundled.cache.acquire(prompt + gen.tokens, bundled.new_sequence)
+            assert reused == n
+            got[name] = (gen.tokens, seq.k[:, :, :n].clone(), seq.v[:, :, :n].clone(), list(rows))
+            bundled.cache.release(seq)
+        # The prompt's K/V always; a sampled request's draws follow its own rounds (the first one is a plain step
+        # now), so its tokens and theirs are compared for greedy requests only.
+        n = len(prompt) if params.temperature else None
+        assert torch.equal(got["merged"][1][:, :, :n], got["apart"][1][:, :, :n])
+        assert torch.equal(got["merged"][2][:, :, :n], got["apart"][2][:, :, :n])
+        assert params.temperature or got["merged"][0] == got["apart"][0], params
+        assert got["merged"][3][:3] == [64, 64, 22], got["merged"][3]  # 149 before the pending token: 64 + 64 + 21
+        assert got["apart"][3][:3] == [64, 64, 21]  # and a step of its own after them
+
+
+@torch.inference_mode()
 def test_results_do_not_depend_on_the_thread_count(bundled):
     _need_native()
     saved = torch.get_num_threads()

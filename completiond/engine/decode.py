@@ -90,22 +90,29 @@ def decode(
     """Prefill the prompt's uncached tokens, then run rounds until max_tokens, an end token, a stop or a cancel."""
     params, stats, t0 = req.params, req.stats, time.perf_counter()
     rest = prompt[reused:-1]
-    # A keystroke leaves a few new tokens before the cursor: fed with the pending token in the first
-    # step, they cost about one pass instead of two (a prefill, then the step).
-    ahead = rest if rounds.merges_prefill and 0 < len(rest) <= MERGE_PREFILL else []
+    # The prompt's last uncached tokens ride on the first step with the pending token: one pass instead of
+    # two (a prefill, then the step).
+    merged = merged_tail(engine, seq, rounds, len(rest))
+    ahead = rest[len(rest) - merged :] if merged else []
     out: list[int] = []
     finish = (
-        "length" if ahead or engine.prefill(seq, rest, req.cancel, rounds.draft, engine.prefill_chunk) else "cancelled"
+        "length"
+        if engine.prefill(seq, rest[: len(rest) - merged], req.cancel, rounds.draft, engine.prefill_chunk)
+        else "cancelled"
     )
     t1 = time.perf_counter()
     stats.prefill_ms = 1000 * (t1 - t0)
     pending = prompt[-1]
+    as_prefill = 0.0  # a merged step that is mostly the prompt's last chunk is timed as prefill
     while finish == "length" and len(out) < params.max_tokens:
         if req.cancel is not None and req.cancel.cancelled:
             finish = "cancelled"
             break
         if ahead:
+            ts = time.perf_counter()
             new = [plain_step(engine, seq, pending, out, req, before=ahead, draft=rounds.draft)]
+            if len(ahead) > MERGE_PREFILL:
+                as_prefill = time.perf_counter() - ts
             stats.rounds += 1
             ahead = []
         else:
@@ -121,8 +128,24 @@ def decode(
             finish = "stop"
         if on_round is not None:
             on_round(list(out))
-    stats.decode_ms = 1000 * (time.perf_counter() - t1)
+    stats.prefill_ms += 1000 * as_prefill
+    stats.decode_ms = 1000 * (time.perf_counter() - t1 - as_prefill)
     return out, finish
+
+
+def merged_tail(engine: Host, seq: KVSequence, rounds: Round, uncached: int) -> int:
+    """How many of the prompt's `uncached` tokens before the pending one go through the first step with it.
+    A keystroke's few (MERGE_PREFILL) on every path. On the native CPU step, whose rows have a one-row step's
+    bits whatever the pass (step.c's contract), the whole last prefill chunk: a jump or an open saves the
+    step's own pass over the weights. Elsewhere a pass of more rows may round differently (PyTorch's GEMM
+    past forward.SMALL_T), so the prompt's own prefill stays as a cold one would run it."""
+    if not rounds.merges_prefill or uncached <= 0:
+        return 0
+    if uncached <= MERGE_PREFILL:
+        return uncached
+    if engine.fwd.native is None or seq.k.dtype != torch.float32 or not seq.k.is_contiguous():
+        return 0
+    return (uncached - 1) % max(1, engine.prefill_chunk) + 1
 
 
 def take(engine: Host, new: list[int], out: list[int], params: SamplingParams) -> str:
