@@ -92,7 +92,7 @@ def decode(
     rest = prompt[reused:-1]
     # The prompt's last uncached tokens ride on the first step with the pending token: one pass instead of
     # two (a prefill, then the step).
-    merged = merged_tail(engine, seq, rounds, len(rest))
+    merged = merged_tail(engine, seq, rounds, len(rest), req.warp.greedy)
     ahead = rest[len(rest) - merged :] if merged else []
     out: list[int] = []
     finish = (
@@ -133,17 +133,19 @@ def decode(
     return out, finish
 
 
-def merged_tail(engine: Host, seq: KVSequence, rounds: Round, uncached: int) -> int:
+def merged_tail(engine: Host, seq: KVSequence, rounds: Round, uncached: int, greedy: bool) -> int:
     """How many of the prompt's `uncached` tokens before the pending one go through the first step with it.
-    A keystroke's few (MERGE_PREFILL) on every path. On the native CPU step, whose rows have a one-row step's
-    bits whatever the pass (step.c's contract), the whole last prefill chunk: a jump or an open saves the
-    step's own pass over the weights. Elsewhere a pass of more rows may round differently (PyTorch's GEMM
-    past forward.SMALL_T), so the prompt's own prefill stays as a cold one would run it."""
+    A keystroke's few (MERGE_PREFILL) on every path. For a greedy request on the native CPU step, whose rows
+    have a one-row step's bits whatever the pass (step.c's contract), the whole last prefill chunk: a jump or
+    an open saves the step's own pass over the weights, and the tokens are the same (a plain first step and
+    a speculative one agree when greedy). A sampled request's draws follow its rounds, so its first round
+    stays as before (the same seed, the same text); and elsewhere a pass of more rows may round differently
+    (PyTorch's GEMM past forward.SMALL_T)."""
     if not rounds.merges_prefill or uncached <= 0:
         return 0
     if uncached <= MERGE_PREFILL:
         return uncached
-    if engine.fwd.native is None or seq.k.dtype != torch.float32 or not seq.k.is_contiguous():
+    if not greedy or engine.fwd.native is None or seq.k.dtype != torch.float32 or not seq.k.is_contiguous():
         return 0
     return (uncached - 1) % max(1, engine.prefill_chunk) + 1
 
