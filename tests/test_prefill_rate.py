@@ -123,3 +123,30 @@ def test_the_prompt_builder_sizes_the_suffix_by_the_rate(engine):
     finally:
         engine.prefill_tokens_per_s = saved
     assert slow.options.suffix_tokens == max(SUFFIX_MIN_TOKENS, int(200 * SUFFIX_PREFILL_S)) < fast.options.suffix_tokens
+
+
+def test_warm_up_slices_take_about_the_same_time_whatever_the_model(bundled_model_dir, monkeypatch):
+    """A request that preempts a warm-up waits for the part of a chunk in flight: parts of about
+    WARM_SLICE_S at the planning rate on a CPU (the 0.5B shape's int8 rate: 891 tokens/s), never fewer
+    than WARM_SLICES, never more than the layers; accelerators (no rate) keep WARM_SLICES."""
+    from completiond.engine.model_facts import WARM_SLICE_S, WARM_SLICES, warm_slices
+
+    assert warm_slices(64, 33_000, 10) == WARM_SLICES  # the bundled model: ~2 ms a chunk
+    n = warm_slices(64, 891, 24)
+    assert n > WARM_SLICES and 64 / 891 / n <= WARM_SLICE_S * 1.01 and 64 / 891 / (n - 1) > WARM_SLICE_S
+    assert warm_slices(48, 405, 24) == 24 and warm_slices(64, 50, 3) == 3 and warm_slices(64, None, 24) == WARM_SLICES
+    # The engine's warm-up runs its chunks' layers in that many parts (the bundled model: 10 layers).
+    engine = Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+    assert engine.num_layers > WARM_SLICES
+    calls = []
+    real = engine.run_layers
+
+    def count(h, first, last, *args, **kw):
+        calls.append((first, last))
+        return real(h, first, last, *args, **kw)
+
+    monkeypatch.setattr(engine, "run_layers", count)
+    monkeypatch.setattr(engine, "prefill_tokens_per_s", 1.0)  # a crawl: one layer a part
+    engine.cache.clear()
+    engine.warm(list(range(3, 40)))
+    assert calls[: engine.num_layers] == [(i, i + 1) for i in range(engine.num_layers)]

@@ -44,7 +44,7 @@ from completiond.engine.load_plan import (
 from completiond.engine.loader import pick_device, pick_dtype
 from completiond.engine.lookup import OutputHistory
 from completiond.engine import model_facts
-from completiond.engine.model_facts import PREFILL_CHUNK, WARM_SLICES, cpu_prefill, eos_ids
+from completiond.engine.model_facts import PREFILL_CHUNK, cpu_prefill, eos_ids, warm_slices
 from completiond.engine.model_info import ModelInfo
 from completiond.engine.params import (
     ConstraintFn,
@@ -370,7 +370,9 @@ class Engine:
             if limit is not None:
                 todo = todo[: max(0, limit)]
             seq.ensure_capacity(reused + len(todo) + 1)
-            self.prefill(seq, todo, cancel, chunk_size=max(32, self.prefill_chunk // 4), slices=WARM_SLICES)
+            chunk = max(32, self.prefill_chunk // 4)
+            slices = warm_slices(chunk, self.prefill_tokens_per_s, self.num_layers)
+            self.prefill(seq, todo, cancel, chunk_size=chunk, slices=slices)
             return seq.length - reused, seq.length
         finally:
             self.cache.release(seq, background=background)

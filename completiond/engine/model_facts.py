@@ -5,6 +5,7 @@ suffix): from its size and how this machine runs its prefill, never from a clock
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from completiond.models.adapters import Adapter
@@ -17,6 +18,10 @@ PREFILL_CHUNK = 256
 # (64 tokens, about 70 ms at the 0.5B shape in int8 without AMX), now for a part of one.
 PREFILL_CHUNK_S = 0.5
 WARM_SLICES = 4
+# On a CPU, at least as many parts as keep each to about WARM_SLICE_S at the planning rate (warm_slices): four
+# parts of the 0.5B shape's 64-token chunk took ~18 ms each in int8 on 2 cores, and a jump that preempted a
+# warm-up waited ~15 ms for its part; the bundled model keeps four parts of about 1 ms.
+WARM_SLICE_S = 0.005
 # The CPU's planning rate: what a prefill token costs, from the model's size and the way this machine runs
 # its prefill, never from a clock. Prompt builders size the suffix by it and prefill chunks follow it, so a
 # process started (or running) under load lays out the same prompts and splits them the same way as a
@@ -56,6 +61,15 @@ def cpu_prefill(adapter: Adapter, cfg, kernel: str | None, weights: str, threads
         )
     rate = per_thread * max(1, threads) / (2 * max(1, matmul_params(adapter, cfg)))
     return rate, chunk_for(rate)
+
+
+def warm_slices(chunk: int, rate: float | None, layers: int) -> int:
+    """Parts of its layers a warm-up chunk of `chunk` tokens runs in (it looks at its cancel token between them):
+    WARM_SLICES, or on a CPU (a planning `rate` in tokens per second) enough to keep each to about WARM_SLICE_S,
+    one layer a part at most."""
+    if not rate or rate <= 0:
+        return min(WARM_SLICES, max(1, layers))
+    return max(1, min(max(1, layers), max(WARM_SLICES, math.ceil(chunk / rate / WARM_SLICE_S))))
 
 
 def chunk_for(rate: float) -> int:
