@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 from typing import Any, BinaryIO
 
 from pygls.io_ import StdinAsyncReader, StdoutWriter, run_async
@@ -57,8 +58,6 @@ async def pipe_reader(stdin: BinaryIO) -> PipeReader | None:
 
 def serve(server: Any, stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> None:
     """pygls's `start_io` for a LanguageServer, with stdin read by the event loop where it can be."""
-    import threading
-
     stdin = stdin or sys.stdin.buffer
     server._stop_event = stop = threading.Event()  # what the server's shutdown sets
     server.protocol.set_writer(StdoutWriter(stdout or sys.stdout.buffer))

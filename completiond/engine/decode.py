@@ -145,7 +145,7 @@ def merged_tail(engine: Host, seq: KVSequence, rounds: Round, uncached: int, gre
         return 0
     if uncached <= MERGE_PREFILL:
         return uncached
-    if not greedy or engine.fwd.native is None or seq.k.dtype != torch.float32 or not seq.k.is_contiguous():
+    if not greedy or engine.fwd.native_for(engine.fwd.dtype, seq) is None:
         return 0
     return (uncached - 1) % max(1, engine.prefill_chunk) + 1
 

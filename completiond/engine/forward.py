@@ -229,6 +229,11 @@ class Forward:
         return buffer[T - t :, W - need_w :]
 
     # ---------------------------------------------------------------- the pass
+    def native_for(self, dtype: torch.dtype, seq: "KVSequence") -> "NativeStep | None":
+        """The native step that runs a pass of activations in `dtype` over `seq`'s cache (step.c: every row of
+        such a pass has a one-row step's bits), or None: the PyTorch path runs it."""
+        return self.native if dtype == torch.float32 and seq.k.is_contiguous() else None
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, t] -> hidden states [1, t, d]."""
         h = F.embedding(ids, self.embed_w)
@@ -254,15 +259,15 @@ class Forward:
         at rope position positions[i] (its depth), and sees the prefix and its own ancestors only."""
         t = h.shape[1]
         H, KV, hd = self.H, self.KV, self.hd
-        if self.native is not None and h.dtype == torch.float32 and seq.k.is_contiguous():
-            if last > self.native.n_layers:
-                self.native.bind()
+        if (native := self.native_for(h.dtype, seq)) is not None:
+            if last > native.n_layers:
+                native.bind()
             if tree is None:
                 self.rope(pos, t)
-                return self.native.layers(h, first, last, pos, seq, write, None, None)
+                return native.layers(h, first, last, pos, seq, write, None, None)
             positions, tree_mask = tree
             self.rope(0, int(positions.max()) + 1)
-            return self.native.layers(h, first, last, pos, seq, write, positions, tree_mask)
+            return native.layers(h, first, last, pos, seq, write, positions, tree_mask)
         if self.released:
             raise EngineError(
                 f"the model's weights live in the native step's panels only, which cannot run a "
