@@ -471,6 +471,10 @@ async def test_service_feeds_workspace_context(tmp_path):
         return ctx
 
     service.docs.context = spy
+    # The workspace's I/O thread is held busy: the editor's folders are not set up there when it opens a file
+    # and asks at once, and the folders it announced count all the same (CI once lost this race).
+    io_free = threading.Event()
+    service.docs._ws().watcher.submit(io_free.wait, 10)
     try:
         # Only files inside the editor's workspace folders may be context for another file.
         service.notify(1, "workspace", {"folders": [str(tmp_path)]})
@@ -485,6 +489,7 @@ async def test_service_feeds_workspace_context(tmp_path):
         assert path.endswith("helpers.py") and "return 42" in snippet
         service.close(1, other.as_uri())
     finally:
+        io_free.set()
         service.shutdown()
 
 

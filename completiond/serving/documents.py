@@ -156,6 +156,8 @@ class Documents:
                 offset=offset,
                 mode=mode,
                 window_tokens=(prefix_budget, suffix_budget),
+                # Folders the editor announced count before the I/O thread has set them up (as in `admission`).
+                roots=self._client_folders.get(client, ()),
             )
         except (OSError, ValueError) as exc:
             log.debug("workspace context for %s failed: %s", path, exc)

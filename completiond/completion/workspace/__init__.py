@@ -273,6 +273,7 @@ class Workspace:
         offset: int | None = None,
         mode: str = "recent",
         window_tokens: tuple[int, int] = (1024, 256),
+        roots: Iterable[str] = (),
     ) -> list[tuple[str, str]]:
         """(relative path, snippet) pairs for the prompt's context block.
 
@@ -281,7 +282,8 @@ class Workspace:
         snippets of recently touched files, ordered by path (ContextPicker.recent).
 
         Both draw on `owner`'s open documents and the disk files under `owner`'s folders, minus the
-        deny-list (built in, plus the glob patterns `exclude`), fitted into budget_tokens as counted
+        deny-list (built in, plus the glob patterns `exclude`); `roots`: folders `owner` announced that may
+        not be set up yet (as for `admission`). Fitted into budget_tokens as counted
         by count_tokens (default: chars / 4). Each file chosen is logged at debug level: that log is
         the record of what left the editor for the model.
         """
@@ -292,9 +294,12 @@ class Workspace:
         if language is None and current is not None:
             language = language_of(current)
         exclude = tuple(exclude)
+        roots = [os.path.abspath(r) for r in roots]
         if mode == "retrieval" and text is not None and offset is not None:
-            return self.retrieve(current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens)
-        return self.picker.recent(current, language, budget_tokens, count, owner, exclude)
+            return self.picker.retrieve(
+                current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens, roots
+            )
+        return self.picker.recent(current, language, budget_tokens, count, owner, exclude, roots)
 
     def retrieve(
         self,

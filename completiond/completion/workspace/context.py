@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import cast
 
 from completiond.completion import retrieval
@@ -69,6 +69,7 @@ class ContextPicker:
         count: Callable[[str], int],
         owner: Hashable,
         exclude: tuple[str, ...],
+        roots: Iterable[str] = (),
     ) -> list[tuple[str, str]]:
         """Among `owner`'s open documents and the disk files under `owner`'s folders, the most recently
         touched files of `language` other than the current one (open documents first) that the gate
@@ -76,7 +77,7 @@ class ContextPicker:
         file's head), fitted into budget_tokens, ordered by path."""
         store = self.store
         with store.lock:
-            mine = self.folders.of(owner)
+            mine = self._mine(owner, roots)
             visible: dict[str, Entry] = {}
             for (who, path), e in store.entries.items():
                 if path == current or (language is not None and e.language != language):
@@ -118,6 +119,12 @@ class ContextPicker:
         chosen.sort()
         return chosen
 
+    def _mine(self, owner: Hashable, roots: Iterable[str]) -> list[str]:
+        """`owner`'s folders: those registered, plus `roots` it announced that the I/O thread has not set up
+        yet (an editor that sends its folders, opens a file and asks at once gets its context all the same)."""
+        mine = self.folders.of(owner)
+        return mine + [r for r in roots if r not in mine]
+
     def _snippet(self, e: Entry) -> str:
         lines = e.text.splitlines(keepends=True)
         n = self.snippet_lines
@@ -142,6 +149,7 @@ class ContextPicker:
         owner: Hashable,
         exclude: tuple[str, ...],
         window_tokens: tuple[int, int],
+        roots: Iterable[str] = (),
     ) -> list[tuple[str, str]]:
         """(relative path, chunk) pairs for the cursor at `offset` in `text` (the current document).
 
@@ -160,7 +168,7 @@ class ContextPicker:
         query = retrieval.make_query(text, offset, language=language, path=current)
         query.window = (lo, hi)
         with store.lock:
-            mine = self.folders.of(owner)
+            mine = self._mine(owner, roots)
             cur_key = (owner, current) if current is not None and (owner, current) in store.entries else None
             verdicts: dict[Hashable, bool] = {}
 
