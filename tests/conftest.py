@@ -66,6 +66,22 @@ def bundled_model_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bundled_checkpoint_dir(bundled_model_dir, tmp_path_factory) -> Path:
+    """The bundled model as its checkpoint holds it: its record without "cpu_weights", so weights = "auto" keeps the
+    checkpoint's values (the tests that hold the engine to transformers' modules need those). Files linked."""
+    import json
+
+    out = tmp_path_factory.mktemp("bundled-checkpoint")
+    for f in bundled_model_dir.iterdir():
+        if f.name != "completiond.json":
+            (out / f.name).symlink_to(f)
+    record = json.loads((bundled_model_dir / "completiond.json").read_text())
+    record.pop("cpu_weights", None)
+    (out / "completiond.json").write_text(json.dumps(record))
+    return out
+
+
 _HF_MODELS: dict[tuple, object] = {}
 
 

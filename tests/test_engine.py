@@ -439,10 +439,10 @@ def _sampled_matches_target(engine):
 
 
 @pytest.fixture(scope="module")
-def bundled(bundled_model_dir) -> Engine:
+def bundled(bundled_checkpoint_dir) -> Engine:
     from tests.conftest import float32_kernel_env
     with float32_kernel_env():  # held to transformers' float32 modules
-        return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+        return Engine.load(bundled_checkpoint_dir, device="cpu", dtype="float32")
 
 
 def test_fused_step_matches_the_model_modules_in_float32(bundled):

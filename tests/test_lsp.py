@@ -304,8 +304,8 @@ async def test_model_settings_mismatch_is_reported_and_a_change_restarts_the_dae
         settings={"completiond": {"cacheMegabytes": 16}}))
 
     async def restarted():
-        stats = await a.stats()
-        return stats["status"]["pid"] != pid and stats["status"]["engine_settings"]["cacheMegabytes"] == 16
+        status = (await a.stats()).get("status") or {}  # none while the LSP reconnects to the new daemon
+        return status.get("pid") not in (None, pid) and status.get("engine_settings", {}).get("cacheMegabytes") == 16
 
     await wait_for(restarted, "the daemon to restart with cacheMegabytes=16")
     assert any("restarting the shared daemon" in m.message for m in a.client.messages)

@@ -50,8 +50,8 @@ class _float_step:
 
 
 @pytest.fixture(scope="module")
-def bundled(bundled_model_dir) -> Engine:
-    return Engine.load(bundled_model_dir, device="cpu", dtype="float32")
+def bundled(bundled_checkpoint_dir) -> Engine:
+    return Engine.load(bundled_checkpoint_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])

@@ -89,3 +89,43 @@ def test_a_bad_setting_is_reported_and_replaced(tmp_path):
     assert cfg.weights == "auto"
     assert len(errors) == 1 and "weights" in errors[0] and "int4" in errors[0]
     assert "weights" in config.ENGINE_KEYS
+
+
+def _with_record(model_dir, tmp_path, **record):
+    """model_dir's files linked into tmp_path/model, with a completiond.json holding record."""
+    import json
+
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "completiond.json":
+            (out / f.name).symlink_to(f)
+    (out / "completiond.json").write_text(json.dumps(record))
+    return out
+
+
+def test_auto_takes_the_models_cpu_weights_and_a_setting_overrides_it(tiny_model_dir, tmp_path, caplog):
+    from completiond.engine import native
+    from completiond.engine.model_info import CPU_WEIGHTS, ModelInfo
+
+    assert set(CPU_WEIGHTS) == set(native.WEIGHT_FORMATS) - {"auto"}
+    path = _with_record(tiny_model_dir, tmp_path, cpu_weights="int8")
+    assert ModelInfo.read(path).cpu_weights == "int8"
+    auto = Engine.load(path, device="cpu")
+    assert auto.weights == "int8"
+    if auto.fwd.native is not None:  # where the native step runs, its panels are int8
+        assert auto.weights_in_use() == "int8"
+    assert Engine.load(path, device="cpu", weights="bf16").weights == "bf16"  # a setting wins over the record
+    assert Engine.load(tiny_model_dir, device="cpu").weights == "auto"  # no record: the checkpoint's values
+    (path / "completiond.json").write_text('{"cpu_weights": "int4"}')
+    assert ModelInfo.read(path).cpu_weights is None  # an unknown format is ignored, and said
+    assert "cpu_weights" in caplog.text
+    assert Engine.load(path, device="cpu").weights == "auto"
+
+
+def test_the_bundled_model_runs_int8_on_the_cpu_by_default(bundled_model_dir):
+    """Its record names int8: `bench --quality` measured its held-out loss 0.0006 nats above bf16's (see the
+    model card); the prefill, which a jump or an open waits for, is about a third faster (docs/PERFORMANCE.md)."""
+    from completiond.engine.model_info import ModelInfo
+
+    assert ModelInfo.read(bundled_model_dir).cpu_weights == "int8"

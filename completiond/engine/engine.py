@@ -184,6 +184,9 @@ class Engine:
                 warn(warning)
         hf, tok = loader.read(plan, trust_remote_code, say)
         info = ModelInfo.read(plan.path)
+        # The model's own record may pick the CPU step's format for "auto" (the bundled model: int8, whose held-out
+        # loss is within a thousandth of a nat of bf16's, and whose prefill is a third faster).
+        fmt = info.cpu_weights if weights == "auto" and plan.device == "cpu" and info.cpu_weights else weights
         say("engine")
         try:
             engine = cls(
@@ -195,7 +198,7 @@ class Engine:
                 calibration=load_calibration(plan.model_id, info, hf.config.num_hidden_layers),
                 name=plan.name,
                 info=info,
-                weights=weights,
+                weights=fmt,
                 compute_dtype=loader.compute_dtype(plan),
             )
         except UnsupportedModel as exc:

@@ -4,7 +4,8 @@ The file is written by the bundled model's training command; other models have
 none. Its presence marks the bundled FIM family (whose vocabulary looks like
 Qwen's, so the vocabulary alone cannot tell them apart). The engine reads it in
 `Engine.load` and passes the record down: the prompt builder budgets against
-`train_context` and takes `fim_template`, calibration falls back to `speculation`.
+`train_context` and takes `fim_template`, calibration falls back to `speculation`, and the weights setting
+"auto" takes `cpu_weights` on the CPU.
 
 Torch-free. The file is data only: nothing in it is ever evaluated.
 """
@@ -21,6 +22,7 @@ from completiond.fileio import UnsafeFile, read_file
 
 INFO_FILE = "completiond.json"
 INFO_LIMIT = 1 << 20  # the bundled model's is 1 kB
+CPU_WEIGHTS = ("bf16", "int8")  # formats a record may choose (native.WEIGHT_FORMATS less "auto")
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,9 @@ class ModelInfo:
     speculation: dict[str, Any] | None = None  # shipped speculation defaults (a Calibration record)
     # The languages the model was trained on, as editors name them ("python"); None: not said (any).
     languages: tuple[str, ...] | None = None
+    # The native CPU step's weight format where the weights setting is "auto" (None: the checkpoint's own values).
+    # A model's record names one only where its quality in that format was measured (`bench --quality`).
+    cpu_weights: str | None = None
 
     @classmethod
     def read(cls, model_dir: str | Path | None) -> "ModelInfo":
@@ -55,6 +60,10 @@ class ModelInfo:
         context = data.get("train_context")
         speculation = data.get("speculation")
         languages = data.get("languages")
+        cpu_weights = data.get("cpu_weights")
+        if cpu_weights is not None and cpu_weights not in CPU_WEIGHTS:
+            log.warning('ignoring "cpu_weights" in %s: expected one of %s', path, ", ".join(CPU_WEIGHTS))
+            cpu_weights = None
         if languages is not None and not (
             isinstance(languages, list) and languages and all(isinstance(x, str) and x for x in languages)
         ):
@@ -68,4 +77,5 @@ class ModelInfo:
             fim_template="completiond",
             speculation=speculation if isinstance(speculation, dict) else None,
             languages=tuple(x.lower() for x in languages) if languages else None,
+            cpu_weights=cpu_weights,
         )

@@ -529,7 +529,7 @@ no custom code. Every figure here comes from `models/training/model_card.py` (`e
 `LlamaForCausalLM`: {t['layers']} layers, hidden {t['hidden']}, {t['heads']} attention heads of
 {t['hidden'] // t['heads']} ({t['kv_heads']} KV heads), MLP {t['intermediate']} (SwiGLU), RMSNorm, RoPE (theta 10000),
 tied embeddings; trained at {t['seq_len']} tokens of context (`completiond.json`: `train_context`). Weights:
-bfloat16 safetensors. Tokenizer: byte-level BPE, {t['vocab']} ids, lossless round trip; special tokens
+bfloat16 safetensors{cpu_weights_md(model_dir)}. Tokenizer: byte-level BPE, {t['vocab']} ids, lossless round trip; special tokens
 `<|endoftext|>` (0, eos), `<|file_sep|>` (1), `<|fim_prefix|>` (2), `<|fim_suffix|>` (3), `<|fim_middle|>` (4),
 `<|fim_pad|>` (5); no BOS.
 
@@ -612,6 +612,16 @@ def drafts_md(model_dir: Path) -> str:
             "`completiond train-medusa`) and keyed to them: a retrained model does not use them. Whether one pays is "
             "`completiond calibrate`'s call per machine (completiond.json records the shipped choice).\n\n"
             "| file | what | training |\n|---|---|---|\n" + "\n".join(rows) + "\n\n")
+
+
+def cpu_weights_md(model_dir: Path) -> str:
+    """The CPU step's format for weights = "auto" where the record names one (set by hand after `bench --quality`)."""
+    f = model_dir / "completiond.json"
+    fmt = json.loads(f.read_text()).get("cpu_weights") if f.is_file() else None
+    if not fmt:
+        return ""
+    return (f"; on the CPU the engine computes with {fmt} panels of them (`completiond.json`: `cpu_weights`; "
+            "`completiond bench --quality` puts the formats' held-out loss side by side)")
 
 
 def draft_vocab_size(model_dir: Path) -> int:

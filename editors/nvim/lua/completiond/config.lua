@@ -59,7 +59,7 @@ M.defaults = {
     device = "auto",
     -- Weight dtype: auto is bfloat16 on GPU and float32 on CPU. (string; one of "auto", "float32", "bfloat16", "float16")
     dtype = "auto",
-    -- Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 weights), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, slightly less accurate). Speculative output equals plain output in every format. (string; one of "auto", "bf16", "int8")
+    -- Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 weights) unless the model names its format (the bundled model: int8), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, slightly less accurate). Speculative output equals plain output in every format. (string; one of "auto", "bf16", "int8")
     weights = "auto",
     -- A separate, smaller draft model with the same tokenizer (local directory or hub id) that proposes tokens for the model to verify (lossless); empty: the model drafts from its own early layers. (string)
     draftModel = "",
