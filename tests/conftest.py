@@ -66,20 +66,27 @@ def bundled_model_dir() -> Path:
     return path
 
 
+def linked_model(model_dir: Path, out: Path, record: dict) -> Path:
+    """model_dir's files linked into the new folder out, with `record` as its completiond.json."""
+    import json
+
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "completiond.json":
+            (out / f.name).symlink_to(f)
+    (out / "completiond.json").write_text(json.dumps(record))
+    return out
+
+
 @pytest.fixture(scope="session")
 def bundled_checkpoint_dir(bundled_model_dir, tmp_path_factory) -> Path:
     """The bundled model as its checkpoint holds it: its record without "cpu_weights", so weights = "auto" keeps the
-    checkpoint's values (the tests that hold the engine to transformers' modules need those). Files linked."""
+    checkpoint's values (the tests that hold the engine to transformers' modules need those)."""
     import json
 
-    out = tmp_path_factory.mktemp("bundled-checkpoint")
-    for f in bundled_model_dir.iterdir():
-        if f.name != "completiond.json":
-            (out / f.name).symlink_to(f)
     record = json.loads((bundled_model_dir / "completiond.json").read_text())
     record.pop("cpu_weights", None)
-    (out / "completiond.json").write_text(json.dumps(record))
-    return out
+    return linked_model(bundled_model_dir, tmp_path_factory.mktemp("bundled") / "checkpoint", record)
 
 
 _HF_MODELS: dict[tuple, object] = {}

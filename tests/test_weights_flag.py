@@ -15,7 +15,7 @@ import pytest
 
 from completiond import config
 from completiond.engine.engine import Engine, EngineError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, linked_model
 
 
 @pytest.fixture
@@ -91,25 +91,12 @@ def test_a_bad_setting_is_reported_and_replaced(tmp_path):
     assert "weights" in config.ENGINE_KEYS
 
 
-def _with_record(model_dir, tmp_path, **record):
-    """model_dir's files linked into tmp_path/model, with a completiond.json holding record."""
-    import json
-
-    out = tmp_path / "model"
-    out.mkdir()
-    for f in model_dir.iterdir():
-        if f.name != "completiond.json":
-            (out / f.name).symlink_to(f)
-    (out / "completiond.json").write_text(json.dumps(record))
-    return out
-
-
 def test_auto_takes_the_models_cpu_weights_and_a_setting_overrides_it(tiny_model_dir, tmp_path, caplog):
     from completiond.engine import native
     from completiond.engine.model_info import CPU_WEIGHTS, ModelInfo
 
     assert set(CPU_WEIGHTS) == set(native.WEIGHT_FORMATS) - {"auto"}
-    path = _with_record(tiny_model_dir, tmp_path, cpu_weights="int8")
+    path = linked_model(tiny_model_dir, tmp_path / "model", {"cpu_weights": "int8"})
     assert ModelInfo.read(path).cpu_weights == "int8"
     auto = Engine.load(path, device="cpu")
     assert auto.weights == "int8"
