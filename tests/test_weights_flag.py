@@ -116,3 +116,19 @@ def test_the_bundled_model_runs_int8_on_the_cpu_by_default(bundled_model_dir):
     from completiond.engine.model_info import ModelInfo
 
     assert ModelInfo.read(bundled_model_dir).cpu_weights == "int8"
+
+
+def test_bf16_of_a_bf16_model_is_its_own_values(bundled_model_dir, bundled_checkpoint_dir, tiny_model_dir):
+    """weights = "bf16" on a model shipped in bf16 computes what "auto" did on its checkpoint, and keeps the PyTorch
+    path beside the panels (bench's transformers baselines need it); on float32 weights bf16 rounds, so every pass
+    reads the panels."""
+    import torch
+
+    bf16 = Engine.load(bundled_model_dir, device="cpu", weights="bf16")
+    own = Engine.load(bundled_checkpoint_dir, device="cpu")
+    if own.fwd.native is None:
+        pytest.skip("no native step on this CPU")
+    assert not bf16.fwd.native_all and bf16.weights_in_use() == own.weights_in_use() == "bf16"
+    prompt = bf16.tokenizer("def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n").input_ids
+    assert torch.equal(bf16.logits_for(prompt, use_cache=False), own.logits_for(prompt, use_cache=False))
+    assert Engine.load(tiny_model_dir, device="cpu", weights="bf16").fwd.native_all

@@ -98,7 +98,7 @@ class Forward:
             self.native, self.native_reason = early, None
         else:
             self.native, self.native_reason = native.bind(self, weights, release=large and str(device) == "cpu")
-        self.native_all = self.native is not None and (large or weights != "auto")
+        self.native_all = self.native is not None and (large or self._panels_change_values(weights))
         # Where a step is bound it runs passes of every length, prefill chunks included, on every build: its
         # prefill beats PyTorch's float32 GEMM (the bundled model, 330 tokens in chunks of 256, 2 threads: 12-25
         # against 36-41 ms from AVX2 to AVX512_BF16, 2026-12-07; 96 against 165 ms of CPU time on AMX tiles,
@@ -113,6 +113,17 @@ class Forward:
             for L in self.layers:
                 transpose(L)
         self.head_t = self.head_w.t().contiguous() if self.transposed else None
+
+    def _panels_change_values(self, weights: str) -> bool:
+        """Whether the weights setting gives the panels other values than the model's own: int8 always, bf16 unless
+        every matrix and the head already hold bf16 values (the bundled model: "bf16" then computes what "auto"
+        did, and the PyTorch path, transformers' baselines included, may still run beside the panels)."""
+        if weights == "int8":
+            return True
+        if weights == "bf16":
+            mats = [w for L in self.layers for w in L.matrices()] + [self.head_w]
+            return not all(native.bf16_exact(w) for w in mats)
+        return False
 
     def _fuse_layers(self, early: NativeStep | None) -> None:
         """Every model layer on fused weights; an early native step packs (and releases) each as it comes."""
