@@ -196,11 +196,13 @@ class Config:
     weights: str = setting(
         "auto",
         "Weight format of the native CPU step: auto keeps the model's own (bf16 panels for bf16 "
-        "weights) unless the model names its format (the bundled model: int8), bf16 rounds float32 weights to bf16, int8 quantises them per output channel (smaller and faster, "
-        "slightly less accurate). Speculative output equals plain output in every format.",
+        "weights) unless the model names its format (the bundled model: int8), bf16 rounds float32 weights to "
+        "bf16, int8 quantises them per output channel (smaller and faster, slightly less accurate). "
+        "Speculative output equals plain output in every format.",
         enum=("auto", "bf16", "int8"),
         enum_descriptions=(
-            "The model's own values (bf16 panels for bf16 weights), or the format the model names (the bundled model: int8).",
+            "The model's own values (bf16 panels for bf16 weights), or the format the model names "
+            "(the bundled model: int8).",
             "Float32 weights rounded to bfloat16: half the bytes per token.",
             "Weights quantised to 8 bits per output channel: smallest and fastest, slightly less accurate.",
         ),

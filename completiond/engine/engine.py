@@ -184,8 +184,8 @@ class Engine:
                 warn(warning)
         hf, tok = loader.read(plan, trust_remote_code, say)
         info = ModelInfo.read(plan.path)
-        # The model's own record may pick the CPU step's format for "auto" (the bundled model: int8, whose held-out
-        # loss is within a thousandth of a nat of bf16's, and whose prefill is a third faster).
+        # The model's own record may pick the CPU step's format for "auto" (the bundled model: int8, chosen on its
+        # measured quality and prefill speed, docs/PERFORMANCE.md).
         fmt = info.cpu_weights if weights == "auto" and plan.device == "cpu" and info.cpu_weights else weights
         say("engine")
         try:

@@ -301,23 +301,6 @@ class Workspace:
             )
         return self.picker.recent(current, language, budget_tokens, count, owner, exclude, roots)
 
-    def retrieve(
-        self,
-        current: str | None,
-        language: str | None,
-        text: str,
-        offset: int,
-        budget_tokens: int,
-        count: Callable[[str], int],
-        owner: Hashable = LOCAL,
-        exclude: tuple[str, ...] = (),
-        window_tokens: tuple[int, int] = (1024, 256),
-    ) -> list[tuple[str, str]]:
-        """(relative path, chunk) pairs for the cursor at `offset` in `text` (ContextPicker.retrieve)."""
-        return self.picker.retrieve(
-            current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens
-        )
-
     def admission(
         self,
         path: str | os.PathLike | None,
