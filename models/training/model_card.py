@@ -614,10 +614,15 @@ def drafts_md(model_dir: Path) -> str:
             "| file | what | training |\n|---|---|---|\n" + "\n".join(rows) + "\n\n")
 
 
+def _record(model_dir: Path) -> dict:
+    """The model's completiond.json ({} where it has none)."""
+    f = model_dir / "completiond.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def cpu_weights_md(model_dir: Path) -> str:
     """The CPU step's format for weights = "auto" where the record names one (set by hand after `bench --quality`)."""
-    f = model_dir / "completiond.json"
-    fmt = json.loads(f.read_text()).get("cpu_weights") if f.is_file() else None
+    fmt = _record(model_dir).get("cpu_weights")
     if not fmt:
         return ""
     return (f"; on the CPU the engine computes with {fmt} panels of them (`completiond.json`: `cpu_weights`; "
@@ -626,10 +631,7 @@ def cpu_weights_md(model_dir: Path) -> str:
 
 def draft_vocab_size(model_dir: Path) -> int:
     """Ids the engine's draft head scores by default (the model's completiond.json), 0 for all."""
-    f = model_dir / "completiond.json"
-    if not f.is_file():
-        return 0
-    spec = json.loads(f.read_text()).get("speculation") or {}
+    spec = _record(model_dir).get("speculation") or {}
     return len(spec.get("draft_vocab") or [])
 
 

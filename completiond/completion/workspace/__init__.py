@@ -294,7 +294,6 @@ class Workspace:
         if language is None and current is not None:
             language = language_of(current)
         exclude = tuple(exclude)
-        roots = [os.path.abspath(r) for r in roots]
         if mode == "retrieval" and text is not None and offset is not None:
             return self.picker.retrieve(
                 current, language, text, offset, budget_tokens, count, owner, exclude, window_tokens, roots
@@ -313,8 +312,7 @@ class Workspace:
         if path is None:
             return classify(None, ())
         with self._lock:
-            mine = self._folders.of(owner)
-        mine += [os.path.abspath(r) for r in roots if os.path.abspath(r) not in mine]
+            mine = self._folders.of(owner, roots)
         return self.gate.admit(os.path.abspath(os.fspath(path)), mine, tuple(exclude))
 
     def relative_path(self, path: str | os.PathLike) -> str:

@@ -77,7 +77,7 @@ class ContextPicker:
         file's head), fitted into budget_tokens, ordered by path."""
         store = self.store
         with store.lock:
-            mine = self._mine(owner, roots)
+            mine = self.folders.of(owner, roots)
             visible: dict[str, Entry] = {}
             for (who, path), e in store.entries.items():
                 if path == current or (language is not None and e.language != language):
@@ -118,12 +118,6 @@ class ContextPicker:
             )
         chosen.sort()
         return chosen
-
-    def _mine(self, owner: Hashable, roots: Iterable[str]) -> list[str]:
-        """`owner`'s folders: those registered, plus `roots` it announced that the I/O thread has not set up
-        yet (an editor that sends its folders, opens a file and asks at once gets its context all the same)."""
-        mine = self.folders.of(owner)
-        return mine + [r for r in roots if r not in mine]
 
     def _snippet(self, e: Entry) -> str:
         lines = e.text.splitlines(keepends=True)
@@ -168,7 +162,7 @@ class ContextPicker:
         query = retrieval.make_query(text, offset, language=language, path=current)
         query.window = (lo, hi)
         with store.lock:
-            mine = self._mine(owner, roots)
+            mine = self.folders.of(owner, roots)
             cur_key = (owner, current) if current is not None and (owner, current) in store.entries else None
             verdicts: dict[Hashable, bool] = {}
 

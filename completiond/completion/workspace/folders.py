@@ -8,7 +8,7 @@ folder added or removed meanwhile is seen or not, never half.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 
 from completiond.completion.privacy import _inside
 from completiond.completion.workspace.gitignore import IgnoreRules
@@ -43,9 +43,15 @@ class Folders:
         self.rules.pop(root, None)
         return True
 
-    def of(self, owner: Hashable) -> list[str]:
-        """The folders `owner` added."""
-        return [root for root, owners in list(self.owners.items()) if owner in owners]
+    def of(self, owner: Hashable, announced: Iterable[str] = ()) -> list[str]:
+        """The folders `owner` added, then those of `announced` not among them: folders an editor announced that
+        the I/O thread may not have set up yet (its first request's admission and context count them)."""
+        mine = [root for root, owners in list(self.owners.items()) if owner in owners]
+        for root in announced:
+            root = os.path.abspath(root)
+            if root not in mine:
+                mine.append(root)
+        return mine
 
     def rules_for(self, path: str) -> IgnoreRules | None:
         """The rules of the deepest folder holding `path`."""
